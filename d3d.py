@@ -1,0 +1,594 @@
+"""D3D: Decoupled Diffusion Drafting for Asynchronous Speculative Decoding (arXiv 2611.06425), in one module.
+
+A standalone drafter (a causal LM with the target's tokenizer that never reads the target's hidden states) learns
+to fill in a block of B masked future tokens in one forward pass. Because it needs nothing from the target, it can
+draft the next block while the target verifies the current one.
+
+Map from the paper to this file (read top to bottom):
+    method config (block size, MASK, K, lambda, gamma)   D3DConfig
+    standalone drafter from any HF causal LM            make_drafter, Drafter, keep_layers
+    packed attention (Fig. 1a: shared causal prefix,    packed_attention_mask
+      isolated bidirectional blocks)
+    training loss L_block + lambda * L_AR (Fig. 1a)     d3d_loss, sample_anchors
+    offline acceptance length (validation tau)          offline_tau
+    drafting / verification / acceptance                draft_block, verify_block, accept_draft
+    target-only and synchronous decoding                generate(mode="target" | "sync")
+
+Shapes: b batch, L clean tokens, K anchors (blocks), B block size, V vocabulary, q packed query length,
+past tokens already in a KV cache.
+
+Our readings where the paper is silent (see ../shared/design/method.md and README "Departures and readings"):
+  * "anchorless" blocks: a block of B MASK tokens hangs off a point p of the causal stream; its tokens sit at
+    positions p+1 .. p+B and each predicts the token at its own position (DFlash puts a clean anchor token inside
+    the block instead; here the anchor simply lives in the causal stream).
+  * the drafter's MASK is a fresh id (the first id the tokenizer does not use; embeddings are resized only when the
+    model has no free row) and is never drafted.
+  * the target prefills the prompt and produces the first token itself; speculation starts from the second token.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# transformers 5.24 renames `past_key_values` to `cache` (removal in 5.40); 5.17 knows only the old name, so we keep it.
+warnings.filterwarnings("ignore", message=r".*`past_key_values` is deprecated.*")
+
+MASK_TOKEN = "<|MASK|>"
+CONFIG_NAME = "d3d_config.json"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class D3DConfig:
+    """The method's settings. Saved as d3d_config.json next to every drafter and read back from it."""
+
+    block_size: int = 16  # B: MASK tokens drafted in one pass (paper default 16; Table 4 compares 8/16/32)
+    mask_token_id: int = -1  # id of MASK in the drafter's embedding table (set by make_drafter)
+    num_anchors: int = 64  # K: blocks per training sequence (Table 5: tau saturates near 128-256)
+    ar_weight: float = 1.0  # lambda: weight of the auxiliary autoregressive loss (Table 3: 1.0 is best)
+    decay_gamma: float | None = None  # gamma: block position weights exp(-(i-1)/gamma); None = uniform
+    target_vocab_size: int = 0  # rows of the target's output layer; drafter logits are cut to this size
+    tokenizer_hash: str = ""  # fingerprint of the tokenizer the drafter was made for (check_tokenizer)
+    layer_ids: list[int] | None = None  # which layers of the initial checkpoint the drafter kept
+
+    def __post_init__(self):
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_anchors < 1:
+            raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}")
+
+    def save(self, path: str) -> None:
+        with open(os.path.join(path, CONFIG_NAME), "w") as f:
+            json.dump(dataclasses.asdict(self), f, indent=2)
+
+    @classmethod
+    def load(cls, path: str) -> "D3DConfig":
+        with open(os.path.join(path, CONFIG_NAME)) as f:
+            return cls(**json.load(f))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The standalone drafter
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of the token -> id table: two tokenizers with the same fingerprint split text identically."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def keep_layers(model: nn.Module, layer_ids: list[int]) -> nn.Module:
+    """Keep only the decoder layers `layer_ids` (in that order) of an HF causal LM, in place.
+
+    Layers are renumbered 0..n-1 so that KV-cache slots, the config and a save/load round trip all agree."""
+    decoder = model.get_decoder()
+    layers = decoder.layers
+    if not layer_ids or any(not 0 <= i < len(layers) for i in layer_ids) or len(set(layer_ids)) != len(layer_ids):
+        raise ValueError(f"layer ids must be distinct and in [0, {len(layers)}), got {layer_ids}")
+    decoder.layers = nn.ModuleList([layers[i] for i in layer_ids])
+    for new_idx, layer in enumerate(decoder.layers):
+        for module in layer.modules():
+            if hasattr(module, "layer_idx"):
+                module.layer_idx = new_idx  # the cache slot this attention writes to
+    config = model.config
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = [config.layer_types[i] for i in layer_ids]
+    config.num_hidden_layers = len(layer_ids)
+    return model
+
+
+class Drafter(nn.Module):
+    """A Hugging Face causal LM plus its D3DConfig. `forward` takes a packed sequence and returns float logits over
+    the target's vocabulary (MASK can never be drafted)."""
+
+    def __init__(self, model: nn.Module, config: D3DConfig):
+        super().__init__()
+        self.model = model
+        self.d3d_config = config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def forward(self, input_ids, position_ids, attention_mask, past_key_values=None, logits_to_keep=0):
+        # attention_mask: boolean (b, 1, q, past+q), True = may attend; given to HF as an additive float mask,
+        # which the sdpa and eager attention paths both take as is.
+        dtype = next(self.model.parameters()).dtype
+        additive = torch.zeros(attention_mask.shape, dtype=dtype, device=input_ids.device)
+        additive.masked_fill_(~attention_mask, torch.finfo(dtype).min)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=additive,
+                         past_key_values=past_key_values, use_cache=past_key_values is not None,
+                         logits_to_keep=logits_to_keep)
+        logits = out.logits[..., : self.d3d_config.target_vocab_size].float()
+        if self.d3d_config.mask_token_id < logits.shape[-1]:
+            logits[..., self.d3d_config.mask_token_id] = float("-inf")
+        return logits
+
+    def save_pretrained(self, path: str, tokenizer=None) -> None:
+        os.makedirs(path, exist_ok=True)
+        self.model.save_pretrained(path)
+        self.d3d_config.save(path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype=None, device=None, attn_implementation: str = "sdpa") -> "Drafter":
+        from transformers import AutoModelForCausalLM
+
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"no drafter folder at {path!r}: train one with `python train.py` "
+                                    "or make one with d3d.make_drafter(...).save_pretrained(path)")
+        if not os.path.isfile(os.path.join(path, CONFIG_NAME)):
+            raise FileNotFoundError(f"{path!r} has no {CONFIG_NAME}: it is a plain model, not a D3D drafter; "
+                                    "make one with d3d.make_drafter(model, tokenizer=...)")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        drafter = cls(model, D3DConfig.load(path))
+        return drafter.to(device) if device is not None else drafter
+
+
+def make_drafter(model: nn.Module, mask_token_id: int | None = None, *, tokenizer, layers: list[int] | None = None,
+                 target_vocab_size: int | None = None, **config) -> Drafter:
+    """Turn any HF causal LM that uses the target's tokenizer into a D3D drafter.
+
+    MASK: `mask_token_id` if given (it must not be a token that text can produce), else the id of `<|MASK|>` if the
+    tokenizer has one, else the first id the tokenizer does not use (Qwen3: 151669, inside its padded vocabulary of
+    151936). The embeddings are resized only when that id has no row. `layers` keeps only those decoder layers.
+    `target_vocab_size` is the number of rows of the target's output layer (default: this model's own).
+    Other keyword arguments go to D3DConfig (block_size, num_anchors, ar_weight, decay_gamma)."""
+    rows = model.get_output_embeddings().weight.shape[0]
+    text_vocab = len(tokenizer)
+    if rows < text_vocab:
+        raise ValueError(f"the drafter's vocabulary ({rows} rows) does not cover the tokenizer's {text_vocab} "
+                         "tokens: initialise the drafter from a checkpoint of the target's family (same tokenizer)")
+    target_vocab_size = target_vocab_size or rows
+    if target_vocab_size > rows:
+        raise ValueError(f"the drafter's vocabulary ({rows} rows) does not cover the target's ({target_vocab_size}): "
+                         "initialise the drafter from a checkpoint with the target's tokenizer and vocabulary")
+    named_mask = tokenizer.convert_tokens_to_ids(MASK_TOKEN) if MASK_TOKEN in tokenizer.get_vocab() else None
+    if mask_token_id is None:
+        mask_token_id = named_mask if named_mask is not None else text_vocab
+    elif mask_token_id < text_vocab and mask_token_id != named_mask:
+        raise ValueError(f"mask_token_id {mask_token_id} is the text token "
+                         f"{tokenizer.convert_ids_to_tokens(mask_token_id)!r}: the target can produce it. Leave "
+                         f"mask_token_id=None to use a free id (>= {text_vocab})")
+    if mask_token_id >= rows:  # no free row: grow the embedding table (and a tied or separate output layer)
+        model.resize_token_embeddings(mask_token_id + 1, mean_resizing=False)
+    if layers is not None:
+        keep_layers(model, list(layers))
+    d3d_config = D3DConfig(mask_token_id=mask_token_id, target_vocab_size=target_vocab_size,
+                           tokenizer_hash=tokenizer_fingerprint(tokenizer),
+                           layer_ids=list(layers) if layers is not None else None, **config)
+    return Drafter(model, d3d_config)
+
+
+def check_tokenizer(drafter: Drafter, tokenizer) -> None:
+    """Raise if the drafter was made for another tokenizer than `tokenizer` (the target's)."""
+    expected = drafter.d3d_config.tokenizer_hash
+    if expected and expected != tokenizer_fingerprint(tokenizer):
+        raise ValueError("the drafter was made for a different tokenizer than the target's: its drafts would be "
+                         "other tokens. Train a drafter for this target (python train.py --target ...)")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Packed attention: one causal stream, blocks hanging off points of it (Fig. 1a, method.md section 1)
+
+
+def packed_attention_mask(num_causal: int, anchors: torch.Tensor, block_size: int, *, prefix_lens=0,
+                          past_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask and position ids of a packed sequence [causal stream | segment 1 | segment 2 | ...].
+
+    The causal stream holds `num_causal` tokens at positions past_len, past_len+1, ...; `past_len` tokens before
+    them sit in the KV cache and are visible to everyone. Segment s hangs off causal index anchors[.., s] (position
+    p): it is `prefix_lens[s]` causal tokens (0 in training and synchronous drafting; 1 for an asynchronous
+    rejection branch) followed by `block_size` MASK tokens, at positions p+1, p+2, .... A segment sees the causal
+    stream up to and including p, never a causal token after p and never another segment; its prefix tokens see
+    each other causally; its MASK tokens see the whole segment (bidirectional). Visibility is decided by anchor
+    *position*, so overlapping spans cannot leak the future.
+
+    Example: 5 causal tokens c0..c4, two blocks of B=2 hanging off c1 and c3 (x = may attend):
+
+                     c0 c1 c2 c3 c4 | m m | m m
+        c0 (pos 0)   x              |     |
+        c1 (pos 1)   x  x           |     |
+        c2 (pos 2)   x  x  x        |     |
+        c3 (pos 3)   x  x  x  x     |     |
+        c4 (pos 4)   x  x  x  x  x  |     |
+        m  (pos 2)   x  x           | x x |          block off c1: predicts tokens 2, 3
+        m  (pos 3)   x  x           | x x |
+        m  (pos 4)   x  x  x  x     |     | x x      block off c3: predicts tokens 4, 5
+        m  (pos 5)   x  x  x  x     |     | x x
+
+    anchors: (S,) or (b, S) long. Returns mask (b, 1, q, past_len + q) bool, position_ids (b, q) long,
+    with q = num_causal + sum_s (prefix_lens[s] + block_size).
+    """
+    anchors = anchors if anchors.dim() == 2 else anchors[None]
+    device = anchors.device
+    b, num_segments = anchors.shape
+    prefix = torch.as_tensor(prefix_lens, device=device).expand(num_segments).long()  # (S,)
+    seg_len = prefix + block_size
+    seg_of = torch.repeat_interleave(torch.arange(num_segments, device=device), seg_len)  # (T,) segment of token
+    starts = torch.cumsum(seg_len, 0) - seg_len
+    idx_in_seg = torch.arange(len(seg_of), device=device) - starts[seg_of]  # (T,)
+    is_prefix = idx_in_seg < prefix[seg_of]  # (T,)
+
+    causal_idx = torch.arange(num_causal, device=device)
+    seg_anchor = anchors[:, seg_of]  # (b, T) causal index each segment token hangs off
+    # causal rows: causal columns j <= i; segment columns never
+    cc = (causal_idx[None, :] <= causal_idx[:, None]).expand(b, -1, -1)  # (b, N, N)
+    cs = torch.zeros(b, num_causal, len(seg_of), dtype=torch.bool, device=device)  # (b, N, T)
+    # segment rows: causal columns up to the anchor; same-segment columns (causally among the prefix)
+    sc = causal_idx[None, None, :] <= seg_anchor[:, :, None]  # (b, T, N)
+    same = seg_of[:, None] == seg_of[None, :]
+    ss = same & ((idx_in_seg[None, :] <= idx_in_seg[:, None]) | ~is_prefix[:, None])  # (T, T)
+    mask = torch.cat([torch.cat([cc, cs], 2), torch.cat([sc, ss.expand(b, -1, -1)], 2)], 1)  # (b, q, q)
+    mask = torch.cat([torch.ones(b, mask.shape[1], past_len, dtype=torch.bool, device=device), mask], 2)
+
+    positions = torch.cat([causal_idx.expand(b, -1), seg_anchor + 1 + idx_in_seg], 1) + past_len  # (b, q)
+    return mask[:, None], positions
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Training: blockwise denoising + auxiliary autoregressive supervision (Fig. 1a, method.md section 2)
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None):
+    """K anchors per row, uniformly without replacement among positions p whose next token x_{p+1} is a response
+    token. Returns anchors (b, K) sorted, and valid (b, K) (False where a row has fewer than K candidates)."""
+    b, length = loss_mask.shape
+    candidate = torch.zeros_like(loss_mask, dtype=torch.bool)
+    candidate[:, :-1] = loss_mask[:, 1:].bool()
+    scores = torch.rand(b, length, generator=generator, device=generator.device if generator else "cpu")
+    scores = scores.to(loss_mask.device).masked_fill(~candidate, -1.0)
+    top = scores.topk(min(num_anchors, length), dim=1)
+    anchors, order = top.indices.sort(dim=1)
+    return anchors, top.values.gather(1, order) >= 0
+
+
+def _packed_forward(drafter: Drafter, input_ids, anchors, block_size, with_causal_logits: bool):
+    """One training-shape pass: clean tokens (causal) + a MASK block hanging off every anchor.
+    Returns block logits (b, K, B, V) and, if asked, causal logits (b, L-1, V) for next-token prediction."""
+    b, length = input_ids.shape
+    num_anchors = anchors.shape[1]
+    mask, positions = packed_attention_mask(length, anchors, block_size)
+    masks = torch.full((b, num_anchors * block_size), drafter.d3d_config.mask_token_id, device=input_ids.device)
+    keep = torch.arange(length, length + num_anchors * block_size, device=input_ids.device)
+    if with_causal_logits:
+        keep = torch.cat([torch.arange(length - 1, device=input_ids.device), keep])
+    logits = drafter(torch.cat([input_ids, masks], 1), positions, mask, logits_to_keep=keep)
+    causal_logits = logits[:, : length - 1] if with_causal_logits else None
+    block_logits = logits[:, -num_anchors * block_size:].reshape(b, num_anchors, block_size, -1)
+    return block_logits, causal_logits
+
+
+def _block_labels(input_ids, loss_mask, anchors, valid, block_size):
+    """Targets x_{a+i} (i = 1..B) for every block, and where they count (exist, are response, anchor valid)."""
+    length = input_ids.shape[1]
+    idx = anchors[:, :, None] + torch.arange(1, block_size + 1, device=anchors.device)  # (b, K, B)
+    inside = idx < length
+    idx = idx.clamp(max=length - 1)
+    labels = input_ids.gather(1, idx.flatten(1)).view_as(idx)
+    counts = inside & loss_mask.bool().gather(1, idx.flatten(1)).view_as(idx) & valid[:, :, None]
+    return labels, counts
+
+
+def d3d_loss(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor, *, num_anchors: int | None = None,
+             block_size: int | None = None, ar_weight: float | None = None, decay_gamma: float | None = None,
+             generator: torch.Generator | None = None):
+    """L = L_block + lambda * L_AR on a batch of prompt+response sequences (right-padded).
+
+    input_ids, loss_mask: (b, L); loss_mask is True on response tokens (prompt and padding carry no loss).
+    L_block: cross-entropy of block k position i against x_{a_k+i}, weighted by exp(-(i-1)/gamma) if gamma is set.
+    L_AR: next-token cross-entropy on the causal stream, response tokens only.
+    Settings default to the drafter's D3DConfig. Returns (loss, metrics) with metrics["block_acc"] (B,) the
+    accuracy at each block position, and the two loss terms."""
+    cfg = drafter.d3d_config
+    num_anchors = num_anchors or cfg.num_anchors
+    block_size = block_size or cfg.block_size
+    ar_weight = cfg.ar_weight if ar_weight is None else ar_weight
+    decay_gamma = cfg.decay_gamma if decay_gamma is None else decay_gamma
+
+    anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
+    block_logits, causal_logits = _packed_forward(drafter, input_ids, anchors, block_size, ar_weight > 0)
+    labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
+
+    weights = torch.ones(block_size, device=input_ids.device)
+    if decay_gamma:
+        weights = torch.exp(-torch.arange(block_size, device=input_ids.device) / decay_gamma)
+    token_loss = F.cross_entropy(block_logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
+    w = counts * weights  # (b, K, B)
+    loss_block = (token_loss * w).sum() / w.sum().clamp(min=1e-8)
+
+    loss_ar = torch.zeros((), device=input_ids.device)
+    if ar_weight > 0:
+        ar_mask = loss_mask[:, 1:].float()
+        ar_tok = F.cross_entropy(causal_logits.flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none")
+        loss_ar = (ar_tok.view_as(ar_mask) * ar_mask).sum() / ar_mask.sum().clamp(min=1)
+    loss = loss_block + ar_weight * loss_ar
+
+    with torch.no_grad():
+        correct = (block_logits.argmax(-1) == labels) & counts
+        block_acc = correct.sum((0, 1)) / counts.sum((0, 1)).clamp(min=1)
+    return loss, {"loss_block": loss_block.detach(), "loss_ar": loss_ar.detach(), "block_acc": block_acc}
+
+
+@torch.no_grad()
+def offline_tau(drafter: Drafter, input_ids, loss_mask, *, num_anchors: int = 32, block_size: int | None = None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Validation tau without running the target: the responses are the target's own greedy output, so a block
+    drafted at anchor a is accepted exactly as far as it matches x_{a+1} ... . Returns one tau (accepted + 1) per
+    sampled anchor, shape (num_valid,); a token past the end of the response counts as a mismatch."""
+    block_size = block_size or drafter.d3d_config.block_size
+    anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
+    block_logits, _ = _packed_forward(drafter, input_ids, anchors, block_size, with_causal_logits=False)
+    labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
+    hit = (block_logits.argmax(-1) == labels) & counts  # (b, K, B)
+    accepted = hit.long().cumprod(-1).sum(-1)  # (b, K)
+    return (accepted + 1)[valid].float()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Drafting, verification and acceptance (method.md section 3)
+
+
+def new_cache(model: nn.Module):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first `length` positions of a DynamicCache (public API: crop with a negative count)."""
+    excess = cache.get_seq_length() - length
+    if excess > 0:
+        cache.crop(-excess)
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of probs (..., V); draws on the generator's device so seeded runs are reproducible."""
+    device = generator.device if generator is not None else probs.device
+    flat = probs.reshape(-1, probs.shape[-1]).to(device)
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1]).to(probs.device)
+
+
+def pick_tokens(logits: torch.Tensor, temperature: float, generator=None):
+    """Greedy (temperature 0) or sampled tokens from logits (..., V). Returns (tokens, probs or None)."""
+    if temperature == 0:
+        return logits.argmax(-1), None
+    probs = _probs(logits, temperature)
+    return _sample(probs, generator), probs
+
+
+@torch.no_grad()
+def draft_block(drafter: Drafter, cache, new_tokens: torch.Tensor, block_size: int, temperature: float = 0.0,
+                generator=None):
+    """One drafter pass: the committed tokens the drafter has not seen yet (causal) + one MASK block hanging off the
+    last of them (x_n). The block's KV is cropped again, so the cache ends holding the committed tokens only.
+
+    new_tokens: (1, m), m >= 1. Returns draft (B,) and q_draft (B, V) (None at temperature 0)."""
+    past = cache.get_seq_length()
+    m = new_tokens.shape[1]
+    device = new_tokens.device
+    mask, positions = packed_attention_mask(m, torch.tensor([m - 1], device=device), block_size, past_len=past)
+    masks = torch.full((1, block_size), drafter.d3d_config.mask_token_id, device=device)
+    logits = drafter(torch.cat([new_tokens, masks], 1), positions, mask, past_key_values=cache,
+                     logits_to_keep=torch.arange(m, m + block_size, device=device))
+    crop_cache(cache, past + m)
+    draft, q_draft = pick_tokens(logits[0], temperature, generator)
+    return draft, q_draft
+
+
+@torch.no_grad()
+def verify_block(target: nn.Module, cache, last_token: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    """One target pass on [x_n, d_1 .. d_B] (cache holds x_0 .. x_{n-1}). Returns logits (B+1, V): row i is the
+    target's distribution for the token after x_n, d_1 .. d_i."""
+    ids = torch.cat([last_token.view(1), draft]).view(1, -1)
+    return target(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float()
+
+
+def accept_draft(p_logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Tensor | None, temperature: float,
+                 generator=None) -> tuple[int, int]:
+    """Longest accepted prefix of the draft and the target's own next token.
+
+    Greedy: accept d_i while it equals the target's argmax; the next token is the target's argmax after the accepted
+    prefix (a correction, or the bonus token when all B are accepted). Sampling (lossless speculative sampling):
+    accept d_i with probability min(1, p_target(d_i) / q_draft(d_i)); on the first rejection draw from the residual
+    max(p_target - q_draft, 0) normalised; after full acceptance draw the bonus from p_target.
+    Returns (num_accepted, next_token)."""
+    block_size = draft.shape[0]
+    if temperature == 0:
+        target_tokens = p_logits.argmax(-1)  # (B+1,)
+        num_accepted = int((draft == target_tokens[:block_size]).long().cumprod(0).sum())
+        return num_accepted, int(target_tokens[num_accepted])
+    p_target = _probs(p_logits, temperature)  # (B+1, V)
+    rows = torch.arange(block_size, device=draft.device)
+    p_d, q_d = p_target[rows, draft], q_draft[rows, draft]
+    u = torch.rand(block_size, generator=generator, device=generator.device if generator else "cpu").to(p_d.device)
+    accepted = (u * q_d <= p_d).long()  # u < p/q without dividing by a tiny q
+    num_accepted = int(accepted.cumprod(0).sum())
+    if num_accepted == block_size:
+        return num_accepted, int(_sample(p_target[block_size], generator))
+    residual = (p_target[num_accepted] - q_draft[num_accepted]).clamp(min=0)
+    if residual.sum() <= 0:  # p == q up to rounding: the rejection had probability ~0; fall back to p itself
+        residual = p_target[num_accepted]
+    return num_accepted, int(_sample(residual / residual.sum(), generator))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Decoding loops: target-only (the reference) and synchronous speculative decoding (method.md section 3)
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class _Output:
+    """Committed tokens of one sequence, with the stop rules (EOS kept, max_new_tokens) and the round statistics."""
+
+    def __init__(self, prompt: list[int], max_new_tokens: int, eos_token_id):
+        self.tokens = list(prompt)
+        self.prompt_len = len(prompt)
+        self.max_new_tokens = max_new_tokens
+        eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
+        self.eos = {int(e) for e in eos if e is not None}
+        self.done = max_new_tokens <= 0
+        self.accept_lengths: list[int] = []  # per speculative round: tokens committed (accepted + 1)
+
+    def commit(self, new: list[int]) -> list[int]:
+        """Append tokens, cut at the first EOS (kept) or at max_new_tokens. Returns what was committed."""
+        room = self.prompt_len + self.max_new_tokens - len(self.tokens)
+        new = new[:room]
+        for i, t in enumerate(new):
+            if t in self.eos:
+                new = new[: i + 1]
+                break
+        self.tokens.extend(new)
+        self.done = len(self.tokens) - self.prompt_len >= self.max_new_tokens or (bool(new) and new[-1] in self.eos)
+        return new
+
+
+def _stats(out: _Output, times: dict) -> dict:
+    num_new = len(out.tokens) - out.prompt_len
+    rounds = out.accept_lengths
+    decode_time = times["total"] - times["prefill"]
+    return {
+        "tau": sum(rounds) / len(rounds) if rounds else float("nan"),
+        "accept_lengths": rounds,
+        "num_rounds": len(rounds),
+        "num_new_tokens": num_new,
+        "time_prefill": times["prefill"],  # time to first token (target prefill; the drafter's is in time_draft)
+        "time_draft": times.get("draft", 0.0),
+        "time_verify": times.get("verify", 0.0),
+        "time_total": times["total"],
+        # decode speed excludes prefill (the paper's protocol); the first token comes from prefill
+        "tokens_per_s": (num_new - 1) / decode_time if num_new > 1 and decode_time > 0 else float("nan"),
+    }
+
+
+@torch.no_grad()
+def _decode_target(target, input_ids, max_new_tokens, temperature, eos_token_id, generator):
+    """Plain autoregressive decoding with the target alone: the reference output and the speedup baseline."""
+    device = input_ids.device
+    out = _Output(input_ids[0].tolist(), max_new_tokens, eos_token_id)
+    cache = new_cache(target)
+    start = _clock(device)
+    ids = input_ids
+    times = {}
+    while not out.done:
+        logits = target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        token, _ = pick_tokens(logits.float(), temperature, generator)
+        out.commit([int(token)])
+        times.setdefault("prefill", _clock(device) - start)
+        ids = token.view(1, 1)
+    times["total"] = _clock(device) - start
+    times.setdefault("prefill", times["total"])
+    return torch.tensor([out.tokens], device=device), _stats(out, times)
+
+
+@torch.no_grad()
+def _decode_sync(target, drafter, input_ids, max_new_tokens, block_size, temperature, eos_token_id, generator):
+    """Synchronous speculative decoding: draft a block, verify it, commit, repeat.
+
+    Invariants at the top of every round (committed tokens x_0 .. x_n):
+      target cache = x_0 .. x_{n-1}     (x_n is fed with the draft)
+      drafter cache = x_0 .. x_{d-1}    for some d <= n (the drafter catches up in its next pass)"""
+    device = input_ids.device
+    out = _Output(input_ids[0].tolist(), max_new_tokens, eos_token_id)
+    target_cache, drafter_cache = new_cache(target), new_cache(drafter.model)
+    times = {"draft": 0.0, "verify": 0.0}
+    start = _clock(device)
+    # Prefill: the target reads the prompt and produces the first token itself.
+    logits = target(input_ids=input_ids, past_key_values=target_cache, use_cache=True, logits_to_keep=1).logits
+    first, _ = pick_tokens(logits[0, -1].float(), temperature, generator)
+    out.commit([int(first)])
+    times["prefill"] = _clock(device) - start
+
+    while not out.done:
+        t0 = _clock(device)
+        seen = drafter_cache.get_seq_length()
+        new_tokens = torch.tensor([out.tokens[seen:]], device=device)
+        draft, q_draft = draft_block(drafter, drafter_cache, new_tokens, block_size, temperature, generator)
+        t1 = _clock(device)
+        p_logits = verify_block(target, target_cache, new_tokens[0, -1], draft)
+        num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator)
+        committed = out.commit(draft[:num_accepted].tolist() + [next_token])
+        crop_cache(target_cache, len(out.tokens) - 1)  # keep x_0 .. x_n, d_1 .. d_a; drop the rejected tail
+        out.accept_lengths.append(len(committed))
+        t2 = _clock(device)
+        times["draft"] += t1 - t0
+        times["verify"] += t2 - t1
+    times["total"] = _clock(device) - start
+    return torch.tensor([out.tokens], device=device), _stats(out, times)
+
+
+def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor, *, max_new_tokens: int,
+             mode: str = "sync", block_size: int | None = None, temperature: float = 0.0, eos_token_id=None,
+             generator: torch.Generator | None = None):
+    """Decode one sequence. Returns (output_ids (1, prompt + new), stats).
+
+    mode "target": target-only autoregressive decoding (no drafter needed); "sync": speculative decoding with D3D
+    drafts (method.md section 3). Temperature 0 is exact greedy: every mode gives the target's greedy tokens.
+    Temperature > 0 samples; speculative modes use lossless speculative sampling, reproducible with `generator`.
+    Decoding stops after EOS (kept in the output) or max_new_tokens. stats: tau (mean tokens committed per round),
+    accept_lengths, num_rounds, time_prefill / time_draft / time_verify / time_total, tokens_per_s."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must have shape (1, prompt_len) (batch 1), got {tuple(input_ids.shape)}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: give at least one token (e.g. the chat template's prefix)")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if mode == "target":
+        return _decode_target(target, input_ids, max_new_tokens, temperature, eos_token_id, generator)
+    if mode not in ("sync",):
+        raise ValueError(f"unknown mode {mode!r}: use 'target' or 'sync'")
+    if drafter is None:
+        raise ValueError(f"mode {mode!r} needs a drafter")
+    block_size = drafter.d3d_config.block_size if block_size is None else block_size
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    target_rows = target.get_output_embeddings().weight.shape[0]
+    if drafter.d3d_config.target_vocab_size != target_rows:
+        raise ValueError(f"the drafter was made for a target vocabulary of {drafter.d3d_config.target_vocab_size} "
+                         f"tokens, this target has {target_rows}: use a drafter made with the target's tokenizer")
+    return _decode_sync(target, drafter, input_ids, max_new_tokens, block_size, temperature, eos_token_id, generator)
