@@ -12,7 +12,10 @@ Map from the paper to this file (read top to bottom):
     training loss L_block + lambda * L_AR (Fig. 1a)     d3d_loss, sample_anchors
     offline acceptance length (validation tau)          offline_tau
     drafting / verification / acceptance                draft_block, verify_block, accept_draft
-    target-only and synchronous decoding                generate(mode="target" | "sync")
+    target-only and synchronous decoding                generate(mode="target" | "sync"), _decode_sync
+    asynchronous decoding (Fig. 1c): one packed pass     generate(mode="async"), _decode_async, plan_branches
+      prepares the next block for likely outcomes,
+      on a second CUDA stream during verification
 
 Shapes: b batch, L clean tokens, K anchors (blocks), B block size, V vocabulary, q packed query length,
 past tokens already in a KV cache.
@@ -24,6 +27,9 @@ Our readings where the paper is silent (see ../shared/design/method.md and READM
   * the drafter's MASK is a fresh id (the first id the tokenizer does not use; embeddings are resized only when the
     model has no free row) and is never drafted.
   * the target prefills the prompt and produces the first token itself; speculation starts from the second token.
+  * asynchronous branches: C covered positions x F candidate tokens (the drafter's runners-up at that position),
+    plus a full-acceptance block whose first token guesses the bonus; after a full-acceptance hit the next draft
+    has B-1 tokens. Branch blocks are projected to logits only for the branch that hits.
 """
 from __future__ import annotations
 
@@ -124,19 +130,27 @@ class Drafter(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def forward(self, input_ids, position_ids, attention_mask, past_key_values=None, logits_to_keep=0):
-        # attention_mask: boolean (b, 1, q, past+q), True = may attend; given to HF as an additive float mask,
-        # which the sdpa and eager attention paths both take as is.
+    def hidden_states(self, input_ids, position_ids, attention_mask, past_key_values=None) -> torch.Tensor:
+        """Last hidden states (b, q, H) of a packed sequence. attention_mask: bool (b, 1, q, past+q), True = may
+        attend; it goes to HF as an additive float mask, which the sdpa and eager attention paths take as is."""
         dtype = next(self.model.parameters()).dtype
         additive = torch.zeros(attention_mask.shape, dtype=dtype, device=input_ids.device)
         additive.masked_fill_(~attention_mask, torch.finfo(dtype).min)
-        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=additive,
-                         past_key_values=past_key_values, use_cache=past_key_values is not None,
-                         logits_to_keep=logits_to_keep)
-        logits = out.logits[..., : self.d3d_config.target_vocab_size].float()
+        out = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=additive,
+                                       past_key_values=past_key_values, use_cache=past_key_values is not None)
+        return out.last_hidden_state
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Project hidden states to float logits over the target's vocabulary; MASK can never be drafted."""
+        logits = self.model.get_output_embeddings()(hidden)[..., : self.d3d_config.target_vocab_size].float()
         if self.d3d_config.mask_token_id < logits.shape[-1]:
             logits[..., self.d3d_config.mask_token_id] = float("-inf")
         return logits
+
+    def forward(self, input_ids, position_ids, attention_mask, past_key_values=None, logits_to_keep=None):
+        """Logits (b, len(logits_to_keep) or q, V) of a packed sequence, projected only at `logits_to_keep`."""
+        hidden = self.hidden_states(input_ids, position_ids, attention_mask, past_key_values)
+        return self.logits(hidden if logits_to_keep is None else hidden[:, logits_to_keep])
 
     def save_pretrained(self, path: str, tokenizer=None) -> None:
         os.makedirs(path, exist_ok=True)
@@ -397,12 +411,12 @@ def pick_tokens(logits: torch.Tensor, temperature: float, generator=None):
 
 
 @torch.no_grad()
-def draft_block(drafter: Drafter, cache, new_tokens: torch.Tensor, block_size: int, temperature: float = 0.0,
-                generator=None):
+def draft_block(drafter: Drafter, cache, new_tokens: torch.Tensor, block_size: int) -> torch.Tensor:
     """One drafter pass: the committed tokens the drafter has not seen yet (causal) + one MASK block hanging off the
-    last of them (x_n). The block's KV is cropped again, so the cache ends holding the committed tokens only.
+    last committed token x_n. The block's KV is cropped again, so the cache ends holding the committed tokens only.
 
-    new_tokens: (1, m), m >= 1. Returns draft (B,) and q_draft (B, V) (None at temperature 0)."""
+    new_tokens: (1, m), m >= 1 (x_n is always new: the drafter's cache never holds the last committed token
+    when it drafts). Returns the block's logits (B, V): row i-1 drafts position n+i."""
     past = cache.get_seq_length()
     m = new_tokens.shape[1]
     device = new_tokens.device
@@ -411,8 +425,7 @@ def draft_block(drafter: Drafter, cache, new_tokens: torch.Tensor, block_size: i
     logits = drafter(torch.cat([new_tokens, masks], 1), positions, mask, past_key_values=cache,
                      logits_to_keep=torch.arange(m, m + block_size, device=device))
     crop_cache(cache, past + m)
-    draft, q_draft = pick_tokens(logits[0], temperature, generator)
-    return draft, q_draft
+    return logits[0]
 
 
 @torch.no_grad()
@@ -546,7 +559,8 @@ def _decode_sync(target, drafter, input_ids, max_new_tokens, block_size, tempera
         t0 = _clock(device)
         seen = drafter_cache.get_seq_length()
         new_tokens = torch.tensor([out.tokens[seen:]], device=device)
-        draft, q_draft = draft_block(drafter, drafter_cache, new_tokens, block_size, temperature, generator)
+        draft, q_draft = pick_tokens(draft_block(drafter, drafter_cache, new_tokens, block_size), temperature,
+                                     generator)
         t1 = _clock(device)
         p_logits = verify_block(target, target_cache, new_tokens[0, -1], draft)
         num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator)
@@ -560,13 +574,201 @@ def _decode_sync(target, drafter, input_ids, max_new_tokens, block_size, tempera
     return torch.tensor([out.tokens], device=device), _stats(out, times)
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# Asynchronous speculative decoding (Fig. 1c, Fig. 3, method.md section 4)
+
+
+def default_budget(block_size: int) -> tuple[int, int]:
+    """Branch budget (coverage C, fanout F): the paper's C = 12, F = 2 at B = 16, scaled with B."""
+    return max(1, min(block_size, round(0.75 * block_size))), 2
+
+
+def plan_branches(draft_logits: torch.Tensor, draft: torch.Tensor, coverage: int, fanout: int, cover: str = "first"):
+    """Which rejection outcomes get a branch in the packed pass.
+
+    For each covered position k (1-based) the F candidate tokens t != d_k are the drafter's next most likely tokens
+    at k. cover="first": k = 1 .. C; cover="likely": the C largest r_k = prod_{j<k} c_j * (1 - c_k), the
+    probability that verification first rejects at k, with c_j the drafter's probability of d_j (as in D2SD).
+    Returns {k: [t_1 .. t_F]} (host ints; k in ascending order)."""
+    block_size = draft.shape[0]
+    coverage = min(coverage, block_size)
+    if coverage == 0 or fanout == 0:
+        return {}
+    if cover == "first":
+        positions = list(range(1, coverage + 1))
+    elif cover == "likely":
+        c = torch.softmax(draft_logits, -1).gather(1, draft[:, None])[:, 0]  # (B,) drafter's confidence in d_k
+        reach = torch.cat([torch.ones(1, device=c.device), torch.cumprod(c, 0)[:-1]])  # prod_{j<k} c_j
+        positions = sorted((torch.topk(reach * (1 - c), coverage).indices + 1).tolist())
+    else:
+        raise ValueError(f"cover must be 'first' or 'likely', got {cover!r}")
+    top = torch.topk(draft_logits, min(fanout + 1, draft_logits.shape[-1]), dim=-1).indices.tolist()  # (B, F+1)
+    drafted = draft.tolist()
+    return {k: [t for t in top[k - 1] if t != drafted[k - 1]][:fanout] for k in positions}
+
+
+def _stream(stream):
+    """Run on a CUDA stream, or (no CUDA) right here: the same code serves both."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+class _Span:
+    """Time the work queued on a stream: CUDA events on GPU (read after the join), the host clock on CPU."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __enter__(self):
+        if self.stream is not None:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record(self.stream)
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.stream is not None:
+            self.end.record(self.stream)
+        else:
+            self.elapsed = time.perf_counter() - self.t0
+
+    def seconds(self) -> float:
+        return self.start.elapsed_time(self.end) / 1e3 if self.stream is not None else self.elapsed
+
+
+@torch.no_grad()
+def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temperature, eos_token_id, generator,
+                  coverage, fanout, cover):
+    """Asynchronous speculative decoding: while the target verifies [x_n, d_1 .. d_B], one packed drafter pass
+    prepares the next draft for the likely outcomes of that verification.
+
+    Packed pass (causal part first, so that accepted KV is a prefix of what the pass appended):
+        causal:  x_d .. x_n (committed, not yet in the drafter's cache), d_1 .. d_B
+        branch (k, t) for covered k and candidate t != d_k:  t at position n+k hanging off d_{k-1}, then a block
+        full acceptance:  a block hanging off d_B; its first token guesses the target's bonus token
+    Outcome (a accepted, target token c): rejection at k = a+1 with c a candidate of k, or full acceptance with
+    c == the guess, is a hit: that branch's block is the next draft (B tokens; B-1 after full acceptance, the first
+    being the guess). Otherwise a synchronous draft (a miss). Invariants as in _decode_sync."""
+    device = input_ids.device
+    mask_id = drafter.d3d_config.mask_token_id
+    out = _Output(input_ids[0].tolist(), max_new_tokens, eos_token_id)
+    target_cache, drafter_cache = new_cache(target), new_cache(drafter.model)
+    cuda = device.type == "cuda"
+    verify_stream = torch.cuda.Stream(device) if cuda else None  # the target's verification pass
+    draft_stream = torch.cuda.Stream(device) if cuda else None  # the drafter's packed pass
+    times = dict.fromkeys(["verify", "packed_draft", "fallback_draft", "overlap_saved"], 0.0)
+    hits, misses = [0] * (block_size + 1), [0] * (block_size + 1)  # index k-1: rejection at k; index B: full accept
+
+    def fallback_draft():
+        t0 = _clock(device)
+        seen = drafter_cache.get_seq_length()
+        logits = draft_block(drafter, drafter_cache, torch.tensor([out.tokens[seen:]], device=device), block_size)
+        times["fallback_draft"] += _clock(device) - t0
+        return logits
+
+    start = _clock(device)
+    logits = target(input_ids=input_ids, past_key_values=target_cache, use_cache=True, logits_to_keep=1).logits
+    first, _ = pick_tokens(logits[0, -1].float(), temperature, generator)
+    out.commit([int(first)])
+    times["prefill"] = _clock(device) - start
+    draft_logits = fallback_draft() if not out.done else None
+
+    while not out.done:
+        draft, q_draft = pick_tokens(draft_logits, temperature, generator)
+        n, seen, length = len(out.tokens) - 1, drafter_cache.get_seq_length(), draft.shape[0]
+        branches = plan_branches(draft_logits, draft, coverage, fanout, cover)  # read before launch: GPU is idle
+        # Packed input: causal part, then one segment per (k, t), then the full-acceptance block.
+        base = n - seen  # index of x_n in the causal part (-1 if x_n is already in the drafter's cache)
+        causal = torch.cat([torch.tensor(out.tokens[seen:], device=device, dtype=torch.long), draft])
+        pairs = [(k, t) for k, cands in branches.items() for t in cands]
+        anchors = torch.tensor([base + k - 1 for k, _ in pairs] + [base + length], device=device)
+        prefix_lens = torch.tensor([1] * len(pairs) + [0], device=device)
+        segments = [torch.tensor([t] + [mask_id] * block_size, device=device) for _, t in pairs]
+        segments.append(torch.full((block_size,), mask_id, device=device))
+        packed = torch.cat([causal] + segments)[None]
+        mask, positions = packed_attention_mask(len(causal), anchors, block_size, prefix_lens=prefix_lens,
+                                                past_len=seen)
+        # rows of each segment's block in the packed sequence (its prefix token, if any, is not drafted)
+        seg_start = len(causal) + torch.cumsum(prefix_lens + block_size, 0) - block_size
+        block_rows = seg_start[:, None] + torch.arange(block_size, device=device)  # (S, B)
+
+        last_token = torch.tensor(out.tokens[n], device=device)
+        t0 = _clock(device)
+        if cuda:  # both passes read tensors made on the current stream (draft, packed, mask): wait for them
+            verify_stream.wait_stream(torch.cuda.current_stream(device))
+            draft_stream.wait_stream(torch.cuda.current_stream(device))
+        with _stream(verify_stream), _Span(verify_stream) as verify_span:
+            p_logits = verify_block(target, target_cache, last_token, draft)
+        with _stream(draft_stream), _Span(draft_stream) as packed_span:
+            hidden = drafter.hidden_states(packed, positions, mask, past_key_values=drafter_cache)[0]  # (q, H)
+            block_hidden = hidden[block_rows]  # (S, B, H); projected to logits only for the branch that hits
+        if cuda:  # join: p_logits (verify_stream) and block_hidden (draft_stream) are read on the current stream
+            torch.cuda.current_stream(device).wait_stream(verify_stream)
+            torch.cuda.current_stream(device).wait_stream(draft_stream)
+        num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator)  # the host waits
+        wall = _clock(device) - t0
+        times["verify"] += verify_span.seconds()
+        times["packed_draft"] += packed_span.seconds()
+        if cuda:
+            times["overlap_saved"] += verify_span.seconds() + packed_span.seconds() - wall
+
+        committed = out.commit(draft[:num_accepted].tolist() + [next_token])
+        out.accept_lengths.append(len(committed))
+        crop_cache(target_cache, len(out.tokens) - 1)
+        crop_cache(drafter_cache, n + 1 + num_accepted)  # keep x_0 .. x_n, d_1 .. d_a; drop rejected and branches
+
+        # Was this outcome prepared?
+        if num_accepted < length:
+            k = num_accepted + 1
+            slot = k - 1
+            cands = branches.get(k, [])
+            hit_seg = pairs.index((k, next_token)) if next_token in cands else None
+            next_rows = slice(0, block_size)
+        else:
+            slot = block_size
+            full = drafter.logits(block_hidden[-1, :1])  # (1, V): the guess of the bonus token
+            guess = int(pick_tokens(full, temperature, generator)[0])
+            hit_seg = len(pairs) if guess == next_token and block_size > 1 else None
+            next_rows = slice(1, block_size)
+        if hit_seg is not None:
+            hits[slot] += 1
+        else:
+            misses[slot] += 1
+        if out.done:
+            break
+        if hit_seg is not None:  # a cache hit: the next draft is ready, no drafting on the critical path
+            draft_logits = drafter.logits(block_hidden[hit_seg, next_rows])
+        else:
+            draft_logits = fallback_draft()
+    times["total"] = _clock(device) - start
+    times["draft"] = times["packed_draft"] + times["fallback_draft"]
+    stats = _stats(out, times)
+    num_hits = sum(hits)
+    stats.update({
+        "hit_rate": num_hits / max(1, num_hits + sum(misses)),
+        "hits_per_position": hits,  # index k-1: rejection at k was prepared; last: full acceptance
+        "misses_per_position": misses,
+        "time_packed_draft": times["packed_draft"],
+        "time_fallback_draft": times["fallback_draft"],
+        "time_overlap_saved": times["overlap_saved"],  # CUDA only: verify + packed draft - wall time of both
+        "coverage": coverage, "fanout": fanout, "cover": cover,
+    })
+    return torch.tensor([out.tokens], device=device), stats
+
+
+MODES = ("target", "sync", "async")
+
+
 def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor, *, max_new_tokens: int,
              mode: str = "sync", block_size: int | None = None, temperature: float = 0.0, eos_token_id=None,
-             generator: torch.Generator | None = None):
+             generator: torch.Generator | None = None, coverage: int | None = None, fanout: int | None = None,
+             cover: str = "first"):
     """Decode one sequence. Returns (output_ids (1, prompt + new), stats).
 
     mode "target": target-only autoregressive decoding (no drafter needed); "sync": speculative decoding with D3D
-    drafts (method.md section 3). Temperature 0 is exact greedy: every mode gives the target's greedy tokens.
+    drafts (method.md section 3); "async": the drafter prepares the next draft during verification (section 4),
+    with `coverage` C rejection positions x `fanout` F candidate tokens (default: default_budget(B)) chosen by
+    `cover` ("first" or "likely"); stats then add hit_rate, hits/misses per position and the time split. Temperature 0 is exact greedy: every mode gives the target's greedy tokens.
     Temperature > 0 samples; speculative modes use lossless speculative sampling, reproducible with `generator`.
     Decoding stops after EOS (kept in the output) or max_new_tokens. stats: tau (mean tokens committed per round),
     accept_lengths, num_rounds, time_prefill / time_draft / time_verify / time_total, tokens_per_s."""
@@ -580,8 +782,8 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if mode == "target":
         return _decode_target(target, input_ids, max_new_tokens, temperature, eos_token_id, generator)
-    if mode not in ("sync",):
-        raise ValueError(f"unknown mode {mode!r}: use 'target' or 'sync'")
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
     if drafter is None:
         raise ValueError(f"mode {mode!r} needs a drafter")
     block_size = drafter.d3d_config.block_size if block_size is None else block_size
@@ -591,4 +793,14 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
     if drafter.d3d_config.target_vocab_size != target_rows:
         raise ValueError(f"the drafter was made for a target vocabulary of {drafter.d3d_config.target_vocab_size} "
                          f"tokens, this target has {target_rows}: use a drafter made with the target's tokenizer")
-    return _decode_sync(target, drafter, input_ids, max_new_tokens, block_size, temperature, eos_token_id, generator)
+    if mode == "sync":
+        return _decode_sync(target, drafter, input_ids, max_new_tokens, block_size, temperature, eos_token_id,
+                            generator)
+    default_coverage, default_fanout = default_budget(block_size)
+    coverage = default_coverage if coverage is None else coverage
+    fanout = default_fanout if fanout is None else fanout
+    if coverage < 0 or fanout < 0 or cover not in ("first", "likely"):
+        raise ValueError(f"need coverage >= 0, fanout >= 0, cover 'first' or 'likely'; got {coverage}, {fanout}, "
+                         f"{cover!r}")
+    return _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temperature, eos_token_id,
+                         generator, coverage, fanout, cover)

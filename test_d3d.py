@@ -53,31 +53,38 @@ class ScriptedDrafter(d3d.Drafter):
 
     `reference` is the target's greedy continuation (reference[pos] = token at absolute position pos). A MASK token
     at index i (1-based) of its block predicts reference[pos] if i <= right_upto, else a token the target never
-    chooses there; a causal token at pos predicts reference[pos + 1]. right_upto = B: always right (oracle);
+    chooses there, with reference[pos] as its runner-up (so an asynchronous branch can hit); a causal token at pos
+    predicts reference[pos + 1]. right_upto = B: always right (oracle);
     0: never right; j: right up to position j of every block."""
 
     def __init__(self, drafter, reference, right_upto):
         super().__init__(drafter.model, drafter.d3d_config)
         self.reference, self.right_upto = reference, right_upto
 
-    def forward(self, input_ids, position_ids, attention_mask, past_key_values=None, logits_to_keep=0):
-        logits = super().forward(input_ids, position_ids, attention_mask, past_key_values, logits_to_keep)
-        keep = logits_to_keep if torch.is_tensor(logits_to_keep) else torch.arange(input_ids.shape[1])
+    def hidden_states(self, input_ids, position_ids, attention_mask, past_key_values=None):
+        super().hidden_states(input_ids, position_ids, attention_mask, past_key_values)  # the cache moves as usual
         is_mask = input_ids[0] == self.d3d_config.mask_token_id
-        run = torch.zeros(input_ids.shape[1], dtype=torch.long)  # 1-based index of a MASK inside its block
+        scripted = torch.zeros(1, input_ids.shape[1], self.d3d_config.target_vocab_size)
+        run = 0  # MASK tokens in a row; blocks (of the config's size) can follow each other directly
         for j in range(input_ids.shape[1]):
-            run[j] = (run[j - 1] + 1 if j > 0 else 1) if is_mask[j] else 0
-        ref = lambda p: self.reference[p] if p < len(self.reference) else 0  # noqa: E731
-        scripted = torch.zeros_like(logits)
-        for row, j in enumerate(keep.tolist()):
+            run = run + 1 if is_mask[j] else 0
+            index_in_block = (run - 1) % self.d3d_config.block_size + 1
             pos = int(position_ids[0, j])
             if is_mask[j]:
-                good = ref(pos)
-                token = good if run[j] <= self.right_upto else (good + 1) % TEXT_VOCAB
+                good = self.ref(pos)
+                if index_in_block > self.right_upto:  # wrong, with the right token as the runner-up
+                    scripted[0, j, good] = 5.0
+                    good = (good + 1) % TEXT_VOCAB
+                scripted[0, j, good] = 10.0
             else:
-                token = ref(pos + 1)
-            scripted[0, row, token] = 10.0
-        return scripted
+                scripted[0, j, self.ref(pos + 1)] = 10.0
+        return scripted  # "hidden states" that are already the scripted logits
+
+    def logits(self, hidden):
+        return hidden
+
+    def ref(self, pos):
+        return self.reference[pos] if pos < len(self.reference) else 0
 
 
 def reference_continuation(target, prompt, n):
@@ -142,8 +149,8 @@ def test_packed_blocks_equal_separate_passes(tok):
     for row in range(2):
         for k, a in enumerate(anchors[row].tolist()):
             cache = d3d.new_cache(drafter.model)
-            draft, _ = d3d.draft_block(drafter, cache, x[row: row + 1, : a + 1], 5)
-            assert torch.equal(draft, block_logits[row, k].argmax(-1))
+            logits = d3d.draft_block(drafter, cache, x[row: row + 1, : a + 1], 5)
+            torch.testing.assert_close(logits[:, :TEXT_VOCAB], block_logits[row, k, :, :TEXT_VOCAB])
             assert cache.get_seq_length() == a + 1  # block KV cropped
     plain = drafter.model(x).logits[:, :-1, :TEXT_VOCAB]
     torch.testing.assert_close(causal_logits[..., :TEXT_VOCAB], plain, atol=1e-5, rtol=1e-5)
@@ -323,9 +330,95 @@ def test_sync_with_real_drafters_equals_target(tok, target):
 def test_zero_new_tokens(target, tok):
     prompt = torch.tensor([[1, 2]])
     drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok)
-    for mode in ("target", "sync"):
+    for mode in d3d.MODES:
         out, _ = d3d.generate(target, drafter, prompt, max_new_tokens=0, mode=mode)
         assert out.tolist() == prompt.tolist()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Asynchronous decoding
+
+
+def scripted(tok, target, prompt, block_size, kind, max_new):
+    reference = reference_continuation(target, prompt, max_new + 2 * block_size + 2)
+    right_upto = {"oracle": block_size, "never": 0, "partial": block_size // 2}[kind]
+    drafter = d3d.make_drafter(tiny_qwen3(seed=9), tokenizer=tok, block_size=block_size)
+    return ScriptedDrafter(drafter, reference, right_upto), right_upto
+
+
+@pytest.mark.parametrize("block_size,coverage,fanout,cover", [
+    (1, 1, 1, "first"), (5, 0, 2, "first"), (5, 2, 1, "first"), (5, 4, 2, "likely"), (16, 12, 2, "first"),
+    (16, 3, 3, "likely"),
+])
+@pytest.mark.parametrize("kind", ["oracle", "never", "partial"])
+def test_async_equals_sync_and_target(tok, target, block_size, coverage, fanout, cover, kind):
+    prompt = torch.randint(0, TEXT_VOCAB, (1, 6), generator=torch.Generator().manual_seed(block_size))
+    max_new = 29
+    drafter, right_upto = scripted(tok, target, prompt, block_size, kind, max_new)
+    expected, _ = d3d.generate(target, None, prompt, max_new_tokens=max_new, mode="target")
+    sync_out, sync_stats = d3d.generate(target, drafter, prompt, max_new_tokens=max_new, mode="sync")
+    out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=max_new, mode="async", coverage=coverage,
+                              fanout=fanout, cover=cover)
+    assert out.tolist() == sync_out.tolist() == expected.tolist()
+    # accounting: every round is one outcome, a hit or a miss, at one position
+    hits, misses = stats["hits_per_position"], stats["misses_per_position"]
+    assert sum(hits) + sum(misses) == stats["num_rounds"] == len(stats["accept_lengths"])
+    assert stats["hit_rate"] == pytest.approx(sum(hits) / stats["num_rounds"])
+    outcome_slot = block_size if right_upto == block_size else right_upto  # where this drafter is first rejected
+    assert hits[outcome_slot] + misses[outcome_slot] >= stats["num_rounds"] - 1  # the last round may be cut short
+    prepared = (right_upto == block_size and block_size > 1) or (
+        coverage > right_upto and fanout >= 1 and cover == "first")
+    if prepared:  # the outcome was covered by a branch: every round but (maybe) the last is a hit
+        assert hits[outcome_slot] >= stats["num_rounds"] - 1
+    if coverage == 0 or fanout == 0:
+        assert sum(hits[:block_size]) == 0  # no rejection branches at all
+    if kind == "oracle" and block_size > 1:
+        full_rounds = stats["accept_lengths"][:-1]
+        assert all(n == block_size + 1 for n in full_rounds[:1]) and all(n >= block_size for n in full_rounds)
+    assert stats["time_packed_draft"] > 0 and stats["time_overlap_saved"] == 0.0  # CPU: passes run one by one
+
+
+def test_async_stops_at_eos_inside_a_block(tok, target):
+    prompt = torch.tensor([[4, 8, 15, 16, 23]])
+    drafter, _ = scripted(tok, target, prompt, 16, "partial", 60)
+    new = drafter.reference[5:]
+    k = next(k for k in range(2, 15) if new[k] not in new[:k])
+    expected, _ = d3d.generate(target, None, prompt, max_new_tokens=40, mode="target", eos_token_id=new[k])
+    out, _ = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode="async", eos_token_id=new[k])
+    assert out.tolist() == expected.tolist() and out[0, -1].item() == new[k]
+
+
+def test_async_with_real_drafters_equals_target(tok, target):
+    prompt = torch.tensor([[7, 1, 9]])
+    expected, _ = d3d.generate(target, None, prompt, max_new_tokens=30, mode="target")
+    for model in (tiny_qwen3(seed=11), tiny_qwen3(seed=1)):  # random, and the target's own weights
+        drafter = d3d.make_drafter(model, tokenizer=tok, block_size=4)
+        for cover in ("first", "likely"):
+            out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=30, mode="async", cover=cover)
+            assert out.tolist() == expected.tolist()
+
+
+def test_plan_branches_chooses_positions_and_candidates():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0], [0.5, 9.0, 0.2, 0.1], [1.0, 1.1, 1.2, 5.0]])
+    draft = torch.tensor([0, 1, 3])
+    assert d3d.plan_branches(logits, draft, 2, 2, "first") == {1: [1, 2], 2: [0, 2]}
+    # confident at 2 (c ~ 1): a first rejection there is unlikely; position 1 (c ~ 0.7) and 3 are likelier
+    assert list(d3d.plan_branches(logits, draft, 2, 1, "likely")) == [1, 3]
+    assert d3d.plan_branches(logits, draft, 0, 2) == {}
+    sampled = torch.tensor([2, 1, 3])  # at temperature > 0 d_k need not be the argmax: never a candidate
+    assert d3d.plan_branches(logits, sampled, 1, 2) == {1: [0, 1]}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: runs the two real streams")
+def test_async_cuda_streams_equal_target(tok):
+    target = tiny_qwen3(seed=1).cuda()
+    prompt = torch.tensor([[7, 1, 9, 4]], device="cuda")
+    expected, _ = d3d.generate(target, None, prompt, max_new_tokens=40, mode="target")
+    for model in (tiny_qwen3(seed=11), tiny_qwen3(seed=1)):
+        drafter = d3d.make_drafter(model, tokenizer=tok, block_size=6).cuda()
+        out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode="async")
+        assert out.tolist() == expected.tolist()
+        assert stats["time_packed_draft"] > 0 and stats["time_verify"] > 0
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -371,40 +464,46 @@ def test_accept_rule_is_lossless():
     assert chi_square_p_value(first, q_draft[0]) < 1e-3  # the test has power: the drafter's law is rejected
 
 
-def test_sampling_matches_target_distribution():
-    """End to end through generate: the joint law of generated tokens 2 and 3 (the first speculative round; token 1
-    comes from the target's prefill) matches the target's exact law, computed by enumeration. Chi-square test at
-    alpha = 1e-3 (false-failure rate 0.1 %; fixed seeds make the run repeatable). A drafter unlike the target makes
-    both acceptance and rejection (residual) paths happen."""
-    vocab, temperature, num_samples = 8, 1.0, 800
+@pytest.mark.parametrize("mode,block_size", [("sync", 2), ("async", 1), ("async", 2)])
+def test_sampling_matches_target_distribution(mode, block_size):
+    """End to end through generate: the joint law of generated tokens 3 and 4 matches the target's exact law,
+    computed by enumerating every (t1, t2, t3) in one batched pass. Tokens 3 and 4 come from the first and second
+    speculative rounds (token 1 is the target's prefill), so in async mode they include drafts taken from branch
+    hits. Chi-square test at alpha = 1e-3 (false-failure rate 0.1 %; the seeds are fixed, so the run repeats). A
+    drafter unlike the target makes acceptance, rejection (residual draws), hits and misses all happen."""
+    vocab, temperature, num_samples = 8, 1.0, 600
     tok = make_tokenizer(vocab)
     target = tiny_qwen3(seed=21, vocab_size=16, init=0.6)
-    drafter = d3d.make_drafter(tiny_qwen3(seed=22, vocab_size=16, init=0.6), tokenizer=tok, block_size=2)
+    drafter = d3d.make_drafter(tiny_qwen3(seed=22, vocab_size=16, init=0.6), tokenizer=tok, block_size=block_size)
     prompt = [3, 1]
-    with torch.no_grad():  # the target's exact law of (t2, t3), summed over t1
-        def dist(ids):
-            return torch.softmax(target(torch.tensor([ids])).logits[0, -1].float() / temperature, -1)
-        p1 = dist(prompt)
-        joint = torch.zeros(16, 16)
-        for t1 in range(16):
-            p2 = dist(prompt + [t1])
-            for t2 in range(16):
-                joint[t2] += p1[t1] * p2[t2] * dist(prompt + [t1, t2])
+    with torch.no_grad():  # P(t1, t2, t3, t4) for all 16^4 continuations
+        grid = torch.cartesian_prod(*[torch.arange(16)] * 3)  # (4096, 3)
+        ids = torch.cat([torch.tensor(prompt).expand(len(grid), -1), grid], 1)
+        p = torch.softmax(target(ids).logits[:, 1:].float() / temperature, -1)  # (4096, 4, 16): t1 .. t4
+        t1, t2, t3 = grid.T
+        law = p[:, 0].gather(1, t1[:, None])[:, 0] * p[:, 1].gather(1, t2[:, None])[:, 0]
+        law = (law * p[:, 2].gather(1, t3[:, None])[:, 0])[:, None] * p[:, 3]  # (4096, 16): (t1, t2, t3) x t4
+        joint = law.view(16, 16, 16, 16).sum((0, 1))  # (t3, t4)
     counts = torch.zeros(16, 16)
     generator = torch.Generator().manual_seed(1234)
-    rejections_at_first = 0
+    rejections, hits, misses = 0, 0, 0
     for _ in range(num_samples):
-        out, stats = d3d.generate(target, drafter, torch.tensor([prompt]), max_new_tokens=3,
+        out, stats = d3d.generate(target, drafter, torch.tensor([prompt]), max_new_tokens=4, mode=mode,
                                   temperature=temperature, generator=generator)
-        counts[out[0, 3], out[0, 4]] += 1
-        rejections_at_first += stats["num_rounds"] > 1  # d_1 rejected: the round gave one token, a second round ran
-    assert 0.05 * num_samples < rejections_at_first < 0.95 * num_samples  # both paths exercised
+        counts[out[0, 4], out[0, 5]] += 1
+        rejections += sum(n <= block_size for n in stats["accept_lengths"][:-1])
+        hits += sum(stats.get("hits_per_position", [0]))
+        misses += sum(stats.get("misses_per_position", [0]))
+    assert rejections > 0.05 * num_samples  # residual draws happen (and acceptances: the drafter is not useless)
+    if mode == "async":
+        assert hits > 0.05 * num_samples and misses > 0.05 * num_samples
     assert chi_square_p_value(counts.flatten(), joint.flatten()) > 1e-3
 
 
-def test_sampling_is_reproducible_with_a_generator(tok, target):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sampling_is_reproducible_with_a_generator(tok, target, mode):
     drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=3)
-    runs = [d3d.generate(target, drafter, torch.tensor([[2, 3]]), max_new_tokens=12, temperature=0.8,
+    runs = [d3d.generate(target, drafter, torch.tensor([[2, 3]]), max_new_tokens=12, temperature=0.8, mode=mode,
                          generator=torch.Generator().manual_seed(7))[0] for _ in range(2)]
     assert torch.equal(*runs)
 
