@@ -16,6 +16,7 @@ Map from the paper to this file (read top to bottom):
     asynchronous decoding (Fig. 1c): one packed pass     generate(mode="async"), _decode_async, plan_branches
       prepares the next block for likely outcomes,
       on a second CUDA stream during verification
+    progressive layer pruning with recovery (Fig. 1b)   prune_drafter, distill_loss, adjusted_teacher
 
 Shapes: b batch, L clean tokens, K anchors (blocks), B block size, V vocabulary, q packed query length,
 past tokens already in a KV cache.
@@ -754,6 +755,142 @@ def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temper
         "coverage": coverage, "fanout": fanout, "cover": cover,
     })
     return torch.tensor([out.tokens], device=device), stats
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Progressive layer pruning with recovery distillation (Fig. 1b, method.md section 5)
+
+
+def adjusted_teacher(teacher_logits: torch.Tensor, labels: torch.Tensor, beta: float) -> torch.Tensor:
+    """The recovery target: the fixed teacher's distribution moved toward the supervised token,
+    q = (1 - beta) * softmax(teacher) + beta * onehot(label) (ours; beta = 0.5 by default). Sums to one."""
+    return (1 - beta) * torch.softmax(teacher_logits.float(), -1) + beta * F.one_hot(labels, teacher_logits.shape[-1])
+
+
+def distill_loss(student: Drafter, teacher: Drafter, input_ids, loss_mask, *, beta: float = 0.5,
+                 num_anchors: int | None = None, block_size: int | None = None, generator=None) -> torch.Tensor:
+    """Cross-entropy of the student against the adjusted teacher on the same packed batch: the blocks (targets
+    x_{a+i}) and the causal stream (targets x_{j+1}), response tokens only. The teacher gets no gradients."""
+    num_anchors = num_anchors or student.d3d_config.num_anchors
+    block_size = block_size or student.d3d_config.block_size
+    anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
+    labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
+    with torch.no_grad():
+        t_block, t_causal = _packed_forward(teacher, input_ids, anchors, block_size, with_causal_logits=True)
+    s_block, s_causal = _packed_forward(student, input_ids, anchors, block_size, with_causal_logits=True)
+    terms = []
+    for s, t, y, w in ((s_block, t_block, labels, counts), (s_causal, t_causal, input_ids[:, 1:], loss_mask[:, 1:])):
+        q = adjusted_teacher(t, y, beta)
+        log_p = torch.log_softmax(s, -1).clamp(min=-1e4)  # MASK's -inf logit has q = 0: keep 0 * -inf out
+        token_loss = -(q * log_p).sum(-1)
+        terms.append((token_loss * w).sum() / w.sum().clamp(min=1))
+    return terms[0] + terms[1]
+
+
+@torch.no_grad()
+def validation_tau(drafter: Drafter, batches, *, num_anchors: int = 32, seed: int = 0) -> tuple[float, float]:
+    """Mean offline tau and mean block cross-entropy over (input_ids, loss_mask) batches, with the same anchors
+    every call (fixed seed), so that candidates are compared on identical blocks."""
+    generator = torch.Generator().manual_seed(seed)
+    taus, losses = [], []
+    for input_ids, loss_mask in batches:
+        taus.append(offline_tau(drafter, input_ids, loss_mask, num_anchors=num_anchors, generator=generator))
+        _, metrics = d3d_loss(drafter, input_ids, loss_mask, num_anchors=num_anchors, ar_weight=0.0,
+                              generator=torch.Generator().manual_seed(seed))
+        losses.append(metrics["loss_block"].item())
+    return torch.cat(taus).mean().item(), sum(losses) / len(losses)
+
+
+@contextlib.contextmanager
+def _without_layer(drafter: Drafter, index: int):
+    """Temporarily drop decoder layer `index` (for scoring a candidate without copying the model)."""
+    model = drafter.model
+    decoder, config = model.get_decoder(), model.config
+    saved = (decoder.layers, config.num_hidden_layers, getattr(config, "layer_types", None),
+             [(m, m.layer_idx) for m in decoder.layers.modules() if hasattr(m, "layer_idx")])
+    keep_layers(model, [i for i in range(len(decoder.layers)) if i != index])
+    try:
+        yield
+    finally:
+        decoder.layers, config.num_hidden_layers = saved[0], saved[1]
+        if saved[2] is not None:
+            config.layer_types = saved[2]
+        for module, layer_idx in saved[3]:
+            module.layer_idx = layer_idx
+
+
+def remove_layer(drafter: Drafter, index: int) -> None:
+    """Remove decoder layer `index` for good (in place); d3d_config.layer_ids keeps the original indices."""
+    original = drafter.d3d_config.layer_ids or list(range(len(drafter.model.get_decoder().layers)))
+    keep_layers(drafter.model, [i for i in range(len(original)) if i != index])
+    drafter.d3d_config.layer_ids = [layer for i, layer in enumerate(original) if i != index]
+
+
+def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: int | None = None,
+                  tau_floor: float | None = None, recovery_steps: int = 100, lr: float = 5e-5, beta: float = 0.5,
+                  num_anchors: int = 32, seed: int = 0, log=print):
+    """Greedy progressive pruning (in place). Each iteration: offline tau with each remaining layer removed; remove
+    the layer whose removal costs least tau (ties: least change in block loss); recover for `recovery_steps` AdamW steps
+    distilled from the fixed unpruned drafter (distill_loss, adjusted toward the label by beta); re-measure tau.
+
+    Stops at `min_layers` layers, or before an iteration whose recovered tau falls below tau_floor x the unpruned
+    tau (that iteration is undone and reported with "kept": False). Returns the table: one dict per iteration with
+    the removed layer (index in the original drafter), tau before and after recovery, and seconds."""
+    import copy
+
+    from tqdm.auto import tqdm
+
+    if min_layers is None and tau_floor is None:
+        raise ValueError("give a stopping rule: min_layers (a target depth) or tau_floor (fraction of unpruned tau)")
+    teacher = copy.deepcopy(drafter).eval().requires_grad_(False)  # the fixed, unpruned drafter
+    tau0, _ = validation_tau(drafter, val_batches, num_anchors=num_anchors, seed=seed)
+    log(f"unpruned: {len(drafter.model.get_decoder().layers)} layers, tau {tau0:.3f}")
+    table = [{"iteration": 0, "removed_layer": None, "layers": len(drafter.model.get_decoder().layers),
+              "tau_before_recovery": tau0, "tau_after_recovery": tau0, "seconds": 0.0, "kept": True}]
+    generator = torch.Generator().manual_seed(seed)
+    while len(drafter.model.get_decoder().layers) > max(1, min_layers or 1):
+        start = time.perf_counter()
+        drafter.eval()
+        original = drafter.d3d_config.layer_ids or list(range(len(drafter.model.get_decoder().layers)))
+        _, base_loss = validation_tau(drafter, val_batches, num_anchors=num_anchors, seed=seed)
+        scores = {}
+        for index in tqdm(range(len(original)), desc=f"prune {len(table)}: score layers", leave=False):
+            with _without_layer(drafter, index):
+                scores[index] = validation_tau(drafter, val_batches, num_anchors=num_anchors, seed=seed)
+        # highest tau without the layer; ties (common for weak drafters) go to the smallest change in block loss
+        best = max(scores, key=lambda i: (scores[i][0], -abs(scores[i][1] - base_loss)))
+        snapshot = copy.deepcopy(drafter) if tau_floor is not None else None
+        remove_layer(drafter, best)
+        tau_before = scores[best][0]
+        if recovery_steps > 0:
+            drafter.train()
+            params = [p for p in drafter.parameters() if p.requires_grad]
+            optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+            for step in tqdm(range(recovery_steps), desc="recover", leave=False):
+                input_ids, loss_mask = train_batches[step % len(train_batches)]
+                loss = distill_loss(drafter, teacher, input_ids, loss_mask, beta=beta, num_anchors=num_anchors,
+                                    generator=generator)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+            drafter.eval()
+        tau_after, _ = validation_tau(drafter, val_batches, num_anchors=num_anchors, seed=seed)
+        row = {"iteration": len(table), "removed_layer": original[best], "layers": len(original) - 1,
+               "tau_before_recovery": tau_before, "tau_after_recovery": tau_after,
+               "seconds": time.perf_counter() - start, "kept": True,
+               "candidates": {original[i]: round(score[0], 4) for i, score in scores.items()}}
+        log(f"removed layer {original[best]}: {len(original) - 1} left, tau {tau_before:.3f} -> {tau_after:.3f} "
+            f"after recovery ({row['seconds']:.0f} s)")
+        if tau_floor is not None and tau_after < tau_floor * tau0:
+            row["kept"] = False  # below the floor: undo this removal and stop
+            table.append(row)
+            drafter.model, drafter.d3d_config = snapshot.model, snapshot.d3d_config
+            log(f"tau {tau_after:.3f} < {tau_floor} x {tau0:.3f}: removal undone, stopping")
+            break
+        table.append(row)
+    drafter.eval()
+    return table
 
 
 MODES = ("target", "sync", "async")

@@ -509,6 +509,96 @@ def test_sampling_is_reproducible_with_a_generator(tok, target, mode):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Progressive layer pruning
+
+
+def prune_data(seed=0, num_batches=2):
+    return [batch(seed=seed + i, b=2, length=17, prompt_len=4) for i in range(num_batches)]
+
+
+def test_adjusted_teacher_sums_to_one_and_moves_mass_to_label():
+    logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 3, 10, 3, 7])
+    q = d3d.adjusted_teacher(logits, labels, beta=0.5)
+    torch.testing.assert_close(q.sum(-1), torch.ones(5))
+    p = torch.softmax(logits, -1)
+    rows = torch.arange(5)
+    assert (q[rows, labels] > p[rows, labels]).all()
+    torch.testing.assert_close(q[rows, labels], 0.5 * p[rows, labels] + 0.5)
+    torch.testing.assert_close(d3d.adjusted_teacher(logits, labels, beta=0.0), p)
+
+
+def test_distillation_leaves_the_teacher_untouched(tok):
+    teacher = d3d.make_drafter(tiny_qwen3(seed=5, layers=3), tokenizer=tok, block_size=3, num_anchors=4)
+    student = d3d.make_drafter(tiny_qwen3(seed=5, layers=3), tokenizer=tok, block_size=3, num_anchors=4)
+    d3d.remove_layer(student, 1)
+    teacher.requires_grad_(False)
+    before = [p.clone() for p in teacher.parameters()]
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-2)
+    for i, (x, loss_mask) in enumerate(prune_data()):
+        loss = d3d.distill_loss(student, teacher, x, loss_mask, generator=torch.Generator().manual_seed(i))
+        assert torch.isfinite(loss)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert all(p.grad is None for p in teacher.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, teacher.parameters()))
+    assert any(p.grad is not None for p in student.parameters())
+
+
+def noop_layer_drafter(tok, layers=4, noop=2):
+    drafter = d3d.make_drafter(tiny_qwen3(seed=6, layers=layers), tokenizer=tok, block_size=3, num_anchors=4)
+    layer = drafter.model.model.layers[noop]
+    with torch.no_grad():  # both residual branches write zero: the layer changes nothing
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    return drafter
+
+
+@pytest.mark.parametrize("noop", [1, 2])
+def test_pruning_removes_one_layer_per_iteration_and_the_noop_layer_first(tok, noop):
+    drafter = noop_layer_drafter(tok, noop=noop)
+    table = d3d.prune_drafter(drafter, prune_data(), prune_data(seed=10), min_layers=2, recovery_steps=2,
+                              log=lambda *_: None)
+    assert [row["layers"] for row in table] == [4, 3, 2]
+    assert table[1]["removed_layer"] == noop  # the no-op layer goes first
+    assert len(drafter.model.model.layers) == 2 == drafter.model.config.num_hidden_layers
+    removed = {row["removed_layer"] for row in table[1:]}
+    assert drafter.d3d_config.layer_ids == [i for i in range(4) if i not in removed]
+    assert [layer.self_attn.layer_idx for layer in drafter.model.model.layers] == [0, 1]
+
+
+def test_pruning_stops_where_the_rules_say(tok):
+    drafter = noop_layer_drafter(tok, layers=3)
+    table = d3d.prune_drafter(drafter, prune_data(), prune_data(), min_layers=1, recovery_steps=0,
+                              log=lambda *_: None)
+    assert len(drafter.model.model.layers) == 1 and table[-1]["layers"] == 1
+    drafter = noop_layer_drafter(tok, layers=3)
+    before = [p.clone() for p in drafter.parameters()]
+    table = d3d.prune_drafter(drafter, prune_data(), prune_data(), tau_floor=10.0, recovery_steps=1,
+                              log=lambda *_: None)  # an unreachable floor: the first removal is undone
+    assert table[-1]["kept"] is False and len(table) == 2
+    assert len(drafter.model.model.layers) == 3 and drafter.d3d_config.layer_ids is None
+    assert all(torch.equal(a, b) for a, b in zip(before, drafter.parameters()))
+    with pytest.raises(ValueError, match="stopping rule"):
+        d3d.prune_drafter(drafter, prune_data(), prune_data())
+
+
+def test_pruned_drafter_saves_loads_and_decodes_losslessly(tok, target, tmp_path):
+    drafter = noop_layer_drafter(tok)
+    d3d.prune_drafter(drafter, prune_data(), prune_data(), min_layers=2, recovery_steps=1, log=lambda *_: None)
+    drafter.save_pretrained(str(tmp_path))
+    loaded = d3d.Drafter.from_pretrained(str(tmp_path))
+    assert loaded.model.config.num_hidden_layers == 2 and loaded.d3d_config == drafter.d3d_config
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    expected, _ = d3d.generate(target, None, prompt, max_new_tokens=20, mode="target")
+    for mode in ("sync", "async"):
+        for model in (drafter, loaded):
+            out, _ = d3d.generate(target, model, prompt, max_new_tokens=20, mode=mode)
+            assert out.tolist() == expected.tolist()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Bad input: clear errors, never a wrong answer
 
 
