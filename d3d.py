@@ -17,6 +17,7 @@ Map from the paper to this file (read top to bottom):
       prepares the next block for likely outcomes,
       on a second CUDA stream during verification
     progressive layer pruning with recovery (Fig. 1b)   prune_drafter, distill_loss, adjusted_teacher
+    selective prefilling (appendix, Fig. 5)             select_chunks, generate(keep_ratio=...)
 
 Shapes: b batch, L clean tokens, K anchors (blocks), B block size, V vocabulary, q packed query length,
 past tokens already in a KV cache.
@@ -429,12 +430,24 @@ def draft_block(drafter: Drafter, cache, new_tokens: torch.Tensor, block_size: i
     return logits[0]
 
 
+def target_forward(target: nn.Module, input_ids, cache, position_offset: int = 0, logits_to_keep=0) -> torch.Tensor:
+    """A target pass with its KV cache. position_offset > 0 after selective prefill: the cache skipped that many
+    prompt tokens, so absolute positions run ahead of the cache length."""
+    extra = {}
+    if position_offset:
+        start = cache.get_seq_length() + position_offset
+        extra["position_ids"] = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
+    return target(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
+                  **extra).logits[0].float()
+
+
 @torch.no_grad()
-def verify_block(target: nn.Module, cache, last_token: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+def verify_block(target: nn.Module, cache, last_token: torch.Tensor, draft: torch.Tensor,
+                 position_offset: int = 0) -> torch.Tensor:
     """One target pass on [x_n, d_1 .. d_B] (cache holds x_0 .. x_{n-1}). Returns logits (B+1, V): row i is the
     target's distribution for the token after x_n, d_1 .. d_i."""
     ids = torch.cat([last_token.view(1), draft]).view(1, -1)
-    return target(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float()
+    return target_forward(target, ids, cache, position_offset)
 
 
 def accept_draft(p_logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Tensor | None, temperature: float,
@@ -518,44 +531,62 @@ def _stats(out: _Output, times: dict) -> dict:
     }
 
 
-@torch.no_grad()
-def _decode_target(target, input_ids, max_new_tokens, temperature, eos_token_id, generator):
-    """Plain autoregressive decoding with the target alone: the reference output and the speedup baseline."""
+def _prefill(target, input_ids, max_new_tokens, eos_token_id, temperature, generator, selection):
+    """How every decode loop starts: the target prefills the prompt (after selective prefill: only the kept chunks,
+    at their original positions) and produces the first token itself.
+    Returns (output, target cache, position offset, times)."""
     device = input_ids.device
     out = _Output(input_ids[0].tolist(), max_new_tokens, eos_token_id)
     cache = new_cache(target)
-    start = _clock(device)
-    ids = input_ids
-    times = {}
-    while not out.done:
-        logits = target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-        token, _ = pick_tokens(logits.float(), temperature, generator)
-        out.commit([int(token)])
-        times.setdefault("prefill", _clock(device) - start)
-        ids = token.view(1, 1)
-    times["total"] = _clock(device) - start
-    times.setdefault("prefill", times["total"])
-    return torch.tensor([out.tokens], device=device), _stats(out, times)
+    times = {"start": _clock(device), "prefill": 0.0}
+    if not out.done:
+        ids, positions = (input_ids, None) if selection is None else (selection["kept_ids"], selection["kept_positions"])
+        logits = target(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
+                        logits_to_keep=1).logits[0, -1]
+        out.commit([int(pick_tokens(logits.float(), temperature, generator)[0])])
+        times["prefill"] = _clock(device) - times["start"]
+    offset = 0 if selection is None else input_ids.shape[1] - selection["kept_ids"].shape[1]
+    return out, cache, offset, times
+
+
+def _finish(out: _Output, times: dict, selection, device) -> tuple[torch.Tensor, dict]:
+    times["total"] = _clock(device) - times["start"]
+    if selection is not None:  # the drafter's scoring pass is part of the time to first token
+        times["prefill"] += selection["time_scoring"]
+        times["total"] += selection["time_scoring"]
+    stats = _stats(out, times)
+    if selection is not None:
+        stats.update({key: selection[key] for key in ("num_chunks", "chunks_kept", "time_scoring")})
+        stats["prompt_tokens_prefilled"] = selection["kept_ids"].shape[1]
+        stats["time_target_prefill"] = times["prefill"] - selection["time_scoring"]
+    return torch.tensor([out.tokens], device=device), stats
 
 
 @torch.no_grad()
-def _decode_sync(target, drafter, input_ids, max_new_tokens, block_size, temperature, eos_token_id, generator):
+def _decode_target(target, input_ids, max_new_tokens, temperature, eos_token_id, generator, selection=None):
+    """Plain autoregressive decoding with the target alone: the reference output and the speedup baseline."""
+    out, cache, offset, times = _prefill(target, input_ids, max_new_tokens, eos_token_id, temperature, generator,
+                                         selection)
+    while not out.done:
+        logits = target_forward(target, torch.tensor([out.tokens[-1:]], device=input_ids.device), cache, offset,
+                                logits_to_keep=1)[-1]
+        out.commit([int(pick_tokens(logits, temperature, generator)[0])])
+    return _finish(out, times, selection, input_ids.device)
+
+
+@torch.no_grad()
+def _decode_sync(target, drafter, input_ids, max_new_tokens, block_size, temperature, eos_token_id, generator,
+                 selection=None):
     """Synchronous speculative decoding: draft a block, verify it, commit, repeat.
 
     Invariants at the top of every round (committed tokens x_0 .. x_n):
       target cache = x_0 .. x_{n-1}     (x_n is fed with the draft)
       drafter cache = x_0 .. x_{d-1}    for some d <= n (the drafter catches up in its next pass)"""
     device = input_ids.device
-    out = _Output(input_ids[0].tolist(), max_new_tokens, eos_token_id)
-    target_cache, drafter_cache = new_cache(target), new_cache(drafter.model)
-    times = {"draft": 0.0, "verify": 0.0}
-    start = _clock(device)
-    # Prefill: the target reads the prompt and produces the first token itself.
-    logits = target(input_ids=input_ids, past_key_values=target_cache, use_cache=True, logits_to_keep=1).logits
-    first, _ = pick_tokens(logits[0, -1].float(), temperature, generator)
-    out.commit([int(first)])
-    times["prefill"] = _clock(device) - start
-
+    out, target_cache, offset, times = _prefill(target, input_ids, max_new_tokens, eos_token_id, temperature,
+                                                generator, selection)
+    drafter_cache = new_cache(drafter.model) if selection is None else selection["drafter_cache"]
+    times.update(draft=0.0, verify=0.0)
     while not out.done:
         t0 = _clock(device)
         seen = drafter_cache.get_seq_length()
@@ -563,16 +594,15 @@ def _decode_sync(target, drafter, input_ids, max_new_tokens, block_size, tempera
         draft, q_draft = pick_tokens(draft_block(drafter, drafter_cache, new_tokens, block_size), temperature,
                                      generator)
         t1 = _clock(device)
-        p_logits = verify_block(target, target_cache, new_tokens[0, -1], draft)
+        p_logits = verify_block(target, target_cache, new_tokens[0, -1], draft, offset)
         num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator)
         committed = out.commit(draft[:num_accepted].tolist() + [next_token])
-        crop_cache(target_cache, len(out.tokens) - 1)  # keep x_0 .. x_n, d_1 .. d_a; drop the rejected tail
+        crop_cache(target_cache, len(out.tokens) - 1 - offset)  # keep x_0 .. x_n, d_1 .. d_a; drop the rejected tail
         out.accept_lengths.append(len(committed))
         t2 = _clock(device)
         times["draft"] += t1 - t0
         times["verify"] += t2 - t1
-    times["total"] = _clock(device) - start
-    return torch.tensor([out.tokens], device=device), _stats(out, times)
+    return _finish(out, times, selection, device)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -639,7 +669,7 @@ class _Span:
 
 @torch.no_grad()
 def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temperature, eos_token_id, generator,
-                  coverage, fanout, cover):
+                  coverage, fanout, cover, selection=None):
     """Asynchronous speculative decoding: while the target verifies [x_n, d_1 .. d_B], one packed drafter pass
     prepares the next draft for the likely outcomes of that verification.
 
@@ -652,12 +682,13 @@ def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temper
     being the guess). Otherwise a synchronous draft (a miss). Invariants as in _decode_sync."""
     device = input_ids.device
     mask_id = drafter.d3d_config.mask_token_id
-    out = _Output(input_ids[0].tolist(), max_new_tokens, eos_token_id)
-    target_cache, drafter_cache = new_cache(target), new_cache(drafter.model)
+    out, target_cache, offset, times = _prefill(target, input_ids, max_new_tokens, eos_token_id, temperature,
+                                                generator, selection)
+    drafter_cache = new_cache(drafter.model) if selection is None else selection["drafter_cache"]
     cuda = device.type == "cuda"
     verify_stream = torch.cuda.Stream(device) if cuda else None  # the target's verification pass
     draft_stream = torch.cuda.Stream(device) if cuda else None  # the drafter's packed pass
-    times = dict.fromkeys(["verify", "packed_draft", "fallback_draft", "overlap_saved"], 0.0)
+    times.update(dict.fromkeys(["verify", "packed_draft", "fallback_draft", "overlap_saved"], 0.0))
     hits, misses = [0] * (block_size + 1), [0] * (block_size + 1)  # index k-1: rejection at k; index B: full accept
 
     def fallback_draft():
@@ -667,11 +698,6 @@ def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temper
         times["fallback_draft"] += _clock(device) - t0
         return logits
 
-    start = _clock(device)
-    logits = target(input_ids=input_ids, past_key_values=target_cache, use_cache=True, logits_to_keep=1).logits
-    first, _ = pick_tokens(logits[0, -1].float(), temperature, generator)
-    out.commit([int(first)])
-    times["prefill"] = _clock(device) - start
     draft_logits = fallback_draft() if not out.done else None
 
     while not out.done:
@@ -699,7 +725,7 @@ def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temper
             verify_stream.wait_stream(torch.cuda.current_stream(device))
             draft_stream.wait_stream(torch.cuda.current_stream(device))
         with _stream(verify_stream), _Span(verify_stream) as verify_span:
-            p_logits = verify_block(target, target_cache, last_token, draft)
+            p_logits = verify_block(target, target_cache, last_token, draft, offset)
         with _stream(draft_stream), _Span(draft_stream) as packed_span:
             hidden = drafter.hidden_states(packed, positions, mask, past_key_values=drafter_cache)[0]  # (q, H)
             block_hidden = hidden[block_rows]  # (S, B, H); projected to logits only for the branch that hits
@@ -715,7 +741,7 @@ def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temper
 
         committed = out.commit(draft[:num_accepted].tolist() + [next_token])
         out.accept_lengths.append(len(committed))
-        crop_cache(target_cache, len(out.tokens) - 1)
+        crop_cache(target_cache, len(out.tokens) - 1 - offset)
         crop_cache(drafter_cache, n + 1 + num_accepted)  # keep x_0 .. x_n, d_1 .. d_a; drop rejected and branches
 
         # Was this outcome prepared?
@@ -741,9 +767,8 @@ def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temper
             draft_logits = drafter.logits(block_hidden[hit_seg, next_rows])
         else:
             draft_logits = fallback_draft()
-    times["total"] = _clock(device) - start
     times["draft"] = times["packed_draft"] + times["fallback_draft"]
-    stats = _stats(out, times)
+    output_ids, stats = _finish(out, times, selection, device)
     num_hits = sum(hits)
     stats.update({
         "hit_rate": num_hits / max(1, num_hits + sum(misses)),
@@ -754,7 +779,7 @@ def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temper
         "time_overlap_saved": times["overlap_saved"],  # CUDA only: verify + packed draft - wall time of both
         "coverage": coverage, "fanout": fanout, "cover": cover,
     })
-    return torch.tensor([out.tokens], device=device), stats
+    return output_ids, stats
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -893,51 +918,107 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
     return table
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# Selective prefilling (paper appendix, Fig. 5, Tables 6-7; method.md section 6)
+
+
+@torch.no_grad()
+def select_chunks(drafter: Drafter, input_ids: torch.Tensor, *, keep_ratio: float, chunk_size: int = 64,
+                  query_window: int = 32) -> dict:
+    """The drafter reads the whole prompt into its own cache and chooses which chunks the target prefills.
+
+    Score of a chunk (ours): the attention mass that the last `query_window` prompt tokens give its tokens, averaged
+    over layers, heads and those queries. The first and the last chunk are always kept; then the best-scoring
+    chunks up to ceil(keep_ratio * num_chunks). Kept chunks stay in their original order and keep their original
+    position ids. Returns kept_ids (1, k), kept_positions (1, k), the drafter's cache (holding the full prompt),
+    chunk scores and counts, and the scoring time."""
+    if not 0 < keep_ratio <= 1:
+        raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    device = input_ids.device
+    start = _clock(device)
+    length = input_ids.shape[1]
+    window = min(query_window, length)
+    decoder = drafter.model.get_decoder()
+    cache = new_cache(drafter.model)
+    if length > window:  # the bulk of the prompt with the fast attention path
+        decoder(input_ids=input_ids[:, : length - window], past_key_values=cache, use_cache=True)
+    attn_implementation = drafter.model.config._attn_implementation
+    drafter.model.set_attn_implementation("eager")  # only eager attention returns the attention weights
+    try:
+        out = decoder(input_ids=input_ids[:, length - window:], past_key_values=cache, use_cache=True,
+                      output_attentions=True)
+    finally:
+        drafter.model.set_attn_implementation(attn_implementation)
+    attention = torch.stack([a[0].float() for a in out.attentions]).mean((0, 1, 2))  # (L,) mean over layer/head/query
+    num_chunks = math.ceil(length / chunk_size)
+    scores = torch.zeros(num_chunks, device=device).index_add_(
+        0, torch.arange(length, device=device) // chunk_size, attention)
+    num_keep = min(num_chunks, max(2, math.ceil(keep_ratio * num_chunks)))
+    ranked = scores.clone()
+    ranked[0] = ranked[-1] = float("inf")  # the first and the last chunk are always kept
+    kept = sorted(torch.topk(ranked, num_keep).indices.tolist())
+    positions = torch.cat([torch.arange(c * chunk_size, min((c + 1) * chunk_size, length), device=device)
+                           for c in kept])
+    return {"kept_ids": input_ids[:, positions], "kept_positions": positions[None], "drafter_cache": cache,
+            "chunk_scores": scores.tolist(), "kept_chunks": kept, "num_chunks": num_chunks, "chunks_kept": len(kept),
+            "time_scoring": _clock(device) - start}
+
+
 MODES = ("target", "sync", "async")
 
 
 def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor, *, max_new_tokens: int,
              mode: str = "sync", block_size: int | None = None, temperature: float = 0.0, eos_token_id=None,
              generator: torch.Generator | None = None, coverage: int | None = None, fanout: int | None = None,
-             cover: str = "first"):
+             cover: str = "first", keep_ratio: float | None = None, chunk_size: int = 64):
     """Decode one sequence. Returns (output_ids (1, prompt + new), stats).
 
     mode "target": target-only autoregressive decoding (no drafter needed); "sync": speculative decoding with D3D
     drafts (method.md section 3); "async": the drafter prepares the next draft during verification (section 4),
     with `coverage` C rejection positions x `fanout` F candidate tokens (default: default_budget(B)) chosen by
-    `cover` ("first" or "likely"); stats then add hit_rate, hits/misses per position and the time split. Temperature 0 is exact greedy: every mode gives the target's greedy tokens.
-    Temperature > 0 samples; speculative modes use lossless speculative sampling, reproducible with `generator`.
-    Decoding stops after EOS (kept in the output) or max_new_tokens. stats: tau (mean tokens committed per round),
-    accept_lengths, num_rounds, time_prefill / time_draft / time_verify / time_total, tokens_per_s."""
+    `cover` ("first" or "likely"); stats then add hit_rate, hits/misses per position and the time split.
+    Temperature 0 is exact greedy: every mode gives the target's greedy tokens. Temperature > 0 samples;
+    speculative modes use lossless speculative sampling, reproducible with `generator`. Decoding stops after EOS
+    (kept in the output) or max_new_tokens. stats: tau (mean tokens committed per round), accept_lengths,
+    num_rounds, time_prefill / time_draft / time_verify / time_total, tokens_per_s.
+
+    keep_ratio (off by default; lossy by design): selective prefilling, the drafter picks the prompt chunks of
+    `chunk_size` tokens that the target prefills (select_chunks); every mode then decodes exactly as the target
+    would on the kept chunks. stats add chunks_kept, prompt_tokens_prefilled, time_scoring, time_target_prefill."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must have shape (1, prompt_len) (batch 1), got {tuple(input_ids.shape)}")
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: give at least one token (e.g. the chat template's prefix)")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if mode == "target":
-        return _decode_target(target, input_ids, max_new_tokens, temperature, eos_token_id, generator)
+    if max_new_tokens < 0 or temperature < 0:
+        raise ValueError(f"need max_new_tokens >= 0 and temperature >= 0, got {max_new_tokens}, {temperature}")
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
-    if drafter is None:
-        raise ValueError(f"mode {mode!r} needs a drafter")
-    block_size = drafter.d3d_config.block_size if block_size is None else block_size
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    target_rows = target.get_output_embeddings().weight.shape[0]
-    if drafter.d3d_config.target_vocab_size != target_rows:
-        raise ValueError(f"the drafter was made for a target vocabulary of {drafter.d3d_config.target_vocab_size} "
-                         f"tokens, this target has {target_rows}: use a drafter made with the target's tokenizer")
-    if mode == "sync":
-        return _decode_sync(target, drafter, input_ids, max_new_tokens, block_size, temperature, eos_token_id,
-                            generator)
-    default_coverage, default_fanout = default_budget(block_size)
+    if drafter is None and (mode != "target" or keep_ratio is not None):
+        raise ValueError(f"mode {mode!r} needs a drafter" + (" (it scores the prompt chunks)" if keep_ratio else ""))
+    if drafter is not None:
+        target_rows = target.get_output_embeddings().weight.shape[0]
+        if drafter.d3d_config.target_vocab_size != target_rows:
+            raise ValueError(f"the drafter was made for a target vocabulary of {drafter.d3d_config.target_vocab_size}"
+                             f" tokens, this target has {target_rows}: use a drafter made with the target's tokenizer")
+        block_size = drafter.d3d_config.block_size if block_size is None else block_size
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+    default_coverage, default_fanout = default_budget(block_size or 1)
     coverage = default_coverage if coverage is None else coverage
     fanout = default_fanout if fanout is None else fanout
     if coverage < 0 or fanout < 0 or cover not in ("first", "likely"):
-        raise ValueError(f"need coverage >= 0, fanout >= 0, cover 'first' or 'likely'; got {coverage}, {fanout}, "
-                         f"{cover!r}")
-    return _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temperature, eos_token_id,
-                         generator, coverage, fanout, cover)
+        raise ValueError(f"need coverage >= 0, fanout >= 0 and cover 'first' or 'likely'; got {coverage}, {fanout},"
+                         f" {cover!r}")
+
+    selection = None
+    if keep_ratio is not None:
+        selection = select_chunks(drafter, input_ids, keep_ratio=keep_ratio, chunk_size=chunk_size)
+    args = (max_new_tokens, temperature, eos_token_id, generator)
+    if mode == "target":
+        return _decode_target(target, input_ids, *args, selection)
+    if mode == "sync":
+        return _decode_sync(target, drafter, input_ids, max_new_tokens, block_size, *args[1:], selection)
+    return _decode_async(target, drafter, input_ids, max_new_tokens, block_size, *args[1:], coverage, fanout, cover,
+                         selection)

@@ -599,6 +599,95 @@ def test_pruned_drafter_saves_loads_and_decodes_losslessly(tok, target, tmp_path
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Selective prefilling
+
+
+def test_keep_ratio_one_equals_ordinary_decoding(tok, target):
+    drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=4)
+    prompt = torch.randint(0, TEXT_VOCAB, (1, 37), generator=torch.Generator().manual_seed(3))
+    expected, _ = d3d.generate(target, None, prompt, max_new_tokens=15, mode="target")
+    for mode in d3d.MODES:
+        out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=15, mode=mode, keep_ratio=1.0,
+                                  chunk_size=8)
+        assert out.tolist() == expected.tolist()
+        assert stats["chunks_kept"] == stats["num_chunks"] == 5 and stats["prompt_tokens_prefilled"] == 37
+
+
+def test_kept_chunks_are_in_order_with_original_positions(tok):
+    drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok)
+    prompt = torch.randint(0, TEXT_VOCAB, (1, 45), generator=torch.Generator().manual_seed(4))
+    sel = d3d.select_chunks(drafter, prompt, keep_ratio=0.4, chunk_size=7)  # 7 chunks (the last has 3 tokens)
+    assert sel["num_chunks"] == 7 and sel["chunks_kept"] == 3
+    kept = sel["kept_chunks"]
+    assert kept == sorted(kept) and kept[0] == 0 and kept[-1] == 6
+    expected_positions = [p for c in kept for p in range(7 * c, min(7 * c + 7, 45))]
+    assert sel["kept_positions"][0].tolist() == expected_positions
+    assert torch.equal(sel["kept_ids"][0], prompt[0, expected_positions])
+    middle = max(range(1, 6), key=lambda c: sel["chunk_scores"][c])
+    assert kept[1] == middle  # the best-scoring middle chunk
+    assert sel["drafter_cache"].get_seq_length() == 45  # the drafter keeps the whole prompt
+
+
+def needle_drafter(tok, needle):
+    """A drafter whose first layer attends almost only to the token `needle` (a query bias aligned with that
+    token's key, on the slowest-rotating RoPE pair so that distance hardly matters)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         attention_bias=True, rope_theta=1e6)
+    model = LlamaForCausalLM(config).eval()
+    attn, head_dim = model.model.layers[0].self_attn, 8
+    with torch.no_grad():
+        direction = model.model.embed_tokens.weight[needle] / model.model.embed_tokens.weight[needle].norm()
+        model.model.embed_tokens.weight[needle] = direction * 32 ** 0.5 * 0.02 * 10
+        attn.q_proj.weight.zero_()
+        attn.q_proj.bias.zero_()
+        attn.k_proj.weight.zero_()
+        attn.k_proj.bias.zero_()
+        for h in range(4):
+            attn.q_proj.bias[h * head_dim + head_dim // 2 - 1] = 10.0
+        for h in range(2):
+            attn.k_proj.weight[h * head_dim + head_dim // 2 - 1] = direction * 10.0
+    return d3d.make_drafter(model, tokenizer=tok)
+
+
+def test_the_chunk_the_drafter_attends_to_survives(tok):
+    needle = 42
+    drafter = needle_drafter(tok, needle)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 40, (1, 80), generator=g)  # no needle anywhere ...
+    prompt[0, 45] = needle  # ... but in chunk 5 of 10 (positions 40-47)
+    sel = d3d.select_chunks(drafter, prompt, keep_ratio=0.3, chunk_size=8)
+    assert sel["kept_chunks"] == [0, 5, 9]
+    prompt[0, 45], prompt[0, 21] = 7, needle  # move it to chunk 2: the choice follows
+    assert d3d.select_chunks(drafter, prompt, keep_ratio=0.3, chunk_size=8)["kept_chunks"] == [0, 2, 9]
+
+
+def test_selective_prefill_decodes_like_the_target_on_the_kept_chunks(tok, target):
+    drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=5)
+    prompt = torch.randint(0, TEXT_VOCAB, (1, 61), generator=torch.Generator().manual_seed(6))
+    outputs = {}
+    for mode in d3d.MODES:
+        outputs[mode], stats = d3d.generate(target, drafter, prompt, max_new_tokens=17, mode=mode, keep_ratio=0.3,
+                                            chunk_size=6)
+        assert stats["chunks_kept"] == 4 and stats["prompt_tokens_prefilled"] < 61
+        assert stats["time_prefill"] >= stats["time_scoring"] > 0
+    assert outputs["sync"].tolist() == outputs["async"].tolist() == outputs["target"].tolist()
+    # independent check, no cache: the target reading the kept chunks + the answer at their original positions
+    # predicts every answer token greedily
+    sel = d3d.select_chunks(drafter, prompt, keep_ratio=0.3, chunk_size=6)
+    answer = outputs["target"][:, 61:]
+    ids = torch.cat([sel["kept_ids"], answer], 1)
+    positions = torch.cat([sel["kept_positions"], torch.arange(61, 61 + answer.shape[1])[None]], 1)
+    with torch.no_grad():
+        logits = target(input_ids=ids, position_ids=positions).logits[0]
+    k = sel["kept_ids"].shape[1]
+    assert logits[k - 1: -1].argmax(-1).tolist() == answer[0].tolist()
+    full, _ = d3d.generate(target, None, prompt, max_new_tokens=17, mode="target")
+    assert full.tolist() != outputs["target"].tolist()  # dropping chunks does change this target's answer
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Bad input: clear errors, never a wrong answer
 
 
@@ -615,6 +704,10 @@ def test_bad_inputs_raise_clear_errors(tok, target, tmp_path):
         d3d.generate(target, drafter, prompt.repeat(2, 1), max_new_tokens=5)
     with pytest.raises(ValueError, match="needs a drafter"):
         d3d.generate(target, None, prompt, max_new_tokens=5, mode="sync")
+    with pytest.raises(ValueError, match="keep_ratio"):
+        d3d.generate(target, drafter, prompt, max_new_tokens=5, keep_ratio=0.0)
+    with pytest.raises(ValueError, match="scores the prompt chunks"):
+        d3d.generate(target, None, prompt, max_new_tokens=5, mode="target", keep_ratio=0.5)
     with pytest.raises(ValueError, match="unknown mode"):
         d3d.generate(target, drafter, prompt, max_new_tokens=5, mode="fast")
     with pytest.raises(ValueError, match="target vocabulary"):  # a drafter for a target with another vocabulary
