@@ -32,6 +32,10 @@ Our readings where the paper is silent (see ../shared/design/method.md and READM
   * asynchronous branches: C covered positions x F candidate tokens (the drafter's runners-up at that position),
     plus a full-acceptance block whose first token guesses the bonus; after a full-acceptance hit the next draft
     has B-1 tokens. Branch blocks are projected to logits only for the branch that hits.
+  * pruning: recovery distils from the fixed unpruned drafter toward q = (1-beta) softmax(teacher) + beta onehot
+    (beta = 0.5) on blocks and causal stream; tau ties between candidate layers go to the smallest change in loss.
+  * selective prefill: a chunk's score is the attention mass the last 32 prompt tokens give it (mean over layers,
+    heads, queries); first and last chunk always kept.
 """
 from __future__ import annotations
 
