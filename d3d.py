@@ -734,8 +734,11 @@ def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temper
             hidden = drafter.hidden_states(packed, positions, mask, past_key_values=drafter_cache)[0]  # (q, H)
             block_hidden = hidden[block_rows]  # (S, B, H); projected to logits only for the branch that hits
         if cuda:  # join: p_logits (verify_stream) and block_hidden (draft_stream) are read on the current stream
-            torch.cuda.current_stream(device).wait_stream(verify_stream)
-            torch.cuda.current_stream(device).wait_stream(draft_stream)
+            main = torch.cuda.current_stream(device)
+            main.wait_stream(verify_stream)
+            main.wait_stream(draft_stream)
+            p_logits.record_stream(main)  # made on side streams, read here: the allocator must not reuse them early
+            block_hidden.record_stream(main)
         num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator)  # the host waits
         wall = _clock(device) - t0
         times["verify"] += verify_span.seconds()
