@@ -1,0 +1,495 @@
+"""Answer prompts with a D3D drafter, or benchmark it against target-only decoding (the paper's Table 1 protocol).
+
+    python decode.py                                     # the toy target and drafter that `python train.py` wrote
+    python decode.py --target Qwen/Qwen3-8B --drafter runs/qwen3-8b/drafter --prompt "What is 17 * 23?"
+    python decode.py --bench runs/toy/prompts-test.jsonl --max-samples 20 --out runs/bench.json
+
+Answers are coloured by origin: green = draft tokens the target accepted, yellow = the target's own token that
+closes every round (the first token comes from the target's prefill). Then tau, the acceptance histogram, the
+speedup over target-only decoding measured in the same run and, in async mode, the hit rate.
+Benchmark (method.md): batch 1, greedy unless --temperature, a warm-up, then per prompt target-only decoding and
+each speculative mode, in the same run. speedup = target-only time per output token / speculative time per output
+token, prefill excluded (TTFT reported apart), times and tokens summed over a dataset; tau = mean over rounds,
+averaged per prompt. Every greedy speculative output is checked token for token against the target-only output.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+import d3d
+
+TOY_DRAFTER, TOY_TARGET, TOY_PROMPTS = "runs/toy/drafter", "runs/toy/target", "runs/toy/prompts-test.jsonl"
+PROMPT_FIELDS = ("question", "prompt", "turns")  # GSM8K-, HumanEval-, MT-Bench-style files (first turn only)
+COLOURS, RESET = {"draft": "\033[32m", "target": "\033[33m"}, "\033[0m"
+TIME_KEYS = ("time_draft", "time_verify", "time_packed_draft", "time_fallback_draft", "time_overlap_saved")
+
+
+def available_modes() -> tuple[str, ...]:
+    return tuple(getattr(d3d, "MODES", ("target", "sync")))
+
+
+def parse_mode(spec: str) -> tuple[str, dict]:
+    """'sync', 'async', or 'async:C,F[,cover]' (a branch budget to sweep, the paper's Fig. 3): (mode, overrides)."""
+    mode, _, budget = spec.partition(":")
+    if mode not in available_modes() or (budget and mode != "async"):
+        raise ValueError(f"unknown mode {spec!r}: use one of {', '.join(available_modes())} or async:C,F[,cover]")
+    if not budget:
+        return mode, {}
+    parts = budget.split(",")
+    try:
+        overrides = {"coverage": int(parts[0]), "fanout": int(parts[1])}
+    except (ValueError, IndexError):
+        raise ValueError(f"bad async budget {spec!r}: write async:C,F or async:C,F,likely (e.g. async:12,2)")
+    if len(parts) > 2:
+        overrides["cover"] = parts[2]
+    return mode, overrides
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Models and prompts
+
+
+def load(target, drafter, modes, device, dtype, attn):
+    """(target, drafter or None if only target-only decoding runs, the target's tokenizer, EOS ids, description)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, dtype) if dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
+    need_drafter = any(m != "target" for m in modes)
+    if (need_drafter or target is None) and drafter == TOY_DRAFTER and not os.path.isdir(drafter):
+        raise FileNotFoundError(f"no drafter at {TOY_DRAFTER}: make the toy target and drafter with `python train.py` "
+                                "(about 5 min on 2 CPU cores), or pass --target and --drafter")
+    draft_model = d3d.Drafter.from_pretrained(drafter, dtype, device, attn).eval() if need_drafter else None
+    if target is None:  # the target the drafter was trained for
+        args_file = os.path.join(drafter, "train_args.json")
+        target = json.load(open(args_file))["target"] if os.path.isfile(args_file) else TOY_TARGET
+    tok = transformers.AutoTokenizer.from_pretrained(target)
+    if draft_model is not None:
+        d3d.check_tokenizer(draft_model, tok)  # before loading a large target for nothing
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=dtype, attn_implementation=attn)
+    model = model.to(device).eval()
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    eos = sorted({tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
+    info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else
+            f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)", "dtype": str(dtype), "attn": attn,
+            "target": target, "drafter": drafter if need_drafter else None, "eos_token_id": eos,
+            "drafter_config": dataclasses.asdict(draft_model.d3d_config) if draft_model else None}
+    return model, draft_model, tok, eos, info
+
+
+def encode(tok, text: str, thinking: bool, device) -> torch.Tensor:
+    """Prompt ids (1, n): the chat template if the tokenizer has one (Qwen3: thinking off unless asked)."""
+    if not text.strip():
+        raise ValueError("empty prompt: give some text to answer")
+    if not tok.chat_template:
+        return torch.tensor([tok(text).input_ids], device=device)
+    text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True,
+                                   enable_thinking=thinking)
+    return torch.tensor([tok(text, add_special_tokens=False).input_ids], device=device)
+
+
+def read_prompts(path: str, field: str | None = None, max_samples: int | None = None) -> tuple[str, list[str]]:
+    """(field, prompts) of a JSON Lines file; the field is auto-detected among PROMPT_FIELDS unless given."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if not rows:
+        raise ValueError(f"{path} holds no prompts (empty file)")
+    field = field or next((k for k in PROMPT_FIELDS if k in rows[0]), None)
+    if field is None or field not in rows[0]:
+        raise ValueError(f"{path}: no prompt field {field or PROMPT_FIELDS} (keys: {sorted(rows[0])}); "
+                         "name it with --prompt-field")
+    return field, [r[field][0] if isinstance(r[field], list) else r[field] for r in rows[:max_samples]]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One prompt in every mode, and how to show a round
+
+
+def decode_prompt(models, ids, modes, opts, max_new_tokens=None) -> dict[str, dict]:
+    """{mode: d3d.generate's stats + new_tokens, decode_time, decode_tokens} for each mode, in order."""
+    target, drafter, _, eos, _ = models
+    records = {}
+    for spec in modes:
+        mode, overrides = parse_mode(spec)
+        generator = torch.Generator(ids.device).manual_seed(opts["seed"])
+        kwargs = {"max_new_tokens": max_new_tokens or opts["max_new_tokens"], "mode": mode, "eos_token_id": eos,
+                  "temperature": opts["temperature"], "generator": generator}
+        if mode != "target":
+            kwargs["block_size"] = opts["block_size"]
+        if mode == "async":  # branch budget C x F and which positions (method.md section 4); unset = d3d's defaults
+            kwargs.update({k: opts[k] for k in ("coverage", "fanout", "cover") if opts[k] is not None}, **overrides)
+        if opts.get("keep_ratio") is not None:  # selective prefilling (lossy, off by default)
+            kwargs.update(keep_ratio=opts["keep_ratio"], chunk_size=opts["chunk_size"])
+        use_drafter = mode != "target" or opts.get("keep_ratio") is not None
+        out, stats = d3d.generate(target, drafter if use_drafter else None, ids, **kwargs)
+        records[spec] = {**stats, "new_tokens": out[0, ids.shape[1]:].tolist(),
+                         "decode_time": stats["time_total"] - stats["time_prefill"],  # the first token is prefill's
+                         "decode_tokens": max(stats["num_new_tokens"] - 1, 0)}
+    return records
+
+
+def first_difference(reference: list[int], other: list[int]) -> int | None:
+    """Index of the first differing token (None if equal; the shorter length if one output is a prefix)."""
+    if reference == other:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other)))
+
+
+def colour_answer(tok, new_tokens: list[int], accept_lengths: list[int], colour: bool) -> str:
+    """The answer, accepted drafts green, the target's own tokens yellow. Round r commits accept_lengths[r] tokens:
+    drafts, then the target's (a final round cut by EOS or the budget may end on a draft: shown as the target's)."""
+    if not colour:
+        return tok.decode(new_tokens, skip_special_tokens=True)
+    origin = ["target"] + [o for n in accept_lengths for o in ["draft"] * (n - 1) + ["target"]]
+    origin += ["target"] * (len(new_tokens) - len(origin))  # target-only decoding has no rounds
+    pieces, shown, start = [], "", 0
+    for end in range(1, len(new_tokens) + 1):
+        if end == len(new_tokens) or origin[end] != origin[start]:  # a run of one origin ends: decode up to it
+            text = tok.decode(new_tokens[:end], skip_special_tokens=True)  # whole prefix: multi-byte text stays whole
+            piece = text[len(shown):] if text.startswith(shown) else tok.decode(new_tokens[start:end])
+            pieces.append(COLOURS[origin[start]] + piece + RESET)
+            shown, start = text, end
+    return "".join(pieces)
+
+
+def histogram(accept_lengths: list[int], width: int = 40) -> str:
+    """One bar per round length that occurred (lengths with no round are left out)."""
+    counts = collections.Counter(accept_lengths)
+    top, total = max(counts.values(), default=1), max(len(accept_lengths), 1)
+    return "\n".join(f"  {n:>3} | {'#' * math.ceil(width * counts[n] / top):<{width}} {counts[n]:>5} "
+                     f"({counts[n] / total:.0%})" for n in sorted(counts))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Aggregation and the Table 1 layout
+
+
+def _mean(values):
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(values) / len(values) if values else math.nan
+
+
+def summarise(records: list[dict], baseline: list[dict]) -> dict:
+    """One mode over some prompts, against target-only decoding of the same prompts."""
+    def s_per_token(recs):
+        tokens = sum(r["decode_tokens"] for r in recs)
+        return sum(r["decode_time"] for r in recs) / tokens if tokens else math.nan
+    rounds = sum(r["num_rounds"] for r in records)
+    out = {"speedup": s_per_token(baseline) / s_per_token(records), "tau": _mean(r["tau"] for r in records),
+           "tokens_per_s": 1 / s_per_token(records), "ttft_s": _mean(r["time_prefill"] for r in records),
+           "num_rounds": rounds, "num_new_tokens": sum(r["num_new_tokens"] for r in records),
+           "histogram": dict(sorted(collections.Counter(n for r in records for n in r["accept_lengths"]).items())),
+           "ms_per_round": {k[5:]: 1000 * sum(r[k] for r in records) / max(rounds, 1) for k in TIME_KEYS
+                            if k in records[0]}}
+    if rounds:  # the whole round, to compare with its phases
+        out["ms_per_round"]["round"] = 1000 * sum(r["decode_time"] for r in records) / rounds
+    if "time_packed_draft" in records[0]:  # async: a round if verify and packed draft overlapped perfectly
+        overlapped = sum(r["decode_time"] - min(r["time_verify"], r["time_packed_draft"]) for r in records)
+        tokens = sum(r["decode_tokens"] for r in records)
+        out["speedup_if_overlapped"] = s_per_token(baseline) / (overlapped / tokens) if tokens else math.nan
+    if "hits_per_position" in records[0]:  # async: pooled over rounds (index k-1: rejection at k; last: all accepted)
+        for k in ("hits_per_position", "misses_per_position"):
+            out[k] = [sum(col) for col in zip(*(r[k] for r in records))]
+        hits, misses = sum(out["hits_per_position"]), sum(out["misses_per_position"])
+        out["hit_rate"] = hits / max(1, hits + misses)
+    return out
+
+
+def table(results: dict, overall: dict, modes: list[str], block_size: int) -> str:
+    """Rows: modes; columns: per dataset speedup and tau, then their mean (the paper's Table 1). Below, over all
+    datasets: decode speed, time to first token, hit rate and where the time of a round goes (round = decode time
+    / rounds; the phases may sum to less: acceptance, bookkeeping; on GPU async verify and packed draft overlap).
+    "overlap": for async, the speedup a round of max(verify, packed draft) + fallback would give, i.e. with perfect
+    overlap of the two passes: what CUDA streams can buy, estimated from CPU timings where the passes run in turn."""
+    names = list(results) + ["Avg."]
+    lines = [" " * 20 + "".join(f"{n[:17]:<18}" for n in names), f"{'Method':<20}" + "Speedup  τ       " * len(names)]
+    for mode in modes:
+        cells = [results[n]["modes"][mode] for n in results]
+        cells.append({k: _mean(c[k] for c in cells) for k in ("speedup", "tau")})
+        lines.append(f"{f'{mode} ({block_size})':<20}" +
+                     "".join(f"{c['speedup']:6.2f}× {c['tau']:5.2f}    " for c in cells))
+    phases = ["round"] + [k[5:] for k in TIME_KEYS if any(k[5:] in overall[m]["ms_per_round"] for m in modes)]
+    lines.append(f"\n{'all datasets':<20}{'tok/s':>8}{'TTFT ms':>9}{'hit rate':>9}{'overlap':>9}   ms per round: "
+                 + " / ".join(phases) + ("  (draft = packed + fallback)" if "packed_draft" in phases else ""))
+    for mode in ["target"] + modes:
+        o = overall[mode]
+        per_round = [f"{o['ms_per_round'][p]:.2f}" if p in o["ms_per_round"] else "-" for p in phases]
+        overlap = f"{o['speedup_if_overlapped']:.2f}×" if "speedup_if_overlapped" in o else "-"
+        lines.append(f"{mode:<20}{o['tokens_per_s']:8.1f}{1000 * o['ttft_s']:9.1f}"
+                     f"{format(o['hit_rate'], '.0%') if 'hit_rate' in o else '-':>9}{overlap:>9}   "
+                     + (" / ".join(per_round) if mode != "target" else "-"))
+    return "\n".join(lines)
+
+
+def _finite(x):  # NaN is not JSON: write null
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The two drivers: interactive answers and the benchmark
+
+
+def interactive(models, prompts: list[str], mode: str, opts: dict, thinking: bool, colour: bool) -> dict:
+    target, _, tok, _, info = models
+    modes = ["target"] if mode == "target" else ["target", mode]
+    all_ids = [encode(tok, p, thinking, target.device) for p in prompts]  # a bad prompt fails before any decoding
+    decode_prompt(models, all_ids[0], modes, opts, max_new_tokens=8)  # warm-up
+    if colour:
+        print(f"{COLOURS['draft']}accepted draft tokens{RESET}, {COLOURS['target']}the target's own tokens{RESET}")
+    records = collections.defaultdict(list)
+    for i, (text, ids) in enumerate(zip(prompts, all_ids)):
+        for m, r in decode_prompt(models, ids, modes, opts).items():
+            records[m].append(r)
+        r, base = records[mode][-1], records["target"][-1]
+        print(f"\n── prompt {i + 1}/{len(prompts)}: {text}\n"
+              f"{colour_answer(tok, r['new_tokens'], r['accept_lengths'], colour)}")
+        if mode != "target":
+            print(f"   [{mode}: {r['num_new_tokens']} tokens in {r['num_rounds']} rounds, τ {r['tau']:.2f}, "
+                  f"{r['tokens_per_s']:.0f} tok/s; target-only {base['tokens_per_s']:.0f} tok/s; same tokens: "
+                  f"{'sampled' if opts['temperature'] else 'yes' if r['new_tokens'] == base['new_tokens'] else 'NO'}]")
+    s = summarise(records[mode], records["target"])
+    print(f"\n{mode}, {len(prompts)} prompt(s), {info['device']}, {info['dtype']}: {s['tokens_per_s']:.0f} tok/s "
+          f"(prefill excluded), time to first token {1000 * s['ttft_s']:.1f} ms")
+    if mode != "target":
+        block_size = opts["block_size"] or info["drafter_config"]["block_size"]
+        same = sum(r["new_tokens"] == b["new_tokens"] for r, b in zip(records[mode], records["target"]))
+        print(f"  τ = {s['tau']:.2f} tokens per round (block size {block_size})")
+        print(f"  speedup {s['speedup']:.2f}× over target-only decoding of the same prompts (time per output token)")
+        if "hit_rate" in s:
+            print(f"  hit rate {s['hit_rate']:.0%}: rounds whose next draft the packed pass had ready")
+        print(f"  same tokens as target-only: {same}/{len(prompts)}" + (" (sampled)" if opts["temperature"] else ""))
+        print(f"acceptance histogram (tokens committed per round, 1 .. {block_size + 1}):\n" +
+              histogram([n for r in records[mode] for n in r["accept_lengths"]]))
+    return {"summary": s, "answers": [tok.decode(r["new_tokens"], skip_special_tokens=True) for r in records[mode]]}
+
+
+def bench(models, files: list[tuple[str, str, list[str]]], modes: list[str], opts: dict, thinking: bool) -> dict:
+    """files: (path, field, prompts) of each prompt file."""
+    target, _, tok, _, info = models
+    datasets = {}
+    for path, field, prompts in files:
+        name = os.path.splitext(os.path.basename(path))[0]
+        ids = [encode(tok, p, thinking, target.device) for p in prompts]
+        datasets[name if name not in datasets else f"{name}-{len(datasets)}"] = (path, field, ids)
+    decode_prompt(models, next(iter(datasets.values()))[2][0], ["target"] + modes, opts, max_new_tokens=16)  # warm-up
+    results, mismatches, everything = {}, [], collections.defaultdict(list)
+    for name, (path, field, prompts) in datasets.items():
+        records = collections.defaultdict(list)
+        for i, ids in enumerate(tqdm(prompts, desc=name, unit="prompt", dynamic_ncols=True)):
+            for mode, r in decode_prompt(models, ids, ["target"] + modes, opts).items():
+                records[mode].append(r)
+                ref, new = records["target"][-1]["new_tokens"], r["new_tokens"]
+                pos = first_difference(ref, new)
+                if opts["temperature"] == 0 and pos is not None:
+                    show = [{"id": t[pos], "text": tok.decode(t[pos:pos + 1])} if pos < len(t) else "end of output"
+                            for t in (ref, new)]
+                    mismatches.append({"dataset": name, "prompt_index": i, "mode": mode, "position": pos,
+                                       "target_token": show[0], "mode_token": show[1]})
+        results[name] = {"path": path, "field": field, "num_prompts": len(prompts), "modes": {}, "per_prompt": {}}
+        for m in records:
+            results[name]["modes"][m] = summarise(records[m], records["target"])
+            results[name]["modes"][m]["mismatches"] = sum(x["dataset"] == name and x["mode"] == m for x in mismatches)
+            results[name]["per_prompt"][m] = [{k: v for k, v in r.items() if k != "new_tokens"} for r in records[m]]
+            everything[m] += records[m]
+    block_size = opts["block_size"] or info["drafter_config"]["block_size"]
+    overall = {m: summarise(everything[m], everything["target"]) for m in everything}
+    text = table(results, overall, modes, block_size)
+    checked = sum(len(everything[m]) for m in modes)
+    if opts["temperature"]:
+        check = "greedy check skipped: at temperature > 0 the outputs are samples"
+    elif not mismatches:
+        check = f"greedy check: all {checked} speculative outputs equal the target-only outputs token for token"
+    else:
+        x = mismatches[0]
+        check = (f"greedy check: {len(mismatches)} of {checked} speculative outputs DIFFER from target-only; first: "
+                 f"{x['dataset']} prompt {x['prompt_index']}, {x['mode']}, new token {x['position']}: "
+                 f"target {x['target_token']} vs {x['mode']} {x['mode_token']}")
+    print(f"\n{text}\n\n{check}")
+    mean = {m: {k: _mean(results[n]["modes"][m][k] for n in results) for k in ("speedup", "tau")} for m in modes}
+    return {"datasets": results, "mean": mean, "overall": overall, "block_size": block_size, "table": text,
+            "mismatches": {"count": len(mismatches), "checked": checked, "list": mismatches}}
+
+
+def long_prompts(docs: list[str], num_docs: int, count: int, seed: int) -> list[tuple[str, int]]:
+    """Long prompts from real text: `num_docs` problems one after another, then a request to solve one of them
+    (the paper's LongBench single-document QA in miniature). Returns (prompt, index of the asked problem)."""
+    rng = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(count):
+        chosen = [docs[(i * num_docs + k) % len(docs)] for k in range(num_docs)]
+        asked = int(torch.randint(1, num_docs + 1, (1,), generator=rng))
+        body = "\n\n".join(f"Problem {k + 1}: {doc}" for k, doc in enumerate(chosen))
+        prompts.append((f"Here are {num_docs} math problems.\n\n{body}\n\nSolve problem {asked} step by step and "
+                        f"give its final answer. Ignore the other problems.", asked))
+    return prompts
+
+
+def prefill_bench(models, path: str, docs: list[str], mode: str, keep_ratios: list[float], num_docs: int,
+                  count: int, opts: dict, thinking: bool) -> dict:
+    """Selective prefilling (paper Tables 6-7 in miniature): per long prompt, target-only decoding with full prefill
+    (the baseline), then `mode` with the drafter choosing the kept chunks at each keep ratio (1.0 = full prefill,
+    the drafter's scoring pass included in TTFT). TTFT, decode and end-to-end speedups are ratios to the baseline
+    in the same run; "same answer" compares the whole output, "same number" its last number, with the baseline's."""
+    import re
+
+    target, _, tok, _, _ = models
+    prompts = long_prompts(docs, num_docs, count, opts["seed"])
+    ids = [encode(tok, p, thinking, target.device) for p, _ in prompts]
+    rows = {"target, full prefill": None} | {f"{r:.0%} + D3D ({mode})": r for r in keep_ratios}
+    last_number = lambda toks: (re.findall(r"-?\d[\d,]*\.?\d*", tok.decode(toks)) or [None])[-1]  # noqa: E731
+    records = collections.defaultdict(list)
+    decode_prompt(models, ids[0], ["target"], opts, max_new_tokens=4)  # warm-up
+    for x in tqdm(ids, desc="long prompts", unit="prompt", dynamic_ncols=True):
+        for name, ratio in rows.items():
+            row_opts = {**opts, "keep_ratio": ratio}
+            records[name].append(decode_prompt(models, x, ["target" if ratio is None else mode], row_opts)
+                                 .popitem()[1])
+    base = records["target, full prefill"]
+
+    def per_token(recs, key, tokens):
+        return sum(r[key] for r in recs) / max(1, sum(r[tokens] for r in recs))
+    table_rows, result = [], {}
+    for name, recs in records.items():
+        result[name] = {
+            "same_answer": _mean(float(r["new_tokens"] == b["new_tokens"]) for r, b in zip(recs, base)),
+            "same_number": _mean(float(last_number(r["new_tokens"]) == last_number(b["new_tokens"]))
+                                 for r, b in zip(recs, base)),
+            "ttft_s": _mean(r["time_prefill"] for r in recs),
+            "ttft_speedup": _mean(b["time_prefill"] for b in base) / _mean(r["time_prefill"] for r in recs),
+            "decode_speedup": per_token(base, "decode_time", "decode_tokens") /
+            per_token(recs, "decode_time", "decode_tokens"),
+            "e2e_speedup": per_token(base, "time_total", "num_new_tokens") /
+            per_token(recs, "time_total", "num_new_tokens"),
+            "prompt_tokens": _mean(x.shape[1] for x in ids),
+            "prompt_tokens_prefilled": _mean(r.get("prompt_tokens_prefilled", x.shape[1]) for r, x in zip(recs, ids)),
+            "tau": _mean(r["tau"] for r in recs),
+        }
+        o = result[name]
+        table_rows.append(f"{name:<24}{o['same_answer']:>7.0%}{o['same_number']:>8.0%}{o['prompt_tokens_prefilled']:>9.0f}"
+                          f"{1000 * o['ttft_s']:>9.0f}{o['ttft_speedup']:>7.2f}×{o['decode_speedup']:>7.2f}×"
+                          f"{o['e2e_speedup']:>7.2f}×{o['tau']:>7.2f}")
+    header = (f"{os.path.basename(path)}: {count} prompts of {num_docs} problems (~{result[next(iter(result))]['prompt_tokens']:.0f}"
+              f" tokens), chunks of {opts['chunk_size']} tokens\n{'setting':<24}{'same':>7}{'number':>8}{'prefill':>9}"
+              f"{'TTFT ms':>9}{'TTFT':>8}{'decode':>8}{'E2E':>8}{'τ':>7}")
+    text = header + "\n" + "\n".join(table_rows)
+    print("\n" + text)
+    return {"prefill_bench": result, "table": text, "num_prompts": count, "num_docs": num_docs,
+            "chunk_size": opts["chunk_size"], "mode": mode, "source": path}
+
+
+def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_field, max_samples, thinking, mode,
+         block_size, temperature, max_new_tokens, coverage, fanout, cover, seed, bench_files, modes, out, no_color,
+         keep_ratio=None, chunk_size=64, prefill_bench_file=None, keep_ratios=(1.0, 0.3, 0.2, 0.1), num_docs=12):
+    args = dict(locals())  # recorded in the benchmark JSON
+    speculative = [m for m in available_modes() if m != "target"]
+    if prefill_bench_file:  # the paper pairs selective prefilling with sequential (sync) speculative decoding
+        mode, modes, bench_files = mode or "sync", [mode or "sync"], None
+    mode = mode or speculative[-1]  # async when d3d has it
+    modes = [m for m in modes or speculative if m != "target"]  # target-only always runs: it is the baseline
+    for m in [mode] + modes:
+        parse_mode(m)  # raises on an unknown mode or a bad async:C,F
+    if bench_files and not modes:
+        raise ValueError(f"--modes: name speculative modes ({', '.join(speculative)}); target-only always runs")
+    if max_samples is not None and max_samples < 1:
+        raise ValueError(f"--max-samples must be >= 1, got {max_samples}")
+    if prompt is not None and "-" in prompt:  # `--prompt -`: one prompt per non-empty line of stdin
+        prompt = [p for p in prompt if p != "-"] + [line.rstrip("\n") for line in sys.stdin if line.strip()]
+        if not prompt:
+            raise ValueError("no prompts on stdin")
+    if not bench_files and not prefill_bench_file and prompt is None:
+        prompts_file = prompts_file or TOY_PROMPTS
+        if prompts_file == TOY_PROMPTS and not os.path.isfile(prompts_file):
+            raise FileNotFoundError(f"no prompts at {TOY_PROMPTS}: make the toy setting with `python train.py` "
+                                    "(about 5 min on 2 CPU cores), or pass --prompt")
+        prompt = read_prompts(prompts_file, prompt_field, max_samples or 3)[1]
+    files = [(path, *read_prompts(path, prompt_field, max_samples)) for path in bench_files or []]  # before loading
+    if prefill_bench_file:
+        docs = read_prompts(prefill_bench_file, prompt_field)[1]
+    torch.manual_seed(seed)
+    models = load(target, drafter, modes if bench_files else [mode] + (["sync"] if keep_ratio else []), device, dtype,
+                  attn)
+    opts = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "block_size": block_size,
+            "coverage": coverage, "fanout": fanout, "cover": cover, "keep_ratio": keep_ratio, "chunk_size": chunk_size}
+    if prefill_bench_file:
+        result = prefill_bench(models, prefill_bench_file, docs, mode, list(keep_ratios), num_docs, max_samples or 10,
+                               {**opts, "keep_ratio": None}, thinking)
+    elif not bench_files:
+        colour = not no_color and sys.stdout.isatty() and "NO_COLOR" not in os.environ
+        return interactive(models, prompt, mode, opts, thinking, colour)
+    else:
+        result = bench(models, files, modes, opts, thinking)
+    command = "python " + shlex.join(sys.argv) if sys.argv[0].endswith("decode.py") else None  # None: called in-process
+    result["env"] = {**models[4], "torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version(), "command": command, "args": args}
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(_finite(result), f, indent=1, ensure_ascii=False)
+        print(f"wrote {out}")
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("models")
+    g.add_argument("--target", help="target: HF hub name or folder (default: 'target' in the drafter's "
+                                    f"train_args.json, else {TOY_TARGET})")
+    g.add_argument("--drafter", default=TOY_DRAFTER, help=f"D3D drafter folder (default: {TOY_DRAFTER})")
+    g.add_argument("--device", help="cuda, cuda:1, cpu, ... (default: cuda if available, else cpu)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="weights of both models (default: bfloat16 on GPU, float32 on CPU)")
+    g.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention kernel (default: sdpa)")
+    g = p.add_argument_group("prompts")
+    g.add_argument("--prompt", action="append", help="a prompt to answer (repeatable); '-' reads one per line of stdin")
+    g.add_argument("--prompts-file", help=f"JSON Lines prompts to answer without --prompt (default: {TOY_PROMPTS})")
+    g.add_argument("--prompt-field", help=f"JSON field of the prompt (default: first of {', '.join(PROMPT_FIELDS)})")
+    g.add_argument("--max-samples", type=int, help="prompts per file (default: 3 interactive, all with --bench)")
+    g.add_argument("--thinking", action="store_true", help="Qwen3 chat template with thinking on (default: off)")
+    g = p.add_argument_group("decoding")
+    g.add_argument("--mode", help=f"one of {', '.join(available_modes())} (default: the last speculative one)")
+    g.add_argument("--block-size", type=int, help="B, draft tokens per round (default: the drafter's)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer at most (default: 128)")
+    g.add_argument("--coverage", type=int, help="async: C, draft positions with rejection branches (default: d3d's)")
+    g.add_argument("--fanout", type=int, help="async: F, candidate tokens per covered position (default: d3d's)")
+    g.add_argument("--cover", choices=["first", "likely"],
+                   help="async: branch the first C positions or the C likeliest first rejections (default: d3d's)")
+    g.add_argument("--seed", type=int, default=0, help="seed of sampling (default: 0)")
+    g = p.add_argument_group("benchmark (prints Table 1, writes --out)")
+    g.add_argument("--bench", dest="bench_files", nargs="+", metavar="FILE.jsonl", help="prompt files to benchmark")
+    g.add_argument("--modes", nargs="+", help="speculative modes to compare with target-only (default: all); "
+                   "async:C,F[,likely] sets a branch budget, e.g. --modes sync async:0,2 async:12,2 async:12,1")
+    g.add_argument("--out", default="runs/bench.json", help="benchmark figures, JSON (default: runs/bench.json)")
+    g = p.add_argument_group("selective prefilling (lossy: the target reads only the kept prompt chunks)")
+    g.add_argument("--keep-ratio", type=float, help="share of prompt chunks the target prefills (default: off)")
+    g.add_argument("--chunk-size", type=int, default=64, help="prompt tokens per chunk (default: 64)")
+    g.add_argument("--prefill-bench", dest="prefill_bench_file", metavar="FILE.jsonl",
+                   help="benchmark selective prefilling on long prompts built from this file's problems")
+    g.add_argument("--keep-ratios", type=float, nargs="+", default=[1.0, 0.3, 0.2, 0.1],
+                   help="keep ratios for --prefill-bench (default: 1.0 0.3 0.2 0.1)")
+    g.add_argument("--num-docs", type=int, default=12, help="problems per long prompt (default: 12)")
+    g = p.add_argument_group("output")
+    g.add_argument("--no-color", action="store_true", help="plain answers (default: ANSI colours on a terminal)")
+    return p
+
+
+if __name__ == "__main__":
+    try:
+        main(**vars(build_parser().parse_args()))
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")

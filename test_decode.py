@@ -1,0 +1,201 @@
+"""Tests for decode.py: a tiny Qwen3 target and drafter built from configs and saved to a tmp folder, with a
+character-level tokenizer that has a chat template. CPU, fp32, no network, no downloaded models.
+
+Run: python -m pytest -q test_decode.py
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+import d3d
+import decode
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated")
+MODES = decode.available_modes()
+SPECULATIVE = [m for m in MODES if m != "target"]
+
+
+def make_tokenizer(chars="0123456789+-*= \nabcdefghijklmnopqrstuvwxyz?"):
+    specials = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>"]
+    vocab = {t: i for i, t in enumerate(specials + list(chars))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|pad|>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|pad|>", eos_token="<|end|>")
+    tok.add_special_tokens({"additional_special_tokens": specials[2:]})
+    tok.chat_template = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+    return tok
+
+
+def tiny_qwen3(tok, seed):
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=len(tok) + 13, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                         initializer_range=0.5, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return Qwen3ForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def setting(tmp_path_factory):
+    return build_setting(tmp_path_factory.mktemp("decode"))
+
+
+def build_setting(root):
+    """A saved target, a drafter for it (train_args.json names the target), a drafter for another tokenizer, and
+    GSM8K-, HumanEval- and MT-Bench-style prompt files."""
+    tok = make_tokenizer()
+    target = tiny_qwen3(tok, seed=0)
+    target.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    drafter = d3d.make_drafter(tiny_qwen3(tok, seed=1), tokenizer=tok, block_size=3)
+    drafter.save_pretrained(str(root / "drafter"), tokenizer=tok)
+    (root / "drafter" / "train_args.json").write_text(json.dumps({"target": str(root / "target")}))
+    other_tok = make_tokenizer(chars="abcdefghijklmnopqrstuvwxyz0123456789 \n+-*=?")  # same size, other ids
+    d3d.make_drafter(tiny_qwen3(other_tok, seed=2), tokenizer=other_tok).save_pretrained(str(root / "other"))
+    files = {"gsm": [{"question": "12 + 7 * 3"}, {"question": "what is 5 - 2?"}],
+             "humaneval": [{"task_id": "x/0", "prompt": "def add(a b)"}],
+             "mtbench": [{"turns": ["hello there", "and again"]}], "empty": []}
+    for name, rows in files.items():
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def cli(*argv):
+    """decode.py's command line, in process."""
+    return decode.main(**vars(decode.build_parser().parse_args([str(a) for a in argv])))
+
+
+def models_args(root):
+    return ["--drafter", root / "drafter", "--max-new-tokens", 10, "--no-color"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_interactive_every_mode(setting, mode, capsys):
+    result = cli(*models_args(setting), "--mode", mode, "--prompts-file", setting / "gsm.jsonl")
+    out = capsys.readouterr().out
+    assert "prompt 2/2: what is 5 - 2?" in out and len(result["answers"]) == 2
+    if mode != "target":
+        assert "τ =" in out and "speedup" in out and "acceptance histogram" in out
+        assert "same tokens as target-only: 2/2" in out and result["summary"]["tau"] >= 1
+        assert ("hit rate" in out) == (mode == "async")
+
+
+def test_colours_mark_drafts_and_target_tokens():
+    tok = make_tokenizer()
+    ids = tok("abcdef", add_special_tokens=False).input_ids
+    # prefill gives 'a'; round 1 commits 'bc' (draft 'b', target 'c'); round 2 'def' (drafts 'de', target 'f')
+    text = decode.colour_answer(tok, ids, [2, 3], colour=True)
+    d, t, r = decode.COLOURS["draft"], decode.COLOURS["target"], decode.RESET
+    assert text == f"{t}a{r}{d}b{r}{t}c{r}{d}de{r}{t}f{r}"
+    assert decode.colour_answer(tok, ids, [2, 3], colour=False) == "abcdef"
+
+
+def test_bench_writes_table_and_json(setting, capsys):
+    out_file = setting / "bench.json"
+    files = [setting / f"{n}.jsonl" for n in ("gsm", "humaneval", "mtbench")]
+    result = cli(*models_args(setting), "--bench", *files, "--out", out_file)
+    printed = capsys.readouterr().out
+    assert "Speedup  τ" in printed and "Avg." in printed
+    assert f"all {4 * len(SPECULATIVE)} speculative outputs equal the target-only outputs" in printed
+    for mode in SPECULATIVE:
+        assert f"{mode} (3)" in printed  # rows: modes (block size)
+    saved = json.loads(out_file.read_text())
+    assert list(saved["datasets"]) == ["gsm", "humaneval", "mtbench"]
+    assert [saved["datasets"][n]["field"] for n in saved["datasets"]] == ["question", "prompt", "turns"]
+    for mode in SPECULATIVE:
+        cell = saved["datasets"]["gsm"]["modes"][mode]
+        assert {"speedup", "tau", "tokens_per_s", "ttft_s", "ms_per_round", "histogram", "mismatches"} <= set(cell)
+        assert cell["speedup"] > 0 and cell["tau"] >= 1 and cell["mismatches"] == 0
+        assert {"round", "draft", "verify"} <= set(cell["ms_per_round"]) and set(saved["mean"][mode]) == {"speedup", "tau"}
+        if mode == "async":
+            assert 0 <= cell["hit_rate"] <= 1
+    env = saved["env"]
+    assert env["dtype"] == "torch.float32" and env["torch"] == torch.__version__ and env["target"].endswith("target")
+    assert env["drafter_config"]["block_size"] == 3 and saved["block_size"] == 3 and saved["mismatches"]["count"] == 0
+    assert saved["table"] in printed and result["mismatches"]["checked"] == 4 * len(SPECULATIVE)
+
+
+def test_bench_reports_a_mismatch(setting, monkeypatch, capsys):
+    generate = d3d.generate
+
+    def corrupt(*args, mode, **kwargs):  # speculative outputs get their 3rd new token changed
+        out, stats = generate(*args, mode=mode, **kwargs)
+        if mode != "target":
+            out = out.clone()
+            prompt_len = args[2].shape[1]
+            out[0, prompt_len + 2] = (out[0, prompt_len + 2] + 1) % 40
+        return out, stats
+
+    monkeypatch.setattr(d3d, "generate", corrupt)
+    result = cli(*models_args(setting), "--bench", setting / "gsm.jsonl", "--modes", "sync", "--out", "")
+    printed = capsys.readouterr().out
+    assert result["mismatches"]["count"] == 2 and "2 of 2 speculative outputs DIFFER" in printed
+    first = result["mismatches"]["list"][0]
+    assert (first["dataset"], first["prompt_index"], first["mode"], first["position"]) == ("gsm", 0, "sync", 2)
+    assert first["target_token"]["id"] != first["mode_token"]["id"] and "gsm prompt 0, sync, new token 2" in printed
+    assert result["datasets"]["gsm"]["modes"]["sync"]["mismatches"] == 2
+
+
+def test_clear_errors(setting, tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="no drafter folder"):
+        cli("--drafter", tmp_path / "missing", "--prompt", "hi")
+    with pytest.raises(ValueError, match="different tokenizer"):
+        cli("--drafter", setting / "other", "--target", setting / "target", "--prompt", "hi")
+    with pytest.raises(FileNotFoundError, match="not a D3D drafter"):
+        cli("--drafter", setting / "target", "--prompt", "hi")
+    with pytest.raises(ValueError, match="empty file"):
+        cli(*models_args(setting), "--bench", setting / "gsm.jsonl", setting / "empty.jsonl")
+    with pytest.raises(ValueError, match="--prompt-field"):
+        cli(*models_args(setting), "--bench", setting / "gsm.jsonl", "--prompt-field", "turns")
+    with pytest.raises(ValueError, match="empty prompt"):
+        cli(*models_args(setting), "--prompt", "  ")
+    monkeypatch.chdir(tmp_path)  # no runs/toy here: the default says how to make it
+    with pytest.raises(FileNotFoundError, match="python train.py"):
+        cli("--prompt", "hi")
+
+
+def test_subprocess_reads_prompts_from_stdin(setting):
+    cmd = [sys.executable, "decode.py", *map(str, models_args(setting)), "--prompt", "-"]
+    run = subprocess.run(cmd, input="12 + 3\n\nhello\n", capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert run.returncode == 0, run.stderr
+    assert "prompt 1/2: 12 + 3" in run.stdout and "prompt 2/2: hello" in run.stdout and "τ =" in run.stdout
+    bad = subprocess.run([sys.executable, "decode.py", "--drafter", str(setting / "nope"), "--prompt", "x"],
+                         capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert bad.returncode != 0 and "error: no drafter folder" in bad.stderr
+
+
+def test_bench_sweeps_async_budgets(setting, capsys):
+    """--modes async:C,F[,cover] rows: the paper's Fig. 3 sweep in miniature; every row is checked for equality."""
+    result = cli("--bench", setting / "gsm.jsonl", "--modes", "sync", "async:0,2", "async:2,1", "async:3,2,likely",
+                 "--out", "", *models_args(setting))
+    out = capsys.readouterr().out
+    for row in ("async:0,2", "async:2,1", "async:3,2,likely"):
+        assert row in out
+        summary = result["datasets"]["gsm"]["modes"][row]
+        assert 0 <= summary["hit_rate"] <= 1 and summary["speedup_if_overlapped"] > 0
+    assert result["mismatches"]["count"] == 0
+    with pytest.raises(ValueError, match="async:C,F"):
+        cli("--bench", setting / "gsm.jsonl", "--modes", "async:x", *models_args(setting))
+
+
+def test_keep_ratio_and_prefill_bench(setting, capsys):
+    result = cli("--prompt", "what is 12 + 7 * 3 - 5 * 4 + 1?", "--mode", "sync", "--keep-ratio", "0.5",
+                 "--chunk-size", "4", *models_args(setting))
+    assert result["answers"]
+    result = cli("--prefill-bench", setting / "gsm.jsonl", "--num-docs", "3", "--keep-ratios", "1.0", "0.3",
+                 "--chunk-size", "4", "--max-samples", "2", "--out", "", *models_args(setting))
+    rows = result["prefill_bench"]
+    assert list(rows) == ["target, full prefill", "100% + D3D (sync)", "30% + D3D (sync)"]
+    assert rows["100% + D3D (sync)"]["same_answer"] == 1.0  # keeping every chunk changes nothing
+    assert rows["30% + D3D (sync)"]["prompt_tokens_prefilled"] < rows["100% + D3D (sync)"]["prompt_tokens_prefilled"]
+    assert "TTFT" in capsys.readouterr().out
