@@ -1,0 +1,210 @@
+"""Tests of the built-in toy setting (toy.py). Fast: a few seconds on 2 CPU cores."""
+
+import json
+import os
+import random
+import re
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import toy
+
+LINE = re.compile(r"^(\d+) ([+\-*]) (\d+) = (\d+)$")
+QUESTION = re.compile(r"^\d+( [+\-*] \d+)+$")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One torch thread: on a small CPU shared with other work, more threads are often much slower."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _problems(n, seed=0):
+    rng = random.Random(seed)
+    return [toy.make_problem(rng) for _ in range(n)]
+
+
+def _check(question, answer):
+    """Asserts that the answer is a right step-by-step solution of the question."""
+    assert QUESTION.match(question), question
+    tokens = question.split(" ")
+    nums, ops = [int(t) for t in tokens[::2]], tokens[1::2]
+    assert 2 <= len(ops) <= 4
+    *lines, last = answer.split("\n")
+    assert len(lines) == len(ops)
+    acc = nums[0]
+    for line, op, b in zip(lines, ops, nums[1:]):
+        m = LINE.match(line)
+        assert m, line
+        x, o, y, z = int(m[1]), m[2], int(m[3]), int(m[4])
+        assert (x, o, y) == (acc, op, b), (question, line)
+        assert z == {"+": x + y, "-": x - y, "*": x * y}[o], line
+        acc = z
+    assert last == f"#### {acc}"
+    assert acc == eval(question)  # usual precedence (the string is checked above to be digits and + - * only)
+
+
+def _prompt_ids(tok, question):
+    out = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+# ------------------------------------------------------------------------------------------ problems
+
+def test_problems_are_right():
+    for q, a in _problems(500):
+        _check(q, a)
+
+
+def test_problems_shape_and_determinism():
+    probs = _problems(300)
+    assert probs == _problems(300)
+    assert probs != _problems(300, seed=1)
+    lengths = [len(a) for _, a in probs]
+    assert min(lengths) >= 30 and max(lengths) <= 80
+    assert {q.count(" ") // 2 for q, _ in probs} == {2, 3, 4}
+    assert any("*" in q for q, _ in probs) and any("-" in q for q, _ in probs)
+
+
+# ----------------------------------------------------------------------------------------- tokenizer
+
+def test_tokenizer_round_trip_is_character_level():
+    tok = toy.make_tokenizer()
+    for q, a in _problems(50):
+        for text in (q, a):
+            ids = tok.encode(text, add_special_tokens=False)
+            assert len(ids) == len(text)  # one token per character
+            assert tok.unk_token_id not in ids
+            assert tok.decode(ids) == text
+    assert tok.encode("12", add_special_tokens=False) == tok.encode("1", add_special_tokens=False) + tok.encode(
+        "2", add_special_tokens=False)
+    assert tok.encode("1 + 2", add_special_tokens=True) == tok.encode("1 + 2", add_special_tokens=False)  # no bos
+
+
+def test_special_tokens_and_vocab():
+    tok = toy.make_tokenizer()
+    assert tok.pad_token == "<|pad|>" and tok.eos_token == "<|end|>"
+    assert tok.pad_token_id != tok.eos_token_id
+    assert "<|MASK|>" not in tok.get_vocab()
+    assert len(set(tok.get_vocab().values())) == len(tok)
+    assert toy._padded_vocab_size(len(tok)) > len(tok) and toy._padded_vocab_size(len(tok)) % 16 == 0
+    assert toy._padded_vocab_size(64) == 80  # strictly larger even when len is already a multiple of 16
+
+
+def test_chat_template_prompt_ends_where_answer_begins():
+    tok = toy.make_tokenizer()
+    q, a = _problems(1)[0]
+    prompt = _prompt_ids(tok, q)
+    assert prompt == toy._prompt_ids(tok, q)
+    assert tok.decode(prompt) == f"<|user|>\n{q}<|end|>\n<|assistant|>\n"
+    full = tok.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": a}],
+                                   tokenize=False)
+    full_ids = tok.encode(full, add_special_tokens=False)
+    answer_ids = tok.encode(a, add_special_tokens=False)
+    n = len(prompt) + len(answer_ids)
+    assert full_ids[:n] == prompt + answer_ids
+    assert full_ids[n] == tok.eos_token_id
+    # The role markers are single special tokens that decode(skip_special_tokens=True) drops.
+    assert tok.convert_ids_to_tokens(prompt[:1]) == ["<|user|>"]
+    assert "<|" not in tok.decode(full_ids, skip_special_tokens=True)
+
+
+def test_tokenizer_save_load_same_ids(tmp_path):
+    tok = toy.make_tokenizer()
+    tok.save_pretrained(tmp_path)
+    tok2 = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tok2) == len(tok) and tok2.get_vocab() == tok.get_vocab()
+    assert (tok2.pad_token_id, tok2.eos_token_id) == (tok.pad_token_id, tok.eos_token_id)
+    for q, a in _problems(20):
+        assert tok2.encode(a) == tok.encode(a)
+        assert _prompt_ids(tok2, q) == _prompt_ids(tok, q)
+        assert tok2.decode(tok2.encode(a)) == a
+    assert tok2.decode(_prompt_ids(tok2, "1 + 2"), skip_special_tokens=True) == "\n1 + 2\n\n"
+
+
+# ------------------------------------------------------------------------------------------- build_toy
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, _one_thread):
+    out = tmp_path_factory.mktemp("toy")
+    torch.manual_seed(123)
+    state = torch.random.get_rng_state()
+    paths = toy.build_toy(str(out), seed=0, num_train_prompts=40, num_test_prompts=8, train_steps=3,
+                          max_seconds=60, num_threads=1)
+    assert torch.equal(state, torch.random.get_rng_state())  # caller's RNG left alone
+    return out, paths
+
+
+def test_build_toy_writes_files(built):
+    out, paths = built
+    assert set(paths) == {"target", "train", "test"}
+    assert paths["target"] == os.path.join(str(out), "target")
+    for key in ("train", "test"):
+        assert os.path.isfile(paths[key])
+    train = [json.loads(l) for l in open(paths["train"])]
+    test = [json.loads(l) for l in open(paths["test"])]
+    assert len(train) == 40 and len(test) == 8
+    for row in train + test:
+        _check(row["question"], row["reference_answer"])
+    train_q, test_q = {r["question"] for r in train}, {r["question"] for r in test}
+    assert len(train_q) == 40 and len(test_q) == 8 and not train_q & test_q
+    assert os.path.isfile(os.path.join(paths["target"], "config.json"))
+    assert not os.path.exists(paths["target"] + ".tmp")
+
+
+def test_prompt_sets_deterministic_and_disjoint():
+    a_train, a_test = toy._make_prompt_sets(5, 300, 100)
+    b_train, b_test = toy._make_prompt_sets(5, 300, 100)
+    assert (a_train, a_test) == (b_train, b_test)
+    assert not {r["question"] for r in a_train} & {r["question"] for r in a_test}
+    assert toy._make_prompt_sets(6, 300, 100) != (a_train, a_test)
+
+
+def test_built_target_loads_and_generates(built):
+    _, paths = built
+    tok = AutoTokenizer.from_pretrained(paths["target"])
+    model = AutoModelForCausalLM.from_pretrained(paths["target"])
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert model.dtype == torch.float32
+    cfg = model.config
+    assert cfg.vocab_size > len(tok) and cfg.vocab_size % 16 == 0
+    assert model.get_input_embeddings().weight.shape[0] == cfg.vocab_size
+    assert cfg.tie_word_embeddings
+    assert (cfg.eos_token_id, cfg.pad_token_id) == (tok.eos_token_id, tok.pad_token_id)
+    assert cfg.bos_token_id is not None
+    gc = model.generation_config
+    assert (gc.eos_token_id, gc.pad_token_id) == (tok.eos_token_id, tok.pad_token_id)
+    enc = tok.apply_chat_template([{"role": "user", "content": "3 * 4 + 5 - 1"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    out = model.generate(**enc, max_new_tokens=8, do_sample=False)
+    assert out.shape[0] == 1 and enc["input_ids"].shape[1] < out.shape[1] <= enc["input_ids"].shape[1] + 8
+    assert int(out.max()) < cfg.vocab_size
+
+
+def test_build_toy_second_call_skips(built, capsys):
+    out, paths = built
+    stamp = os.path.getmtime(os.path.join(paths["target"], "model.safetensors"))
+    train_text = open(paths["train"]).read()
+    again = toy.build_toy(str(out), seed=0, num_train_prompts=40, num_test_prompts=8, train_steps=3)
+    assert again == paths
+    assert os.path.getmtime(os.path.join(paths["target"], "model.safetensors")) == stamp
+    assert open(paths["train"]).read() == train_text
+    printed = capsys.readouterr().out
+    assert "already there" in printed and "training" not in printed
+
+
+def test_training_is_deterministic_with_seed():
+    tok = toy.make_tokenizer()
+    weights = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = toy._make_model(tok)
+        toy._train(model, tok, seed=0, exclude=set(), train_steps=2, max_seconds=60, batch_size=4, lr=1e-3,
+                   warmup=1, device="cpu")
+        weights.append(model.model.embed_tokens.weight.detach().clone())
+    assert torch.equal(weights[0], weights[1])
