@@ -1,0 +1,197 @@
+"""Tests of train.py with tiny models built from configs (CPU, seconds; nothing downloaded)."""
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+import d3d
+import toy
+import train
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated")  # see d3d.py
+
+QUESTIONS = ["1 + 2", "3 * 4 - 5", "7 - 2 + 9", "12 + 30 * 2", "8 * 3", "40 - 17", "5 + 5 + 5", "9 * 9 - 1",
+             "2 + 3 * 4", "11 - 1", "6 * 7", "25 + 25"]
+FAST = dict(max_new_tokens=10, gen_batch_size=4, batch_size=4, num_anchors=6, block_size=4, val_anchors=4,
+            max_len=64, lr=1e-2, warmup=1, eval_every=1000, num_val=3, device="cpu")
+
+
+def _write_jsonl(path, rows):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def _tiny_model(tok, layers=4, seed=0):
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=(len(tok) // 16 + 1) * 16, hidden_size=32, intermediate_size=37,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return Qwen3ForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A random 4-layer Qwen3 target with the toy's character tokenizer and chat template, and a prompts file."""
+    root = tmp_path_factory.mktemp("tiny")
+    tok = toy.make_tokenizer()
+    _tiny_model(tok).save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    _write_jsonl(root / "prompts.jsonl", [{"question": q} for q in QUESTIONS])
+    return {"root": root, "target": str(root / "target"), "prompts": str(root / "prompts.jsonl"), "tok": tok}
+
+
+def _run(setup, out, **kw):
+    return train.main(target=setup["target"], prompts=setup["prompts"], out=str(out), **{**FAST, **kw})
+
+
+def test_data_is_cached_and_resumed(setup, tmp_path, monkeypatch):
+    calls = []
+    real = train.load_target
+    monkeypatch.setattr(train, "load_target", lambda *a, **k: calls.append(1) or real(*a, **k))
+    kw = dict(tokenizer=setup["tok"], cache_dir=str(tmp_path), max_new_tokens=6, gen_batch_size=5)
+    first = train.load_data(setup["target"], prompts=setup["prompts"], **kw)
+    assert len(calls) == 1 and len(first) == len(QUESTIONS)
+    assert all(0 < len(r) <= 6 for _, r in first)
+    assert train.load_data(setup["target"], prompts=setup["prompts"], **kw) == first
+    assert len(calls) == 1  # the rerun read the cache and never loaded the target
+    # an interrupted run: 5 whole lines and one cut in the middle; the rerun answers only the other 7
+    (cache,) = tmp_path.glob("answers-*.jsonl")
+    lines = cache.read_text().splitlines(keepends=True)
+    cache.write_text("".join(lines[:5]) + lines[5][:10])
+    assert train.load_data(setup["target"], prompts=setup["prompts"], **kw) == first
+    assert len(calls) == 2 and len(cache.read_text().splitlines()) == 5 + 7  # the cut line was dropped
+
+
+def test_loss_mask_covers_response_only():
+    examples = [([1, 2, 3], [4, 5]), ([6], [7, 8, 9, 10])]
+    input_ids, loss_mask = train.collate(examples, pad_id=0, max_len=64)
+    assert input_ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    assert loss_mask.tolist() == [[False, False, False, True, True], [False, True, True, True, True]]
+    input_ids, loss_mask = train.collate([([1, 2], [3]), ([4], [5, 6, 7, 8])], pad_id=0, max_len=4)
+    assert input_ids.tolist() == [[1, 2, 3, 0], [4, 5, 6, 7]]  # right padding; cut at max_len
+    assert loss_mask.tolist() == [[False, False, True, False], [False, True, True, True]]
+
+
+def test_layer_selection_keeps_the_right_layers(setup):
+    assert train.select_layers(30, 8) == [0, 4, 8, 12, 17, 21, 25, 29]
+    assert train.select_layers(4, 2) == [0, 3] and train.select_layers(4, 4) == [0, 1, 2, 3]
+    assert train.select_layers(30, "0,14,29") == [0, 14, 29] and train.select_layers(30, None) is None
+    with pytest.raises(ValueError):
+        train.select_layers(4, 5)
+    full = _tiny_model(setup["tok"], layers=4)
+    drafter = train.build_drafter(setup["target"], setup["tok"], target_vocab_size=full.config.vocab_size, layers="3")
+    assert drafter.d3d_config.layer_ids == [0, 2, 3] and drafter.model.config.num_hidden_layers == 3
+    for new, old in enumerate([0, 2, 3]):
+        a, b = drafter.model.model.layers[new].mlp.up_proj.weight, full.model.layers[old].mlp.up_proj.weight
+        assert torch.equal(a, b)
+
+
+def test_training_lowers_loss_and_saves_a_lossless_drafter(setup, tmp_path):
+    out = tmp_path / "drafter"
+    result = _run(setup, out, steps=12, drafter_layers="2", eval_every=12)
+    drafter = d3d.Drafter.from_pretrained(str(out))
+    assert drafter.d3d_config.layer_ids == [0, 3] and drafter.d3d_config.block_size == 4
+    record = json.loads((out / "train_args.json").read_text())
+    assert record["target"] == os.path.abspath(setup["target"]) and record["history"][-1]["step"] == 12
+    # the loss on a fixed batch fell from the initial drafter to the trained one
+    examples = train.load_data(setup["target"], setup["tok"], setup["prompts"], cache_dir=str(tmp_path),
+                               max_new_tokens=10)
+    input_ids, loss_mask = train.collate(examples, setup["tok"].pad_token_id, 64)
+    initial = train.build_drafter(setup["target"], setup["tok"], target_vocab_size=drafter.d3d_config.target_vocab_size,
+                                  layers="2", block_size=4)
+    losses = [d3d.d3d_loss(m, input_ids, loss_mask, num_anchors=6, generator=torch.Generator().manual_seed(0))[0]
+              for m in (initial, drafter)]
+    assert losses[1] < 0.7 * losses[0]
+    target = train.load_target(setup["target"], "cpu")
+    prompt = torch.tensor([examples[0][0]])
+    ref, _ = d3d.generate(target, None, prompt, max_new_tokens=20, mode="target")
+    out_ids, stats = d3d.generate(target, drafter, prompt, max_new_tokens=20, mode="sync")
+    assert torch.equal(out_ids, ref) and stats["tau"] > 1.0
+
+
+def test_resume_continues_at_the_right_step(setup, tmp_path, monkeypatch, capsys):
+    straight = _run(setup, tmp_path / "a", steps=4, drafter_layers="2")["drafter"]
+    real_loss, calls = d3d.d3d_loss, []
+
+    def crash_at_step_3(*a, **k):  # a run killed after its step-2 checkpoint
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_loss(*a, **k)
+
+    monkeypatch.setattr(d3d, "d3d_loss", crash_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        _run(setup, tmp_path / "b", steps=4, drafter_layers="2", save_every=2)
+    monkeypatch.setattr(d3d, "d3d_loss", real_loss)
+    assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["step"] == 2
+    resumed = _run(setup, tmp_path / "b", steps=4, drafter_layers="2", save_every=2)["drafter"]
+    assert "resumed from" in capsys.readouterr().out
+    assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["step"] == 4
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name  # the same data, anchors and optimizer state as one uninterrupted run
+
+
+def _ddp_worker(rank, setup_paths, out, port):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    result = train.main(target=setup_paths["target"], prompts=setup_paths["prompts"], out=out, steps=3,
+                        drafter_layers="2", **FAST)
+    torch.save(result["drafter"].state_dict(), os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_ddp_two_processes_end_with_identical_weights(setup, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "drafter")
+    os.makedirs(out)
+    mp.spawn(_ddp_worker, args=({"target": setup["target"], "prompts": setup["prompts"]}, out, port), nprocs=2)
+    ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
+    vocab = (len(setup["tok"]) // 16 + 1) * 16
+    initial = train.build_drafter(setup["target"], setup["tok"], target_vocab_size=vocab, layers="2").state_dict()
+    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
+    assert not all(torch.equal(ranks[0][k], initial[k]) for k in ranks[0])  # it did train
+    assert os.path.exists(os.path.join(out, "train_args.json"))
+    assert json.load(open(os.path.join(out, "train_args.json")))["world_size"] == 2
+
+
+def test_clear_errors(setup, tmp_path):
+    _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1 + 1"}])
+    with pytest.raises(ValueError, match="no field 'question'.*--prompt-field"):
+        _run({**setup, "prompts": str(tmp_path / "p.jsonl")}, tmp_path / "d")
+    other = setup["tok"].__class__.from_pretrained(setup["target"])
+    other.add_tokens(["xyz"])  # another tokenizer: ids mean other text
+    _tiny_model(other).save_pretrained(tmp_path / "init")
+    other.save_pretrained(tmp_path / "init")
+    with pytest.raises(ValueError, match="different tokenizer"):
+        train.build_drafter(str(tmp_path / "init"), setup["tok"], target_vocab_size=64)
+    with pytest.raises(SystemExit) as exit_info:
+        train.parse_args(["--bogus-flag", "1"])
+    assert exit_info.value.code == 2
+
+
+def test_prune_command_removes_layers_and_keeps_decoding_lossless(setup, tmp_path, capsys):
+    """`python train.py prune`: on a trained drafter and its cached answers, one layer leaves per iteration, the
+    table and the pruned folder are written, and the pruned drafter still decodes exactly like the target."""
+    _run(setup, tmp_path / "drafter", steps=2, drafter_layers="3")
+    argv = ["--drafter", str(tmp_path / "drafter"), "--min-layers", "1", "--recovery-steps", "1", "--batch-size",
+            "4", "--num-val", "3", "--val-anchors", "4", "--compare-prompts", "2", "--max-new-tokens", "8"]
+    result = train.prune_main(**vars(train.parse_prune_args(argv)))
+    assert [row["layers"] for row in result["table"]] == [3, 2, 1]
+    assert set(result["decode"]) == {"unpruned sync", "unpruned async", "pruned sync", "pruned async"}
+    pruned = d3d.Drafter.from_pretrained(str(tmp_path / "drafter-pruned"))
+    assert pruned.model.config.num_hidden_layers == 1 and len(pruned.d3d_config.layer_ids) == 1
+    assert os.path.isfile(tmp_path / "drafter-pruned" / "prune_table.json")
+    target = train.load_target(setup["target"], "cpu")
+    ids = torch.tensor([setup["tok"].encode("<|user|>\n3 * 4<|end|>\n<|assistant|>\n")])
+    expected, _ = d3d.generate(target, None, ids, max_new_tokens=12, mode="target")
+    for mode in ("sync", "async"):
+        assert d3d.generate(target, pruned, ids, max_new_tokens=12, mode=mode)[0].tolist() == expected.tolist()
+    assert "removed" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        train.parse_prune_args(["--bogus"])

@@ -1,0 +1,583 @@
+"""Train a D3D drafter on answers written by the target itself (paper "Drafter training", Fig. 1a; method.md 2).
+
+    python train.py                                   # built-in toy on CPU, no download: runs/toy/{target,drafter}
+    python train.py --target PATH --prompts train.jsonl --val-prompts test.jsonl --drafter-layers 8 ...
+    torchrun --nproc_per_node=N train.py ...          # DistributedDataParallel; data sharded by rank
+    python train.py prune --drafter runs/toy/drafter --min-layers 1     # progressive layer pruning (Fig. 1b)
+
+1. data: the target answers the prompts greedily (chat template, thinking off); prompt and response token ids are
+   cached as JSON Lines (one line per prompt), so a rerun or an interrupted run only answers what is missing.
+2. drafter: any causal LM with the target's tokenizer (--drafter-init, default the target), keeping some layers.
+3. training: AdamW on L_block + lambda * L_AR (d3d.d3d_loss), offline tau on held-out prompts (d3d.offline_tau),
+   checkpoints that a rerun resumes from; the final drafter folder holds train_args.json naming its target.
+4. pruning (`prune`): d3d.prune_drafter on the same cached answers, then the pruned and unpruned drafters decode
+   the same held-out prompts against the target in one run.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import glob
+import hashlib
+import json
+import math
+import os
+import random
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+import d3d
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Data: prompts -> the target's own greedy answers, cached as token ids
+
+
+def read_prompts(path: str, field: str) -> list[list[dict]]:
+    """One chat (list of messages) per JSON line. `field` holds a string, a list of turns (the first is used: later
+    turns follow the target's own reply, which we do not have yet) or a list of {"role", "content"} messages."""
+    chats = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if field not in row:
+                raise ValueError(f"{path} line {n} has no field {field!r} (its fields: {sorted(row)}); "
+                                 "name the prompt field with --prompt-field")
+            value = row[field]
+            if isinstance(value, list) and value and isinstance(value[0], dict):
+                chats.append(value[:-1] if value[-1].get("role") == "assistant" else value)
+            elif isinstance(value, list) and value:
+                chats.append([{"role": "user", "content": str(value[0])}])
+            else:
+                chats.append([{"role": "user", "content": str(value)}])
+    return chats
+
+
+def load_target(path: str, device, dtype=None):
+    """The frozen target, in eval mode (a function of its own so tests can count the calls)."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def _read_cache(paths: list[str]) -> dict[int, tuple[list[int], list[int]]]:
+    done = {}
+    for path in paths:
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    if line.endswith("\n"):  # a line cut by a kill is answered again
+                        row = json.loads(line)
+                        done[row["i"]] = (row["prompt"], row["response"])
+    return done
+
+
+class _Throughput:
+    """A transformers streamer that shows the new tokens per second of the unfinished rows, at every step."""
+
+    def __init__(self, bar, eos: set[int]):
+        self.bar, self.eos, self.num_tokens, self.start = bar, torch.tensor(sorted(eos)), 0, time.perf_counter()
+
+    def put(self, tokens: torch.Tensor):
+        if tokens.dim() == 2:  # generate hands over the prompts first
+            self.alive = torch.ones(tokens.shape[0], dtype=torch.bool)
+            return
+        self.num_tokens += int(self.alive.sum())
+        self.alive &= ~torch.isin(tokens, self.eos)
+        self.bar.set_postfix(tok_per_s=f"{self.num_tokens / (time.perf_counter() - self.start):.0f}", refresh=False)
+        self.bar.update(0)  # redraws at most every bar.mininterval seconds
+
+    def end(self):
+        pass
+
+
+@torch.no_grad()
+def answer_prompts(target_path: str, tokenizer, prompt_ids: list[list[int]], cache: str, *, max_new_tokens: int,
+                   batch_size: int, device, dtype=None, rank: int = 0, world: int = 1) -> list[list[int]]:
+    """The target's greedy response (token ids, ending with EOS when it stopped) to each prompt. Every finished
+    batch is appended to `cache` (under DDP each rank answers its share into cache.rankR), so a rerun resumes."""
+    parts = [cache] + sorted(glob.glob(glob.escape(cache) + ".rank*"))
+    done = _read_cache(parts)
+    todo = [i for i, p in enumerate(prompt_ids) if i not in done or done[i][0] != p][rank::world]
+    if todo:
+        target = load_target(target_path, device, dtype)
+        eos = target.generation_config.eos_token_id or tokenizer.eos_token_id
+        eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+        gen_config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(eos),
+                                      pad_token_id=pad)  # fresh: the checkpoint's sampling defaults do not apply
+        todo.sort(key=lambda i: len(prompt_ids[i]))  # similar lengths in a batch: little left padding
+        bar = tqdm(total=len(todo), desc="target answers", unit="prompt", disable=rank > 0)
+        throughput = _Throughput(bar, eos)
+        mine = cache if world == 1 else f"{cache}.rank{rank}"
+        if os.path.exists(mine):  # drop a line cut by a kill, or the next one would be glued to it
+            with open(mine, "rb+") as f:
+                f.truncate(f.read().rfind(b"\n") + 1)
+        with open(mine, "a") as f:
+            for s in range(0, len(todo), batch_size):
+                idx = todo[s: s + batch_size]
+                width = max(len(prompt_ids[i]) for i in idx)
+                ids = torch.full((len(idx), width), pad, dtype=torch.long)
+                attention = torch.zeros_like(ids)
+                for row, i in enumerate(idx):  # left padding: every prompt ends where its answer begins
+                    ids[row, width - len(prompt_ids[i]):] = torch.tensor(prompt_ids[i])
+                    attention[row, width - len(prompt_ids[i]):] = 1
+                out = target.generate(input_ids=ids.to(device), attention_mask=attention.to(device),
+                                      generation_config=gen_config, streamer=throughput)[:, width:].tolist()
+                for i, response in zip(idx, out):
+                    stop = next((k for k, t in enumerate(response) if t in eos), None)
+                    response = response if stop is None else response[: stop + 1]  # keep EOS, drop padding
+                    f.write(json.dumps({"i": i, "prompt": prompt_ids[i], "response": response}) + "\n")
+                f.flush()
+                bar.update(len(idx))
+        bar.close()
+        del target
+    if world > 1:
+        dist.barrier()  # every rank's share is on disk
+    done = _read_cache([cache] + sorted(glob.glob(glob.escape(cache) + ".rank*")))
+    return [done[i][1] for i in range(len(prompt_ids))]
+
+
+def load_data(target: str, tokenizer, prompts: str, *, prompt_field: str = "question", num_prompts: int | None = None,
+              thinking: bool = False, cache_dir: str = ".", max_new_tokens: int = 256, gen_batch_size: int = 64,
+              device="cpu", dtype=None, rank: int = 0, world: int = 1) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids) for the first `num_prompts` prompts of a JSON Lines file, answered by the target."""
+    chats = read_prompts(prompts, prompt_field)[:num_prompts]
+    texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
+             for c in chats]
+    prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]  # the template has the specials
+    # the cache belongs to one target and one generation setting; the prompts are checked line by line
+    key = json.dumps([os.path.abspath(target) if os.path.exists(target) else target,
+                      d3d.tokenizer_fingerprint(tokenizer), max_new_tokens])
+    name = os.path.splitext(os.path.basename(prompts))[0]
+    cache = os.path.join(cache_dir, f"answers-{name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}.jsonl")
+    os.makedirs(cache_dir, exist_ok=True)
+    responses = answer_prompts(target, tokenizer, prompt_ids, cache, max_new_tokens=max_new_tokens,
+                               batch_size=gen_batch_size, device=device, dtype=dtype, rank=rank, world=world)
+    if rank == 0:
+        print(f"[data] {len(chats)} answers of the target to {prompts} in {cache}")
+    return list(zip(prompt_ids, responses))
+
+
+def collate(examples, pad_id: int, max_len: int):
+    """Right-padded input_ids (b, L) and loss_mask (b, L): True on response tokens only (not prompt, not padding)."""
+    seqs = [(p + r)[:max_len] for p, r in examples]
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for row, ((prompt, _), seq) in enumerate(zip(examples, seqs)):
+        input_ids[row, : len(seq)] = torch.tensor(seq)
+        loss_mask[row, len(prompt): len(seq)] = True
+    return input_ids, loss_mask
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Drafter: a pretrained causal LM with the target's tokenizer, some of its layers kept
+
+
+def select_layers(num_layers: int, spec) -> list[int] | None:
+    """`spec`: None (all), a count N (evenly spaced over the depth, first and last kept) or explicit ids "0,14,29"."""
+    if spec is None or spec == "":
+        return None
+    if isinstance(spec, str) and "," in spec or isinstance(spec, (list, tuple)):
+        ids = [int(i) for i in (spec.split(",") if isinstance(spec, str) else spec)]
+        if any(not 0 <= i < num_layers for i in ids):
+            raise ValueError(f"layer ids {ids} out of range: the drafter-init has {num_layers} layers")
+        return ids
+    n = int(spec)
+    if not 1 <= n <= num_layers:
+        raise ValueError(f"--drafter-layers {n}: the drafter-init has {num_layers} layers")
+    if n == 1:
+        return [num_layers - 1]
+    return [round(k * (num_layers - 1) / (n - 1)) for k in range(n)]
+
+
+def build_drafter(drafter_init: str, tokenizer, *, target_vocab_size: int, layers=None, **config) -> d3d.Drafter:
+    """d3d.make_drafter on `drafter_init` after checking that it speaks the target's tokenizer."""
+    try:
+        init_tokenizer = AutoTokenizer.from_pretrained(drafter_init)
+    except (OSError, ValueError):  # no tokenizer saved with it: make_drafter still checks the vocabulary size
+        init_tokenizer = None
+    if init_tokenizer is not None and d3d.tokenizer_fingerprint(init_tokenizer) != d3d.tokenizer_fingerprint(tokenizer):
+        raise ValueError(f"--drafter-init {drafter_init} uses a different tokenizer than the target: its token ids "
+                         "mean other text. Initialise the drafter from a checkpoint of the target's family")
+    model = AutoModelForCausalLM.from_pretrained(drafter_init, dtype=torch.float32)  # fp32 master weights
+    layer_ids = select_layers(model.config.get_text_config().num_hidden_layers, layers)
+    return d3d.make_drafter(model, tokenizer=tokenizer, layers=layer_ids, target_vocab_size=target_vocab_size, **config)
+
+
+def freeze_embeddings(drafter: d3d.Drafter) -> torch.nn.Parameter:
+    """Freeze the input embeddings and the output layer, except the MASK row (a new token must learn its vector)."""
+    weight = drafter.model.get_input_embeddings().weight
+    keep = torch.zeros(weight.shape[0], 1, device=weight.device)
+    keep[drafter.d3d_config.mask_token_id] = 1.0
+    weight.register_hook(lambda grad: grad * keep.to(grad.dtype))
+    head = drafter.model.get_output_embeddings().weight
+    if head is not weight:  # untied output layer: frozen whole (its MASK row is never used)
+        head.requires_grad_(False)
+    return weight
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Training
+
+
+@torch.no_grad()
+def evaluate_tau(drafter, examples, *, block_size: int, num_anchors: int = 32, batch_size: int = 8, pad_id: int,
+                 max_len: int = 1024, autocast=contextlib.nullcontext, seed: int = 0) -> float:
+    """Mean offline tau (accepted + 1) over blocks drafted at `num_anchors` sampled points per held-out answer."""
+    generator = torch.Generator().manual_seed(seed)  # the same anchors at every evaluation
+    was_training, taus = drafter.training, []
+    drafter.eval()
+    for s in tqdm(range(0, len(examples), batch_size), desc=f"offline tau B={block_size}", leave=False):
+        input_ids, loss_mask = collate(examples[s: s + batch_size], pad_id, max_len)
+        with autocast():
+            taus.append(d3d.offline_tau(drafter, input_ids.to(drafter.device), loss_mask.to(drafter.device),
+                                        num_anchors=num_anchors, block_size=block_size, generator=generator))
+    drafter.train(was_training)
+    return torch.cat(taus).mean().item()
+
+
+def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, batch_size: int, grad_accum: int,
+                  lr: float, warmup: int, weight_decay: float, grad_clip: float, freeze: bool, pad_id: int,
+                  max_len: int, num_anchors: int, block_size: int, ar_weight: float, decay_gamma: float | None,
+                  eval_every: int, val_anchors: int, save_every: int, seed: int, bf16: bool, resume: bool = True,
+                  rank: int = 0, world: int = 1) -> dict:
+    """AdamW (warmup then cosine to 10 %) on d3d_loss; `batch_size` sequences per micro-batch and rank, `grad_accum`
+    micro-batches per step. Checkpoints out/checkpoint.pt every `save_every` steps; resumes from it if present."""
+    device = drafter.device
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    frozen = freeze_embeddings(drafter) if freeze else None
+    decayed = [p for p in drafter.parameters() if p.requires_grad and p is not frozen]
+    groups = [{"params": decayed, "weight_decay": weight_decay}] + ([{"params": [frozen], "weight_decay": 0.0}]
+                                                                    if frozen is not None else [])
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+    schedule = lambda s: min(1.0, (s + 1) / max(warmup, 1)) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s / steps, 1))))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    model = drafter
+    if world > 1:  # PyTorch's own DDP: gradients all-reduced in backward
+        model = torch.nn.parallel.DistributedDataParallel(drafter, device_ids=[device] if device.type == "cuda" else None)
+        model.d3d_config = drafter.d3d_config  # d3d_loss reads the config from the module it calls
+
+    start_step, checkpoint = 0, os.path.join(out, "checkpoint.pt")
+    if resume and os.path.exists(checkpoint):
+        state = torch.load(checkpoint, map_location=device, weights_only=False)
+        drafter.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        random.setstate(state["python_rng"])
+        start_step = state["step"]
+        if rank == 0:
+            print(f"[train] resumed from {checkpoint} at step {start_step}")
+
+    shard = train[rank::world]  # each rank its own sequences
+    per_epoch = math.ceil(len(shard) / batch_size)
+    anchors_rng = torch.Generator()
+
+    def micro_batch(m: int):  # the m-th micro-batch of this rank: a function of m only, so a resume continues exactly
+        epoch, k = divmod(m, per_epoch)
+        order = torch.randperm(len(shard), generator=torch.Generator().manual_seed(seed * 7919 + epoch)).tolist()
+        anchors_rng.manual_seed((seed * 1_000_003 + m) * world + rank)
+        input_ids, loss_mask = collate([shard[i] for i in order[k * batch_size: (k + 1) * batch_size]], pad_id, max_len)
+        return input_ids.to(device), loss_mask.to(device)
+
+    history, tau, loss_ema, start = [], float("nan"), None, time.perf_counter()
+
+    def evaluate(done: int) -> float:
+        tau = evaluate_tau(drafter, val, block_size=block_size, num_anchors=val_anchors, pad_id=pad_id,
+                           max_len=max_len, autocast=autocast)
+        history.append({"step": done, "loss": loss_ema and round(loss_ema, 4), "offline_tau": round(tau, 3)})
+        tqdm.write(f"[train] step {done}: loss {loss_ema or float('nan'):.3f}, offline tau (B={block_size}) {tau:.3f}")
+        return tau
+
+    drafter.train()
+    bar = tqdm(range(start_step, steps), initial=start_step, total=steps, desc="train drafter", disable=rank > 0)
+    for step in bar:
+        num_tokens, step_start = 0, time.perf_counter()
+        for a in range(grad_accum):
+            input_ids, loss_mask = micro_batch(step * grad_accum + a)
+            num_tokens += int((input_ids != pad_id).sum())
+            last = a == grad_accum - 1
+            with (model.no_sync() if world > 1 and not last else contextlib.nullcontext()):  # sync once per step
+                with autocast():
+                    loss, metrics = d3d.d3d_loss(model, input_ids, loss_mask, num_anchors=num_anchors,
+                                                 block_size=block_size, ar_weight=ar_weight, decay_gamma=decay_gamma,
+                                                 generator=anchors_rng)
+                (loss / grad_accum).backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
+        bar.set_postfix(loss=f"{loss_ema:.3f}", block=f"{metrics['loss_block']:.2f}", ar=f"{metrics['loss_ar']:.2f}",
+                        block_acc=f"{metrics['block_acc'].mean():.3f}", acc1=f"{metrics['block_acc'][0]:.2f}",
+                        tok_per_s=f"{num_tokens * world / (time.perf_counter() - step_start):.0f}")
+        done = step + 1
+        if rank == 0 and val and done % eval_every == 0 and done < steps:
+            evaluate(done)
+        if rank == 0 and (done % save_every == 0 or done == steps):
+            os.makedirs(out, exist_ok=True)
+            state = {"model": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": done,
+                     "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(), "python_rng": random.getstate()}
+            torch.save(state, checkpoint + ".tmp")
+            os.replace(checkpoint + ".tmp", checkpoint)  # never a half-written checkpoint
+    bar.close()
+    if rank == 0 and val:  # also when a rerun finds the run finished: evaluates with the new --num-val, ...
+        tau = evaluate(steps)
+    return {"offline_tau": tau, "history": history, "train_seconds": round(time.perf_counter() - start, 1)}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    g = ap.add_argument_group("data")
+    g.add_argument("--target", help="target model: HF folder or hub name (default: build the toy in runs/toy)")
+    g.add_argument("--prompts", help="JSON Lines file of training prompts (default: the toy's train prompts)")
+    g.add_argument("--prompt-field", default="question", help="field holding the prompt (default: question)")
+    g.add_argument("--val-prompts", help="JSON Lines file of held-out prompts (default: toy test prompts, "
+                                         "else --val-fraction of --prompts)")
+    g.add_argument("--val-fraction", type=float, default=0.05, help="share of --prompts held out when there is no "
+                                                                     "--val-prompts (default: 0.05)")
+    g.add_argument("--num-prompts", type=int, help="use the first N training prompts (default: all)")
+    g.add_argument("--num-val", type=int, default=200, help="use the first N held-out prompts (default: 200)")
+    g.add_argument("--thinking", action="store_true", help="Qwen3: answer with thinking on (default: off)")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="cap on a target answer, tokens (default: 256)")
+    g.add_argument("--gen-batch-size", type=int, default=64, help="prompts answered together (default: 64)")
+    g.add_argument("--data-dir", help="where the answer caches go (default: the folder above --out)")
+    g = ap.add_argument_group("drafter")
+    g.add_argument("--drafter-init", help="causal LM with the target's tokenizer to start from (default: the target)")
+    g.add_argument("--drafter-layers", help="keep N layers evenly spaced (first and last kept) or ids '0,5,29' "
+                                            "(default: all; 2 for the toy)")
+    g.add_argument("--block-size", type=int, help="B, MASK tokens per block (default: 16; 8 for the toy)")
+    g.add_argument("--num-anchors", type=int, help="K, blocks per training sequence (default: 64; 16 for the toy)")
+    g.add_argument("--ar-weight", type=float, default=1.0, help="lambda, weight of the AR loss (default: 1.0)")
+    g.add_argument("--decay-gamma", type=float, help="gamma, block position weights exp(-(i-1)/gamma) "
+                                                     "(default: off, uniform)")
+    g = ap.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int, default=300, help="optimizer steps (default: 300)")
+    g.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch and rank (default: 8)")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default: 1)")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: 1e-3)")
+    g.add_argument("--warmup", type=int, default=20, help="linear warmup steps, then cosine to 10 %% (default: 20)")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: 0)")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (default: 1.0)")
+    g.add_argument("--freeze-embeddings", action="store_true", help="freeze embeddings and lm_head except the "
+                                                                    "MASK row (default: train them)")
+    g.add_argument("--max-len", type=int, default=1024, help="cut sequences to this many tokens (default: 1024)")
+    g.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="bf16 autocast or fp32 (default: auto = bf16 on GPU, fp32 on CPU)")
+    g = ap.add_argument_group("evaluation and output")
+    g.add_argument("--out", default="runs/toy/drafter", help="drafter folder (default: runs/toy/drafter)")
+    g.add_argument("--eval-every", type=int, default=100, help="offline tau every N steps (default: 100)")
+    g.add_argument("--val-anchors", type=int, default=32, help="blocks per held-out answer for tau (default: 32)")
+    g.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default: 100)")
+    g.add_argument("--no-resume", dest="resume", action="store_false", help="ignore out/checkpoint.pt")
+    g.add_argument("--seed", type=int, default=0, help="data order and anchors (default: 0)")
+    g.add_argument("--device", help="cpu, cuda, ... (default: cuda if available; cuda:LOCAL_RANK under torchrun)")
+    return ap.parse_args(argv)
+
+
+def main(**overrides) -> dict:
+    """Run the whole recipe. Keyword arguments are the command-line flags (snake_case); defaults as there."""
+    defaults = vars(parse_args([]))
+    if overrides.keys() - defaults.keys():
+        raise TypeError(f"unknown arguments: {sorted(overrides.keys() - defaults.keys())}")
+    args = argparse.Namespace(**{**defaults, **overrides})
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if world > 1:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
+    torch.manual_seed(args.seed)
+
+    val_prompts, layers = args.val_prompts, args.drafter_layers
+    if args.target is None:  # built-in toy: scaffolding from toy.py, not part of the method
+        import toy
+
+        toy_dir = os.path.dirname(os.path.abspath(args.out))
+        paths = toy.build_toy(toy_dir, num_threads=1) if rank == 0 else None  # tiny model: 1 thread is fastest
+        if world > 1:
+            dist.barrier()
+        paths = paths or toy.build_toy(toy_dir, num_threads=1)
+        args.target, args.prompts = paths["target"], args.prompts or paths["train"]
+        val_prompts, layers = val_prompts or paths["test"], layers or "2"
+        args.block_size, args.num_anchors = args.block_size or 8, args.num_anchors or 16  # short toy answers
+    if args.prompts is None:
+        raise ValueError("--prompts is needed with --target")
+    args.block_size, args.num_anchors = args.block_size or 16, args.num_anchors or 64
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    data_dir = args.data_dir or os.path.dirname(os.path.abspath(args.out))
+    data = dict(tokenizer=tokenizer, prompt_field=args.prompt_field, thinking=args.thinking, cache_dir=data_dir,
+                max_new_tokens=args.max_new_tokens, gen_batch_size=args.gen_batch_size, device=device,
+                dtype=torch.bfloat16 if bf16 else None, rank=rank, world=world)
+    train = load_data(args.target, prompts=args.prompts, num_prompts=args.num_prompts, **data)
+    if val_prompts:
+        val = load_data(args.target, prompts=val_prompts, num_prompts=args.num_val, **data)
+    else:
+        num_val = min(args.num_val, round(len(train) * args.val_fraction))
+        train, val = train[: len(train) - num_val], train[len(train) - num_val:]
+
+    target_vocab_size = AutoConfig.from_pretrained(args.target).get_text_config().vocab_size
+    drafter = build_drafter(args.drafter_init or args.target, tokenizer, target_vocab_size=target_vocab_size,
+                            layers=layers, block_size=args.block_size, num_anchors=args.num_anchors,
+                            ar_weight=args.ar_weight, decay_gamma=args.decay_gamma).to(device)
+    if rank == 0:
+        params = sum(p.numel() for p in drafter.parameters())
+        print(f"[drafter] {args.drafter_init or args.target}, layers {drafter.d3d_config.layer_ids or 'all'}, "
+              f"{params / 1e6:.1f}M parameters; {len(train)} training and {len(val)} held-out answers")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    result = train_drafter(drafter, train, val, out=args.out, steps=args.steps, batch_size=args.batch_size,
+                           grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
+                           grad_clip=args.grad_clip, freeze=args.freeze_embeddings, pad_id=pad_id,
+                           max_len=args.max_len, num_anchors=args.num_anchors, block_size=args.block_size,
+                           ar_weight=args.ar_weight, decay_gamma=args.decay_gamma, eval_every=args.eval_every,
+                           val_anchors=args.val_anchors, save_every=args.save_every, seed=args.seed, bf16=bf16,
+                           resume=args.resume, rank=rank, world=world)
+
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # ru_maxrss is in KiB on Linux
+    if rank == 0:
+        drafter.save_pretrained(args.out, tokenizer=tokenizer)
+        target = os.path.abspath(args.target) if os.path.exists(args.target) else args.target
+        record = {**vars(args), "target": target, "val_prompts": val_prompts, "layer_ids": drafter.d3d_config.layer_ids,
+                  **result,
+                  "peak_memory_gib": round(peak / 2**30, 2), "device": str(device), "world_size": world}
+        with open(os.path.join(args.out, "train_args.json"), "w") as f:
+            json.dump(record, f, indent=2)
+        print(f"[done] offline tau (B={args.block_size}) on {len(val)} held-out answers: {result['offline_tau']:.3f}; "
+              f"training {result['train_seconds']:.0f} s; peak memory {peak / 2**30:.2f} GiB "
+              f"({'GPU allocated' if device.type == 'cuda' else 'RSS'})")
+        print(f"[done] target: {target}\n[done] answer caches: {data_dir}\n[done] drafter (+ train_args.json, "
+              f"checkpoint.pt): {os.path.abspath(args.out)}")
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return {**result, "drafter": drafter, "out": args.out}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Pruning: python train.py prune --drafter FOLDER ... (paper Fig. 1b; d3d.prune_drafter)
+
+
+def parse_prune_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="train.py prune", description="Progressive layer pruning of a trained drafter "
+                                 "with recovery distillation (paper Fig. 1b), on the answers it was trained with.")
+    g = ap.add_argument_group("input and output")
+    g.add_argument("--drafter", default="runs/toy/drafter", help="trained drafter folder (default: runs/toy/drafter)")
+    g.add_argument("--out", help="pruned drafter folder (default: DRAFTER-pruned); prune_table.json goes in it")
+    g = ap.add_argument_group("stopping rule (one at least)")
+    g.add_argument("--min-layers", type=int, help="stop at this many layers")
+    g.add_argument("--tau-floor", type=float, help="stop before tau falls below this fraction of the unpruned tau")
+    g = ap.add_argument_group("recovery and evaluation")
+    g.add_argument("--recovery-steps", type=int, default=50, help="distillation steps after each removal; 0 = no "
+                                                                  "recovery (default: 50)")
+    g.add_argument("--lr", type=float, default=1e-4, help="recovery learning rate (default: 1e-4)")
+    g.add_argument("--beta", type=float, default=0.5, help="teacher adjusted toward the label by beta (default: 0.5)")
+    g.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default: 8)")
+    g.add_argument("--num-val", type=int, default=64, help="held-out answers for validation tau (default: 64)")
+    g.add_argument("--val-anchors", type=int, default=16, help="blocks per held-out answer (default: 16)")
+    g.add_argument("--compare-prompts", type=int, default=8, help="held-out prompts decoded with the unpruned and "
+                   "the pruned drafter against the target, for the speedup (default: 8; 0 = skip)")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="tokens per compared answer (default: 128)")
+    g.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
+    g.add_argument("--seed", type=int, default=0, help="anchors and batch order (default: 0)")
+    return ap.parse_args(argv)
+
+
+@torch.no_grad()
+def compare_drafters(target, drafters: dict, prompts, *, max_new_tokens: int, eos) -> dict:
+    """Decode the same prompts with each drafter (sync and async) and with the target alone, in one run: tau and
+    speedup (target-only time per token / speculative time per token, prefill excluded) per drafter and mode."""
+    times = collections.defaultdict(float)
+    tokens, taus = collections.defaultdict(int), collections.defaultdict(list)
+    runs = [("target", None, "target")] + [(f"{name} {mode}", d, mode) for name, d in drafters.items()
+                                           for mode in ("sync", "async")]
+    d3d.generate(target, None, prompts[0], max_new_tokens=4, mode="target")  # warm-up
+    for ids in tqdm(prompts, desc="decode with each drafter", leave=False):
+        for label, drafter, mode in runs:
+            _, stats = d3d.generate(target, drafter, ids, max_new_tokens=max_new_tokens, mode=mode, eos_token_id=eos)
+            times[label] += stats["time_total"] - stats["time_prefill"]
+            tokens[label] += stats["num_new_tokens"] - 1
+            taus[label].append(stats["tau"])
+    base = times["target"] / max(tokens["target"], 1)
+    return {label: {"speedup": base / (times[label] / max(tokens[label], 1)),
+                    "tau": sum(taus[label]) / len(taus[label])} for label, _, _ in runs[1:]}
+
+
+def prune_main(*, drafter, out, min_layers, tau_floor, recovery_steps, lr, beta, batch_size, num_val, val_anchors,
+               compare_prompts, max_new_tokens, device, seed) -> dict:
+    import copy
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out = out or drafter.rstrip("/") + "-pruned"
+    with open(os.path.join(drafter, "train_args.json")) as f:
+        recipe = json.load(f)  # how the drafter was trained: its target, prompts and answer caches
+    tokenizer = AutoTokenizer.from_pretrained(drafter)
+    model = d3d.Drafter.from_pretrained(drafter, dtype=torch.float32, device=device)
+    data = dict(tokenizer=tokenizer, prompt_field=recipe["prompt_field"], thinking=recipe["thinking"],
+                cache_dir=recipe.get("data_dir") or os.path.dirname(os.path.abspath(drafter)),
+                max_new_tokens=recipe["max_new_tokens"], gen_batch_size=recipe["gen_batch_size"], device=device)
+    train = load_data(recipe["target"], prompts=recipe["prompts"], num_prompts=recipe["num_prompts"], **data)
+    if recipe.get("val_prompts"):
+        val = load_data(recipe["target"], prompts=recipe["val_prompts"], num_prompts=recipe["num_val"], **data)
+    else:
+        num_held = min(recipe["num_val"], round(len(train) * recipe["val_fraction"]))
+        train, val = train[: len(train) - num_held], train[len(train) - num_held:]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    max_len = recipe["max_len"]
+    val_batches = [tuple(t.to(device) for t in collate(val[s: s + batch_size], pad_id, max_len))
+                   for s in range(0, min(num_val, len(val)), batch_size)]
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
+    train_batches = [tuple(t.to(device) for t in collate([train[i] for i in order[s: s + batch_size]], pad_id, max_len))
+                     for s in range(0, len(order) - batch_size + 1, batch_size)]
+    unpruned = copy.deepcopy(model)
+    print(f"[prune] {drafter}: {model.model.config.num_hidden_layers} layers; {len(val_batches)} validation and "
+          f"{len(train_batches)} recovery batches of {batch_size}")
+    table = d3d.prune_drafter(model, val_batches, train_batches, min_layers=min_layers, tau_floor=tau_floor,
+                              recovery_steps=recovery_steps, lr=lr, beta=beta, num_anchors=val_anchors, seed=seed,
+                              log=lambda msg: tqdm.write(f"[prune] {msg}"))
+    result = {"table": table, "drafter": os.path.abspath(drafter), "recovery_steps": recovery_steps, "beta": beta,
+              "lr": lr, "layer_ids": model.d3d_config.layer_ids}
+    if compare_prompts:
+        target = AutoModelForCausalLM.from_pretrained(recipe["target"], dtype=torch.float32).to(device).eval()
+        prompts = [torch.tensor([p], device=device) for p, _ in val[:compare_prompts]]
+        eos = getattr(target.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
+        result["decode"] = compare_drafters(target, {"unpruned": unpruned.eval(), "pruned": model.eval()}, prompts,
+                                            max_new_tokens=max_new_tokens, eos=eos)
+    model.save_pretrained(out, tokenizer=tokenizer)
+    with open(os.path.join(out, "train_args.json"), "w") as f:
+        json.dump({**recipe, "pruned_from": os.path.abspath(drafter), "layer_ids": model.d3d_config.layer_ids}, f,
+                  indent=2)
+    with open(os.path.join(out, "prune_table.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"\n{'removed':>8}{'layers':>8}{'tau before':>12}{'tau after':>11}{'seconds':>9}  (tau: offline, "
+          f"B={model.d3d_config.block_size}, after recovery of {recovery_steps} steps)")
+    for row in table:
+        removed = "-" if row["removed_layer"] is None else row["removed_layer"]
+        print(f"{removed:>8}{row['layers']:>8}{row['tau_before_recovery']:>12.3f}{row['tau_after_recovery']:>11.3f}"
+              f"{row['seconds']:>9.0f}" + ("  (undone: below the floor)" if not row["kept"] else ""))
+    for label, r in result.get("decode", {}).items():
+        print(f"[decode] {label:<16} speedup {r['speedup']:.2f}x over target-only, tau {r['tau']:.2f}")
+    print(f"[done] pruned drafter ({model.model.config.num_hidden_layers} layers, original ids "
+          f"{model.d3d_config.layer_ids}): {os.path.abspath(out)}; table: {os.path.join(out, 'prune_table.json')}")
+    return result
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["prune"]:  # python train.py prune --drafter FOLDER ...
+        prune_main(**vars(parse_prune_args(sys.argv[2:])))
+    else:
+        main(**vars(parse_args()))
