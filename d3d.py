@@ -40,6 +40,7 @@ Our readings where the paper is silent (see ../shared/design/method.md and READM
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
@@ -52,6 +53,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
 # transformers 5.24 renames `past_key_values` to `cache` (removal in 5.40); 5.17 knows only the old name, so we keep it.
 warnings.filterwarnings("ignore", message=r".*`past_key_values` is deprecated.*")
@@ -868,10 +870,6 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
     Stops at `min_layers` layers, or before an iteration whose recovered tau falls below tau_floor x the unpruned
     tau (that iteration is undone and reported with "kept": False). Returns the table: one dict per iteration with
     the removed layer (index in the original drafter), tau before and after recovery, and seconds."""
-    import copy
-
-    from tqdm.auto import tqdm
-
     if min_layers is None and tau_floor is None:
         raise ValueError("give a stopping rule: min_layers (a target depth) or tau_floor (fraction of unpruned tau)")
     teacher = copy.deepcopy(drafter).eval().requires_grad_(False)  # the fixed, unpruned drafter
