@@ -26,6 +26,11 @@ Our readings where the paper is silent (see ../shared/design/method.md and READM
   * "anchorless" blocks: a block of B MASK tokens hangs off a point p of the causal stream; its tokens sit at
     positions p+1 .. p+B and each predicts the token at its own position (DFlash puts a clean anchor token inside
     the block instead; here the anchor simply lives in the causal stream).
+  * d_1 from the causal stream (first_token = "ar", default): the first draft token is the drafter's ordinary
+    next-token prediction at x_n (the head L_AR trains), d_2 .. d_B come from MASK 2 .. B; MASK 1 stays in the block
+    as the placeholder of the unknown x_{n+1}. Training is unchanged (L_block still covers all B positions).
+    first_token = "block" drafts d_1 from MASK 1. Measured: offline tau 3.82 -> 4.22 (toy, B = 8), 1.27 -> 1.51
+    (SmolLM2 8-layer drafter, B = 16); see README.
   * the drafter's MASK is a fresh id (the first id the tokenizer does not use; embeddings are resized only when the
     model has no free row) and is never drafted.
   * the target prefills the prompt and produces the first token itself; speculation starts from the second token.
@@ -78,12 +83,15 @@ class D3DConfig:
     target_vocab_size: int = 0  # rows of the target's output layer; drafter logits are cut to this size
     tokenizer_hash: str = ""  # fingerprint of the tokenizer the drafter was made for (check_tokenizer)
     layer_ids: list[int] | None = None  # which layers of the initial checkpoint the drafter kept
+    first_token: str = "ar"  # who drafts d_1: "ar", the causal stream's next-token head at x_n; "block", MASK 1
 
     def __post_init__(self):
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_anchors < 1:
             raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}")
+        if self.first_token not in ("ar", "block"):
+            raise ValueError(f"first_token must be 'ar' or 'block', got {self.first_token!r}")
 
     def save(self, path: str) -> None:
         with open(os.path.join(path, CONFIG_NAME), "w") as f:
@@ -156,9 +164,14 @@ class Drafter(nn.Module):
         return logits
 
     def forward(self, input_ids, position_ids, attention_mask, past_key_values=None, logits_to_keep=None):
-        """Logits (b, len(logits_to_keep) or q, V) of a packed sequence, projected only at `logits_to_keep`."""
+        """Logits (b, n, V) of a packed sequence, projected only at `logits_to_keep`: row indices (n,) shared by the
+        batch, or (b, n) per sequence; None keeps all q rows."""
         hidden = self.hidden_states(input_ids, position_ids, attention_mask, past_key_values)
-        return self.logits(hidden if logits_to_keep is None else hidden[:, logits_to_keep])
+        if logits_to_keep is not None and logits_to_keep.dim() == 2:
+            hidden = hidden.gather(1, logits_to_keep[..., None].expand(-1, -1, hidden.shape[-1]))
+        elif logits_to_keep is not None:
+            hidden = hidden[:, logits_to_keep]
+        return self.logits(hidden)
 
     def save_pretrained(self, path: str, tokenizer=None) -> None:
         os.makedirs(path, exist_ok=True)
@@ -302,18 +315,27 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
 
 def _packed_forward(drafter: Drafter, input_ids, anchors, block_size, with_causal_logits: bool):
     """One training-shape pass: clean tokens (causal) + a MASK block hanging off every anchor.
-    Returns block logits (b, K, B, V) and, if asked, causal logits (b, L-1, V) for next-token prediction."""
+    Returns block logits (b, K, B, V), the anchors' own next-token logits (b, K, V), and, if asked, causal logits
+    (b, L-1, V) for next-token prediction."""
     b, length = input_ids.shape
     num_anchors = anchors.shape[1]
     mask, positions = packed_attention_mask(length, anchors, block_size)
     masks = torch.full((b, num_anchors * block_size), drafter.d3d_config.mask_token_id, device=input_ids.device)
-    keep = torch.arange(length, length + num_anchors * block_size, device=input_ids.device)
-    if with_causal_logits:
-        keep = torch.cat([torch.arange(length - 1, device=input_ids.device), keep])
-    logits = drafter(torch.cat([input_ids, masks], 1), positions, mask, logits_to_keep=keep)
-    causal_logits = logits[:, : length - 1] if with_causal_logits else None
-    block_logits = logits[:, -num_anchors * block_size:].reshape(b, num_anchors, block_size, -1)
-    return block_logits, causal_logits
+    block_rows = torch.arange(length, length + num_anchors * block_size, device=input_ids.device)
+    causal_rows = torch.arange(length - 1 if with_causal_logits else 0, device=input_ids.device)
+    rows = [anchors, block_rows.expand(b, -1), causal_rows.expand(b, -1)]  # projected to the vocabulary
+    logits = drafter(torch.cat([input_ids, masks], 1), positions, mask, logits_to_keep=torch.cat(rows, 1))
+    anchor_logits, block_logits, causal_logits = logits.split([r.shape[1] for r in rows], 1)
+    block_logits = block_logits.reshape(b, num_anchors, block_size, -1)
+    return block_logits, anchor_logits, causal_logits if with_causal_logits else None
+
+
+def draft_logits_of(block_logits: torch.Tensor, anchor_logits: torch.Tensor, first_token: str) -> torch.Tensor:
+    """What the drafter drafts, (..., B, V): the block's logits, with row 1 (d_1) taken from the next-token logits
+    of the token the block hangs off when first_token == "ar" (ours; see D3DConfig.first_token)."""
+    if first_token == "block":
+        return block_logits
+    return torch.cat([anchor_logits.unsqueeze(-2), block_logits[..., 1:, :]], -2)
 
 
 def _block_labels(input_ids, loss_mask, anchors, valid, block_size):
@@ -344,7 +366,7 @@ def d3d_loss(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
     decay_gamma = cfg.decay_gamma if decay_gamma is None else decay_gamma
 
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
-    block_logits, causal_logits = _packed_forward(drafter, input_ids, anchors, block_size, ar_weight > 0)
+    block_logits, _, causal_logits = _packed_forward(drafter, input_ids, anchors, block_size, ar_weight > 0)
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
 
     weights = torch.ones(block_size, device=input_ids.device)
@@ -369,15 +391,17 @@ def d3d_loss(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
 
 @torch.no_grad()
 def offline_tau(drafter: Drafter, input_ids, loss_mask, *, num_anchors: int = 32, block_size: int | None = None,
-                generator: torch.Generator | None = None) -> torch.Tensor:
+                first_token: str | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """Validation tau without running the target: the responses are the target's own greedy output, so a block
-    drafted at anchor a is accepted exactly as far as it matches x_{a+1} ... . Returns one tau (accepted + 1) per
-    sampled anchor, shape (num_valid,); a token past the end of the response counts as a mismatch."""
+    drafted at anchor a is accepted exactly as far as it matches x_{a+1} ... . d_1 comes from where decoding takes
+    it (first_token, default: the drafter's config). Returns one tau (accepted + 1) per sampled anchor, shape
+    (num_valid,); a token past the end of the response counts as a mismatch."""
     block_size = block_size or drafter.d3d_config.block_size
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
-    block_logits, _ = _packed_forward(drafter, input_ids, anchors, block_size, with_causal_logits=False)
+    block_logits, anchor_logits, _ = _packed_forward(drafter, input_ids, anchors, block_size, False)
+    draft_logits = draft_logits_of(block_logits, anchor_logits, first_token or drafter.d3d_config.first_token)
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
-    hit = (block_logits.argmax(-1) == labels) & counts  # (b, K, B)
+    hit = (draft_logits.argmax(-1) == labels) & counts  # (b, K, B)
     accepted = hit.long().cumprod(-1).sum(-1)  # (b, K)
     return (accepted + 1)[valid].float()
 
@@ -418,20 +442,29 @@ def pick_tokens(logits: torch.Tensor, temperature: float, generator=None):
     return _sample(probs, generator), probs
 
 
+def draft_rows(drafter: Drafter, anchor_rows: torch.Tensor, block_starts: torch.Tensor, block_size: int):
+    """Rows of a packed sequence whose hidden states draft each block, (S, B): the block's B MASK rows, except that
+    with first_token == "ar" d_1 comes from the row of the token the block hangs off (its next-token head)."""
+    rows = block_starts[:, None] + torch.arange(block_size, device=block_starts.device)
+    if drafter.d3d_config.first_token == "ar":
+        rows[:, 0] = anchor_rows
+    return rows
+
+
 @torch.no_grad()
 def draft_block(drafter: Drafter, cache, new_tokens: torch.Tensor, block_size: int) -> torch.Tensor:
     """One drafter pass: the committed tokens the drafter has not seen yet (causal) + one MASK block hanging off the
     last committed token x_n. The block's KV is cropped again, so the cache ends holding the committed tokens only.
 
     new_tokens: (1, m), m >= 1 (x_n is always new: the drafter's cache never holds the last committed token
-    when it drafts). Returns the block's logits (B, V): row i-1 drafts position n+i."""
+    when it drafts). Returns the draft logits (B, V): row i-1 drafts position n+i."""
     past = cache.get_seq_length()
     m = new_tokens.shape[1]
     device = new_tokens.device
     mask, positions = packed_attention_mask(m, torch.tensor([m - 1], device=device), block_size, past_len=past)
     masks = torch.full((1, block_size), drafter.d3d_config.mask_token_id, device=device)
-    logits = drafter(torch.cat([new_tokens, masks], 1), positions, mask, past_key_values=cache,
-                     logits_to_keep=torch.arange(m, m + block_size, device=device))
+    rows = draft_rows(drafter, torch.tensor([m - 1], device=device), torch.tensor([m], device=device), block_size)
+    logits = drafter(torch.cat([new_tokens, masks], 1), positions, mask, past_key_values=cache, logits_to_keep=rows[0])
     crop_cache(cache, past + m)
     return logits[0]
 
@@ -721,9 +754,11 @@ def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temper
         packed = torch.cat([causal] + segments)[None]
         mask, positions = packed_attention_mask(len(causal), anchors, block_size, prefix_lens=prefix_lens,
                                                 past_len=seen)
-        # rows of each segment's block in the packed sequence (its prefix token, if any, is not drafted)
+        # rows that draft each segment's block: its MASK rows (and, with first_token "ar", for d_1 the token it hangs
+        # off directly: the branch token t, or d_B for the full-acceptance block)
         seg_start = len(causal) + torch.cumsum(prefix_lens + block_size, 0) - block_size
-        block_rows = seg_start[:, None] + torch.arange(block_size, device=device)  # (S, B)
+        hang_rows = torch.cat([seg_start[:-1] - 1, torch.tensor([len(causal) - 1], device=device)])
+        block_rows = draft_rows(drafter, hang_rows, seg_start, block_size)  # (S, B)
 
         last_token = torch.tensor(out.tokens[n], device=device)
         t0 = _clock(device)
@@ -810,8 +845,8 @@ def distill_loss(student: Drafter, teacher: Drafter, input_ids, loss_mask, *, be
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
     with torch.no_grad():
-        t_block, t_causal = _packed_forward(teacher, input_ids, anchors, block_size, with_causal_logits=True)
-    s_block, s_causal = _packed_forward(student, input_ids, anchors, block_size, with_causal_logits=True)
+        t_block, _, t_causal = _packed_forward(teacher, input_ids, anchors, block_size, with_causal_logits=True)
+    s_block, _, s_causal = _packed_forward(student, input_ids, anchors, block_size, with_causal_logits=True)
     terms = []
     for s, t, y, w in ((s_block, t_block, labels, counts), (s_causal, t_causal, input_ids[:, 1:], loss_mask[:, 1:])):
         q = adjusted_teacher(t, y, beta)

@@ -54,8 +54,8 @@ class ScriptedDrafter(d3d.Drafter):
     `reference` is the target's greedy continuation (reference[pos] = token at absolute position pos). A MASK token
     at index i (1-based) of its block predicts reference[pos] if i <= right_upto, else a token the target never
     chooses there, with reference[pos] as its runner-up (so an asynchronous branch can hit); a causal token at pos
-    predicts reference[pos + 1]. right_upto = B: always right (oracle);
-    0: never right; j: right up to position j of every block."""
+    predicts reference[pos + 1] (right iff right_upto >= 1; it drafts d_1 when first_token == "ar").
+    right_upto = B: always right (oracle); 0: never right; j: right up to position j of every block."""
 
     def __init__(self, drafter, reference, right_upto):
         super().__init__(drafter.model, drafter.d3d_config)
@@ -76,8 +76,12 @@ class ScriptedDrafter(d3d.Drafter):
                     scripted[0, j, good] = 5.0
                     good = (good + 1) % TEXT_VOCAB
                 scripted[0, j, good] = 10.0
-            else:
-                scripted[0, j, self.ref(pos + 1)] = 10.0
+            else:  # a causal token's next-token guess: d_1 when first_token == "ar"
+                good = self.ref(pos + 1)
+                if self.right_upto < 1:
+                    scripted[0, j, good] = 5.0
+                    good = (good + 1) % TEXT_VOCAB
+                scripted[0, j, good] = 10.0
         return scripted  # "hidden states" that are already the scripted logits
 
     def logits(self, hidden):
@@ -140,19 +144,30 @@ def test_mask_is_per_row_for_batched_anchors():
         assert torch.equal(mask[row, 0], expected_mask) and torch.equal(positions[row], expected_pos)
 
 
-def test_packed_blocks_equal_separate_passes(tok):
-    """The model honours the mask: a block in the packed training pass equals drafting it alone after its prefix."""
-    drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=5)
+@pytest.mark.parametrize("first_token", ["ar", "block"])
+def test_packed_blocks_equal_separate_passes(tok, first_token):
+    """The model honours the mask: a block in the packed training pass equals drafting it alone after its prefix;
+    with first_token "ar" the draft's first row is the ordinary next-token prediction at the anchor."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=5, first_token=first_token)
     x = torch.randint(0, TEXT_VOCAB, (2, 13), generator=torch.Generator().manual_seed(0))
     anchors = torch.tensor([[3, 6, 7], [5, 8, 10]])
-    block_logits, causal_logits = d3d._packed_forward(drafter, x, anchors, 5, with_causal_logits=True)
+    block_logits, anchor_logits, causal_logits = d3d._packed_forward(drafter, x, anchors, 5, with_causal_logits=True)
+    draft_logits = d3d.draft_logits_of(block_logits, anchor_logits, first_token)
     for row in range(2):
         for k, a in enumerate(anchors[row].tolist()):
             cache = d3d.new_cache(drafter.model)
             logits = d3d.draft_block(drafter, cache, x[row: row + 1, : a + 1], 5)
-            torch.testing.assert_close(logits[:, :TEXT_VOCAB], block_logits[row, k, :, :TEXT_VOCAB])
+            torch.testing.assert_close(logits[:, :TEXT_VOCAB], draft_logits[row, k, :, :TEXT_VOCAB])
+            torch.testing.assert_close(logits[1:, :TEXT_VOCAB], block_logits[row, k, 1:, :TEXT_VOCAB])
             assert cache.get_seq_length() == a + 1  # block KV cropped
-    plain = drafter.model(x).logits[:, :-1, :TEXT_VOCAB]
+    plain = drafter.model(x).logits[:, :, :TEXT_VOCAB]
+    torch.testing.assert_close(anchor_logits[..., :TEXT_VOCAB], plain.gather(1, anchors[..., None].expand(
+        -1, -1, TEXT_VOCAB)), atol=1e-5, rtol=1e-5)
+    if first_token == "ar":
+        torch.testing.assert_close(draft_logits[:, :, 0], anchor_logits)
+    else:
+        assert not torch.allclose(draft_logits[:, :, 0], anchor_logits)
+    plain = plain[:, :-1]
     torch.testing.assert_close(causal_logits[..., :TEXT_VOCAB], plain, atol=1e-5, rtol=1e-5)
 
 
@@ -168,6 +183,24 @@ def batch(seed=0, b=3, length=21, prompt_len=6):
     if b > 1:
         loss_mask[1, length - 4:] = False  # a right-padded row
     return x, loss_mask
+
+
+def test_offline_tau_drafts_the_first_token_where_decoding_does(tok, target):
+    """The target's own weights as drafter, on the target's own greedy continuation: its next-token head is always
+    right, so with first_token "ar" every sampled block accepts at least d_1; MASK 1 of this untrained drafter is
+    not, so "block" scores lower."""
+    prompt = torch.tensor([[5, 3, 8]])
+    ids = reference_continuation(target, prompt, 40)
+    input_ids, loss_mask = torch.tensor([ids]), torch.zeros(1, len(ids), dtype=torch.bool)
+    loss_mask[0, 3:] = True
+    drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=4)
+    taus = {first: d3d.offline_tau(drafter, input_ids, loss_mask, num_anchors=16, first_token=first,
+                                   generator=torch.Generator().manual_seed(0)) for first in ("ar", "block")}
+    assert len(taus["ar"]) == 16 and taus["ar"].min() >= 2
+    assert taus["block"].mean() < taus["ar"].mean()
+    drafter.d3d_config.first_token = "block"  # the default comes from the config
+    assert torch.equal(d3d.offline_tau(drafter, input_ids, loss_mask, num_anchors=16,
+                                       generator=torch.Generator().manual_seed(0)), taus["block"])
 
 
 def test_loss_starts_near_log_vocab_and_falls(tok):
@@ -316,12 +349,13 @@ def test_sync_stops_at_eos_inside_an_accepted_block(tok, target):
     assert out[0, -1].item() == eos
 
 
-def test_sync_with_real_drafters_equals_target(tok, target):
+@pytest.mark.parametrize("first_token", ["ar", "block"])
+def test_sync_with_real_drafters_equals_target(tok, target, first_token):
     """Unscripted drafters (random, and the target's own weights) through the real code path."""
     prompt = torch.tensor([[7, 1, 9]])
     expected, _ = d3d.generate(target, None, prompt, max_new_tokens=30, mode="target")
     for model in (tiny_qwen3(seed=11), tiny_qwen3(seed=1)):
-        drafter = d3d.make_drafter(model, tokenizer=tok, block_size=4)
+        drafter = d3d.make_drafter(model, tokenizer=tok, block_size=4, first_token=first_token)
         out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=30)
         assert out.tolist() == expected.tolist()
         assert stats["num_rounds"] == len(stats["accept_lengths"]) and stats["time_verify"] > 0
@@ -388,11 +422,12 @@ def test_async_stops_at_eos_inside_a_block(tok, target):
     assert out.tolist() == expected.tolist() and out[0, -1].item() == new[k]
 
 
-def test_async_with_real_drafters_equals_target(tok, target):
+@pytest.mark.parametrize("first_token", ["ar", "block"])
+def test_async_with_real_drafters_equals_target(tok, target, first_token):
     prompt = torch.tensor([[7, 1, 9]])
     expected, _ = d3d.generate(target, None, prompt, max_new_tokens=30, mode="target")
     for model in (tiny_qwen3(seed=11), tiny_qwen3(seed=1)):  # random, and the target's own weights
-        drafter = d3d.make_drafter(model, tokenizer=tok, block_size=4)
+        drafter = d3d.make_drafter(model, tokenizer=tok, block_size=4, first_token=first_token)
         for cover in ("first", "likely"):
             out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=30, mode="async", cover=cover)
             assert out.tolist() == expected.tolist()
@@ -464,8 +499,9 @@ def test_accept_rule_is_lossless():
     assert chi_square_p_value(first, q_draft[0]) < 1e-3  # the test has power: the drafter's law is rejected
 
 
-@pytest.mark.parametrize("mode,block_size", [("sync", 2), ("async", 1), ("async", 2)])
-def test_sampling_matches_target_distribution(mode, block_size):
+@pytest.mark.parametrize("mode,block_size,first_token", [("sync", 2, "ar"), ("async", 1, "ar"), ("async", 2, "ar"),
+                                                         ("async", 2, "block")])
+def test_sampling_matches_target_distribution(mode, block_size, first_token):
     """End to end through generate: the joint law of generated tokens 3 and 4 matches the target's exact law,
     computed by enumerating every (t1, t2, t3) in one batched pass. Tokens 3 and 4 come from the first and second
     speculative rounds (token 1 is the target's prefill), so in async mode they include drafts taken from branch
@@ -474,7 +510,8 @@ def test_sampling_matches_target_distribution(mode, block_size):
     vocab, temperature, num_samples = 8, 1.0, 600
     tok = make_tokenizer(vocab)
     target = tiny_qwen3(seed=21, vocab_size=16, init=0.6)
-    drafter = d3d.make_drafter(tiny_qwen3(seed=22, vocab_size=16, init=0.6), tokenizer=tok, block_size=block_size)
+    drafter = d3d.make_drafter(tiny_qwen3(seed=22, vocab_size=16, init=0.6), tokenizer=tok, block_size=block_size,
+                               first_token=first_token)
     prompt = [3, 1]
     with torch.no_grad():  # P(t1, t2, t3, t4) for all 16^4 continuations
         grid = torch.cartesian_prod(*[torch.arange(16)] * 3)  # (4096, 3)
@@ -698,6 +735,8 @@ def test_bad_inputs_raise_clear_errors(tok, target, tmp_path):
         d3d.generate(target, drafter, prompt, max_new_tokens=5, block_size=0)
     with pytest.raises(ValueError, match="block_size"):
         d3d.make_drafter(tiny_qwen3(), tokenizer=tok, block_size=0)
+    with pytest.raises(ValueError, match="first_token"):
+        d3d.make_drafter(tiny_qwen3(), tokenizer=tok, first_token="mask")
     with pytest.raises(ValueError, match="empty"):
         d3d.generate(target, drafter, torch.zeros(1, 0, dtype=torch.long), max_new_tokens=5)
     with pytest.raises(ValueError, match="batch 1"):

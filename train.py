@@ -230,8 +230,9 @@ def freeze_embeddings(drafter: d3d.Drafter) -> torch.nn.Parameter:
 
 @torch.no_grad()
 def evaluate_tau(drafter, examples, *, block_size: int, num_anchors: int = 32, batch_size: int = 8, pad_id: int,
-                 max_len: int = 1024, autocast=contextlib.nullcontext, seed: int = 0) -> float:
-    """Mean offline tau (accepted + 1) over blocks drafted at `num_anchors` sampled points per held-out answer."""
+                 max_len: int = 1024, autocast=contextlib.nullcontext, seed: int = 0, first_token=None) -> float:
+    """Mean offline tau (accepted + 1) over blocks drafted at `num_anchors` sampled points per held-out answer;
+    d_1 from where the drafter's config says (first_token overrides: "ar" or "block")."""
     generator = torch.Generator().manual_seed(seed)  # the same anchors at every evaluation
     was_training, taus = drafter.training, []
     drafter.eval()
@@ -239,7 +240,8 @@ def evaluate_tau(drafter, examples, *, block_size: int, num_anchors: int = 32, b
         input_ids, loss_mask = collate(examples[s: s + batch_size], pad_id, max_len)
         with autocast():
             taus.append(d3d.offline_tau(drafter, input_ids.to(drafter.device), loss_mask.to(drafter.device),
-                                        num_anchors=num_anchors, block_size=block_size, generator=generator))
+                                        num_anchors=num_anchors, block_size=block_size, first_token=first_token,
+                                        generator=generator))
     drafter.train(was_training)
     return torch.cat(taus).mean().item()
 
@@ -455,6 +457,12 @@ def main(**overrides) -> dict:
     peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # ru_maxrss is in KiB on Linux
     if rank == 0:
+        # the same held-out blocks with d_1 drafted by MASK 1 instead of the causal next-token head (README)
+        other = "block" if drafter.d3d_config.first_token == "ar" else "ar"
+        autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+        result[f"offline_tau_first_token_{other}"] = evaluate_tau(
+            drafter, val, block_size=args.block_size, num_anchors=args.val_anchors, pad_id=pad_id,
+            max_len=args.max_len, autocast=autocast, first_token=other)
         drafter.save_pretrained(args.out, tokenizer=tokenizer)
         target = os.path.abspath(args.target) if os.path.exists(args.target) else args.target
         record = {**vars(args), "target": target, "val_prompts": val_prompts, "layer_ids": drafter.d3d_config.layer_ids,
@@ -462,7 +470,9 @@ def main(**overrides) -> dict:
                   "peak_memory_gib": round(peak / 2**30, 2), "device": str(device), "world_size": world}
         with open(os.path.join(args.out, "train_args.json"), "w") as f:
             json.dump(record, f, indent=2)
-        print(f"[done] offline tau (B={args.block_size}) on {len(val)} held-out answers: {result['offline_tau']:.3f}; "
+        print(f"[done] offline tau (B={args.block_size}) on {len(val)} held-out answers: {result['offline_tau']:.3f} "
+              f"(d_1 from {'the causal next-token head' if other == 'block' else 'MASK 1'}; "
+              f"{result[f'offline_tau_first_token_{other}']:.3f} from {'MASK 1' if other == 'block' else 'the head'}); "
               f"training {result['train_seconds']:.0f} s; peak memory {peak / 2**30:.2f} GiB "
               f"({'GPU allocated' if device.type == 'cuda' else 'RSS'})")
         print(f"[done] target: {target}\n[done] answer caches: {data_dir}\n[done] drafter (+ train_args.json, "
