@@ -111,6 +111,10 @@ def test_training_lowers_loss_and_saves_a_lossless_drafter(setup, tmp_path):
     ref, _ = d3d.generate(target, None, prompt, max_new_tokens=20, mode="target")
     out_ids, stats = d3d.generate(target, drafter, prompt, max_new_tokens=20, mode="sync")
     assert torch.equal(out_ids, ref) and stats["tau"] > 1.0
+    # `train.py eval` measures the saved drafter on the same held-out blocks as the end of training, both ways
+    taus = train.eval_main(["--drafter", str(out)])
+    assert taus["ar"] == pytest.approx(record["offline_tau"])
+    assert taus["block"] == pytest.approx(record["offline_tau_first_token_block"])
 
 
 def test_resume_continues_at_the_right_step(setup, tmp_path, monkeypatch, capsys):

@@ -4,6 +4,7 @@
     python train.py --target PATH --prompts train.jsonl --val-prompts test.jsonl --drafter-layers 8 ...
     torchrun --nproc_per_node=N train.py ...          # DistributedDataParallel; data sharded by rank
     python train.py prune --drafter runs/toy/drafter --min-layers 1     # progressive layer pruning (Fig. 1b)
+    python train.py eval --drafter runs/toy/drafter                     # offline tau on the held-out answers
 
 1. data: the target answers the prompts greedily (chat template, thinking off); prompt and response token ids are
    cached as JSON Lines (one line per prompt), so a rerun or an interrupted run only answers what is missing.
@@ -512,6 +513,54 @@ def parse_prune_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def load_trained(drafter: str, device):
+    """A trained drafter folder with what it was trained on: (recipe, tokenizer, drafter, train, val, pad_id); the
+    answers come from the caches train.py wrote (train_args.json names them)."""
+    path = os.path.join(drafter, "train_args.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing: give a drafter folder written by train.py")
+    with open(path) as f:
+        recipe = json.load(f)  # how the drafter was trained: its target, prompts and answer caches
+    tokenizer = AutoTokenizer.from_pretrained(drafter)
+    model = d3d.Drafter.from_pretrained(drafter, dtype=torch.float32, device=device)
+    data = dict(tokenizer=tokenizer, prompt_field=recipe["prompt_field"], thinking=recipe["thinking"],
+                cache_dir=recipe.get("data_dir") or os.path.dirname(os.path.abspath(drafter)),
+                max_new_tokens=recipe["max_new_tokens"], gen_batch_size=recipe["gen_batch_size"], device=device)
+    train = load_data(recipe["target"], prompts=recipe["prompts"], num_prompts=recipe["num_prompts"], **data)
+    if recipe.get("val_prompts"):
+        val = load_data(recipe["target"], prompts=recipe["val_prompts"], num_prompts=recipe["num_val"], **data)
+    else:
+        num_held = min(recipe["num_val"], round(len(train) * recipe["val_fraction"]))
+        train, val = train[: len(train) - num_held], train[len(train) - num_held:]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return recipe, tokenizer, model, train, val, pad_id
+
+
+def eval_main(argv=None) -> dict:
+    """python train.py eval --drafter FOLDER: offline tau on the held-out answers the drafter was trained with,
+    with d_1 drafted by the causal next-token head ("ar") and by MASK 1 ("block")."""
+    ap = argparse.ArgumentParser(prog="train.py eval", description=eval_main.__doc__.split(":", 1)[1].strip())
+    ap.add_argument("--drafter", default="runs/toy/drafter", help="trained drafter folder (default: runs/toy/drafter)")
+    ap.add_argument("--num-val", type=int, help="held-out answers (default: as in training)")
+    ap.add_argument("--val-anchors", type=int, help="blocks per held-out answer (default: as in training)")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], help="bf16 autocast or fp32 (default: as in training)")
+    ap.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    recipe, _, drafter, _, val, pad_id = load_trained(args.drafter, device)
+    val = val[: args.num_val or recipe["num_val"]]
+    bf16 = (args.dtype or recipe.get("dtype")) == "bf16" or (args.dtype is None and device.type == "cuda")
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    block_size = drafter.d3d_config.block_size
+    result = {first: evaluate_tau(drafter, val, block_size=block_size, pad_id=pad_id, max_len=recipe["max_len"],
+                                  num_anchors=args.val_anchors or recipe["val_anchors"], autocast=autocast,
+                                  first_token=first) for first in ("ar", "block")}
+    print(f"[eval] {args.drafter}: offline tau (B={block_size}) on {len(val)} held-out answers: {result['ar']:.3f} "
+          f"with d_1 from the causal next-token head, {result['block']:.3f} from MASK 1 "
+          f"(this drafter uses {drafter.d3d_config.first_token!r})")
+    return result
+
+
 @torch.no_grad()
 def compare_drafters(target, drafters: dict, prompts, *, max_new_tokens: int, eos) -> dict:
     """Decode the same prompts with each drafter (sync and async) and with the target alone, in one run: tau and
@@ -538,20 +587,7 @@ def prune_main(*, drafter, out, min_layers, tau_floor, recovery_steps, lr, beta,
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = out or drafter.rstrip("/") + "-pruned"
-    with open(os.path.join(drafter, "train_args.json")) as f:
-        recipe = json.load(f)  # how the drafter was trained: its target, prompts and answer caches
-    tokenizer = AutoTokenizer.from_pretrained(drafter)
-    model = d3d.Drafter.from_pretrained(drafter, dtype=torch.float32, device=device)
-    data = dict(tokenizer=tokenizer, prompt_field=recipe["prompt_field"], thinking=recipe["thinking"],
-                cache_dir=recipe.get("data_dir") or os.path.dirname(os.path.abspath(drafter)),
-                max_new_tokens=recipe["max_new_tokens"], gen_batch_size=recipe["gen_batch_size"], device=device)
-    train = load_data(recipe["target"], prompts=recipe["prompts"], num_prompts=recipe["num_prompts"], **data)
-    if recipe.get("val_prompts"):
-        val = load_data(recipe["target"], prompts=recipe["val_prompts"], num_prompts=recipe["num_val"], **data)
-    else:
-        num_held = min(recipe["num_val"], round(len(train) * recipe["val_fraction"]))
-        train, val = train[: len(train) - num_held], train[len(train) - num_held:]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    recipe, tokenizer, model, train, val, pad_id = load_trained(drafter, device)
     max_len = recipe["max_len"]
     val_batches = [tuple(t.to(device) for t in collate(val[s: s + batch_size], pad_id, max_len))
                    for s in range(0, min(num_val, len(val)), batch_size)]
@@ -594,5 +630,7 @@ def prune_main(*, drafter, out, min_layers, tau_floor, recovery_steps, lr, beta,
 if __name__ == "__main__":
     if sys.argv[1:2] == ["prune"]:  # python train.py prune --drafter FOLDER ...
         prune_main(**vars(parse_prune_args(sys.argv[2:])))
+    elif sys.argv[1:2] == ["eval"]:  # python train.py eval --drafter FOLDER
+        eval_main(sys.argv[2:])
     else:
         main(**vars(parse_args()))
