@@ -29,8 +29,7 @@ Our readings where the paper is silent (see ../shared/design/method.md and READM
   * d_1 from the causal stream (first_token = "ar", default): the first draft token is the drafter's ordinary
     next-token prediction at x_n (the head L_AR trains), d_2 .. d_B come from MASK 2 .. B; MASK 1 stays in the block
     as the placeholder of the unknown x_{n+1}. Training is unchanged (L_block still covers all B positions).
-    first_token = "block" drafts d_1 from MASK 1. Measured: offline tau 3.82 -> 4.22 (toy, B = 8), 1.27 -> 1.51
-    (SmolLM2 8-layer drafter, B = 16); see README.
+    first_token = "block" drafts d_1 from MASK 1 (`python train.py eval` measures both; README has the numbers).
   * the drafter's MASK is a fresh id (the first id the tokenizer does not use; embeddings are resized only when the
     model has no free row) and is never drafted.
   * the target prefills the prompt and produces the first token itself; speculation starts from the second token.
@@ -715,7 +714,8 @@ def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temper
     Packed pass (causal part first, so that accepted KV is a prefix of what the pass appended):
         causal:  x_d .. x_n (committed, not yet in the drafter's cache), d_1 .. d_B
         branch (k, t) for covered k and candidate t != d_k:  t at position n+k hanging off d_{k-1}, then a block
-        full acceptance:  a block hanging off d_B; its first token guesses the target's bonus token
+        full acceptance:  a block hanging off d_B; its first draft token guesses the target's bonus token
+    (with first_token "ar" a block's first draft token is the next-token guess of the token it hangs off: t, or d_B)
     Outcome (a accepted, target token c): rejection at k = a+1 with c a candidate of k, or full acceptance with
     c == the guess, is a hit: that branch's block is the next draft (B tokens; B-1 after full acceptance, the first
     being the guess). Otherwise a synchronous draft (a miss). Invariants as in _decode_sync."""

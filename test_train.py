@@ -90,6 +90,19 @@ def test_layer_selection_keeps_the_right_layers(setup):
         assert torch.equal(a, b)
 
 
+def test_training_on_from_a_drafter_keeps_its_layer_ids_and_mask(setup, tmp_path):
+    """--drafter-init may be a trained drafter: its MASK row is reused and layer ids stay those of the original."""
+    vocab = _tiny_model(setup["tok"], layers=4).config.vocab_size
+    first = train.build_drafter(setup["target"], setup["tok"], target_vocab_size=vocab, layers="3")
+    first.save_pretrained(str(tmp_path / "d"), tokenizer=setup["tok"])
+    again = train.build_drafter(str(tmp_path / "d"), setup["tok"], target_vocab_size=vocab)
+    assert again.d3d_config.layer_ids == [0, 2, 3]
+    assert again.d3d_config.mask_token_id == first.d3d_config.mask_token_id
+    torch.testing.assert_close(again.model.get_input_embeddings().weight, first.model.get_input_embeddings().weight)
+    fewer = train.build_drafter(str(tmp_path / "d"), setup["tok"], target_vocab_size=vocab, layers="0,2")
+    assert fewer.d3d_config.layer_ids == [0, 3] and fewer.model.config.num_hidden_layers == 2
+
+
 def test_training_lowers_loss_and_saves_a_lossless_drafter(setup, tmp_path):
     out = tmp_path / "drafter"
     result = _run(setup, out, steps=12, drafter_layers="2", eval_every=12)

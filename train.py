@@ -210,7 +210,13 @@ def build_drafter(drafter_init: str, tokenizer, *, target_vocab_size: int, layer
                          "mean other text. Initialise the drafter from a checkpoint of the target's family")
     model = AutoModelForCausalLM.from_pretrained(drafter_init, dtype=torch.float32)  # fp32 master weights
     layer_ids = select_layers(model.config.get_text_config().num_hidden_layers, layers)
-    return d3d.make_drafter(model, tokenizer=tokenizer, layers=layer_ids, target_vocab_size=target_vocab_size, **config)
+    drafter = d3d.make_drafter(model, tokenizer=tokenizer, layers=layer_ids, target_vocab_size=target_vocab_size,
+                               **config)
+    if os.path.isfile(os.path.join(drafter_init, d3d.CONFIG_NAME)):  # training on from a drafter: keep its layer ids
+        kept = d3d.D3DConfig.load(drafter_init).layer_ids
+        if kept is not None:
+            drafter.d3d_config.layer_ids = [kept[i] for i in (layer_ids or range(len(kept)))]
+    return drafter
 
 
 def freeze_embeddings(drafter: d3d.Drafter) -> torch.nn.Parameter:
