@@ -11,6 +11,7 @@ Map from the paper to this file (read top to bottom):
       isolated bidirectional blocks)
     training loss L_block + lambda * L_AR (Fig. 1a)     d3d_loss, sample_anchors
     offline acceptance length (validation tau)          offline_tau
+    where d_1 comes from (ours: the causal head)         draft_logits_of (training shape), draft_rows (decoding)
     drafting / verification / acceptance                draft_block, verify_block, accept_draft
     target-only and synchronous decoding                generate(mode="target" | "sync"), _decode_sync
     asynchronous decoding (Fig. 1c): one packed pass     generate(mode="async"), _decode_async, plan_branches
