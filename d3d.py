@@ -313,21 +313,21 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     return anchors, top.values.gather(1, order) >= 0
 
 
-def _packed_forward(drafter: Drafter, input_ids, anchors, block_size, with_causal_logits: bool):
+def _packed_forward(drafter: Drafter, input_ids, anchors, block_size, *, causal: bool = False, anchor: bool = False):
     """One training-shape pass: clean tokens (causal) + a MASK block hanging off every anchor.
-    Returns block logits (b, K, B, V), the anchors' own next-token logits (b, K, V), and, if asked, causal logits
-    (b, L-1, V) for next-token prediction."""
+    Returns block logits (b, K, B, V); if asked, the anchors' own next-token logits (b, K, V) and the causal logits
+    (b, L-1, V) for next-token prediction (else None). Only those rows are projected to the vocabulary."""
     b, length = input_ids.shape
     num_anchors = anchors.shape[1]
     mask, positions = packed_attention_mask(length, anchors, block_size)
     masks = torch.full((b, num_anchors * block_size), drafter.d3d_config.mask_token_id, device=input_ids.device)
     block_rows = torch.arange(length, length + num_anchors * block_size, device=input_ids.device)
-    causal_rows = torch.arange(length - 1 if with_causal_logits else 0, device=input_ids.device)
-    rows = [anchors, block_rows.expand(b, -1), causal_rows.expand(b, -1)]  # projected to the vocabulary
+    causal_rows = torch.arange(length - 1 if causal else 0, device=input_ids.device)
+    rows = [anchors if anchor else anchors[:, :0], block_rows.expand(b, -1), causal_rows.expand(b, -1)]
     logits = drafter(torch.cat([input_ids, masks], 1), positions, mask, logits_to_keep=torch.cat(rows, 1))
     anchor_logits, block_logits, causal_logits = logits.split([r.shape[1] for r in rows], 1)
     block_logits = block_logits.reshape(b, num_anchors, block_size, -1)
-    return block_logits, anchor_logits, causal_logits if with_causal_logits else None
+    return block_logits, anchor_logits if anchor else None, causal_logits if causal else None
 
 
 def draft_logits_of(block_logits: torch.Tensor, anchor_logits: torch.Tensor, first_token: str) -> torch.Tensor:
@@ -366,7 +366,8 @@ def d3d_loss(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
     decay_gamma = cfg.decay_gamma if decay_gamma is None else decay_gamma
 
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
-    block_logits, _, causal_logits = _packed_forward(drafter, input_ids, anchors, block_size, ar_weight > 0)
+    block_logits, _, causal_logits = _packed_forward(drafter, input_ids, anchors, block_size,
+                                                     causal=ar_weight > 0)
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
 
     weights = torch.ones(block_size, device=input_ids.device)
@@ -398,7 +399,7 @@ def offline_tau(drafter: Drafter, input_ids, loss_mask, *, num_anchors: int = 32
     (num_valid,); a token past the end of the response counts as a mismatch."""
     block_size = block_size or drafter.d3d_config.block_size
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
-    block_logits, anchor_logits, _ = _packed_forward(drafter, input_ids, anchors, block_size, False)
+    block_logits, anchor_logits, _ = _packed_forward(drafter, input_ids, anchors, block_size, anchor=True)
     draft_logits = draft_logits_of(block_logits, anchor_logits, first_token or drafter.d3d_config.first_token)
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
     hit = (draft_logits.argmax(-1) == labels) & counts  # (b, K, B)
@@ -846,8 +847,8 @@ def distill_loss(student: Drafter, teacher: Drafter, input_ids, loss_mask, *, be
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
     with torch.no_grad():
-        t_block, _, t_causal = _packed_forward(teacher, input_ids, anchors, block_size, with_causal_logits=True)
-    s_block, _, s_causal = _packed_forward(student, input_ids, anchors, block_size, with_causal_logits=True)
+        t_block, _, t_causal = _packed_forward(teacher, input_ids, anchors, block_size, causal=True)
+    s_block, _, s_causal = _packed_forward(student, input_ids, anchors, block_size, causal=True)
     terms = []
     for s, t, y, w in ((s_block, t_block, labels, counts), (s_causal, t_causal, input_ids[:, 1:], loss_mask[:, 1:])):
         q = adjusted_teacher(t, y, beta)

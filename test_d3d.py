@@ -151,7 +151,7 @@ def test_packed_blocks_equal_separate_passes(tok, first_token):
     drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=5, first_token=first_token)
     x = torch.randint(0, TEXT_VOCAB, (2, 13), generator=torch.Generator().manual_seed(0))
     anchors = torch.tensor([[3, 6, 7], [5, 8, 10]])
-    block_logits, anchor_logits, causal_logits = d3d._packed_forward(drafter, x, anchors, 5, with_causal_logits=True)
+    block_logits, anchor_logits, causal_logits = d3d._packed_forward(drafter, x, anchors, 5, causal=True, anchor=True)
     draft_logits = d3d.draft_logits_of(block_logits, anchor_logits, first_token)
     for row in range(2):
         for k, a in enumerate(anchors[row].tolist()):
