@@ -9,9 +9,9 @@ Map from the paper to this file (read top to bottom):
     standalone drafter from any HF causal LM            make_drafter, Drafter, keep_layers
     packed attention (Fig. 1a: shared causal prefix,    packed_attention_mask
       isolated bidirectional blocks)
-    training loss L_block + lambda * L_AR (Fig. 1a)     d3d_loss, sample_anchors
+    training loss L_block + lambda * L_AR (Fig. 1a)     d3d_loss, sample_anchors, rows_loss (chunked logits)
     offline acceptance length (validation tau)          offline_tau
-    where d_1 comes from (ours: the causal head)         draft_logits_of (training shape), draft_rows (decoding)
+    where d_1 comes from (ours: the causal head)         with_first_token (training shape), draft_rows (decoding)
     drafting / verification / acceptance                draft_block, verify_block, accept_draft
     target-only and synchronous decoding                generate(mode="target" | "sync"), _decode_sync
     asynchronous decoding (Fig. 1c): one packed pass     generate(mode="async"), _decode_async, plan_branches
@@ -149,8 +149,10 @@ class Drafter(nn.Module):
     def hidden_states(self, input_ids, position_ids, attention_mask, past_key_values=None) -> torch.Tensor:
         """Last hidden states (b, q, H) of a packed sequence. attention_mask: bool (b, 1, q, past+q), True = may
         attend; it goes to HF as an additive float mask, which the sdpa and eager attention paths take as is."""
-        dtype = next(self.model.parameters()).dtype
-        additive = torch.zeros(attention_mask.shape, dtype=dtype, device=input_ids.device)
+        device = input_ids.device  # the mask is made once, in the dtype attention computes in (autocast's, if on)
+        autocast = torch.is_autocast_enabled(device.type)
+        dtype = torch.get_autocast_dtype(device.type) if autocast else next(self.model.parameters()).dtype
+        additive = torch.zeros(attention_mask.shape, dtype=dtype, device=device)
         additive.masked_fill_(~attention_mask, torch.finfo(dtype).min)
         out = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=additive,
                                        past_key_values=past_key_values, use_cache=past_key_values is not None)
@@ -242,14 +244,14 @@ def check_tokenizer(drafter: Drafter, tokenizer) -> None:
 # Packed attention: one causal stream, blocks hanging off points of it (Fig. 1a, method.md section 1)
 
 
-def packed_attention_mask(num_causal: int, anchors: torch.Tensor, block_size: int, *, prefix_lens=0,
+def packed_attention_mask(num_causal: int, anchors: torch.Tensor, block_size: int, *, prefix_len: int = 0,
                           past_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask and position ids of a packed sequence [causal stream | segment 1 | segment 2 | ...].
 
     The causal stream holds `num_causal` tokens at positions past_len, past_len+1, ...; `past_len` tokens before
     them sit in the KV cache and are visible to everyone. Segment s hangs off causal index anchors[.., s] (position
-    p): it is `prefix_lens[s]` causal tokens (0 in training and synchronous drafting; 1 for an asynchronous
-    rejection branch) followed by `block_size` MASK tokens, at positions p+1, p+2, .... A segment sees the causal
+    p): it is `prefix_len` causal tokens (0 in training and synchronous drafting; 1 for an asynchronous
+    branch) followed by `block_size` MASK tokens, at positions p+1, p+2, .... A segment sees the causal
     stream up to and including p, never a causal token after p and never another segment; its prefix tokens see
     each other causally; its MASK tokens see the whole segment (bidirectional). Visibility is decided by anchor
     *position*, so overlapping spans cannot leak the future.
@@ -268,17 +270,15 @@ def packed_attention_mask(num_causal: int, anchors: torch.Tensor, block_size: in
         m  (pos 5)   x  x  x  x     |     | x x
 
     anchors: (S,) or (b, S) long. Returns mask (b, 1, q, past_len + q) bool, position_ids (b, q) long,
-    with q = num_causal + sum_s (prefix_lens[s] + block_size).
+    with q = num_causal + S * (prefix_len + block_size).
     """
     anchors = anchors if anchors.dim() == 2 else anchors[None]
     device = anchors.device
     b, num_segments = anchors.shape
-    prefix = torch.as_tensor(prefix_lens, device=device).expand(num_segments).long()  # (S,)
-    seg_len = prefix + block_size
-    seg_of = torch.repeat_interleave(torch.arange(num_segments, device=device), seg_len)  # (T,) segment of token
-    starts = torch.cumsum(seg_len, 0) - seg_len
-    idx_in_seg = torch.arange(len(seg_of), device=device) - starts[seg_of]  # (T,)
-    is_prefix = idx_in_seg < prefix[seg_of]  # (T,)
+    seg_len = prefix_len + block_size  # every segment has the same shape: sizes are host ints, nothing is read back
+    token = torch.arange(num_segments * seg_len, device=device)
+    seg_of, idx_in_seg = token // seg_len, token % seg_len  # (T,) segment of each token, index inside it
+    is_prefix = idx_in_seg < prefix_len  # (T,)
 
     causal_idx = torch.arange(num_causal, device=device)
     seg_anchor = anchors[:, seg_of]  # (b, T) causal index each segment token hangs off
@@ -313,29 +313,57 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     return anchors, top.values.gather(1, order) >= 0
 
 
-def _packed_forward(drafter: Drafter, input_ids, anchors, block_size, *, causal: bool = False, anchor: bool = False):
-    """One training-shape pass: clean tokens (causal) + a MASK block hanging off every anchor.
-    Returns block logits (b, K, B, V); if asked, the anchors' own next-token logits (b, K, V) and the causal logits
-    (b, L-1, V) for next-token prediction (else None). Only those rows are projected to the vocabulary."""
+def _packed_hidden(drafter, input_ids, anchors, block_size):
+    """One training-shape pass: clean tokens (causal) + a MASK block hanging off every anchor. Returns the hidden
+    states of the causal stream (b, L, H) and of the blocks (b, K, B, H); nothing is projected to the vocabulary
+    here (rows_loss does it where a loss is taken)."""
     b, length = input_ids.shape
     num_anchors = anchors.shape[1]
     mask, positions = packed_attention_mask(length, anchors, block_size)
     masks = torch.full((b, num_anchors * block_size), drafter.d3d_config.mask_token_id, device=input_ids.device)
-    block_rows = torch.arange(length, length + num_anchors * block_size, device=input_ids.device)
-    causal_rows = torch.arange(length - 1 if causal else 0, device=input_ids.device)
-    rows = [anchors if anchor else anchors[:, :0], block_rows.expand(b, -1), causal_rows.expand(b, -1)]
-    logits = drafter(torch.cat([input_ids, masks], 1), positions, mask, logits_to_keep=torch.cat(rows, 1))
-    anchor_logits, block_logits, causal_logits = logits.split([r.shape[1] for r in rows], 1)
-    block_logits = block_logits.reshape(b, num_anchors, block_size, -1)
-    return block_logits, anchor_logits if anchor else None, causal_logits if causal else None
+    hidden = drafter.hidden_states(torch.cat([input_ids, masks], 1), positions, mask)  # (b, L + K*B, H)
+    return hidden[:, :length], hidden[:, length:].unflatten(1, (num_anchors, block_size))
 
 
-def draft_logits_of(block_logits: torch.Tensor, anchor_logits: torch.Tensor, first_token: str) -> torch.Tensor:
-    """What the drafter drafts, (..., B, V): the block's logits, with row 1 (d_1) taken from the next-token logits
-    of the token the block hangs off when first_token == "ar" (ours; see D3DConfig.first_token)."""
+def with_first_token(block: torch.Tensor, anchor: torch.Tensor, first_token: str) -> torch.Tensor:
+    """The rows that draft a block, (..., B, D) (hidden states or logits): the block's own rows, with row 1 (d_1)
+    taken from the token the block hangs off (its next-token row) when first_token == "ar" (ours; D3DConfig)."""
     if first_token == "block":
-        return block_logits
-    return torch.cat([anchor_logits.unsqueeze(-2), block_logits[..., 1:, :]], -2)
+        return block
+    return torch.cat([anchor.unsqueeze(-2), block[..., 1:, :]], -2)
+
+
+LOGITS_PER_CHUNK = 2**25  # fp32 logits alive at once in the loss: 128 MiB (Qwen3's 151,936 tokens: 220 rows)
+
+
+def rows_loss(drafter: Drafter, hidden: torch.Tensor, labels: torch.Tensor, *, teacher: Drafter | None = None,
+              teacher_hidden: torch.Tensor | None = None, beta: float = 0.5):
+    """Cross-entropy of the drafter's logits at `hidden` (N, H) against `labels` (N,); with a teacher, against the
+    adjusted teacher at `teacher_hidden` (N, H) instead (pruning's recovery). Returns (loss (N,), argmax (N,)).
+
+    The vocabulary projection runs chunk by chunk and, when gradients are on, is recomputed in backward
+    (activation checkpointing), so at most LOGITS_PER_CHUNK fp32 logits (and their gradient) live at once, however
+    many rows the batch has: at Qwen3's vocabulary, all logits of a batch would be tens of GB."""
+    def chunk_loss(h, y, t_h):
+        log_p = torch.log_softmax(drafter.logits(h), -1)  # (n, V), float32
+        if teacher is None:
+            return -log_p.gather(-1, y[:, None])[:, 0], log_p.argmax(-1)
+        with torch.no_grad():
+            q = adjusted_teacher(teacher.logits(t_h), y, beta)
+        return -(q * log_p.clamp(min=-1e4)).sum(-1), log_p.argmax(-1)  # MASK: q = 0, log_p = -inf; keep 0*-inf out
+
+    chunk = max(1, LOGITS_PER_CHUNK // drafter.d3d_config.target_vocab_size)
+    losses, argmax = [hidden.sum(-1)[:0]], [labels[:0]]  # (0,): what a batch without a labelled row gives
+    for rows in (slice(start, start + chunk) for start in range(0, len(hidden), chunk)):
+        t_h = teacher_hidden[rows] if teacher is not None else None
+        if torch.is_grad_enabled() and hidden.requires_grad:  # recompute the logits in backward instead of storing
+            loss, top = torch.utils.checkpoint.checkpoint(chunk_loss, hidden[rows], labels[rows], t_h,
+                                                          use_reentrant=False)
+        else:
+            loss, top = chunk_loss(hidden[rows], labels[rows], t_h)
+        losses.append(loss)
+        argmax.append(top)
+    return torch.cat(losses), torch.cat(argmax)
 
 
 def _block_labels(input_ids, loss_mask, anchors, valid, block_size):
@@ -357,6 +385,7 @@ def d3d_loss(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
     input_ids, loss_mask: (b, L); loss_mask is True on response tokens (prompt and padding carry no loss).
     L_block: cross-entropy of block k position i against x_{a_k+i}, weighted by exp(-(i-1)/gamma) if gamma is set.
     L_AR: next-token cross-entropy on the causal stream, response tokens only.
+    Only rows that carry a label are projected to the vocabulary (rows_loss, in chunks).
     Settings default to the drafter's D3DConfig. Returns (loss, metrics) with metrics["block_acc"] (B,) the
     accuracy at each block position, and the two loss terms."""
     cfg = drafter.d3d_config
@@ -366,26 +395,26 @@ def d3d_loss(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
     decay_gamma = cfg.decay_gamma if decay_gamma is None else decay_gamma
 
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
-    block_logits, _, causal_logits = _packed_forward(drafter, input_ids, anchors, block_size,
-                                                     causal=ar_weight > 0)
-    labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
+    causal_hidden, block_hidden = _packed_hidden(drafter, input_ids, anchors, block_size)  # (b, L, H), (b, K, B, H)
+    labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)  # (b, K, B)
 
     weights = torch.ones(block_size, device=input_ids.device)
     if decay_gamma:
         weights = torch.exp(-torch.arange(block_size, device=input_ids.device) / decay_gamma)
-    token_loss = F.cross_entropy(block_logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
-    w = counts * weights  # (b, K, B)
+    token_loss, predicted = rows_loss(drafter, block_hidden[counts], labels[counts])  # block rows with a label
+    w = (counts * weights)[counts]
     loss_block = (token_loss * w).sum() / w.sum().clamp(min=1e-8)
 
     loss_ar = torch.zeros((), device=input_ids.device)
     if ar_weight > 0:
-        ar_mask = loss_mask[:, 1:].float()
-        ar_tok = F.cross_entropy(causal_logits.flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none")
-        loss_ar = (ar_tok.view_as(ar_mask) * ar_mask).sum() / ar_mask.sum().clamp(min=1)
+        has_label = loss_mask[:, 1:].bool()  # causal row j predicts x_{j+1}: response tokens only
+        ar_tok, _ = rows_loss(drafter, causal_hidden[:, :-1][has_label], input_ids[:, 1:][has_label])
+        loss_ar = ar_tok.sum() / has_label.sum().clamp(min=1)
     loss = loss_block + ar_weight * loss_ar
 
     with torch.no_grad():
-        correct = (block_logits.argmax(-1) == labels) & counts
+        correct = torch.zeros_like(counts)
+        correct[counts] = predicted == labels[counts]
         block_acc = correct.sum((0, 1)) / counts.sum((0, 1)).clamp(min=1)
     return loss, {"loss_block": loss_block.detach(), "loss_ar": loss_ar.detach(), "block_acc": block_acc}
 
@@ -399,12 +428,13 @@ def offline_tau(drafter: Drafter, input_ids, loss_mask, *, num_anchors: int = 32
     (num_valid,); a token past the end of the response counts as a mismatch."""
     block_size = block_size or drafter.d3d_config.block_size
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
-    block_logits, anchor_logits, _ = _packed_forward(drafter, input_ids, anchors, block_size, anchor=True)
-    draft_logits = draft_logits_of(block_logits, anchor_logits, first_token or drafter.d3d_config.first_token)
+    causal_hidden, block_hidden = _packed_hidden(drafter, input_ids, anchors, block_size)
+    anchor_hidden = causal_hidden.gather(1, anchors[..., None].expand(-1, -1, causal_hidden.shape[-1]))  # (b, K, H)
+    rows = with_first_token(block_hidden, anchor_hidden, first_token or drafter.d3d_config.first_token)[valid]
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
-    hit = (draft_logits.argmax(-1) == labels) & counts  # (b, K, B)
-    accepted = hit.long().cumprod(-1).sum(-1)  # (b, K)
-    return (accepted + 1)[valid].float()
+    _, draft = rows_loss(drafter, rows.flatten(0, 1), labels[valid].flatten())  # chunked argmax
+    hit = (draft.view_as(labels[valid]) == labels[valid]) & counts[valid]  # (num_valid, B)
+    return (hit.long().cumprod(-1).sum(-1) + 1).float()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -520,6 +550,36 @@ def accept_draft(p_logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Ten
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Decoding loops: target-only (the reference) and synchronous speculative decoding (method.md section 3)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Does this device compute bf16 natively? CUDA: the GPU says; CPU: the AVX512-BF16 or AMX instructions (Linux
+    reports them in /proc/cpuinfo). Elsewhere bf16 matmuls fall back to slow kernels (measured: ~20-200x slower)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu" or not os.path.exists("/proc/cpuinfo"):
+        return False
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split() for line in f if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """--dtype of both drivers: "auto" (or None) is bf16 where the device does it natively, else fp32; an explicit
+    bf16 on a CPU without it is honoured with a warning."""
+    if name in (None, "auto"):
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: use auto, {', '.join(list(DTYPES)[:3])}")
+    dtype = DTYPES[name]
+    if dtype == torch.bfloat16 and device.type == "cpu" and not native_bf16(device):
+        warnings.warn("bf16 on a CPU without AVX512-BF16/AMX runs on slow fallback kernels (measured on AVX2: a "
+                      "drafter training step 130 s instead of 5.9 s in fp32); --dtype auto picks fp32 here")
+    return dtype
 
 
 def _clock(device: torch.device) -> float:
@@ -655,27 +715,55 @@ def default_budget(block_size: int) -> tuple[int, int]:
 
 
 def plan_branches(draft_logits: torch.Tensor, draft: torch.Tensor, coverage: int, fanout: int, cover: str = "first"):
-    """Which rejection outcomes get a branch in the packed pass.
+    """Which rejection outcomes get a branch in the packed pass: C covered positions k x F candidate tokens t.
 
-    For each covered position k (1-based) the F candidate tokens t != d_k are the drafter's next most likely tokens
-    at k. cover="first": k = 1 .. C; cover="likely": the C largest r_k = prod_{j<k} c_j * (1 - c_k), the
-    probability that verification first rejects at k, with c_j the drafter's probability of d_j (as in D2SD).
-    Returns {k: [t_1 .. t_F]} (host ints; k in ascending order)."""
-    block_size = draft.shape[0]
-    coverage = min(coverage, block_size)
-    if coverage == 0 or fanout == 0:
-        return {}
+    The candidates at k are the drafter's F most likely tokens other than d_k (from the logits that drafted d_k).
+    cover="first": k = 1 .. C; cover="likely": the C largest r_k = prod_{j<k} c_j * (1 - c_k), the probability that
+    verification first rejects at k, with c_j the drafter's probability of d_j (as in D2SD).
+    Returns positions (C,) ascending and candidates (C, F), both on the device: nothing is read back to the host, so
+    the passes launch right after planning (the host waits only once a round, for the verification result)."""
+    block_size, vocab = draft_logits.shape
+    coverage, fanout = min(coverage, block_size), min(fanout, vocab - 1)
     if cover == "first":
-        positions = list(range(1, coverage + 1))
+        positions = torch.arange(1, coverage + 1, device=draft.device)
     elif cover == "likely":
         c = torch.softmax(draft_logits, -1).gather(1, draft[:, None])[:, 0]  # (B,) drafter's confidence in d_k
-        reach = torch.cat([torch.ones(1, device=c.device), torch.cumprod(c, 0)[:-1]])  # prod_{j<k} c_j
-        positions = sorted((torch.topk(reach * (1 - c), coverage).indices + 1).tolist())
+        reach = torch.cat([torch.ones_like(c[:1]), torch.cumprod(c, 0)[:-1]])  # prod_{j<k} c_j
+        positions = torch.topk(reach * (1 - c), coverage).indices.sort().values + 1
     else:
         raise ValueError(f"cover must be 'first' or 'likely', got {cover!r}")
-    top = torch.topk(draft_logits, min(fanout + 1, draft_logits.shape[-1]), dim=-1).indices.tolist()  # (B, F+1)
-    drafted = draft.tolist()
-    return {k: [t for t in top[k - 1] if t != drafted[k - 1]][:fanout] for k in positions}
+    others = draft_logits.scatter(-1, draft[:, None], float("-inf"))  # d_k is never its own alternative
+    return positions, others.topk(fanout, dim=-1).indices[positions - 1]  # (C,), (C, F)
+
+
+def build_branch_pass(drafter: Drafter, new_tokens, draft, positions, candidates, *, past_len: int, block_size: int):
+    """The input of the packed pass that drafts the next block for each planned outcome (method.md section 4).
+
+    new_tokens (m,): committed tokens the drafter has not seen, ending with x_n (m = 0: x_n is in its cache)
+    draft (L,): d_1 .. d_L, the block under verification; positions (C,), candidates (C, F) from plan_branches.
+
+        causal stream:  new_tokens, d_1 .. d_L               (accepted drafts get their causal KV right here)
+        branch (k, t):  [t, MASK x B] hanging off d_{k-1}    (t at position n+k: "rejected at k, target said t")
+        full accept:    [d_L, MASK x B] hanging off d_{L-1}  (d_L again, so every segment has one shape; its
+                                                               block guesses the bonus token and what follows)
+
+        e.g. m = 2, L = 3, C = 2, F = 1, B = 2:
+        x_{n-1} x_n d_1 d_2 d_3 | t_1 M M | t_2 M M | d_3 M M
+                     ^--------------'   (t_1 sees x_{n-1}, x_n; t_2 sees up to d_1; the full block up to d_2)
+
+    Everything is built on the device from device tensors and host ints, so it does not wait for the device.
+    Returns input ids (1, q), position ids (1, q), mask (1, 1, q, past+q) and the rows (S, B) that draft each
+    segment's block (see draft_rows), segments in the order of candidates.flatten(), then full acceptance."""
+    num_new, length, fanout = new_tokens.shape[0], draft.shape[0], candidates.shape[1]
+    hang_on = torch.cat([positions[:, None].expand(-1, fanout).flatten(), positions.new_full((1,), length)]) - 1
+    anchors = num_new - 1 + hang_on  # causal index of d_{k-1} (d_0 = x_n; -1 if x_n is in the cache)
+    segments = torch.full((len(anchors), 1 + block_size), drafter.d3d_config.mask_token_id, device=draft.device)
+    segments[:, 0] = torch.cat([candidates.flatten(), draft[-1:]])
+    num_causal = num_new + length
+    ids = torch.cat([new_tokens, draft, segments.flatten()])[None]
+    mask, position_ids = packed_attention_mask(num_causal, anchors, block_size, prefix_len=1, past_len=past_len)
+    block_starts = num_causal + 1 + (1 + block_size) * torch.arange(len(anchors), device=draft.device)
+    return ids, position_ids, mask, draft_rows(drafter, block_starts - 1, block_starts, block_size)
 
 
 def _stream(stream):
@@ -684,7 +772,8 @@ def _stream(stream):
 
 
 class _Span:
-    """Time the work queued on a stream: CUDA events on GPU (read after the join), the host clock on CPU."""
+    """Time work queued on a stream: CUDA events on GPU (read after the round's join), the host clock on CPU.
+    `launch` is the host time spent queuing it: close to `seconds()` means the pass is bound by kernel launches."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -693,43 +782,47 @@ class _Span:
         if self.stream is not None:
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.start.record(self.stream)
-        else:
-            self.t0 = time.perf_counter()
+        self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
         if self.stream is not None:
             self.end.record(self.stream)
-        else:
-            self.elapsed = time.perf_counter() - self.t0
+        self.launch = time.perf_counter() - self.t0
 
     def seconds(self) -> float:
-        return self.start.elapsed_time(self.end) / 1e3 if self.stream is not None else self.elapsed
+        return self.start.elapsed_time(self.end) / 1e3 if self.stream is not None else self.launch
+
+
+def _host_to_device(values: list[int], device) -> torch.Tensor:
+    """Host ints to the device without waiting for the device's queue (pinned memory, asynchronous copy)."""
+    tensor = torch.tensor(values, dtype=torch.long)
+    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
 
 
 @torch.no_grad()
 def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temperature, eos_token_id, generator,
                   coverage, fanout, cover, selection=None):
-    """Asynchronous speculative decoding: while the target verifies [x_n, d_1 .. d_B], one packed drafter pass
-    prepares the next draft for the likely outcomes of that verification.
+    """Asynchronous speculative decoding: while the target verifies [x_n, d_1 .. d_L], one packed drafter pass
+    (build_branch_pass) prepares the next draft for the likely outcomes of that verification.
 
-    Packed pass (causal part first, so that accepted KV is a prefix of what the pass appended):
-        causal:  x_d .. x_n (committed, not yet in the drafter's cache), d_1 .. d_B
-        branch (k, t) for covered k and candidate t != d_k:  t at position n+k hanging off d_{k-1}, then a block
-        full acceptance:  a block hanging off d_B; its first draft token guesses the target's bonus token
-    (with first_token "ar" a block's first draft token is the next-token guess of the token it hangs off: t, or d_B)
-    Outcome (a accepted, target token c): rejection at k = a+1 with c a candidate of k, or full acceptance with
-    c == the guess, is a hit: that branch's block is the next draft (B tokens; B-1 after full acceptance, the first
-    being the guess). Otherwise a synchronous draft (a miss). Invariants as in _decode_sync."""
+    Each round: (1) plan the branches and build the packed pass, on the device; (2) launch the verify pass on
+    verify_stream and the packed pass on draft_stream, and join; (3) resolve: if the outcome (a accepted, target
+    token c) was prepared, i.e. a rejection at k = a+1 with c among k's candidates, or full acceptance with c equal
+    to the full block's first guess, its block is the next draft (B tokens; B-1 after full acceptance, the first
+    being the guess): a hit. Otherwise the drafter drafts synchronously: a miss (fallback).
+    Invariants at the top of a round (committed x_0 .. x_n): target cache = x_0 .. x_{n-1}; drafter cache =
+    x_0 .. x_{d-1} for some d <= n + 1 (d = n + 1 after a fallback draft, which reads x_n)."""
     device = input_ids.device
-    mask_id = drafter.d3d_config.mask_token_id
     out, target_cache, offset, times = _prefill(target, input_ids, max_new_tokens, eos_token_id, temperature,
                                                 generator, selection)
     drafter_cache = new_cache(drafter.model) if selection is None else selection["drafter_cache"]
     cuda = device.type == "cuda"
-    verify_stream = torch.cuda.Stream(device) if cuda else None  # the target's verification pass
-    draft_stream = torch.cuda.Stream(device) if cuda else None  # the drafter's packed pass
-    times.update(dict.fromkeys(["verify", "packed_draft", "fallback_draft", "overlap_saved"], 0.0))
+    main_stream = torch.cuda.current_stream(device) if cuda else None
+    verify_stream = torch.cuda.Stream(device, priority=-1) if cuda else None  # the target: on the critical path
+    draft_stream = torch.cuda.Stream(device) if cuda else None  # the drafter's packed pass: fills the gaps
+    keys = ["verify", "packed_draft", "fallback_draft", "overlap_saved", "verify_launch", "packed_launch"]
+    times.update(dict.fromkeys(keys, 0.0))
     hits, misses = [0] * (block_size + 1), [0] * (block_size + 1)  # index k-1: rejection at k; index B: full accept
 
     def fallback_draft():
@@ -740,73 +833,57 @@ def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temper
         return logits
 
     draft_logits = fallback_draft() if not out.done else None
-
     while not out.done:
+        # (1) plan and build, on the device; the round's one host-to-device copy brings the new committed tokens
         draft, q_draft = pick_tokens(draft_logits, temperature, generator)
         n, seen, length = len(out.tokens) - 1, drafter_cache.get_seq_length(), draft.shape[0]
-        branches = plan_branches(draft_logits, draft, coverage, fanout, cover)  # read before launch: GPU is idle
-        # Packed input: causal part, then one segment per (k, t), then the full-acceptance block.
-        base = n - seen  # index of x_n in the causal part (-1 if x_n is already in the drafter's cache)
-        causal = torch.cat([torch.tensor(out.tokens[seen:], device=device, dtype=torch.long), draft])
-        pairs = [(k, t) for k, cands in branches.items() for t in cands]
-        anchors = torch.tensor([base + k - 1 for k, _ in pairs] + [base + length], device=device)
-        prefix_lens = torch.tensor([1] * len(pairs) + [0], device=device)
-        segments = [torch.tensor([t] + [mask_id] * block_size, device=device) for _, t in pairs]
-        segments.append(torch.full((block_size,), mask_id, device=device))
-        packed = torch.cat([causal] + segments)[None]
-        mask, positions = packed_attention_mask(len(causal), anchors, block_size, prefix_lens=prefix_lens,
-                                                past_len=seen)
-        # rows that draft each segment's block: its MASK rows (and, with first_token "ar", for d_1 the token it hangs
-        # off directly: the branch token t, or d_B for the full-acceptance block)
-        seg_start = len(causal) + torch.cumsum(prefix_lens + block_size, 0) - block_size
-        hang_rows = torch.cat([seg_start[:-1] - 1, torch.tensor([len(causal) - 1], device=device)])
-        block_rows = draft_rows(drafter, hang_rows, seg_start, block_size)  # (S, B)
+        committed = _host_to_device(out.tokens[min(seen, n):], device)  # ends with x_n
+        new_tokens = committed[seen - min(seen, n):]  # what the drafter has not read (empty if it holds x_n)
+        positions, candidates = plan_branches(draft_logits, draft, coverage, fanout, cover)
+        packed = build_branch_pass(drafter, new_tokens, draft, positions, candidates, past_len=seen,
+                                   block_size=block_size)
 
-        last_token = torch.tensor(out.tokens[n], device=device)
-        t0 = _clock(device)
-        if cuda:  # both passes read tensors made on the current stream (draft, packed, mask): wait for them
-            verify_stream.wait_stream(torch.cuda.current_stream(device))
-            draft_stream.wait_stream(torch.cuda.current_stream(device))
-        with _stream(verify_stream), _Span(verify_stream) as verify_span:
-            p_logits = verify_block(target, target_cache, last_token, draft, offset)
-        with _stream(draft_stream), _Span(draft_stream) as packed_span:
-            hidden = drafter.hidden_states(packed, positions, mask, past_key_values=drafter_cache)[0]  # (q, H)
-            block_hidden = hidden[block_rows]  # (S, B, H); projected to logits only for the branch that hits
-        if cuda:  # join: p_logits (verify_stream) and block_hidden (draft_stream) are read on the current stream
-            main = torch.cuda.current_stream(device)
-            main.wait_stream(verify_stream)
-            main.wait_stream(draft_stream)
-            p_logits.record_stream(main)  # made on side streams, read here: the allocator must not reuse them early
-            block_hidden.record_stream(main)
-        num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator)  # the host waits
-        wall = _clock(device) - t0
-        times["verify"] += verify_span.seconds()
-        times["packed_draft"] += packed_span.seconds()
-        if cuda:
-            times["overlap_saved"] += verify_span.seconds() + packed_span.seconds() - wall
+        # (2) launch both passes; on CUDA they overlap, on CPU they run one after the other
+        with _Span(main_stream) as round_span:
+            if cuda:  # both passes read tensors made on the main stream (draft, packed input): wait for them
+                verify_stream.wait_stream(main_stream)
+                draft_stream.wait_stream(main_stream)
+            with _stream(verify_stream), _Span(verify_stream) as verify_span:
+                p_logits = verify_block(target, target_cache, committed[-1], draft, offset)
+            with _stream(draft_stream), _Span(draft_stream) as packed_span:
+                ids, position_ids, mask, block_rows = packed
+                hidden = drafter.hidden_states(ids, position_ids, mask, past_key_values=drafter_cache)[0]  # (q, H)
+                block_hidden = hidden[block_rows]  # (S, B, H); projected only for the branch that hits
+            if cuda:  # join: p_logits and block_hidden are read on the main stream
+                main_stream.wait_stream(verify_stream)
+                main_stream.wait_stream(draft_stream)
+                p_logits.record_stream(main_stream)  # made on side streams: the allocator must not reuse them early
+                block_hidden.record_stream(main_stream)
+        num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator)  # host waits
+        verify_s, packed_s = verify_span.seconds(), packed_span.seconds()
+        times["verify"] += verify_s
+        times["packed_draft"] += packed_s
+        times["verify_launch"] += verify_span.launch
+        times["packed_launch"] += packed_span.launch
+        # what running the two passes side by side saved: 0 on CPU, at most the shorter pass
+        times["overlap_saved"] += min(max(verify_s + packed_s - round_span.seconds(), 0.0), verify_s, packed_s)
 
-        committed = out.commit(draft[:num_accepted].tolist() + [next_token])
-        out.accept_lengths.append(len(committed))
+        # (3) resolve: commit, crop both caches, and take the prepared block if the outcome was prepared
+        committed_tokens = out.commit(draft[:num_accepted].tolist() + [next_token])
+        out.accept_lengths.append(len(committed_tokens))
         crop_cache(target_cache, len(out.tokens) - 1 - offset)
         crop_cache(drafter_cache, n + 1 + num_accepted)  # keep x_0 .. x_n, d_1 .. d_a; drop rejected and branches
-
-        # Was this outcome prepared?
-        if num_accepted < length:
-            k = num_accepted + 1
-            slot = k - 1
-            cands = branches.get(k, [])
-            hit_seg = pairs.index((k, next_token)) if next_token in cands else None
-            next_rows = slice(0, block_size)
-        else:
-            slot = block_size
-            full = drafter.logits(block_hidden[-1, :1])  # (1, V): the guess of the bonus token
-            guess = int(pick_tokens(full, temperature, generator)[0])
-            hit_seg = len(pairs) if guess == next_token and block_size > 1 else None
-            next_rows = slice(1, block_size)
-        if hit_seg is not None:
-            hits[slot] += 1
-        else:
-            misses[slot] += 1
+        if num_accepted < length:  # rejected at k: was (k, next_token) a branch?
+            slot, next_rows, k = num_accepted, slice(0, block_size), num_accepted + 1
+            covered = positions.tolist()  # read after the join: no extra wait
+            cands = candidates[covered.index(k)].tolist() if k in covered else []
+            hit_seg = covered.index(k) * candidates.shape[1] + cands.index(next_token) if next_token in cands else None
+        else:  # all accepted: did the full block guess the bonus token?
+            slot, next_rows, hit_seg = block_size, slice(1, block_size), None
+            guess = int(pick_tokens(drafter.logits(block_hidden[-1, :1]), temperature, generator)[0])
+            if guess == next_token and block_size > 1:
+                hit_seg = len(block_hidden) - 1
+        (hits if hit_seg is not None else misses)[slot] += 1
         if out.done:
             break
         if hit_seg is not None:  # a cache hit: the next draft is ready, no drafting on the critical path
@@ -820,9 +897,12 @@ def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temper
         "hit_rate": num_hits / max(1, num_hits + sum(misses)),
         "hits_per_position": hits,  # index k-1: rejection at k was prepared; last: full acceptance
         "misses_per_position": misses,
-        "time_packed_draft": times["packed_draft"],
+        "time_packed_draft": times["packed_draft"],  # device time (CUDA events); on CPU the host's
         "time_fallback_draft": times["fallback_draft"],
-        "time_overlap_saved": times["overlap_saved"],  # CUDA only: verify + packed draft - wall time of both
+        "time_verify_launch": times["verify_launch"],  # host time spent queuing each pass: launch-bound if close
+        "time_packed_launch": times["packed_launch"],  # to the device time
+        # verify + packed - the time both took together, clamped to [0, the shorter pass]: 0 on CPU
+        "time_overlap_saved": times["overlap_saved"],
         "coverage": coverage, "fanout": fanout, "cover": cover,
     })
     return output_ids, stats
@@ -835,7 +915,8 @@ def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temper
 def adjusted_teacher(teacher_logits: torch.Tensor, labels: torch.Tensor, beta: float) -> torch.Tensor:
     """The recovery target: the fixed teacher's distribution moved toward the supervised token,
     q = (1 - beta) * softmax(teacher) + beta * onehot(label) (ours; beta = 0.5 by default). Sums to one."""
-    return (1 - beta) * torch.softmax(teacher_logits.float(), -1) + beta * F.one_hot(labels, teacher_logits.shape[-1])
+    q = (1 - beta) * torch.softmax(teacher_logits.float(), -1)
+    return q.scatter_add(-1, labels[..., None], torch.full_like(q[..., :1], beta))  # + beta at the label, no one-hot
 
 
 def distill_loss(student: Drafter, teacher: Drafter, input_ids, loss_mask, *, beta: float = 0.5,
@@ -847,15 +928,15 @@ def distill_loss(student: Drafter, teacher: Drafter, input_ids, loss_mask, *, be
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
     with torch.no_grad():
-        t_block, _, t_causal = _packed_forward(teacher, input_ids, anchors, block_size, causal=True)
-    s_block, _, s_causal = _packed_forward(student, input_ids, anchors, block_size, causal=True)
-    terms = []
-    for s, t, y, w in ((s_block, t_block, labels, counts), (s_causal, t_causal, input_ids[:, 1:], loss_mask[:, 1:])):
-        q = adjusted_teacher(t, y, beta)
-        log_p = torch.log_softmax(s, -1).clamp(min=-1e4)  # MASK's -inf logit has q = 0: keep 0 * -inf out
-        token_loss = -(q * log_p).sum(-1)
-        terms.append((token_loss * w).sum() / w.sum().clamp(min=1))
-    return terms[0] + terms[1]
+        t_causal, t_block = _packed_hidden(teacher, input_ids, anchors, block_size)
+    s_causal, s_block = _packed_hidden(student, input_ids, anchors, block_size)
+    has_label = loss_mask[:, 1:].bool()
+    loss = torch.zeros((), device=input_ids.device)
+    for s, t, y, where in ((s_block, t_block, labels, counts),
+                           (s_causal[:, :-1], t_causal[:, :-1], input_ids[:, 1:], has_label)):
+        token_loss, _ = rows_loss(student, s[where], y[where], teacher=teacher, teacher_hidden=t[where], beta=beta)
+        loss = loss + token_loss.sum() / where.sum().clamp(min=1)
+    return loss
 
 
 @torch.no_grad()

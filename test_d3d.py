@@ -122,16 +122,17 @@ def slow_mask(num_causal, anchors, block_size, prefix_lens, past_len):
     return mask, torch.tensor(positions)
 
 
-@pytest.mark.parametrize("num_causal,anchors,block_size,prefix_lens,past_len", [
-    (7, [0, 2, 3], 3, [0, 0, 0], 0),  # overlapping spans
-    (5, [1, 1, 4], 1, [0, 0, 0], 0),  # two blocks off the same point, block size 1
-    (9, [2, 3, 8], 5, [1, 1, 0], 4),  # async shape: rejection branches with a causal prefix token, a cache
-    (1, [0], 16, [0], 11),  # synchronous drafting: one token, one block
+@pytest.mark.parametrize("num_causal,anchors,block_size,prefix_len,past_len", [
+    (7, [0, 2, 3], 3, 0, 0),  # overlapping spans
+    (5, [1, 1, 4], 1, 0, 0),  # two blocks off the same point, block size 1
+    (9, [2, 3, 8], 5, 1, 4),  # async shape: branches with a causal prefix token, a cache
+    (4, [-1, 0, 3], 2, 1, 6),  # async after a fallback draft: x_n in the cache, a branch hanging off it (index -1)
+    (1, [0], 16, 0, 11),  # synchronous drafting: one token, one block
 ])
-def test_mask_matches_slow_reference(num_causal, anchors, block_size, prefix_lens, past_len):
+def test_mask_matches_slow_reference(num_causal, anchors, block_size, prefix_len, past_len):
     mask, positions = d3d.packed_attention_mask(num_causal, torch.tensor(anchors), block_size,
-                                                prefix_lens=torch.tensor(prefix_lens), past_len=past_len)
-    expected_mask, expected_pos = slow_mask(num_causal, anchors, block_size, prefix_lens, past_len)
+                                                prefix_len=prefix_len, past_len=past_len)
+    expected_mask, expected_pos = slow_mask(num_causal, anchors, block_size, [prefix_len] * len(anchors), past_len)
     assert torch.equal(mask[0, 0], expected_mask)
     assert torch.equal(positions[0], expected_pos)
 
@@ -151,8 +152,10 @@ def test_packed_blocks_equal_separate_passes(tok, first_token):
     drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=5, first_token=first_token)
     x = torch.randint(0, TEXT_VOCAB, (2, 13), generator=torch.Generator().manual_seed(0))
     anchors = torch.tensor([[3, 6, 7], [5, 8, 10]])
-    block_logits, anchor_logits, causal_logits = d3d._packed_forward(drafter, x, anchors, 5, causal=True, anchor=True)
-    draft_logits = d3d.draft_logits_of(block_logits, anchor_logits, first_token)
+    causal_hidden, block_hidden = d3d._packed_hidden(drafter, x, anchors, 5)
+    block_logits, causal_logits = drafter.logits(block_hidden), drafter.logits(causal_hidden)
+    anchor_logits = causal_logits.gather(1, anchors[..., None].expand(-1, -1, causal_logits.shape[-1]))
+    draft_logits = d3d.with_first_token(block_logits, anchor_logits, first_token)
     for row in range(2):
         for k, a in enumerate(anchors[row].tolist()):
             cache = d3d.new_cache(drafter.model)
@@ -167,7 +170,6 @@ def test_packed_blocks_equal_separate_passes(tok, first_token):
         torch.testing.assert_close(draft_logits[:, :, 0], anchor_logits)
     else:
         assert not torch.allclose(draft_logits[:, :, 0], anchor_logits)
-    plain = plain[:, :-1]
     torch.testing.assert_close(causal_logits[..., :TEXT_VOCAB], plain, atol=1e-5, rtol=1e-5)
 
 
@@ -219,6 +221,38 @@ def test_loss_starts_near_log_vocab_and_falls(tok):
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.parametrize("with_teacher", [False, True])
+def test_chunked_loss_equals_the_plain_computation(tok, monkeypatch, with_teacher):
+    """rows_loss projects a few rows at a time and recomputes them in backward: its value and its gradients (for
+    the hidden states and the shared embedding / output layer) equal cross-entropy on all logits at once."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=2), tokenizer=tok, block_size=4)
+    teacher = d3d.make_drafter(tiny_qwen3(seed=4), tokenizer=tok, block_size=4) if with_teacher else None
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(11, 32, generator=g, requires_grad=True)
+    teacher_hidden = torch.randn(11, 32, generator=g)
+    labels = torch.randint(0, TEXT_VOCAB, (11,), generator=g)
+    weight = drafter.model.get_output_embeddings().weight
+
+    def plain():
+        log_p = torch.log_softmax(drafter.logits(hidden), -1)
+        if teacher is None:
+            return torch.nn.functional.nll_loss(log_p, labels, reduction="none")
+        q = d3d.adjusted_teacher(teacher.logits(teacher_hidden), labels, beta=0.5)
+        return -(q * log_p.clamp(min=-1e4)).sum(-1)
+
+    expected = plain()
+    expected_grads = torch.autograd.grad(expected.sum(), [hidden, weight])
+    monkeypatch.setattr(d3d, "LOGITS_PER_CHUNK", 3 * 99)  # 3 rows per chunk: 4 chunks, the last one short
+    loss, argmax = d3d.rows_loss(drafter, hidden, labels, teacher=teacher, teacher_hidden=teacher_hidden)
+    grads = torch.autograd.grad(loss.sum(), [hidden, weight])
+    torch.testing.assert_close(loss, expected)
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b)
+    assert torch.equal(argmax, drafter.logits(hidden).argmax(-1))
+    empty, _ = d3d.rows_loss(drafter, hidden[:0], labels[:0])
+    assert empty.shape == (0,)
 
 
 def test_loss_gives_gradients_to_drafter_only(tok, target):
@@ -436,12 +470,31 @@ def test_async_with_real_drafters_equals_target(tok, target, first_token):
 def test_plan_branches_chooses_positions_and_candidates():
     logits = torch.tensor([[5.0, 4.0, 3.0, 0.0], [0.5, 9.0, 0.2, 0.1], [1.0, 1.1, 1.2, 5.0]])
     draft = torch.tensor([0, 1, 3])
-    assert d3d.plan_branches(logits, draft, 2, 2, "first") == {1: [1, 2], 2: [0, 2]}
+    plan = lambda *args: tuple(x.tolist() for x in d3d.plan_branches(logits, *args))  # noqa: E731
+    assert plan(draft, 2, 2, "first") == ([1, 2], [[1, 2], [0, 2]])
     # confident at 2 (c ~ 1): a first rejection there is unlikely; position 1 (c ~ 0.7) and 3 are likelier
-    assert list(d3d.plan_branches(logits, draft, 2, 1, "likely")) == [1, 3]
-    assert d3d.plan_branches(logits, draft, 0, 2) == {}
+    assert plan(draft, 2, 1, "likely")[0] == [1, 3]
+    assert plan(draft, 0, 2) == ([], [])
     sampled = torch.tensor([2, 1, 3])  # at temperature > 0 d_k need not be the argmax: never a candidate
-    assert d3d.plan_branches(logits, sampled, 1, 2) == {1: [0, 1]}
+    assert plan(sampled, 1, 2) == ([1], [[0, 1]])
+
+
+def test_branch_pass_is_planned_and_built_without_reading_the_device(tok, monkeypatch):
+    """Between planning the branches and launching the passes nothing is read back to the host (on CUDA that would
+    stall the host until the device drains its queue): no .item(), .tolist(), int() or bool() of a tensor."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=4)
+    logits = torch.randn(4, 99, generator=torch.Generator().manual_seed(0))
+    for name in ("item", "tolist", "__int__", "__bool__", "__index__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, **k: pytest.fail("read back to the host"))
+    for cover, seen in (("first", 3), ("likely", 5)):  # seen = 5: the drafter's cache holds x_n already
+        new_tokens = torch.tensor([7, 8, 9, 10, 11][seen - 2:])
+        positions, candidates = d3d.plan_branches(logits, logits.argmax(-1), 3, 2, cover)
+        d3d.build_branch_pass(drafter, new_tokens, logits.argmax(-1), positions, candidates, past_len=seen,
+                              block_size=4)
+    monkeypatch.undo()
+    ids, position_ids, mask, rows = d3d.build_branch_pass(drafter, new_tokens, logits.argmax(-1), positions,
+                                                          candidates, past_len=5, block_size=4)
+    assert ids.shape == (1, 2 + 4 + 7 * 5) and rows.shape == (7, 4) and mask.shape == (1, 1, 41, 46)  # 3 x 2 + 1 segments
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: runs the two real streams")

@@ -1,4 +1,5 @@
 """Tests of train.py with tiny models built from configs (CPU, seconds; nothing downloaded)."""
+import contextlib
 import json
 import os
 import socket
@@ -16,8 +17,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated") 
 
 QUESTIONS = ["1 + 2", "3 * 4 - 5", "7 - 2 + 9", "12 + 30 * 2", "8 * 3", "40 - 17", "5 + 5 + 5", "9 * 9 - 1",
              "2 + 3 * 4", "11 - 1", "6 * 7", "25 + 25"]
-FAST = dict(max_new_tokens=10, gen_batch_size=4, batch_size=4, num_anchors=6, block_size=4, val_anchors=4,
-            max_len=64, lr=1e-2, warmup=1, eval_every=1000, num_val=3, device="cpu")
+FAST = dict(dtype="float32", max_new_tokens=10, gen_batch_size=4, batch_size=4, num_anchors=6, block_size=4,
+            val_anchors=4, max_len=64, lr=1e-2, warmup=1, eval_every=1000, num_val=3, device="cpu")
 
 
 def _write_jsonl(path, rows):
@@ -150,6 +151,41 @@ def test_resume_continues_at_the_right_step(setup, tmp_path, monkeypatch, capsys
     assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["step"] == 4
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name  # the same data, anchors and optimizer state as one uninterrupted run
+
+
+def test_checkpoint_files_are_replaced_one_at_a_time_and_resume_after_a_cut_save(setup, tmp_path, monkeypatch,
+                                                                                    capsys):
+    """Weights (checkpoint.pt) and AdamW moments (optimizer.pt) are separate files, each renamed over its old
+    version: no .tmp stays behind, and a kill between the two renames still resumes (moments one save behind)."""
+    out = tmp_path / "d"
+    _run(setup, out, steps=2, drafter_layers="2", save_every=1)
+    assert sorted(p.name for p in out.glob("*.pt*")) == ["checkpoint.pt", "optimizer.pt"]
+    assert torch.load(out / "optimizer.pt", weights_only=False)["step"] == 2
+    real_save, saved = torch.save, []
+
+    def cut_before_the_moments(obj, path, *a, **k):  # the weights of step 3 land, the moments never do
+        saved.append(str(path))
+        if str(path).endswith("optimizer.pt.tmp"):
+            raise KeyboardInterrupt
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(torch, "save", cut_before_the_moments)
+    with pytest.raises(KeyboardInterrupt):
+        _run(setup, out, steps=3, drafter_layers="2", save_every=1)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 3
+    _run(setup, out, steps=4, drafter_layers="2", save_every=1)
+    assert "moments are from step 2, weights from step 3" in capsys.readouterr().out
+
+
+def test_bf16_training_saves_a_bf16_drafter(setup, tmp_path):
+    with pytest.warns(UserWarning) if not d3d.native_bf16(torch.device("cpu")) else contextlib.nullcontext():
+        result = _run(setup, tmp_path / "d", steps=2, drafter_layers="2", dtype="bfloat16")
+    saved = d3d.Drafter.from_pretrained(str(tmp_path / "d"))
+    assert next(saved.parameters()).dtype == torch.bfloat16  # the training dtype, half the disk of fp32
+    assert next(result["drafter"].parameters()).dtype == torch.bfloat16
+    master = torch.load(tmp_path / "d" / "checkpoint.pt", weights_only=False)["model"]
+    assert all(v.dtype == torch.float32 for v in master.values() if v.is_floating_point())  # resumes exactly
 
 
 def _ddp_worker(rank, setup_paths, out, port):

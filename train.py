@@ -25,7 +25,6 @@ import json
 import math
 import os
 import random
-import resource
 import sys
 import time
 
@@ -35,6 +34,11 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import d3d
+
+try:
+    import resource  # peak RSS on Linux and macOS; Windows has no such module
+except ImportError:
+    resource = None
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Data: prompts -> the target's own greedy answers, cached as token ids
@@ -235,6 +239,49 @@ def freeze_embeddings(drafter: d3d.Drafter) -> torch.nn.Parameter:
 # Training
 
 
+def save_checkpoint(out: str, step: int, training_state: dict, optimizer_state: dict) -> None:
+    """Two files, each written beside its old version and renamed over it (a reader never sees half a file):
+    checkpoint.pt (fp32 weights, step, schedule, RNG) first, then optimizer.pt (AdamW's two moments, two thirds of
+    the bytes). Only one file is doubled at a time, so the disk never holds two full checkpoints (1.7B drafter:
+    ~7 + ~14 GB, ~35 GB at the peak of a save, not ~41). A kill between the two renames leaves the moments one save
+    behind the weights; the resume says so and goes on with them."""
+    os.makedirs(out, exist_ok=True)
+    for name, state in (("checkpoint.pt", training_state), ("optimizer.pt", optimizer_state)):
+        path = os.path.join(out, name)
+        torch.save({**state, "step": step}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+
+def load_checkpoint(out: str, device) -> tuple[dict, dict | None]:
+    """(training state, optimizer state or None) written by save_checkpoint; ({}, None) if there is none."""
+    path = os.path.join(out, "checkpoint.pt")
+    if not os.path.exists(path):
+        return {}, None
+    state = torch.load(path, map_location=device, weights_only=False)
+    optim_path = os.path.join(out, "optimizer.pt")
+    optim = torch.load(optim_path, map_location=device, weights_only=False) if os.path.exists(optim_path) else None
+    if optim is None or "optimizer" not in optim:
+        print(f"[train] {optim_path} is missing: resuming with fresh AdamW moments")
+        optim = None
+    elif optim["step"] != state["step"]:
+        print(f"[train] AdamW moments are from step {optim['step']}, weights from step {state['step']} (a save was "
+              "cut short): resuming with them")
+    return state, optim and optim["optimizer"]
+
+
+def peak_memory_gib(device, reset: bool = False) -> float:
+    """Peak memory so far: CUDA, allocated by PyTorch (since the last reset); CPU, the process's peak RSS."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        if reset:
+            torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**30
+    if resource is None:
+        return float("nan")
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
+
+
 @torch.no_grad()
 def evaluate_tau(drafter, examples, *, block_size: int, num_anchors: int = 32, batch_size: int = 8, pad_id: int,
                  max_len: int = 1024, autocast=contextlib.nullcontext, seed: int = 0, first_token=None) -> float:
@@ -253,13 +300,25 @@ def evaluate_tau(drafter, examples, *, block_size: int, num_anchors: int = 32, b
     return torch.cat(taus).mean().item()
 
 
+class TrainingLoss(torch.nn.Module):
+    """d3d.d3d_loss as a module's forward. DDP all-reduces the gradients of what its module's forward computes; the
+    loss projects to the vocabulary outside the drafter's own forward (chunk by chunk), so DDP wraps this."""
+
+    def __init__(self, drafter: d3d.Drafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, input_ids, loss_mask, **settings):
+        return d3d.d3d_loss(self.drafter, input_ids, loss_mask, **settings)
+
+
 def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, batch_size: int, grad_accum: int,
                   lr: float, warmup: int, weight_decay: float, grad_clip: float, freeze: bool, pad_id: int,
                   max_len: int, num_anchors: int, block_size: int, ar_weight: float, decay_gamma: float | None,
                   eval_every: int, val_anchors: int, save_every: int, seed: int, bf16: bool, resume: bool = True,
                   rank: int = 0, world: int = 1) -> dict:
     """AdamW (warmup then cosine to 10 %) on d3d_loss; `batch_size` sequences per micro-batch and rank, `grad_accum`
-    micro-batches per step. Checkpoints out/checkpoint.pt every `save_every` steps; resumes from it if present."""
+    micro-batches per step. Checkpoints every `save_every` steps (save_checkpoint); resumes from them if present."""
     device = drafter.device
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     frozen = freeze_embeddings(drafter) if freeze else None
@@ -269,22 +328,22 @@ def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, bat
     optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
     schedule = lambda s: min(1.0, (s + 1) / max(warmup, 1)) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s / steps, 1))))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    model = drafter
+    model = TrainingLoss(drafter)
     if world > 1:  # PyTorch's own DDP: gradients all-reduced in backward
-        model = torch.nn.parallel.DistributedDataParallel(drafter, device_ids=[device] if device.type == "cuda" else None)
-        model.d3d_config = drafter.d3d_config  # d3d_loss reads the config from the module it calls
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
 
-    start_step, checkpoint = 0, os.path.join(out, "checkpoint.pt")
-    if resume and os.path.exists(checkpoint):
-        state = torch.load(checkpoint, map_location=device, weights_only=False)
+    start_step = 0
+    state, optimizer_state = load_checkpoint(out, device) if resume else ({}, None)
+    if state:
         drafter.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        if optimizer_state is not None:
+            optimizer.load_state_dict(optimizer_state)
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         random.setstate(state["python_rng"])
         start_step = state["step"]
         if rank == 0:
-            print(f"[train] resumed from {checkpoint} at step {start_step}")
+            print(f"[train] resumed from {os.path.join(out, 'checkpoint.pt')} at step {start_step}")
 
     shard = train[rank::world]  # each rank its own sequences
     per_epoch = math.ceil(len(shard) / batch_size)
@@ -316,9 +375,8 @@ def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, bat
             last = a == grad_accum - 1
             with (model.no_sync() if world > 1 and not last else contextlib.nullcontext()):  # sync once per step
                 with autocast():
-                    loss, metrics = d3d.d3d_loss(model, input_ids, loss_mask, num_anchors=num_anchors,
-                                                 block_size=block_size, ar_weight=ar_weight, decay_gamma=decay_gamma,
-                                                 generator=anchors_rng)
+                    loss, metrics = model(input_ids, loss_mask, num_anchors=num_anchors, block_size=block_size,
+                                          ar_weight=ar_weight, decay_gamma=decay_gamma, generator=anchors_rng)
                 (loss / grad_accum).backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
         optimizer.step()
@@ -327,16 +385,15 @@ def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, bat
         loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
         bar.set_postfix(loss=f"{loss_ema:.3f}", block=f"{metrics['loss_block']:.2f}", ar=f"{metrics['loss_ar']:.2f}",
                         block_acc=f"{metrics['block_acc'].mean():.3f}", acc1=f"{metrics['block_acc'][0]:.2f}",
-                        tok_per_s=f"{num_tokens * world / (time.perf_counter() - step_start):.0f}")
+                        tok_per_s=f"{num_tokens * world / (time.perf_counter() - step_start):.0f}",
+                        peak_gib=f"{peak_memory_gib(device, reset=True):.2f}")  # CUDA: this step's; CPU: the run's
         done = step + 1
         if rank == 0 and val and done % eval_every == 0 and done < steps:
             evaluate(done)
         if rank == 0 and (done % save_every == 0 or done == steps):
-            os.makedirs(out, exist_ok=True)
-            state = {"model": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": done,
-                     "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(), "python_rng": random.getstate()}
-            torch.save(state, checkpoint + ".tmp")
-            os.replace(checkpoint + ".tmp", checkpoint)  # never a half-written checkpoint
+            save_checkpoint(out, done, {"model": drafter.state_dict(), "scheduler": scheduler.state_dict(),
+                                        "rng": torch.get_rng_state(), "python_rng": random.getstate()},
+                            {"optimizer": optimizer.state_dict()})
     bar.close()
     if rank == 0 and val:  # also when a rerun finds the run finished: evaluates with the new --num-val, ...
         tau = evaluate(steps)
@@ -383,8 +440,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--freeze-embeddings", action="store_true", help="freeze embeddings and lm_head except the "
                                                                     "MASK row (default: train them)")
     g.add_argument("--max-len", type=int, default=1024, help="cut sequences to this many tokens (default: 1024)")
-    g.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
-                   help="bf16 autocast or fp32 (default: auto = bf16 on GPU, fp32 on CPU)")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="bfloat16 autocast (fp32 master weights) or float32 (default: auto = bfloat16 where the "
+                        "device does it natively: CUDA, or a CPU with AVX512-BF16/AMX; else float32)")
+    g.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer's activations in "
+                   "backward: less memory (SmolLM2, K 64, batch 2, 1,024 tokens: 3.2 -> 2.2 GiB), ~30 %% more compute")
     g = ap.add_argument_group("evaluation and output")
     g.add_argument("--out", default="runs/toy/drafter", help="drafter folder (default: runs/toy/drafter)")
     g.add_argument("--eval-every", type=int, default=100, help="offline tau every N steps (default: 100)")
@@ -411,7 +471,9 @@ def main(**overrides) -> dict:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
+    if args.target is None and args.dtype == "auto":
+        args.dtype = "float32"  # the toy's tiny models: same numbers on every machine, bf16 would buy nothing
+    bf16 = d3d.resolve_dtype(args.dtype, device) == torch.bfloat16
     torch.manual_seed(args.seed)
     if args.threads or args.target is None:
         torch.set_num_threads(args.threads or 1)
@@ -448,6 +510,8 @@ def main(**overrides) -> dict:
     drafter = build_drafter(args.drafter_init or args.target, tokenizer, target_vocab_size=target_vocab_size,
                             layers=layers, block_size=args.block_size, num_anchors=args.num_anchors,
                             ar_weight=args.ar_weight, decay_gamma=args.decay_gamma).to(device)
+    if args.gradient_checkpointing:
+        drafter.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if rank == 0:
         params = sum(p.numel() for p in drafter.parameters())
         print(f"[drafter] {args.drafter_init or args.target}, layers {drafter.d3d_config.layer_ids or 'all'}, "
@@ -461,8 +525,9 @@ def main(**overrides) -> dict:
                            val_anchors=args.val_anchors, save_every=args.save_every, seed=args.seed, bf16=bf16,
                            resume=args.resume, rank=rank, world=world)
 
-    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # ru_maxrss is in KiB on Linux
+    peak = peak_memory_gib(device)
+    if bf16:  # the final drafter in the dtype it was trained in (the fp32 master weights stay in checkpoint.pt)
+        drafter.model.to(torch.bfloat16)
     if rank == 0:
         # the same held-out blocks with d_1 drafted by MASK 1 instead of the causal next-token head (README)
         other = "block" if drafter.d3d_config.first_token == "ar" else "ar"
@@ -474,16 +539,17 @@ def main(**overrides) -> dict:
         target = os.path.abspath(args.target) if os.path.exists(args.target) else args.target
         record = {**vars(args), "target": target, "val_prompts": val_prompts, "layer_ids": drafter.d3d_config.layer_ids,
                   **result,
-                  "peak_memory_gib": round(peak / 2**30, 2), "device": str(device), "world_size": world}
+                  "peak_memory_gib": round(peak, 2), "device": str(device), "world_size": world,
+                  "compute_dtype": "bfloat16" if bf16 else "float32"}
         with open(os.path.join(args.out, "train_args.json"), "w") as f:
             json.dump(record, f, indent=2)
         print(f"[done] offline tau (B={args.block_size}) on {len(val)} held-out answers: {result['offline_tau']:.3f} "
               f"(d_1 from {'the causal next-token head' if other == 'block' else 'MASK 1'}; "
               f"{result[f'offline_tau_first_token_{other}']:.3f} from {'MASK 1' if other == 'block' else 'the head'}); "
-              f"training {result['train_seconds']:.0f} s; peak memory {peak / 2**30:.2f} GiB "
+              f"training {result['train_seconds']:.0f} s; peak memory {peak:.2f} GiB "
               f"({'GPU allocated' if device.type == 'cuda' else 'RSS'})")
-        print(f"[done] target: {target}\n[done] answer caches: {data_dir}\n[done] drafter (+ train_args.json, "
-              f"checkpoint.pt): {os.path.abspath(args.out)}")
+        print(f"[done] target: {target}\n[done] answer caches: {data_dir}\n[done] drafter (+ train_args.json; "
+              f"checkpoint.pt and optimizer.pt resume or extend the run): {os.path.abspath(args.out)}")
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
@@ -549,13 +615,15 @@ def eval_main(argv=None) -> dict:
     ap.add_argument("--drafter", default="runs/toy/drafter", help="trained drafter folder (default: runs/toy/drafter)")
     ap.add_argument("--num-val", type=int, help="held-out answers (default: as in training)")
     ap.add_argument("--val-anchors", type=int, help="blocks per held-out answer (default: as in training)")
-    ap.add_argument("--dtype", choices=["fp32", "bf16"], help="bf16 autocast or fp32 (default: as in training)")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
+                    help="bfloat16 autocast or float32 (default: as in training; auto: bfloat16 where native)")
     ap.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     recipe, _, drafter, _, val, pad_id = load_trained(args.drafter, device)
     val = val[: args.num_val or recipe["num_val"]]
-    bf16 = (args.dtype or recipe.get("dtype")) == "bf16" or (args.dtype is None and device.type == "cuda")
+    dtype = args.dtype or recipe.get("compute_dtype") or recipe.get("dtype")
+    bf16 = d3d.resolve_dtype(dtype, device) == torch.bfloat16
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     block_size = drafter.d3d_config.block_size
     result = {first: evaluate_tau(drafter, val, block_size=block_size, pad_id=pad_id, max_len=recipe["max_len"],
