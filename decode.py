@@ -346,6 +346,7 @@ def decode_group(models, group: list[torch.Tensor], modes: list[str], opts: dict
         batch = [ids[0] for ids in group]  # 1-D prompts of different lengths
         outs, stats = d3d.generate(target, drafter if mode != "target" else None, batch, **kwargs)
         records[spec] = {**{k: v for k, v in stats.items() if k != "rows"},
+                         "accept_lengths": [n for row in stats["rows"] for n in row["accept_lengths"]],
                          "new_tokens": [out[ids.shape[1]:].tolist() for out, ids in zip(outs, group)]}
     return records
 
@@ -362,7 +363,7 @@ def summarise_concurrent(records: list[dict], baseline: list[dict]) -> dict:
     return {"tokens_per_s": throughput(records), "speedup": throughput(records) / throughput(baseline),
             "num_new_tokens": sum(r["num_new_tokens"] for r in records), "num_batches": len(records),
             "wall_s": sum(r["time_total"] for r in records), "num_rounds": sum(r["num_rounds"] for r in records),
-            "tau": _mean(r["tau"] for r in records), "ms_per_round": ms,
+            "tau": _mean(n for r in records for n in r["accept_lengths"]), "ms_per_round": ms,  # over all rows' rounds
             "prefill_ms_per_batch": 1000 * _mean(r["time_prefill"] for r in records)}
 
 
