@@ -14,6 +14,7 @@ Map from the paper to this file (read top to bottom):
     where d_1 comes from (ours: the causal head)         with_first_token (training shape), draft_rows (decoding)
     drafting / verification / acceptance                draft_block, verify_block, accept_draft
     target-only and synchronous decoding                generate(mode="target" | "sync"), _decode_sync
+    concurrent requests (Table 2): ragged batches        generate([prompts]), _decode_batch_sync, _RaggedCache
     asynchronous decoding (Fig. 1c): one packed pass     generate(mode="async"), _decode_async, plan_branches
       prepares the next block for likely outcomes,
       on a second CUDA stream during verification
@@ -706,6 +707,181 @@ def _decode_sync(target, drafter, input_ids, max_new_tokens, block_size, tempera
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Batched decoding: concurrent requests, each advancing by its own accepted length (the paper's Table 2)
+
+
+class _RaggedCache:
+    """One DynamicCache for a batch of sequences of different lengths ("masked holes").
+
+    Every pass appends the same q columns to every row (ragged new tokens are left-padded); `valid` (b, C) marks the
+    columns that hold a committed token of that row. Holes (padding, rejected draft tokens) are masked out of every
+    attention, and a row's tokens sit at its own absolute positions (the next one = its number of valid columns), so
+    each row computes what it would alone. Holes cost memory and attention (a round leaves B - a holes in a row that
+    accepted a of B) but never a copy or a per-row cache: trailing columns that no row needs are cropped, and
+    finished rows leave the batch (DynamicCache.batch_select_indices)."""
+
+    def __init__(self, model: nn.Module, batch_size: int, device):
+        self.cache = new_cache(model)
+        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # (b, C)
+
+    def inputs(self, new_valid, relative, inner):
+        """Position ids (b, q) and bool mask (b, 1, q, C + q) of a pass appending q columns, new_valid (b, q) False
+        on padding; `relative` (1, q): positions from a row's first new column; `inner` (q, q): who sees whom."""
+        offset = self.valid.sum(1) - (~new_valid).sum(1)  # (b,) a row's position at new column 0 (before its pads)
+        q = new_valid.shape[1]
+        mask = torch.cat([self.valid[:, None].expand(-1, q, -1), inner & new_valid[:, None]], 2)  # nobody sees a hole
+        return (relative + offset[:, None]).clamp(min=0), mask[:, None]
+
+    def commit(self, new_valid):
+        """Record the q columns the last pass appended, new_valid (b, q) True where a row keeps the token; crop
+        trailing columns that are a hole in every row."""
+        self.valid = torch.cat([self.valid, new_valid], 1)
+        used = self.valid.any(0).nonzero()
+        length = int(used[-1]) + 1 if len(used) else 0
+        crop_cache(self.cache, length)
+        self.valid = self.valid[:, :length]
+
+    def keep_rows(self, rows: torch.Tensor):
+        self.cache.batch_select_indices(rows)
+        self.valid = self.valid[rows]
+        self.commit(self.valid[:, :0])  # the rows that left may have held the only tokens of the last columns
+
+
+def _left_pad(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged token lists as ids (b, m) left-padded with 0, and where they are real tokens (b, m)."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows], device=device)
+    return ids, torch.tensor([[False] * (width - len(r)) + [True] * len(r) for r in rows], device=device)
+
+
+def _target_pass(target: nn.Module, ragged: _RaggedCache, ids, new_valid, logits_to_keep=0) -> torch.Tensor:
+    """A causal target pass over a batch, ids (b, q) left-padded. Returns float logits (b, kept, V)."""
+    q, device = ids.shape[1], ids.device
+    positions, mask = ragged.inputs(new_valid, torch.arange(q, device=device)[None],
+                                    torch.ones(q, q, dtype=torch.bool, device=device).tril())
+    dtype = next(target.parameters()).dtype  # an additive mask: eager attention adds it, sdpa takes it as is
+    additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
+    return target(input_ids=ids, position_ids=positions, attention_mask=additive, past_key_values=ragged.cache,
+                  use_cache=True, logits_to_keep=logits_to_keep).logits.float()
+
+
+def _draft_batch(drafter: Drafter, ragged: _RaggedCache, new_tokens: list[list[int]], block_size: int):
+    """draft_block for a batch: each row's committed tokens the drafter has not seen (left-padded, so that every
+    row's x_n is the last causal column) + one MASK block hanging off x_n. Returns draft logits (b, B, V); the
+    blocks' KV is cropped again."""
+    device = ragged.valid.device
+    ids, new_valid = _left_pad(new_tokens, device)  # (b, m)
+    b, m = ids.shape
+    last = torch.tensor([m - 1], device=device)
+    inner, relative = packed_attention_mask(m, last, block_size)  # (1, 1, q, q), (1, q)
+    positions, mask = ragged.inputs(F.pad(new_valid, (0, block_size), value=True), relative, inner[0, 0])
+    masks = torch.full((b, block_size), drafter.d3d_config.mask_token_id, device=device)
+    rows = draft_rows(drafter, last, last + 1, block_size)[0]  # (B,) shared: the blocks line up
+    logits = drafter(torch.cat([ids, masks], 1), positions, mask, past_key_values=ragged.cache, logits_to_keep=rows)
+    crop_cache(ragged.cache, ragged.valid.shape[1] + m)
+    ragged.commit(new_valid)
+    return logits
+
+
+def _batch_prefill(target, prompts, max_new_tokens, eos_token_id, temperature, generator):
+    """How both batched loops start: the target prefills the left-padded prompts and gives every row its first
+    token. Returns (outputs, target cache, times)."""
+    device = prompts[0].device
+    outs = [_Output(p.tolist(), max_new_tokens, eos_token_id) for p in prompts]
+    cache = _RaggedCache(target, len(outs), device)
+    times = {"start": _clock(device), "prefill": 0.0, "draft": 0.0, "verify": 0.0, "rounds": 0, "done": {}}
+    if max_new_tokens > 0:
+        ids, new_valid = _left_pad([out.tokens for out in outs], device)
+        logits = _target_pass(target, cache, ids, new_valid, logits_to_keep=1)[:, -1]  # (b, V)
+        cache.commit(new_valid)
+        for out, token in zip(outs, pick_tokens(logits, temperature, generator)[0].tolist()):
+            out.commit([token])
+        times["prefill"] = _clock(device) - times["start"]
+    return outs, cache, times
+
+
+def _drop_finished(outs, active: list[int], caches, times) -> list[int]:
+    """Finished rows leave the batch and every cache, so they stop costing compute. active: indices into outs of the
+    rows in the batch, in batch order. Returns the rows that go on."""
+    keep = [i for i, row in enumerate(active) if not outs[row].done]
+    if len(keep) < len(active):
+        times["done"].update({row: _clock(caches[0].valid.device) - times["start"] for row in active
+                              if outs[row].done})
+        for cache in caches:
+            cache.keep_rows(torch.tensor(keep, dtype=torch.long, device=cache.valid.device))
+    return [active[i] for i in keep]
+
+
+def _batch_finish(outs, times, device) -> tuple[list[torch.Tensor], dict]:
+    total = _clock(device) - times["start"]
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    rows = [{"tau": mean(out.accept_lengths), "accept_lengths": out.accept_lengths,
+             "num_rounds": len(out.accept_lengths), "num_new_tokens": len(out.tokens) - out.prompt_len,
+             "time_done": times["done"].get(i, total)} for i, out in enumerate(outs)]
+    num_new = sum(row["num_new_tokens"] for row in rows)
+    return [torch.tensor(out.tokens, device=device) for out in outs], {
+        "rows": rows, "num_rounds": times["rounds"], "num_new_tokens": num_new,
+        "tau": mean([n for out in outs for n in out.accept_lengths]), "time_prefill": times["prefill"],
+        "time_draft": times["draft"], "time_verify": times["verify"], "time_total": total,
+        "tokens_per_s": num_new / total}  # throughput: new tokens of all rows / wall time
+
+
+@torch.no_grad()
+def _decode_batch_target(target, prompts, max_new_tokens, temperature, eos_token_id, generator):
+    """_decode_target for a batch: one target pass gives every unfinished row its next token."""
+    device = prompts[0].device
+    outs, cache, times = _batch_prefill(target, prompts, max_new_tokens, eos_token_id, temperature, generator)
+    active = _drop_finished(outs, list(range(len(outs))), [cache], times)
+    while active:
+        t0 = _clock(device)
+        ids = torch.tensor([outs[row].tokens[-1:] for row in active], device=device)  # (b, 1)
+        new_valid = torch.ones_like(ids, dtype=torch.bool)
+        logits = _target_pass(target, cache, ids, new_valid, logits_to_keep=1)[:, -1]  # (b, V)
+        cache.commit(new_valid)
+        for row, token in zip(active, pick_tokens(logits, temperature, generator)[0].tolist()):
+            outs[row].commit([token])
+        times["verify"] += _clock(device) - t0
+        times["rounds"] += 1
+        active = _drop_finished(outs, active, [cache], times)
+    return _batch_finish(outs, times, device)
+
+
+@torch.no_grad()
+def _decode_batch_sync(target, drafter, prompts, max_new_tokens, block_size, temperature, eos_token_id, generator):
+    """_decode_sync for a batch: one drafter pass drafts a block for every unfinished row, one target pass verifies
+    them all, and each row commits its own accepted prefix + the target's token (ragged acceptance: a row's rejected
+    tail becomes a hole in its target cache). Invariants per row as in _decode_sync, over the row's valid columns."""
+    device = prompts[0].device
+    outs, target_cache, times = _batch_prefill(target, prompts, max_new_tokens, eos_token_id, temperature, generator)
+    drafter_cache = _RaggedCache(drafter.model, len(outs), device)
+    caches = [target_cache, drafter_cache]
+    active = _drop_finished(outs, list(range(len(outs))), caches, times)
+    while active:
+        t0 = _clock(device)
+        seen = drafter_cache.valid.sum(1).tolist()
+        draft_logits = _draft_batch(drafter, drafter_cache, [outs[row].tokens[s:] for row, s in zip(active, seen)],
+                                    block_size)
+        draft, q_draft = pick_tokens(draft_logits, temperature, generator)  # (b, B), (b, B, V) or None
+        t1 = _clock(device)
+        last = torch.tensor([outs[row].tokens[-1:] for row in active], device=device)  # (b, 1): each row's x_n
+        ids = torch.cat([last, draft], 1)  # (b, B+1)
+        p_logits = _target_pass(target, target_cache, ids, torch.ones_like(ids, dtype=torch.bool))  # (b, B+1, V)
+        kept = torch.zeros_like(ids, dtype=torch.bool)  # (b, B+1): x_n, d_1 .. d_a stay; the rejected tail is a hole
+        for i, row in enumerate(active):
+            num_accepted, next_token = accept_draft(p_logits[i], draft[i], None if q_draft is None else q_draft[i],
+                                                    temperature, generator)
+            committed = outs[row].commit(draft[i, :num_accepted].tolist() + [next_token])
+            outs[row].accept_lengths.append(len(committed))
+            kept[i, : num_accepted + 1] = True
+        target_cache.commit(kept)
+        times["draft"] += t1 - t0
+        times["verify"] += _clock(device) - t1
+        times["rounds"] += 1
+        active = _drop_finished(outs, active, caches, times)
+    return _batch_finish(outs, times, device)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Asynchronous speculative decoding (Fig. 1c, Fig. 3, method.md section 4)
 
 
@@ -1092,11 +1268,11 @@ def select_chunks(drafter: Drafter, input_ids: torch.Tensor, *, keep_ratio: floa
 MODES = ("target", "sync", "async")
 
 
-def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor, *, max_new_tokens: int,
+def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor | list, *, max_new_tokens: int,
              mode: str = "sync", block_size: int | None = None, temperature: float = 0.0, eos_token_id=None,
              generator: torch.Generator | None = None, coverage: int | None = None, fanout: int | None = None,
              cover: str = "first", keep_ratio: float | None = None, chunk_size: int = 64):
-    """Decode one sequence. Returns (output_ids (1, prompt + new), stats).
+    """Decode one sequence, input_ids (1, prompt_len). Returns (output_ids (1, prompt + new), stats).
 
     mode "target": target-only autoregressive decoding (no drafter needed); "sync": speculative decoding with D3D
     drafts (method.md section 3); "async": the drafter prepares the next draft during verification (section 4),
@@ -1109,10 +1285,30 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
 
     keep_ratio (off by default; lossy by design): selective prefilling, the drafter picks the prompt chunks of
     `chunk_size` tokens that the target prefills (select_chunks); every mode then decodes exactly as the target
-    would on the kept chunks. stats add chunks_kept, prompt_tokens_prefilled, time_scoring, time_target_prefill."""
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"input_ids must have shape (1, prompt_len) (batch 1), got {tuple(input_ids.shape)}")
-    if input_ids.shape[1] == 0:
+    would on the kept chunks. stats add chunks_kept, prompt_tokens_prefilled, time_scoring, time_target_prefill.
+
+    Concurrent requests: input_ids a list of 1-D id tensors (lengths may differ), modes "target" and "sync". Each
+    row advances by its own accepted length, stops on its own EOS or budget, and leaves the batch when done; its
+    output is what decoding it alone gives (greedy: the same tokens; sampling: the same law, other draws). Returns
+    (list of 1-D tensors prompt + new, stats): stats["rows"] per request (tau, accept_lengths, num_rounds,
+    num_new_tokens, time_done) and batch totals (num_rounds = batched rounds, num_new_tokens, tau, time_prefill /
+    time_draft / time_verify (target passes) / time_total, tokens_per_s = new tokens of all rows / time_total).
+    Ragged rows share one KV cache per model with masked holes (_RaggedCache). Batched async is not built: every
+    row would need its own branch plan and hit or miss, so the packed pass would carry a ragged set of segments per
+    row (different counts, anchors and prefix lengths), and each round would mix rows whose next draft is ready with
+    rows that need a fallback pass, which then no longer hides behind one verification."""
+    if isinstance(input_ids, (list, tuple)):
+        if not input_ids or any(not torch.is_tensor(p) or p.dim() != 1 for p in input_ids):
+            raise ValueError("a batch of prompts must be a non-empty list of 1-D id tensors (prompt_len,)")
+        if any(len(p) == 0 for p in input_ids):
+            raise ValueError("a prompt in the batch is empty: give at least one token each")
+        if mode == "async" or keep_ratio is not None:
+            raise ValueError("a batch of prompts decodes in modes 'target' and 'sync' without keep_ratio; batched "
+                             "async is not built (see generate's docstring): decode such prompts one at a time")
+    elif input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must have shape (1, prompt_len) (batch 1) or be a list of 1-D prompts, got "
+                         f"{tuple(input_ids.shape)}")
+    elif input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: give at least one token (e.g. the chat template's prefix)")
     if max_new_tokens < 0 or temperature < 0:
         raise ValueError(f"need max_new_tokens >= 0 and temperature >= 0, got {max_new_tokens}, {temperature}")
@@ -1139,6 +1335,10 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
     if keep_ratio is not None:
         selection = select_chunks(drafter, input_ids, keep_ratio=keep_ratio, chunk_size=chunk_size)
     args = (max_new_tokens, temperature, eos_token_id, generator)
+    if isinstance(input_ids, (list, tuple)):
+        if mode == "target":
+            return _decode_batch_target(target, input_ids, *args)
+        return _decode_batch_sync(target, drafter, input_ids, max_new_tokens, block_size, *args[1:])
     if mode == "target":
         return _decode_target(target, input_ids, *args, selection)
     if mode == "sync":

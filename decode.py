@@ -3,6 +3,7 @@
     python decode.py                                     # the toy target and drafter that `python train.py` wrote
     python decode.py --target Qwen/Qwen3-8B --drafter runs/qwen3-8b/drafter --prompt "What is 17 * 23?"
     python decode.py --bench runs/toy/prompts-test.jsonl --max-samples 20 --out runs/bench.json
+    python decode.py --bench runs/toy/prompts-test.jsonl --max-samples 32 --modes sync --concurrency 1 4 8 16
 
 Answers are coloured by origin: green = draft tokens the target accepted, yellow = the target's own token that
 closes every round (the first token comes from the target's prefill). Then tau, the acceptance histogram, the
@@ -11,6 +12,8 @@ Benchmark (method.md): batch 1, greedy unless --temperature, a warm-up, then per
 each speculative mode, in the same run. speedup = target-only time per output token / speculative time per output
 token, prefill excluded (TTFT reported apart), times and tokens summed over a dataset; tau = mean over rounds,
 averaged per prompt. Every greedy speculative output is checked token for token against the target-only output.
+--concurrency (the paper's Table 2): prompts in consecutive groups of c decoded as one batch; throughput = new tokens
+of all requests / wall time of the batches (prefill included), speedup over batched target-only at the same c.
 """
 from __future__ import annotations
 
@@ -324,6 +327,118 @@ def bench(models, files: list[tuple[str, str, list[str]]], modes: list[str], opt
             "mismatches": {"count": len(mismatches), "checked": checked, "list": mismatches}}
 
 
+def decode_group(models, group: list[torch.Tensor], modes: list[str], opts: dict, max_new_tokens=None) -> dict:
+    """One group of concurrent requests (prompt ids (1, n) each) in every mode: {mode: batch stats + new_tokens per
+    row}. Target and sync decode the group as one batch (d3d.generate with a list); async only a group of 1."""
+    target, drafter, _, eos, _ = models
+    records = {}
+    for spec in modes:
+        mode, overrides = parse_mode(spec)
+        if mode == "async":  # the batch-1 loop; decode_prompt's record carries the same totals
+            r = decode_prompt(models, group[0], [spec], opts, max_new_tokens)[spec]
+            records[spec] = {**r, "new_tokens": [r["new_tokens"]]}
+            continue
+        generator = torch.Generator(target.device).manual_seed(opts["seed"])
+        kwargs = {"max_new_tokens": max_new_tokens or opts["max_new_tokens"], "mode": mode, "eos_token_id": eos,
+                  "temperature": opts["temperature"], "generator": generator}
+        if mode != "target":
+            kwargs["block_size"] = opts["block_size"]
+        batch = [ids[0] for ids in group]  # 1-D prompts of different lengths
+        outs, stats = d3d.generate(target, drafter if mode != "target" else None, batch, **kwargs)
+        records[spec] = {**{k: v for k, v in stats.items() if k != "rows"},
+                         "accept_lengths": [n for row in stats["rows"] for n in row["accept_lengths"]],
+                         "new_tokens": [out[ids.shape[1]:].tolist() for out, ids in zip(outs, group)]}
+    return records
+
+
+def summarise_concurrent(records: list[dict], baseline: list[dict]) -> dict:
+    """One mode at one concurrency over consecutive groups: throughput = new tokens of all requests / wall time of
+    the batches (prefill included), speedup over target-only of the same groups, where a round's time goes."""
+    def throughput(recs):
+        return sum(r["num_new_tokens"] for r in recs) / sum(r["time_total"] for r in recs)
+    rounds = max(1, sum(r["num_rounds"] for r in records))
+    ms = {k: 1000 * sum(r[f"time_{k}"] for r in records) / rounds for k in ("draft", "verify")}
+    ms["round"] = 1000 * sum(r["time_total"] - r["time_prefill"] for r in records) / rounds
+    ms["other"] = ms["round"] - ms["draft"] - ms["verify"]  # acceptance, commits, cache bookkeeping
+    return {"tokens_per_s": throughput(records), "speedup": throughput(records) / throughput(baseline),
+            "num_new_tokens": sum(r["num_new_tokens"] for r in records), "num_batches": len(records),
+            "wall_s": sum(r["time_total"] for r in records), "num_rounds": sum(r["num_rounds"] for r in records),
+            "tau": _mean(n for r in records for n in r["accept_lengths"]), "ms_per_round": ms,  # over all rows' rounds
+            "prefill_ms_per_batch": 1000 * _mean(r["time_prefill"] for r in records)}
+
+
+def concurrency_table(results: dict, overall: dict, levels: list[int], modes: list[str], block_size: int) -> str:
+    """The paper's Table 2: per dataset, rows = modes, columns = concurrency, cells = throughput (tokens/s over wall
+    time) and speedup over target-only at the same concurrency. Below, over all datasets, where a round goes."""
+    lines = ["throughput in tokens/s over wall time (speedup over target-only at the same concurrency)"]
+    for name, result in results.items():
+        title = f"{name} ({result['num_prompts']} prompts)"
+        lines.append(f"\n{title:<27}" + "".join(f"{'c=' + str(c):<18}" for c in levels))
+        for mode in ["target"] + modes:
+            cells = [result["levels"][c].get(mode) for c in levels]
+            cells = [f"{x['tokens_per_s']:.1f} ({x['speedup']:.2f}×)" if x else "-" for x in cells]
+            lines.append(f"{mode if mode == 'target' else f'{mode} ({block_size})':<27}"
+                         + "".join(f"{x:<18}" for x in cells))
+    if any(parse_mode(m)[0] == "async" for m in modes) and max(levels) > 1:
+        lines.append("async runs at concurrency 1 only: batched async is not built (see d3d.generate)")
+    lines.append(f"\nall datasets, ms per round: round = draft + verify + other (acceptance, bookkeeping); "
+                 f"prefill ms per batch apart\n{'mode':<24}{'c':>4}{'rounds':>8}{'tau':>7}{'round':>9}{'draft':>9}"
+                 f"{'verify':>9}{'other':>9}{'prefill':>9}")
+    for c in levels:
+        for mode, o in overall[c].items():
+            ms = o["ms_per_round"]
+            phases = "".join(f"{ms[k]:>9.2f}" for k in ("round", "draft", "verify", "other"))
+            prefill = o["prefill_ms_per_batch"]
+            tau = "-" if math.isnan(o["tau"]) else f"{o['tau']:.2f}"
+            lines.append(f"{mode:<24}{c:>4}{o['num_rounds']:>8}{tau:>7}{phases}{prefill:>9.1f}")
+    return "\n".join(lines)
+
+
+def concurrency_bench(models, files, modes: list[str], levels: list[int], opts: dict, thinking: bool) -> dict:
+    """Table 2: at each concurrency c, the prompts of each file in consecutive groups of c decoded as one batch,
+    target-only and each speculative mode (async at c = 1 only); greedy outputs are checked row by row against
+    target-only decoding of the same group."""
+    target, _, tok, _, info = models
+    datasets = {}
+    for path, field, prompts in files:
+        name = os.path.splitext(os.path.basename(path))[0]
+        datasets[name if name not in datasets else f"{name}-{len(datasets)}"] = (
+            path, field, [encode(tok, p, thinking, target.device) for p in prompts])
+    results, mismatches, everything = {}, [], collections.defaultdict(lambda: collections.defaultdict(list))
+    for name, (path, field, prompts) in datasets.items():
+        results[name] = {"path": path, "field": field, "num_prompts": len(prompts), "levels": {}}
+        for c in levels:
+            run = ["target"] + [m for m in modes if c == 1 or parse_mode(m)[0] != "async"]
+            decode_group(models, prompts[:c], run, opts, max_new_tokens=16)  # warm-up at this batch size
+            records = collections.defaultdict(list)
+            groups = [prompts[i:i + c] for i in range(0, len(prompts), c)]
+            for g, group in enumerate(tqdm(groups, desc=f"{name} c={c}", unit="batch", dynamic_ncols=True)):
+                for mode, r in decode_group(models, group, run, opts).items():
+                    records[mode].append(r)
+                    for row, (ref, new) in enumerate(zip(records["target"][-1]["new_tokens"], r["new_tokens"])):
+                        if opts["temperature"] == 0 and ref != new:
+                            mismatches.append({"dataset": name, "concurrency": c, "mode": mode,
+                                               "prompt_index": g * c + row, "position": first_difference(ref, new)})
+            results[name]["levels"][c] = {m: summarise_concurrent(records[m], records["target"]) for m in run}
+            for m in run:
+                everything[c][m] += records[m]
+                results[name]["levels"][c][m]["mismatches"] = sum(
+                    (x["dataset"], x["concurrency"], x["mode"]) == (name, c, m) for x in mismatches)
+    overall = {c: {m: summarise_concurrent(everything[c][m], everything[c]["target"]) for m in everything[c]}
+               for c in levels}
+    block_size = opts["block_size"] or info["drafter_config"]["block_size"]
+    text = concurrency_table(results, overall, levels, modes, block_size)
+    checked = sum(len(r["new_tokens"]) for c in levels for m in everything[c] if m != "target"
+                  for r in everything[c][m])
+    check = ("greedy check skipped: at temperature > 0 the outputs are samples" if opts["temperature"] else
+             f"greedy check: all {checked} speculative outputs equal target-only at the same concurrency"
+             if not mismatches else f"greedy check: {len(mismatches)} of {checked} speculative outputs DIFFER from "
+             f"target-only; first: {mismatches[0]}")
+    print(f"\n{text}\n\n{check}")
+    return {"concurrency": levels, "datasets": results, "overall": overall, "block_size": block_size, "table": text,
+            "mismatches": {"count": len(mismatches), "checked": checked, "list": mismatches}}
+
+
 def long_prompts(docs: list[str], num_docs: int, count: int, seed: int) -> list[tuple[str, int]]:
     """Long prompts from real text: `num_docs` problems one after another, then a request to solve one of them
     (the paper's LongBench single-document QA in miniature). Returns (prompt, index of the asked problem)."""
@@ -393,7 +508,8 @@ def prefill_bench(models, path: str, docs: list[str], mode: str, keep_ratios: li
 
 def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_field, max_samples, thinking, mode,
          block_size, temperature, max_new_tokens, coverage, fanout, cover, seed, bench_files, modes, out, no_color,
-         keep_ratio=None, chunk_size=64, prefill_bench_file=None, keep_ratios=(1.0, 0.3, 0.2, 0.1), num_docs=12):
+         keep_ratio=None, chunk_size=64, prefill_bench_file=None, keep_ratios=(1.0, 0.3, 0.2, 0.1), num_docs=12,
+         concurrency=None):
     args = dict(locals())  # recorded in the benchmark JSON
     speculative = [m for m in available_modes() if m != "target"]
     if prefill_bench_file:  # the paper pairs selective prefilling with sequential (sync) speculative decoding
@@ -404,6 +520,8 @@ def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_f
         parse_mode(m)  # raises on an unknown mode or a bad async:C,F
     if bench_files and not modes:
         raise ValueError(f"--modes: name speculative modes ({', '.join(speculative)}); target-only always runs")
+    if concurrency is not None and (not bench_files or min(concurrency) < 1):
+        raise ValueError(f"--concurrency takes sizes >= 1 and goes with --bench, got {concurrency}")
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"--max-samples must be >= 1, got {max_samples}")
     if prompt is not None and "-" in prompt:  # `--prompt -`: one prompt per non-empty line of stdin
@@ -430,6 +548,8 @@ def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_f
     elif not bench_files:
         colour = not no_color and sys.stdout.isatty() and "NO_COLOR" not in os.environ
         return interactive(models, prompt, mode, opts, thinking, colour)
+    elif concurrency:
+        result = concurrency_bench(models, files, modes, list(concurrency), opts, thinking)
     else:
         result = bench(models, files, modes, opts, thinking)
     command = "python " + shlex.join(sys.argv) if sys.argv[0].endswith("decode.py") else None  # None: called in-process
@@ -474,6 +594,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bench", dest="bench_files", nargs="+", metavar="FILE.jsonl", help="prompt files to benchmark")
     g.add_argument("--modes", nargs="+", help="speculative modes to compare with target-only (default: all); "
                    "async:C,F[,likely] sets a branch budget, e.g. --modes sync async:0,2 async:12,2 async:12,1")
+    g.add_argument("--concurrency", type=int, nargs="+", metavar="C",
+                   help="concurrent requests, e.g. 1 4 8 16: Table 2 (throughput per concurrency) instead of Table 1")
     g.add_argument("--out", default="runs/bench.json", help="benchmark figures, JSON (default: runs/bench.json)")
     g = p.add_argument_group("selective prefilling (lossy: the target reads only the kept prompt chunks)")
     g.add_argument("--keep-ratio", type=float, help="share of prompt chunks the target prefills (default: off)")

@@ -55,40 +55,60 @@ class ScriptedDrafter(d3d.Drafter):
     at index i (1-based) of its block predicts reference[pos] if i <= right_upto, else a token the target never
     chooses there, with reference[pos] as its runner-up (so an asynchronous branch can hit); a causal token at pos
     predicts reference[pos + 1] (right iff right_upto >= 1; it drafts d_1 when first_token == "ar").
-    right_upto = B: always right (oracle); 0: never right; j: right up to position j of every block."""
+    right_upto = B: always right (oracle); 0: never right; j: right up to position j of every block.
+    A batch of prompts: `reference` and `right_upto` are lists, one per prompt; batch rows are the prompts in order
+    at a decode's first drafter pass, then follow the rows the decoder keeps (DynamicCache.batch_select_indices)."""
 
     def __init__(self, drafter, reference, right_upto):
         super().__init__(drafter.model, drafter.d3d_config)
         self.reference, self.right_upto = reference, right_upto
+        self.references = reference if isinstance(reference[0], list) else [reference]
+        self.right_uptos = right_upto if isinstance(right_upto, list) else [right_upto] * len(self.references)
+        self.cache, self.rows, self.batch_sizes = None, [], []
 
     def hidden_states(self, input_ids, position_ids, attention_mask, past_key_values=None):
         super().hidden_states(input_ids, position_ids, attention_mask, past_key_values)  # the cache moves as usual
-        is_mask = input_ids[0] == self.d3d_config.mask_token_id
-        scripted = torch.zeros(1, input_ids.shape[1], self.d3d_config.target_vocab_size)
-        run = 0  # MASK tokens in a row; blocks (of the config's size) can follow each other directly
-        for j in range(input_ids.shape[1]):
-            run = run + 1 if is_mask[j] else 0
-            index_in_block = (run - 1) % self.d3d_config.block_size + 1
-            pos = int(position_ids[0, j])
-            if is_mask[j]:
-                good = self.ref(pos)
-                if index_in_block > self.right_upto:  # wrong, with the right token as the runner-up
-                    scripted[0, j, good] = 5.0
-                    good = (good + 1) % TEXT_VOCAB
-                scripted[0, j, good] = 10.0
-            else:  # a causal token's next-token guess: d_1 when first_token == "ar"
-                good = self.ref(pos + 1)
-                if self.right_upto < 1:
-                    scripted[0, j, good] = 5.0
-                    good = (good + 1) % TEXT_VOCAB
-                scripted[0, j, good] = 10.0
+        self.follow(past_key_values, input_ids.shape[0])
+        self.batch_sizes.append(input_ids.shape[0])
+        scripted = torch.zeros(*input_ids.shape, self.d3d_config.target_vocab_size)
+        for b, prompt in enumerate(self.rows):
+            reference, right_upto = self.references[prompt], self.right_uptos[prompt]
+            ref = lambda pos: reference[pos] if pos < len(reference) else 0  # noqa: E731
+            is_mask = input_ids[b] == self.d3d_config.mask_token_id
+            run = 0  # MASK tokens in a row; blocks (of the config's size) can follow each other directly
+            for j in range(input_ids.shape[1]):
+                run = run + 1 if is_mask[j] else 0
+                index_in_block = (run - 1) % self.d3d_config.block_size + 1
+                pos = int(position_ids[b, j])
+                if is_mask[j]:
+                    good = ref(pos)
+                    if index_in_block > right_upto:  # wrong, with the right token as the runner-up
+                        scripted[b, j, good] = 5.0
+                        good = (good + 1) % TEXT_VOCAB
+                    scripted[b, j, good] = 10.0
+                else:  # a causal token's next-token guess: d_1 when first_token == "ar"
+                    good = ref(pos + 1)
+                    if right_upto < 1:
+                        scripted[b, j, good] = 5.0
+                        good = (good + 1) % TEXT_VOCAB
+                    scripted[b, j, good] = 10.0
         return scripted  # "hidden states" that are already the scripted logits
 
     def logits(self, hidden):
         return hidden
 
-    def ref(self, pos):
-        return self.reference[pos] if pos < len(self.reference) else 0
+    def follow(self, cache, batch_size):
+        """Which prompt each batch row drafts for: a new cache starts a decode (rows = prompts in order); then the
+        rows its batch_select_indices keeps."""
+        if cache is not self.cache:
+            self.cache, self.rows = cache, list(range(batch_size))
+            select = cache.batch_select_indices
+
+            def keep(indices):
+                self.rows = [self.rows[i] for i in indices.tolist()]
+                select(indices)
+            cache.batch_select_indices = keep
+        assert len(self.rows) == batch_size
 
 
 def reference_continuation(target, prompt, n):
@@ -552,6 +572,19 @@ def test_accept_rule_is_lossless():
     assert chi_square_p_value(first, q_draft[0]) < 1e-3  # the test has power: the drafter's law is rejected
 
 
+def exact_law(target, prompt: list[int], temperature: float) -> torch.Tensor:
+    """The target's exact joint law (16, 16) of generated tokens 3 and 4 after `prompt` (a 16-token vocabulary), by
+    enumerating every (t1, t2, t3) in one batched pass."""
+    with torch.no_grad():  # P(t1, t2, t3, t4) for all 16^4 continuations
+        grid = torch.cartesian_prod(*[torch.arange(16)] * 3)  # (4096, 3)
+        ids = torch.cat([torch.tensor(prompt).expand(len(grid), -1), grid], 1)
+        p = torch.softmax(target(ids).logits[:, len(prompt) - 1:].float() / temperature, -1)  # (4096, 4, 16)
+        t1, t2, t3 = grid.T
+        law = p[:, 0].gather(1, t1[:, None])[:, 0] * p[:, 1].gather(1, t2[:, None])[:, 0]
+        law = (law * p[:, 2].gather(1, t3[:, None])[:, 0])[:, None] * p[:, 3]  # (4096, 16): (t1, t2, t3) x t4
+        return law.view(16, 16, 16, 16).sum((0, 1))  # (t3, t4)
+
+
 @pytest.mark.parametrize("mode,block_size,first_token", [("sync", 2, "ar"), ("async", 1, "ar"), ("async", 2, "ar"),
                                                          ("async", 2, "block")])
 def test_sampling_matches_target_distribution(mode, block_size, first_token):
@@ -566,14 +599,7 @@ def test_sampling_matches_target_distribution(mode, block_size, first_token):
     drafter = d3d.make_drafter(tiny_qwen3(seed=22, vocab_size=16, init=0.6), tokenizer=tok, block_size=block_size,
                                first_token=first_token)
     prompt = [3, 1]
-    with torch.no_grad():  # P(t1, t2, t3, t4) for all 16^4 continuations
-        grid = torch.cartesian_prod(*[torch.arange(16)] * 3)  # (4096, 3)
-        ids = torch.cat([torch.tensor(prompt).expand(len(grid), -1), grid], 1)
-        p = torch.softmax(target(ids).logits[:, 1:].float() / temperature, -1)  # (4096, 4, 16): t1 .. t4
-        t1, t2, t3 = grid.T
-        law = p[:, 0].gather(1, t1[:, None])[:, 0] * p[:, 1].gather(1, t2[:, None])[:, 0]
-        law = (law * p[:, 2].gather(1, t3[:, None])[:, 0])[:, None] * p[:, 3]  # (4096, 16): (t1, t2, t3) x t4
-        joint = law.view(16, 16, 16, 16).sum((0, 1))  # (t3, t4)
+    joint = exact_law(target, prompt, temperature)
     counts = torch.zeros(16, 16)
     generator = torch.Generator().manual_seed(1234)
     rejections, hits, misses = 0, 0, 0
@@ -596,6 +622,117 @@ def test_sampling_is_reproducible_with_a_generator(tok, target, mode):
     runs = [d3d.generate(target, drafter, torch.tensor([[2, 3]]), max_new_tokens=12, temperature=0.8, mode=mode,
                          generator=torch.Generator().manual_seed(7))[0] for _ in range(2)]
     assert torch.equal(*runs)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Batched decoding (concurrent requests)
+
+
+def batch_prompts(lengths=(1, 4, 9)):
+    return [torch.randint(0, TEXT_VOCAB, (n,), generator=torch.Generator().manual_seed(100 + n)) for n in lengths]
+
+
+def alone(target, prompt, max_new, eos=None) -> list[int]:
+    """A 1-D prompt's own batch-1 target-only output."""
+    out, _ = d3d.generate(target, None, prompt[None], max_new_tokens=max_new, mode="target", eos_token_id=eos)
+    return out[0].tolist()
+
+
+@pytest.mark.parametrize("mode,first_token", [("target", "ar"), ("sync", "ar"), ("sync", "block")])
+def test_batch_rows_equal_their_own_greedy_output(tok, target, mode, first_token):
+    """Prompts of 1, 4 and 9 tokens decoded together: every row equals its own batch-1 target-only output. In sync
+    mode the rows accept different lengths in the same round (a drafter always right, one never, one right up to
+    position 2 of 5), the budget (23) is no multiple of the block size, and finished rows leave the batch."""
+    block_size, max_new = 5, 23
+    prompts = batch_prompts()
+    right_upto = [block_size, 0, 2]
+    drafter = ScriptedDrafter(d3d.make_drafter(tiny_qwen3(seed=9), tokenizer=tok, block_size=block_size,
+                                               first_token=first_token),
+                              [alone(target, p, max_new + block_size + 2) for p in prompts], right_upto)
+    outs, stats = d3d.generate(target, drafter if mode == "sync" else None, prompts, max_new_tokens=max_new,
+                               mode=mode)
+    assert [out.tolist() for out in outs] == [alone(target, p, max_new) for p in prompts]
+    assert [row["num_new_tokens"] for row in stats["rows"]] == [max_new] * 3
+    assert stats["num_new_tokens"] == 3 * max_new
+    if mode == "target":
+        assert stats["num_rounds"] == max_new - 1  # one pass per token after the prefill's
+        return
+    for row, upto in zip(stats["rows"], right_upto):
+        assert all(n == upto + 1 for n in row["accept_lengths"][:-1]) and sum(row["accept_lengths"]) == max_new - 1
+    # 22 tokens after the prefill: the oracle row needs 4 rounds (6 + 6 + 6 + 4), the partial one 8, the last 22
+    assert drafter.batch_sizes == [3] * 4 + [2] * 4 + [1] * 14 and stats["num_rounds"] == 22
+
+
+def test_batch_eos_inside_an_accepted_block_stops_one_row(tok, target):
+    """EOS inside the oracle row's first accepted block: that row stops there (EOS kept) and leaves the batch after
+    one round; the other rows go on to their budget."""
+    block_size, max_new = 8, 30
+    prompts = batch_prompts()
+    references = [alone(target, p, max_new + 2 * block_size) for p in prompts]
+    new = [r[len(p):] for r, p in zip(references, prompts)]
+    # a token that first appears as row 0's k-th new token (1 < k < 8) and never among the other rows' new tokens
+    k = next(k for k in range(2, 8) if new[0][k] not in new[0][:k] and all(new[0][k] not in n for n in new[1:]))
+    eos = new[0][k]
+    drafter = ScriptedDrafter(d3d.make_drafter(tiny_qwen3(seed=9), tokenizer=tok, block_size=block_size),
+                              references, [block_size, 3, 0])
+    outs, stats = d3d.generate(target, drafter, prompts, max_new_tokens=max_new, mode="sync", eos_token_id=eos)
+    assert [out.tolist() for out in outs] == [alone(target, p, max_new, eos) for p in prompts]
+    assert outs[0].tolist() == references[0][: len(prompts[0]) + k + 1] and outs[0][-1] == eos
+    assert [row["num_new_tokens"] for row in stats["rows"]] == [k + 1, max_new, max_new]
+    assert drafter.batch_sizes[:2] == [3, 2]
+
+
+@pytest.mark.parametrize("first_token", ["ar", "block"])
+def test_batch_sync_with_real_drafters_equals_batch1(tok, target, first_token):
+    """Unscripted drafters through the real code path: every row equals its target-only output, and its rounds
+    (accept lengths) equal decoding it alone: the drafter's ragged cache reads each row as it would alone."""
+    prompts = batch_prompts((3, 1, 6, 2))
+    for model in (tiny_qwen3(seed=11), tiny_qwen3(seed=1)):  # random, and the target's own weights
+        drafter = d3d.make_drafter(model, tokenizer=tok, block_size=4, first_token=first_token)
+        outs, stats = d3d.generate(target, drafter, prompts, max_new_tokens=30)
+        for prompt, out, row in zip(prompts, outs, stats["rows"]):
+            single, single_stats = d3d.generate(target, drafter, prompt[None], max_new_tokens=30)
+            assert out.tolist() == single[0].tolist() == alone(target, prompt, 30)
+            assert row["accept_lengths"] == single_stats["accept_lengths"]
+        assert stats["time_draft"] > 0 and stats["time_verify"] > 0 and stats["tokens_per_s"] > 0
+
+
+def test_batch_sampling_matches_target_distribution_per_row():
+    """Sampling stays lossless per row: one batch of 2 x 400 rows, two prompts of different lengths interleaved (the
+    short one left-padded); each row's tokens 3 and 4 follow its own prompt's exact target law (chi-square at
+    alpha = 1e-3, as above), and the test would notice rows mixed up."""
+    vocab, temperature, num_samples = 8, 1.0, 400
+    tok = make_tokenizer(vocab)
+    target = tiny_qwen3(seed=21, vocab_size=16, init=0.6)
+    drafter = d3d.make_drafter(tiny_qwen3(seed=22, vocab_size=16, init=0.6), tokenizer=tok, block_size=2)
+    prompts = [[3, 1], [5, 2, 6, 1]]
+    laws = [exact_law(target, p, temperature).flatten() for p in prompts]
+    outs, stats = d3d.generate(target, drafter, [torch.tensor(p) for p in prompts] * num_samples, max_new_tokens=4,
+                               mode="sync", temperature=temperature, generator=torch.Generator().manual_seed(1234))
+    counts = torch.zeros(2, 16 * 16)
+    for i, out in enumerate(outs):
+        n = len(prompts[i % 2])
+        counts[i % 2, 16 * out[n + 2] + out[n + 3]] += 1
+    rejections = sum(n <= 2 for row in stats["rows"] for n in row["accept_lengths"][:-1])
+    assert rejections > 0.05 * num_samples  # residual draws happen
+    assert chi_square_p_value(counts[0], laws[0]) > 1e-3 and chi_square_p_value(counts[1], laws[1]) > 1e-3
+    assert chi_square_p_value(counts[0], laws[1]) < 1e-3 and chi_square_p_value(counts[1], laws[0]) < 1e-3
+
+
+def test_batch_bad_inputs_raise_clear_errors(tok, target):
+    drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok)
+    prompt = torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match="empty"):
+        d3d.generate(target, drafter, [prompt, torch.zeros(0, dtype=torch.long)], max_new_tokens=5)
+    for bad in ([prompt, prompt[None]], [], [prompt.tolist()]):
+        with pytest.raises(ValueError, match="list of 1-D id tensors"):
+            d3d.generate(target, drafter, bad, max_new_tokens=5)
+    with pytest.raises(ValueError, match="batched async is not built"):
+        d3d.generate(target, drafter, [prompt], max_new_tokens=5, mode="async")
+    with pytest.raises(ValueError, match="keep_ratio"):
+        d3d.generate(target, drafter, [prompt], max_new_tokens=5, keep_ratio=0.5)
+    outs, stats = d3d.generate(target, drafter, [prompt, prompt[:1]], max_new_tokens=0)
+    assert [out.tolist() for out in outs] == [[1, 2, 3], [1]] and stats["num_new_tokens"] == 0
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -199,3 +199,30 @@ def test_keep_ratio_and_prefill_bench(setting, capsys):
     assert rows["100% + D3D (sync)"]["same_answer"] == 1.0  # keeping every chunk changes nothing
     assert rows["30% + D3D (sync)"]["prompt_tokens_prefilled"] < rows["100% + D3D (sync)"]["prompt_tokens_prefilled"]
     assert "TTFT" in capsys.readouterr().out
+
+
+def test_concurrency_bench_writes_table_2(setting, capsys):
+    """--concurrency: the paper's Table 2 in miniature (throughput and speedup per concurrency, per dataset; where a
+    round goes), async at concurrency 1 only; every greedy row checked against batched target-only decoding."""
+    out_file = setting / "bench-concurrency.json"
+    files = [setting / f"{n}.jsonl" for n in ("gsm", "humaneval", "mtbench")]
+    modes = ["sync", "async"] if "async" in MODES else ["sync"]
+    result = cli(*models_args(setting), "--bench", *files, "--modes", *modes, "--concurrency", 1, 2,
+                 "--out", out_file)
+    printed = capsys.readouterr().out
+    assert "throughput in tokens/s over wall time" in printed and "c=1" in printed and "c=2" in printed
+    assert "gsm (2 prompts)" in printed and "sync (3)" in printed and "draft" in printed and "other" in printed
+    saved = json.loads(out_file.read_text())
+    assert saved["concurrency"] == [1, 2] and list(saved["datasets"]) == ["gsm", "humaneval", "mtbench"]
+    gsm = saved["datasets"]["gsm"]["levels"]
+    for c in ("1", "2"):
+        assert gsm[c]["target"]["speedup"] == 1.0 and gsm[c]["sync"]["tokens_per_s"] > 0
+        assert gsm[c]["sync"]["num_new_tokens"] == gsm[c]["target"]["num_new_tokens"] and gsm[c]["sync"]["tau"] >= 1
+        assert {"round", "draft", "verify", "other"} == set(gsm[c]["sync"]["ms_per_round"])
+    assert gsm["2"]["sync"]["num_batches"] == 1 and gsm["1"]["sync"]["num_batches"] == 2  # consecutive groups
+    if "async" in modes:
+        assert "async" in gsm["1"] and "async" not in gsm["2"] and "async runs at concurrency 1 only" in printed
+    checked = 4 * 2 + (4 if "async" in modes else 0)  # 4 prompts: sync at c = 1 and 2, async at c = 1 only
+    assert saved["mismatches"] == {"count": 0, "checked": checked, "list": []}
+    assert saved["table"] in printed and f"all {checked} speculative outputs equal" in printed
+    assert saved["env"]["args"]["concurrency"] == [1, 2] and result["overall"][2]["sync"]["num_rounds"] > 0
