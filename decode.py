@@ -11,7 +11,11 @@ speedup over target-only decoding measured in the same run and, in async mode, t
 Benchmark (method.md): batch 1, greedy unless --temperature, a warm-up, then per prompt target-only decoding and
 each speculative mode, in the same run. speedup = target-only time per output token / speculative time per output
 token, prefill excluded (TTFT reported apart), times and tokens summed over a dataset; tau = mean over rounds,
-averaged per prompt. Every greedy speculative output is checked token for token against the target-only output.
+averaged per prompt. Every greedy output (speculative modes and baselines) is checked token for token against the
+target-only output; where one differs, a teacher-forced target pass gives the target's logit margin at the first
+differing token: within rounding (tie_tolerance) it is a near-tie, beyond it an error.
+Baselines (--modes hf hf-assisted hf-lookup, off by default): transformers' own generate, assisted generation with
+the drafter's model drafting one token per pass, and prompt lookup, timed by the same rule (hf_decode).
 --concurrency (the paper's Table 2): prompts in consecutive groups of c decoded as one batch; throughput = new tokens
 of all requests / wall time of the batches (prefill included), speedup over batched target-only at the same c.
 """
@@ -19,13 +23,16 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import dataclasses
+import itertools
 import json
 import math
 import os
 import platform
 import shlex
 import sys
+import weakref
 
 import torch
 import transformers
@@ -36,7 +43,12 @@ import d3d
 TOY_DRAFTER, TOY_TARGET, TOY_PROMPTS = "runs/toy/drafter", "runs/toy/target", "runs/toy/prompts-test.jsonl"
 PROMPT_FIELDS = ("question", "prompt", "turns")  # GSM8K-, HumanEval-, MT-Bench-style files (first turn only)
 COLOURS, RESET = {"draft": "\033[32m", "target": "\033[33m"}, "\033[0m"
-TIME_KEYS = ("time_draft", "time_verify", "time_packed_draft", "time_fallback_draft", "time_overlap_saved")
+TIME_KEYS = ("time_draft", "time_verify", "time_packed_draft", "time_fallback_draft", "time_overlap_saved",
+             "time_verify_launch", "time_packed_launch")
+# transformers' own greedy decoding, benchmarked next to D3D (off unless named in --modes): plain generate, assisted
+# generation with the drafter's model as a token-by-token assistant, prompt lookup
+BASELINES = ("hf", "hf-assisted", "hf-lookup")
+TIE_EPS_MULTIPLE, TIE_EPS_FLOOR = 8, 2.0 ** -16  # the greedy check's rounding allowance: see tie_tolerance
 
 
 def available_modes() -> tuple[str, ...]:
@@ -44,10 +56,14 @@ def available_modes() -> tuple[str, ...]:
 
 
 def parse_mode(spec: str) -> tuple[str, dict]:
-    """'sync', 'async', or 'async:C,F[,cover]' (a branch budget to sweep, the paper's Fig. 3): (mode, overrides)."""
+    """'sync', 'async', 'async:C,F[,cover]' (a branch budget to sweep, the paper's Fig. 3), or a transformers
+    baseline (BASELINES): (mode, overrides)."""
     mode, _, budget = spec.partition(":")
+    if mode in BASELINES and not budget:
+        return mode, {}
     if mode not in available_modes() or (budget and mode != "async"):
-        raise ValueError(f"unknown mode {spec!r}: use one of {', '.join(available_modes())} or async:C,F[,cover]")
+        raise ValueError(f"unknown mode {spec!r}: use one of {', '.join(available_modes() + BASELINES)} "
+                         "or async:C,F[,cover]")
     if not budget:
         return mode, {}
     parts = budget.split(",")
@@ -67,15 +83,18 @@ def parse_mode(spec: str) -> tuple[str, dict]:
 def load(target, drafter, modes, device, dtype, attn):
     """(target, drafter or None if only target-only decoding runs, the target's tokenizer, EOS ids, description)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, dtype) if dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
+    args_file = os.path.join(drafter, "train_args.json")
+    recipe = json.load(open(args_file)) if os.path.isfile(args_file) else {}
+    if dtype in (None, "auto") and recipe.get("compute_dtype") == "float32":
+        dtype = "float32"  # trained in fp32 (the toy always is): decode in it too
+    dtype = d3d.resolve_dtype(dtype, device)
     need_drafter = any(m != "target" for m in modes)
     if (need_drafter or target is None) and drafter == TOY_DRAFTER and not os.path.isdir(drafter):
         raise FileNotFoundError(f"no drafter at {TOY_DRAFTER}: make the toy target and drafter with `python train.py` "
                                 "(about 5 min on 2 CPU cores), or pass --target and --drafter")
     draft_model = d3d.Drafter.from_pretrained(drafter, dtype, device, attn).eval() if need_drafter else None
     if target is None:  # the target the drafter was trained for
-        args_file = os.path.join(drafter, "train_args.json")
-        target = json.load(open(args_file))["target"] if os.path.isfile(args_file) else TOY_TARGET
+        target = recipe.get("target", TOY_TARGET)
     tok = transformers.AutoTokenizer.from_pretrained(target)
     if draft_model is not None:
         d3d.check_tokenizer(draft_model, tok)  # before loading a large target for nothing
@@ -119,11 +138,15 @@ def read_prompts(path: str, field: str | None = None, max_samples: int | None = 
 
 
 def decode_prompt(models, ids, modes, opts, max_new_tokens=None) -> dict[str, dict]:
-    """{mode: d3d.generate's stats + new_tokens, decode_time, decode_tokens} for each mode, in order."""
+    """{mode: d3d.generate's stats (hf_decode's for a baseline) + new_tokens, decode_time, decode_tokens} for each
+    mode, in order."""
     target, drafter, _, eos, _ = models
     records = {}
     for spec in modes:
         mode, overrides = parse_mode(spec)
+        if mode in BASELINES:
+            records[spec] = hf_decode(models, ids, mode, opts, max_new_tokens or opts["max_new_tokens"])
+            continue
         generator = torch.Generator(ids.device).manual_seed(opts["seed"])
         kwargs = {"max_new_tokens": max_new_tokens or opts["max_new_tokens"], "mode": mode, "eos_token_id": eos,
                   "temperature": opts["temperature"], "generator": generator}
@@ -174,6 +197,140 @@ def histogram(accept_lengths: list[int], width: int = 40) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Peers: transformers' own greedy decoding, in the same run and on the same prompts as D3D
+
+
+class _Rounds(transformers.generation.BaseStreamer):
+    """Tokens committed per target pass: assisted generation and prompt lookup hand each pass's accepted tokens to
+    the streamer in one put (the first put is the prompt)."""
+
+    def __init__(self):
+        self.sizes = []
+
+    def put(self, value):
+        self.sizes.append(value.numel())
+
+    def end(self):
+        pass
+
+
+_ASSISTANTS = weakref.WeakKeyDictionary()  # drafter model -> its assistant view, built once per run
+
+
+def assistant_model(drafter: d3d.Drafter, vocab_size: int) -> torch.nn.Module:
+    """The drafter's own causal LM as a transformers assistant: the same weight tensors (shared, not copied) in a
+    copied module tree whose embedding and output rows are cut to the target's `vocab_size` (assisted generation
+    needs equal vocabularies; the cut drops the MASK row make_drafter adds when the vocabulary has no free row)."""
+    model = drafter.model
+    if model not in _ASSISTANTS:
+        shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+        assistant = copy.deepcopy(model, memo=shared)  # new modules and configs around the same tensors
+        emb, head = assistant.get_input_embeddings(), assistant.get_output_embeddings()
+        if head.weight.shape[0] > vocab_size:
+            tied = head.weight is emb.weight
+            emb.weight = torch.nn.Parameter(emb.weight[:vocab_size], requires_grad=False)  # a view: no copy
+            head.weight = emb.weight if tied else torch.nn.Parameter(head.weight[:vocab_size], requires_grad=False)
+            if head.bias is not None:
+                head.bias = torch.nn.Parameter(head.bias[:vocab_size], requires_grad=False)
+            emb.num_embeddings = head.out_features = vocab_size
+            assistant.config.get_text_config().vocab_size = vocab_size
+        _ASSISTANTS[model] = assistant
+    return _ASSISTANTS[model]
+
+
+@torch.no_grad()
+def hf_decode(models, ids: torch.Tensor, mode: str, opts: dict, max_new_tokens: int) -> dict:
+    """One prompt with transformers' generate, greedy, batch 1, the record decode_prompt keeps for a mode.
+
+    hf: plain generate. hf-assisted: the drafter's causal LM drafts B tokens one pass each (num_assistant_tokens=B,
+    schedule "constant", confidence threshold off: every round drafts B tokens, as a D3D block does). hf-lookup:
+    prompt lookup with B candidate tokens (n-grams up to transformers' default of 2). B: --block-size, else the
+    drafter's. Prefill is excluded as in d3d.generate's stats: decode_time = time of a max_new_tokens=N call minus
+    time of a max_new_tokens=1 call on the same prompt (the target's prefill, which also yields the first token, plus
+    generate's fixed per-call cost); time_prefill = the 1-token call. The assistant's reading of the prompt stays in
+    decode time, like the D3D drafter's. τ: tokens committed per target pass, the first pass (prompt + first drafts)
+    left out as D3D leaves out its prefill."""
+    target, drafter, tok, eos, _ = models
+    block_size = opts["block_size"] or drafter.d3d_config.block_size
+    kwargs = {"attention_mask": torch.ones_like(ids), "do_sample": False, "num_beams": 1, "eos_token_id": eos,
+              "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else eos[0]}
+    if mode == "hf-assisted":
+        assistant = assistant_model(drafter, target.get_output_embeddings().weight.shape[0])
+        assistant.generation_config.update(num_assistant_tokens=block_size, num_assistant_tokens_schedule="constant",
+                                           assistant_confidence_threshold=0.0)
+        kwargs["assistant_model"] = assistant
+    elif mode == "hf-lookup":
+        kwargs["prompt_lookup_num_tokens"] = block_size
+    rounds = _Rounds() if mode != "hf" else None  # plain generate: one token per pass, no streamer in its loop
+    times = []
+    for n in sorted({1, max(max_new_tokens, 1)}):
+        start = d3d._clock(ids.device)
+        out = target.generate(ids, max_new_tokens=n, streamer=rounds if n > 1 else None, **kwargs)
+        times.append(d3d._clock(ids.device) - start)
+    new = out[0, ids.shape[1]:].tolist()[:max_new_tokens]
+    accept = rounds.sizes[2:] if rounds is not None else []  # [prompt, first pass, the rounds after]
+    decode_time = times[-1] - times[0]
+    return {"new_tokens": new, "num_new_tokens": len(new), "accept_lengths": accept, "num_rounds": len(accept),
+            "tau": sum(accept) / len(accept) if accept else math.nan, "time_prefill": times[0],
+            "time_total": times[-1], "decode_time": decode_time, "decode_tokens": max(len(new) - 1, 0),
+            "tokens_per_s": (len(new) - 1) / decode_time if len(new) > 1 and decode_time > 0 else math.nan}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Greedy check: rounding at near-ties or an error
+
+
+def tie_tolerance(logits: torch.Tensor, dtype: torch.dtype) -> float:
+    """The largest logit margin that rounding can flip at one position: 8 x eps x the largest |logit| there, with
+    eps = max(the dtype's machine epsilon, 2^-16).
+
+    Why: passes that share a prefix but not a shape (1 row in target-only decoding, B+1 in verification, the whole
+    sequence in the check's pass) round differently, and each logit carries an error relative to the logits' scale.
+    In bf16/fp16 the final rounding of the logits dominates; in fp32 the error accumulated over the layers does,
+    about 1e-6 relative, far above fp32's epsilon (hence the 2^-16 floor). Measured on SmolLM2-135M-Instruct
+    (3 prompts x 96 tokens, 1-row vs 9-row vs whole-sequence passes), the top-two margin moved by at most 2.4
+    (bf16) and 1.7 (fp16) times the dtype's epsilon x max|logit|, and by 1.1e-6 x max|logit| (9.4 fp32 epsilons)
+    in fp32: the tolerance leaves 3x headroom in bf16 and 100x in fp32. A margin beyond it is a difference in what
+    was computed (a wrong cache, position or token), not rounding. At max|logit| 20: bf16 1.25 logits, fp32 2.4e-3."""
+    eps = max(torch.finfo(dtype).eps, TIE_EPS_FLOOR)
+    return TIE_EPS_MULTIPLE * eps * logits.abs().max().item()
+
+
+@torch.no_grad()
+def classify_divergence(target, ids: torch.Tensor, reference: list[int], other: list[int], position: int,
+                        tolerance: float | None = None) -> dict:
+    """Class of a greedy output that leaves target-only's at new token `position`: one teacher-forced target pass
+    over prompt + the shared tokens gives the target's margin there, logit(target-only token) - logit(other
+    token). "near-tie" if |margin| <= tolerance (tie_tolerance unless given), else "error"; an output that is a
+    strict prefix of the other (no token to compare) is an error."""
+    if position >= min(len(reference), len(other)):
+        return {"class": "error", "margin": None, "tolerance": tolerance, "reason": "outputs differ in length only"}
+    prefix = torch.tensor([reference[:position]], dtype=ids.dtype, device=ids.device)
+    logits = target(input_ids=torch.cat([ids, prefix], 1), logits_to_keep=1).logits[0, -1]
+    tolerance = tie_tolerance(logits, target.dtype) if tolerance is None else tolerance  # the weights' precision
+    logits = logits.float()
+    margin = (logits[reference[position]] - logits[other[position]]).item()
+    return {"class": "near-tie" if abs(margin) <= tolerance else "error", "margin": margin, "tolerance": tolerance,
+            "max_abs_logit": logits.abs().max().item()}
+
+
+def greedy_check(divergences: list[dict], checked: int) -> str:
+    """The summary line of the greedy check, then the first error if any."""
+    ties = [d for d in divergences if d["class"] == "near-tie"]
+    errors = [d for d in divergences if d["class"] == "error"]
+    largest = f" (largest margin {max(abs(d['margin']) for d in ties):.3g})" if ties else ""
+    text = (f"greedy check: identical {checked - len(divergences)}, near-tie divergences {len(ties)}{largest}, "
+            f"errors {len(errors)} (of {checked} outputs against target-only)")
+    if errors:
+        x = errors[0]
+        margin = (f"margin {x['margin']:.3g} > tolerance {x['tolerance']:.3g}" if x["margin"] is not None
+                  else x["reason"])
+        text += (f"\n  first error: {x['dataset']} prompt {x['prompt_index']}, {x['mode']}, new token {x['position']}: "
+                 f"target {x['target_token']} vs {x['mode']} {x['mode_token']}, {margin}")
+    return text
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Aggregation and the Table 1 layout
 
 
@@ -197,7 +354,9 @@ def summarise(records: list[dict], baseline: list[dict]) -> dict:
     if rounds:  # the whole round, to compare with its phases
         out["ms_per_round"]["round"] = 1000 * sum(r["decode_time"] for r in records) / rounds
     if "time_packed_draft" in records[0]:  # async: a round if verify and packed draft overlapped perfectly
-        overlapped = sum(r["decode_time"] - min(r["time_verify"], r["time_packed_draft"]) for r in records)
+        # undo the overlap the run had (CUDA; 0 on CPU), then take the shorter pass off every round
+        overlapped = sum(r["decode_time"] + r["time_overlap_saved"] - min(r["time_verify"], r["time_packed_draft"])
+                         for r in records)
         tokens = sum(r["decode_tokens"] for r in records)
         out["speedup_if_overlapped"] = s_per_token(baseline) / (overlapped / tokens) if tokens else math.nan
     if "hits_per_position" in records[0]:  # async: pooled over rounds (index k-1: rejection at k; last: all accepted)
@@ -219,8 +378,14 @@ def table(results: dict, overall: dict, modes: list[str], block_size: int) -> st
     for mode in modes:
         cells = [results[n]["modes"][mode] for n in results]
         cells.append({k: _mean(c[k] for c in cells) for k in ("speedup", "tau")})
-        lines.append(f"{f'{mode} ({block_size})':<20}" +
-                     "".join(f"{c['speedup']:6.2f}× {c['tau']:5.2f}    " for c in cells))
+        label = mode if mode == "hf" else f"{mode} ({block_size})"  # plain generate drafts nothing
+        lines.append(f"{label:<20}" + "".join(f"{c['speedup']:6.2f}× " + (f"{c['tau']:5.2f}    " if not
+                                                                              math.isnan(c["tau"]) else "    -    ")
+                                              for c in cells))
+    if "hf" in overall:
+        ratio = overall["target"]["tokens_per_s"] / overall["hf"]["tokens_per_s"]
+        lines.append(f"target-only (this repo) vs transformers generate: {ratio:.2f}× (output tokens per s, "
+                     "all datasets; speedups above are against this repo's target-only decoding)")
     phases = ["round"] + [k[5:] for k in TIME_KEYS if any(k[5:] in overall[m]["ms_per_round"] for m in modes)]
     lines.append(f"\n{'all datasets':<20}{'tok/s':>8}{'TTFT ms':>9}{'hit rate':>9}{'overlap':>9}   ms per round: "
                  + " / ".join(phases) + ("  (draft = packed + fallback)" if "packed_draft" in phases else ""))
@@ -281,7 +446,8 @@ def interactive(models, prompts: list[str], mode: str, opts: dict, thinking: boo
 
 
 def bench(models, files: list[tuple[str, str, list[str]]], modes: list[str], opts: dict, thinking: bool) -> dict:
-    """files: (path, field, prompts) of each prompt file."""
+    """files: (path, field, prompts) of each prompt file. Greedy outputs that differ from target-only are classified
+    by classify_divergence (opts["tie_tolerance"]: a fixed tolerance in logits instead of tie_tolerance's)."""
     target, _, tok, _, info = models
     datasets = {}
     for path, field, prompts in files:
@@ -301,11 +467,14 @@ def bench(models, files: list[tuple[str, str, list[str]]], modes: list[str], opt
                     show = [{"id": t[pos], "text": tok.decode(t[pos:pos + 1])} if pos < len(t) else "end of output"
                             for t in (ref, new)]
                     mismatches.append({"dataset": name, "prompt_index": i, "mode": mode, "position": pos,
-                                       "target_token": show[0], "mode_token": show[1]})
+                                       "target_token": show[0], "mode_token": show[1],
+                                       **classify_divergence(target, ids, ref, new, pos, opts.get("tie_tolerance"))})
         results[name] = {"path": path, "field": field, "num_prompts": len(prompts), "modes": {}, "per_prompt": {}}
         for m in records:
             results[name]["modes"][m] = summarise(records[m], records["target"])
             results[name]["modes"][m]["mismatches"] = sum(x["dataset"] == name and x["mode"] == m for x in mismatches)
+            results[name]["modes"][m]["errors"] = sum(x["dataset"] == name and x["mode"] == m and
+                                                      x["class"] == "error" for x in mismatches)
             results[name]["per_prompt"][m] = [{k: v for k, v in r.items() if k != "new_tokens"} for r in records[m]]
             everything[m] += records[m]
     block_size = opts["block_size"] or info["drafter_config"]["block_size"]
@@ -314,17 +483,17 @@ def bench(models, files: list[tuple[str, str, list[str]]], modes: list[str], opt
     checked = sum(len(everything[m]) for m in modes)
     if opts["temperature"]:
         check = "greedy check skipped: at temperature > 0 the outputs are samples"
-    elif not mismatches:
-        check = f"greedy check: all {checked} speculative outputs equal the target-only outputs token for token"
     else:
-        x = mismatches[0]
-        check = (f"greedy check: {len(mismatches)} of {checked} speculative outputs DIFFER from target-only; first: "
-                 f"{x['dataset']} prompt {x['prompt_index']}, {x['mode']}, new token {x['position']}: "
-                 f"target {x['target_token']} vs {x['mode']} {x['mode_token']}")
+        check = greedy_check(mismatches, checked)
     print(f"\n{text}\n\n{check}")
     mean = {m: {k: _mean(results[n]["modes"][m][k] for n in results) for k in ("speedup", "tau")} for m in modes}
-    return {"datasets": results, "mean": mean, "overall": overall, "block_size": block_size, "table": text,
-            "mismatches": {"count": len(mismatches), "checked": checked, "list": mismatches}}
+    counts = collections.Counter(x["class"] for x in mismatches)
+    result = {"datasets": results, "mean": mean, "overall": overall, "block_size": block_size, "table": text,
+              "mismatches": {"count": len(mismatches), "checked": checked, "identical": checked - len(mismatches),
+                             "near_ties": counts["near-tie"], "errors": counts["error"], "list": mismatches}}
+    if "hf" in overall:  # > 1: this repo's target-only loop is faster than transformers' generate
+        result["target_vs_hf"] = overall["target"]["tokens_per_s"] / overall["hf"]["tokens_per_s"]
+    return result
 
 
 def decode_group(models, group: list[torch.Tensor], modes: list[str], opts: dict, max_new_tokens=None) -> dict:
@@ -509,7 +678,7 @@ def prefill_bench(models, path: str, docs: list[str], mode: str, keep_ratios: li
 def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_field, max_samples, thinking, mode,
          block_size, temperature, max_new_tokens, coverage, fanout, cover, seed, bench_files, modes, out, no_color,
          keep_ratio=None, chunk_size=64, prefill_bench_file=None, keep_ratios=(1.0, 0.3, 0.2, 0.1), num_docs=12,
-         concurrency=None):
+         concurrency=None, tie_tolerance=None):
     args = dict(locals())  # recorded in the benchmark JSON
     speculative = [m for m in available_modes() if m != "target"]
     if prefill_bench_file:  # the paper pairs selective prefilling with sequential (sync) speculative decoding
@@ -518,6 +687,12 @@ def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_f
     modes = [m for m in modes or speculative if m != "target"]  # target-only always runs: it is the baseline
     for m in [mode] + modes:
         parse_mode(m)  # raises on an unknown mode or a bad async:C,F
+    baselines = [m for m in modes if m in BASELINES]
+    if mode in BASELINES and not bench_files:
+        raise ValueError(f"{mode} is a benchmark baseline: run it with --bench FILE.jsonl --modes {mode}")
+    if baselines and bench_files and (temperature or keep_ratio is not None):
+        raise ValueError(f"{', '.join(baselines)} decode greedy with the full prompt: drop --temperature and "
+                         "--keep-ratio, or these modes")
     if bench_files and not modes:
         raise ValueError(f"--modes: name speculative modes ({', '.join(speculative)}); target-only always runs")
     if concurrency is not None and (not bench_files or min(concurrency) < 1):
@@ -541,7 +716,8 @@ def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_f
     models = load(target, drafter, modes if bench_files else [mode] + (["sync"] if keep_ratio else []), device, dtype,
                   attn)
     opts = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "block_size": block_size,
-            "coverage": coverage, "fanout": fanout, "cover": cover, "keep_ratio": keep_ratio, "chunk_size": chunk_size}
+            "coverage": coverage, "fanout": fanout, "cover": cover, "keep_ratio": keep_ratio, "chunk_size": chunk_size,
+            "tie_tolerance": tie_tolerance}
     if prefill_bench_file:
         result = prefill_bench(models, prefill_bench_file, docs, mode, list(keep_ratios), num_docs, max_samples or 10,
                                {**opts, "keep_ratio": None}, thinking)
@@ -571,8 +747,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     f"train_args.json, else {TOY_TARGET})")
     g.add_argument("--drafter", default=TOY_DRAFTER, help=f"D3D drafter folder (default: {TOY_DRAFTER})")
     g.add_argument("--device", help="cuda, cuda:1, cpu, ... (default: cuda if available, else cpu)")
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="weights of both models (default: bfloat16 on GPU, float32 on CPU)")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="weights of both models (default: auto = bfloat16 where the device computes it natively: "
+                        "CUDA, or a CPU with AVX512-BF16/AMX; float32 elsewhere and for drafters trained in float32)")
     g.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention kernel (default: sdpa)")
     g = p.add_argument_group("prompts")
     g.add_argument("--prompt", action="append", help="a prompt to answer (repeatable); '-' reads one per line of stdin")
@@ -593,7 +770,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("benchmark (prints Table 1, writes --out)")
     g.add_argument("--bench", dest="bench_files", nargs="+", metavar="FILE.jsonl", help="prompt files to benchmark")
     g.add_argument("--modes", nargs="+", help="speculative modes to compare with target-only (default: all); "
-                   "async:C,F[,likely] sets a branch budget, e.g. --modes sync async:0,2 async:12,2 async:12,1")
+                   "async:C,F[,likely] sets a branch budget, e.g. --modes sync async:0,2 async:12,2 async:12,1; "
+                   f"transformers baselines, greedy, off unless named: {', '.join(BASELINES)} (plain generate, the "
+                   "drafter's model as a token-by-token assistant, prompt lookup; B draft tokens per round)")
+    g.add_argument("--tie-tolerance", type=float, help="greedy check: a divergence whose target logit margin is "
+                   f"within this many logits is a near-tie, else an error (default: {TIE_EPS_MULTIPLE} x max(the "
+                   "dtype's machine epsilon, 2^-16) x the largest |logit| at that position)")
     g.add_argument("--concurrency", type=int, nargs="+", metavar="C",
                    help="concurrent requests, e.g. 1 4 8 16: Table 2 (throughput per concurrency) instead of Table 1")
     g.add_argument("--out", default="runs/bench.json", help="benchmark figures, JSON (default: runs/bench.json)")

@@ -35,9 +35,9 @@ def make_tokenizer(chars="0123456789+-*= \nabcdefghijklmnopqrstuvwxyz?"):
     return tok
 
 
-def tiny_qwen3(tok, seed):
+def tiny_qwen3(tok, seed, free_rows=13, tied=False):
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=len(tok) + 13, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+    config = Qwen3Config(vocab_size=len(tok) + free_rows, tie_word_embeddings=tied, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
                          initializer_range=0.5, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     return Qwen3ForCausalLM(config).eval()
@@ -75,7 +75,7 @@ def cli(*argv):
 
 
 def models_args(root):
-    return ["--drafter", root / "drafter", "--max-new-tokens", 10, "--no-color"]
+    return ["--drafter", root / "drafter", "--max-new-tokens", 10, "--no-color", "--dtype", "float32"]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -105,7 +105,7 @@ def test_bench_writes_table_and_json(setting, capsys):
     result = cli(*models_args(setting), "--bench", *files, "--out", out_file)
     printed = capsys.readouterr().out
     assert "Speedup  τ" in printed and "Avg." in printed
-    assert f"all {4 * len(SPECULATIVE)} speculative outputs equal the target-only outputs" in printed
+    assert f"greedy check: identical {4 * len(SPECULATIVE)}, near-tie divergences 0, errors 0" in printed
     for mode in SPECULATIVE:
         assert f"{mode} (3)" in printed  # rows: modes (block size)
     saved = json.loads(out_file.read_text())
@@ -138,10 +138,11 @@ def test_bench_reports_a_mismatch(setting, monkeypatch, capsys):
     monkeypatch.setattr(d3d, "generate", corrupt)
     result = cli(*models_args(setting), "--bench", setting / "gsm.jsonl", "--modes", "sync", "--out", "")
     printed = capsys.readouterr().out
-    assert result["mismatches"]["count"] == 2 and "2 of 2 speculative outputs DIFFER" in printed
+    assert result["mismatches"]["count"] == 2 and "identical 0, near-tie divergences 0, errors 2" in printed
     first = result["mismatches"]["list"][0]
     assert (first["dataset"], first["prompt_index"], first["mode"], first["position"]) == ("gsm", 0, "sync", 2)
     assert first["target_token"]["id"] != first["mode_token"]["id"] and "gsm prompt 0, sync, new token 2" in printed
+    assert first["class"] == "error" and first["margin"] > first["tolerance"] and "first error" in printed
     assert result["datasets"]["gsm"]["modes"]["sync"]["mismatches"] == 2
 
 
@@ -226,3 +227,130 @@ def test_concurrency_bench_writes_table_2(setting, capsys):
     assert saved["mismatches"] == {"count": 0, "checked": checked, "list": []}
     assert saved["table"] in printed and f"all {checked} speculative outputs equal" in printed
     assert saved["env"]["args"]["concurrency"] == [1, 2] and result["overall"][2]["sync"]["num_rounds"] > 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Peers (transformers' own decoding) and the greedy check's classes
+
+
+def test_bench_baselines_land_in_table_and_json(setting, capsys):
+    """hf, hf-assisted and hf-lookup run end to end next to sync, reproduce target-only greedy output, and get rows,
+    JSON cells and the target-only vs generate line."""
+    result = cli(*models_args(setting), "--bench", setting / "gsm.jsonl", "--modes", "sync", *decode.BASELINES,
+                 "--out", setting / "peers.json")
+    printed = capsys.readouterr().out
+    assert "hf  " in printed and "hf-assisted (3)" in printed and "hf-lookup (3)" in printed
+    assert "target-only (this repo) vs transformers generate:" in printed
+    assert "identical 8, near-tie divergences 0, errors 0" in printed
+    saved = json.loads((setting / "peers.json").read_text())
+    for mode in decode.BASELINES:
+        cell = saved["datasets"]["gsm"]["modes"][mode]
+        assert cell["speedup"] > 0 and cell["tokens_per_s"] > 0 and cell["ttft_s"] > 0 and cell["errors"] == 0
+        assert all(r["decode_tokens"] == 9 for r in saved["datasets"]["gsm"]["per_prompt"][mode])
+    assert saved["datasets"]["gsm"]["modes"]["hf"]["tau"] is None  # plain generate has no rounds
+    assert saved["datasets"]["gsm"]["modes"]["hf-assisted"]["tau"] >= 1 and saved["target_vs_hf"] > 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_assisted_with_a_drafter_that_has_an_extra_mask_row(tmp_path, tied):
+    """A target with no free vocabulary row (like SmolLM2, tied or not): the drafter has one row more (MASK). The
+    assistant shares the drafter's weights, cut to the target's rows; the drafter itself stays whole."""
+    tok = make_tokenizer()
+    target = tiny_qwen3(tok, seed=0, free_rows=0, tied=tied)
+    target.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    drafter = d3d.make_drafter(tiny_qwen3(tok, seed=1, free_rows=0, tied=tied), tokenizer=tok, block_size=3)
+    assert drafter.model.get_output_embeddings().weight.shape[0] == len(tok) + 1  # the MASK row
+    assistant = decode.assistant_model(drafter, len(tok))
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        cut, whole = getattr(assistant, get)().weight, getattr(drafter.model, get)().weight
+        assert cut.shape[0] == len(tok) and cut.data_ptr() == whole.data_ptr()  # the same tensor, one row less
+    assert drafter.model.get_output_embeddings().weight.shape[0] == len(tok) + 1
+    assert (assistant.get_input_embeddings().weight is assistant.get_output_embeddings().weight) == tied
+    assert decode.assistant_model(drafter, len(tok)) is assistant  # built once
+    drafter.save_pretrained(str(tmp_path / "drafter"), tokenizer=tok)
+    (tmp_path / "gsm.jsonl").write_text(json.dumps({"question": "12 + 7 * 3"}) + "\n")
+    result = cli("--drafter", tmp_path / "drafter", "--target", tmp_path / "target", "--max-new-tokens", 12,
+                 "--bench", tmp_path / "gsm.jsonl", "--modes", "hf-assisted", "--out", "")
+    assert result["mismatches"]["count"] == 0 and result["datasets"]["gsm"]["modes"]["hf-assisted"]["tau"] >= 1
+
+
+def test_unknown_and_misused_modes_raise_clear_errors(setting):
+    with pytest.raises(ValueError, match=r"unknown mode 'hf-spec'.*sync.*async.*hf, hf-assisted, hf-lookup"):
+        cli(*models_args(setting), "--bench", setting / "gsm.jsonl", "--modes", "sync", "hf-spec")
+    with pytest.raises(ValueError, match="--bench"):
+        cli(*models_args(setting), "--mode", "hf", "--prompt", "hi")
+    with pytest.raises(ValueError, match="greedy"):
+        cli(*models_args(setting), "--bench", setting / "gsm.jsonl", "--modes", "hf", "--temperature", "0.7")
+
+
+def test_greedy_check_reports_an_off_by_one_cache_as_error(setting, monkeypatch, capsys):
+    """Sync decoding whose caches keep one position too few: its outputs leave target-only's where the target
+    clearly prefers its own token, so every divergence is an error, with the margin in the JSON."""
+    crop = d3d.crop_cache
+    monkeypatch.setattr(d3d, "crop_cache", lambda cache, length: crop(cache, length - 1))
+    result = cli(*models_args(setting), "--bench", setting / "gsm.jsonl", "--modes", "sync", "--out", "")
+    printed = capsys.readouterr().out
+    checks = result["mismatches"]
+    assert checks["errors"] >= 1 and checks["near_ties"] == 0 and checks["errors"] == checks["count"]
+    assert f"errors {checks['errors']}" in printed and "first error: gsm prompt" in printed
+    assert all(x["class"] == "error" and abs(x["margin"]) > x["tolerance"] for x in checks["list"])
+    # a tolerance that forgives anything turns the same divergences into near-ties
+    result = cli(*models_args(setting), "--bench", setting / "gsm.jsonl", "--modes", "sync", "--out", "",
+                 "--tie-tolerance", 1e9)
+    assert result["mismatches"]["near_ties"] == checks["count"] and result["mismatches"]["errors"] == 0
+
+
+def test_greedy_check_reports_a_near_tie(setting, tmp_path, monkeypatch, capsys):
+    """A target whose output rows for tokens a and b differ by 1e-7: at a position where a wins, b is a tie. A mode
+    that emits the other token of the pair there is a near-tie, not an error."""
+    assert decode.tie_tolerance(torch.tensor([20.0, -3.0]), torch.bfloat16) == 8 * 2 ** -7 * 20
+    assert decode.tie_tolerance(torch.tensor([-20.0, 3.0]), torch.float32) == 8 * 2 ** -16 * 20  # the fp32 floor
+    tok = make_tokenizer()
+    target = transformers_target(setting)
+    ids = decode.encode(tok, "12 + 7 * 3", False, "cpu")
+    a = int(d3d.generate(target, None, ids, max_new_tokens=1, mode="target")[0][0, -1])
+    b = next(t for t in range(len(tok)) if t not in (a, tok.eos_token_id))
+    with torch.no_grad():
+        head = target.get_output_embeddings().weight
+        head[b] = head[a]
+        head[b, 0] += 1e-7
+    target.save_pretrained(tmp_path / "tied")
+    tok.save_pretrained(tmp_path / "tied")
+    generate = d3d.generate
+
+    def other_of_the_pair(*args, mode, **kwargs):  # speculative outputs take the other token of the tie at token 0
+        out, stats = generate(*args, mode=mode, **kwargs)
+        if mode != "target":
+            out = out.clone()
+            first = ids.shape[1]
+            out[0, first] = {a: b, b: a}[int(out[0, first])]
+        return out, stats
+
+    monkeypatch.setattr(d3d, "generate", other_of_the_pair)
+    result = cli(*models_args(setting), "--target", tmp_path / "tied", "--bench", setting / "gsm.jsonl",
+                 "--max-samples", 1, "--modes", "sync", "--out", "")
+    printed = capsys.readouterr().out
+    (x,) = result["mismatches"]["list"]
+    assert (x["position"], x["class"]) == (0, "near-tie") and abs(x["margin"]) < 1e-5 < x["tolerance"]
+    assert "identical 0, near-tie divergences 1 (largest margin" in printed and "errors 0" in printed
+
+
+def transformers_target(root):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(root / "target").eval()
+
+
+def test_perfect_overlap_estimate_counts_the_real_overlap_once():
+    """speedup_if_overlapped: a round of max(verify, packed) + the rest. On CUDA the measured round already saved
+    time_overlap_saved; the estimate adds it back before taking the shorter pass off (else it counts it twice)."""
+    base = {"decode_time": 20.0, "decode_tokens": 10, "num_rounds": 1, "tau": 1.0, "time_prefill": 0.0,
+            "accept_lengths": [1], "num_new_tokens": 11}
+    run = {**base, "decode_time": 8.0, "time_verify": 5.0, "time_packed_draft": 4.0, "time_overlap_saved": 2.0,
+           "time_draft": 4.0, "time_fallback_draft": 0.0}
+    summary = decode.summarise([run], [base])
+    assert summary["speedup_if_overlapped"] == pytest.approx(20.0 / (8.0 + 2.0 - 4.0))
+    assert decode.summarise([{**run, "time_overlap_saved": 0.0, "decode_time": 10.0}], [base])[
+        "speedup_if_overlapped"] == pytest.approx(20.0 / 6.0)  # CPU: nothing overlapped, the same estimate
