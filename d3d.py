@@ -641,7 +641,8 @@ def _prefill(target, input_ids, max_new_tokens, eos_token_id, temperature, gener
     cache = new_cache(target)
     times = {"start": _clock(device), "prefill": 0.0}
     if not out.done:
-        ids, positions = (input_ids, None) if selection is None else (selection["kept_ids"], selection["kept_positions"])
+        ids, positions = (input_ids, None) if selection is None else (selection["kept_ids"],
+                                                                      selection["kept_positions"])
         logits = target(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
                         logits_to_keep=1).logits[0, -1]
         out.commit([int(pick_tokens(logits.float(), temperature, generator)[0])])

@@ -663,10 +663,12 @@ def prefill_bench(models, path: str, docs: list[str], mode: str, keep_ratios: li
             "tau": _mean(r["tau"] for r in recs),
         }
         o = result[name]
-        table_rows.append(f"{name:<24}{o['same_answer']:>7.0%}{o['same_number']:>8.0%}{o['prompt_tokens_prefilled']:>9.0f}"
+        table_rows.append(f"{name:<24}{o['same_answer']:>7.0%}{o['same_number']:>8.0%}"
+                          f"{o['prompt_tokens_prefilled']:>9.0f}"
                           f"{1000 * o['ttft_s']:>9.0f}{o['ttft_speedup']:>7.2f}×{o['decode_speedup']:>7.2f}×"
                           f"{o['e2e_speedup']:>7.2f}×{o['tau']:>7.2f}")
-    header = (f"{os.path.basename(path)}: {count} prompts of {num_docs} problems (~{result[next(iter(result))]['prompt_tokens']:.0f}"
+    prompt_tokens = result[next(iter(result))]["prompt_tokens"]
+    header = (f"{os.path.basename(path)}: {count} prompts of {num_docs} problems (~{prompt_tokens:.0f}"
               f" tokens), chunks of {opts['chunk_size']} tokens\n{'setting':<24}{'same':>7}{'number':>8}{'prefill':>9}"
               f"{'TTFT ms':>9}{'TTFT':>8}{'decode':>8}{'E2E':>8}{'τ':>7}")
     text = header + "\n" + "\n".join(table_rows)

@@ -3,6 +3,7 @@
 Run: python -m pytest -q test_d3d.py
 """
 import math
+import time
 
 import pytest
 import torch
@@ -350,7 +351,8 @@ def test_keep_layers_keeps_the_right_layers(tok):
     drafter = d3d.make_drafter(model, tokenizer=tok, layers=[0, 3])
     kept = drafter.model.model.layers
     assert len(kept) == 2 and drafter.model.config.num_hidden_layers == 2
-    assert torch.equal(kept[0].mlp.up_proj.weight, originals[0]) and torch.equal(kept[1].mlp.up_proj.weight, originals[3])
+    assert torch.equal(kept[0].mlp.up_proj.weight, originals[0])
+    assert torch.equal(kept[1].mlp.up_proj.weight, originals[3])
     assert [layer.self_attn.layer_idx for layer in kept] == [0, 1]
     assert drafter.d3d_config.layer_ids == [0, 3]
     out, _ = d3d.generate(tiny_qwen3(seed=1), drafter, torch.tensor([[3, 4, 5]]), max_new_tokens=9, block_size=3)
@@ -514,19 +516,73 @@ def test_branch_pass_is_planned_and_built_without_reading_the_device(tok, monkey
     monkeypatch.undo()
     ids, position_ids, mask, rows = d3d.build_branch_pass(drafter, new_tokens, logits.argmax(-1), positions,
                                                           candidates, past_len=5, block_size=4)
-    assert ids.shape == (1, 2 + 4 + 7 * 5) and rows.shape == (7, 4) and mask.shape == (1, 1, 41, 46)  # 3 x 2 + 1 segments
+    assert ids.shape == (1, 2 + 4 + 7 * 5) and rows.shape == (7, 4)  # 3 x 2 branches + the full block
+    assert mask.shape == (1, 1, 41, 46)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: runs the two real streams")
-def test_async_cuda_streams_equal_target(tok):
+# The CUDA checks: `python -m pytest -q -s -k cuda test_d3d.py` on a GPU machine (skipped elsewhere; ~1 min).
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+def test_cuda_async_streams_equal_target(tok):
+    """The two real streams: async output equals target-only, and the per-pass launch / device times are there."""
     target = tiny_qwen3(seed=1).cuda()
     prompt = torch.tensor([[7, 1, 9, 4]], device="cuda")
     expected, _ = d3d.generate(target, None, prompt, max_new_tokens=40, mode="target")
     for model in (tiny_qwen3(seed=11), tiny_qwen3(seed=1)):
         drafter = d3d.make_drafter(model, tokenizer=tok, block_size=6).cuda()
-        out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode="async")
-        assert out.tolist() == expected.tolist()
-        assert stats["time_packed_draft"] > 0 and stats["time_verify"] > 0
+        for cover in ("first", "likely"):
+            out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode="async", cover=cover)
+            assert out.tolist() == expected.tolist()
+            assert stats["time_packed_draft"] > 0 and stats["time_verify"] > 0
+            assert 0 <= stats["time_overlap_saved"] <= min(stats["time_verify"], stats["time_packed_draft"])
+
+
+@needs_cuda
+def test_cuda_training_step_at_qwen3_shapes_fits():
+    """One training step at the Qwen3-1.7B track's shapes with the depth cut to 2 layers: the real 151,936-token
+    vocabulary and hidden size 2048, K 64, B 16, 1,024-token sequences, batch 4, bf16 autocast, gradient
+    checkpointing. Prints the step's peak memory; the logits of all rows alone would be ~10 GB in fp32."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.cuda.reset_peak_memory_stats()
+    config = Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=2,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+    drafter = d3d.make_drafter(Qwen3ForCausalLM(config), tokenizer=make_tokenizer(151643), block_size=16,
+                               num_anchors=64)
+    drafter = drafter.cuda().train()
+    drafter.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-5)
+    x = torch.randint(0, 151643, (4, 1024), device="cuda")
+    loss_mask = torch.zeros_like(x, dtype=torch.bool)
+    loss_mask[:, 200:] = True
+    start = time.perf_counter()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss, _ = d3d.d3d_loss(drafter, x, loss_mask, generator=torch.Generator().manual_seed(0))
+    loss.backward()
+    optimizer.step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    print(f"\n[cuda] training step at Qwen3-1.7B shapes (2 layers): loss {loss.item():.3f}, peak {peak:.2f} GiB, "
+          f"{time.perf_counter() - start:.2f} s")
+    assert torch.isfinite(loss) and peak < 40
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_cuda_decode_times_launch_and_device(tok, mode):
+    """Sync and async decoding of a 4-layer target on CUDA: exact, and the split of a round printed (async: the
+    host time spent launching each pass next to its device time, and the overlap the two streams bought)."""
+    target = tiny_qwen3(seed=1, layers=4).cuda()
+    drafter = d3d.make_drafter(tiny_qwen3(seed=1, layers=4), tokenizer=tok, block_size=8).cuda()
+    prompt = torch.tensor([[7, 1, 9, 4]], device="cuda")
+    expected, _ = d3d.generate(target, None, prompt, max_new_tokens=200, mode="target")
+    out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=200, mode=mode)
+    assert out.tolist() == expected.tolist()
+    ms = {k: 1000 * v / stats["num_rounds"] for k, v in stats.items() if k.startswith("time_") and k != "time_prefill"}
+    print(f"\n[cuda] {mode}: tau {stats['tau']:.2f}, ms per round: "
+          + ", ".join(f"{k[5:]} {v:.3f}" for k, v in ms.items()))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

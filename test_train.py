@@ -153,29 +153,30 @@ def test_resume_continues_at_the_right_step(setup, tmp_path, monkeypatch, capsys
         assert torch.equal(a, b), name  # the same data, anchors and optimizer state as one uninterrupted run
 
 
-def test_checkpoint_files_are_replaced_one_at_a_time_and_resume_after_a_cut_save(setup, tmp_path, monkeypatch,
-                                                                                    capsys):
-    """Weights (checkpoint.pt) and AdamW moments (optimizer.pt) are separate files, each renamed over its old
-    version: no .tmp stays behind, and a kill between the two renames still resumes (moments one save behind)."""
+def test_checkpoint_pieces_are_replaced_one_at_a_time_and_resume_after_a_cut_save(setup, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """Weights (checkpoint.pt) and each AdamW moment (optimizer-KEY.pt) are separate pieces, each renamed over its
+    old version: no .tmp stays behind, and a kill between two renames still resumes (that moment one save behind)."""
     out = tmp_path / "d"
     _run(setup, out, steps=2, drafter_layers="2", save_every=1)
-    assert sorted(p.name for p in out.glob("*.pt*")) == ["checkpoint.pt", "optimizer.pt"]
-    assert torch.load(out / "optimizer.pt", weights_only=False)["step"] == 2
-    real_save, saved = torch.save, []
+    assert sorted(p.name for p in out.glob("*.pt*")) == ["checkpoint.pt", "optimizer-exp_avg.pt",
+                                                         "optimizer-exp_avg_sq.pt"]
+    real_save = torch.save
 
-    def cut_before_the_moments(obj, path, *a, **k):  # the weights of step 3 land, the moments never do
-        saved.append(str(path))
-        if str(path).endswith("optimizer.pt.tmp"):
+    def cut_before_the_last_piece(obj, path, *a, **k):  # the weights and exp_avg of step 3 land, exp_avg_sq not
+        if str(path).endswith("optimizer-exp_avg_sq.pt.tmp") and obj["step"] == 3:
             raise KeyboardInterrupt
         return real_save(obj, path, *a, **k)
 
-    monkeypatch.setattr(torch, "save", cut_before_the_moments)
+    monkeypatch.setattr(torch, "save", cut_before_the_last_piece)
     with pytest.raises(KeyboardInterrupt):
         _run(setup, out, steps=3, drafter_layers="2", save_every=1)
     monkeypatch.setattr(torch, "save", real_save)
     assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 3
+    assert torch.load(out / "optimizer-exp_avg_sq.pt", weights_only=False)["step"] == 2
     _run(setup, out, steps=4, drafter_layers="2", save_every=1)
-    assert "moments are from step 2, weights from step 3" in capsys.readouterr().out
+    assert "AdamW exp_avg_sq is from step 2, the weights from step 3" in capsys.readouterr().out
+    assert torch.load(out / "optimizer-exp_avg_sq.pt", weights_only=False)["step"] == 4
 
 
 def test_bf16_training_saves_a_bf16_drafter(setup, tmp_path):
@@ -184,7 +185,7 @@ def test_bf16_training_saves_a_bf16_drafter(setup, tmp_path):
     saved = d3d.Drafter.from_pretrained(str(tmp_path / "d"))
     assert next(saved.parameters()).dtype == torch.bfloat16  # the training dtype, half the disk of fp32
     assert next(result["drafter"].parameters()).dtype == torch.bfloat16
-    master = torch.load(tmp_path / "d" / "checkpoint.pt", weights_only=False)["model"]
+    master = torch.load(tmp_path / "d" / "checkpoint.pt", weights_only=False)["piece"]["model"]
     assert all(v.dtype == torch.float32 for v in master.values() if v.is_floating_point())  # resumes exactly
 
 

@@ -240,33 +240,48 @@ def freeze_embeddings(drafter: d3d.Drafter) -> torch.nn.Parameter:
 
 
 def save_checkpoint(out: str, step: int, training_state: dict, optimizer_state: dict) -> None:
-    """Two files, each written beside its old version and renamed over it (a reader never sees half a file):
-    checkpoint.pt (fp32 weights, step, schedule, RNG) first, then optimizer.pt (AdamW's two moments, two thirds of
-    the bytes). Only one file is doubled at a time, so the disk never holds two full checkpoints (1.7B drafter:
-    ~7 + ~14 GB, ~35 GB at the peak of a save, not ~41). A kill between the two renames leaves the moments one save
-    behind the weights; the resume says so and goes on with them."""
+    """A resumable checkpoint in pieces, each written beside its old version and renamed over it (a reader never
+    sees half a file): checkpoint.pt (fp32 weights, step, schedule, RNG, AdamW's step counts and settings), then one
+    optimizer-KEY.pt per AdamW moment (exp_avg, exp_avg_sq), each the size of the weights. Only one piece is doubled
+    at a time, so a save needs the spare disk of one piece, never of a second checkpoint (a ~2B-parameter drafter:
+    3 x 8 GB on disk, 32 GB at the peak of a save instead of 48). A kill between two renames leaves some moments one
+    save behind the weights; the resume says so and goes on with them."""
     os.makedirs(out, exist_ok=True)
-    for name, state in (("checkpoint.pt", training_state), ("optimizer.pt", optimizer_state)):
+    moments = collections.defaultdict(dict)  # key -> {parameter index: tensor}
+    for index, per_param in optimizer_state["state"].items():
+        for key, value in per_param.items():
+            moments[key][index] = value
+    steps = moments.pop("step", {})  # small: kept with the weights
+    pieces = {"checkpoint.pt": {**training_state, "param_groups": optimizer_state["param_groups"],
+                                "adam_steps": steps, "moment_keys": sorted(moments)}}
+    pieces.update({f"optimizer-{key}.pt": value for key, value in moments.items()})
+    for name, piece in pieces.items():
         path = os.path.join(out, name)
-        torch.save({**state, "step": step}, path + ".tmp")
+        torch.save({"step": step, "piece": piece}, path + ".tmp")
         os.replace(path + ".tmp", path)
 
 
 def load_checkpoint(out: str, device) -> tuple[dict, dict | None]:
-    """(training state, optimizer state or None) written by save_checkpoint; ({}, None) if there is none."""
+    """(training state, AdamW state dict or None) from save_checkpoint's pieces; ({}, None) if there are none."""
     path = os.path.join(out, "checkpoint.pt")
     if not os.path.exists(path):
         return {}, None
-    state = torch.load(path, map_location=device, weights_only=False)
-    optim_path = os.path.join(out, "optimizer.pt")
-    optim = torch.load(optim_path, map_location=device, weights_only=False) if os.path.exists(optim_path) else None
-    if optim is None or "optimizer" not in optim:
-        print(f"[train] {optim_path} is missing: resuming with fresh AdamW moments")
-        optim = None
-    elif optim["step"] != state["step"]:
-        print(f"[train] AdamW moments are from step {optim['step']}, weights from step {state['step']} (a save was "
-              "cut short): resuming with them")
-    return state, optim and optim["optimizer"]
+    saved = torch.load(path, map_location=device, weights_only=False)
+    state, step = saved["piece"], saved["step"]
+    moments = {}
+    for key in state["moment_keys"]:
+        piece_path = os.path.join(out, f"optimizer-{key}.pt")
+        if not os.path.exists(piece_path):
+            print(f"[train] {piece_path} is missing: resuming with fresh AdamW moments")
+            return {**state, "step": step}, None
+        piece = torch.load(piece_path, map_location=device, weights_only=False)
+        if piece["step"] != step:
+            print(f"[train] AdamW {key} is from step {piece['step']}, the weights from step {step} (a save was cut "
+                  "short): resuming with it")
+        moments[key] = piece["piece"]
+    per_param = {index: {"step": count, **{key: moments[key][index] for key in moments}}
+                 for index, count in state["adam_steps"].items()}
+    return {**state, "step": step}, {"state": per_param, "param_groups": state["param_groups"]}
 
 
 def peak_memory_gib(device, reset: bool = False) -> float:
@@ -393,7 +408,7 @@ def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, bat
         if rank == 0 and (done % save_every == 0 or done == steps):
             save_checkpoint(out, done, {"model": drafter.state_dict(), "scheduler": scheduler.state_dict(),
                                         "rng": torch.get_rng_state(), "python_rng": random.getstate()},
-                            {"optimizer": optimizer.state_dict()})
+                            optimizer.state_dict())
     bar.close()
     if rank == 0 and val:  # also when a rerun finds the run finished: evaluates with the new --num-val, ...
         tau = evaluate(steps)
@@ -549,7 +564,7 @@ def main(**overrides) -> dict:
               f"training {result['train_seconds']:.0f} s; peak memory {peak:.2f} GiB "
               f"({'GPU allocated' if device.type == 'cuda' else 'RSS'})")
         print(f"[done] target: {target}\n[done] answer caches: {data_dir}\n[done] drafter (+ train_args.json; "
-              f"checkpoint.pt and optimizer.pt resume or extend the run): {os.path.abspath(args.out)}")
+              f"checkpoint.pt and optimizer-*.pt resume or extend the run): {os.path.abspath(args.out)}")
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
