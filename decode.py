@@ -137,6 +137,15 @@ def read_prompts(path: str, field: str | None = None, max_samples: int | None = 
 # One prompt in every mode, and how to show a round
 
 
+def generate_kwargs(mode: str, opts: dict, eos, max_new_tokens, device) -> dict:
+    """d3d.generate's keyword arguments for one mode, a fresh seeded generator each (the same draws in every mode)."""
+    kwargs = {"max_new_tokens": max_new_tokens or opts["max_new_tokens"], "mode": mode, "eos_token_id": eos,
+              "temperature": opts["temperature"], "generator": torch.Generator(device).manual_seed(opts["seed"])}
+    if mode != "target":
+        kwargs["block_size"] = opts["block_size"]
+    return kwargs
+
+
 def decode_prompt(models, ids, modes, opts, max_new_tokens=None) -> dict[str, dict]:
     """{mode: d3d.generate's stats (hf_decode's for a baseline) + new_tokens, decode_time, decode_tokens} for each
     mode, in order."""
@@ -147,11 +156,7 @@ def decode_prompt(models, ids, modes, opts, max_new_tokens=None) -> dict[str, di
         if mode in BASELINES:
             records[spec] = hf_decode(models, ids, mode, opts, max_new_tokens or opts["max_new_tokens"])
             continue
-        generator = torch.Generator(ids.device).manual_seed(opts["seed"])
-        kwargs = {"max_new_tokens": max_new_tokens or opts["max_new_tokens"], "mode": mode, "eos_token_id": eos,
-                  "temperature": opts["temperature"], "generator": generator}
-        if mode != "target":
-            kwargs["block_size"] = opts["block_size"]
+        kwargs = generate_kwargs(mode, opts, eos, max_new_tokens, ids.device)
         if mode == "async":  # branch budget C x F and which positions (method.md section 4); unset = d3d's defaults
             kwargs.update({k: opts[k] for k in ("coverage", "fanout", "cover") if opts[k] is not None}, **overrides)
         if opts.get("keep_ratio") is not None:  # selective prefilling (lossy, off by default)
@@ -507,11 +512,7 @@ def decode_group(models, group: list[torch.Tensor], modes: list[str], opts: dict
             r = decode_prompt(models, group[0], [spec], opts, max_new_tokens)[spec]
             records[spec] = {**r, "new_tokens": [r["new_tokens"]]}
             continue
-        generator = torch.Generator(target.device).manual_seed(opts["seed"])
-        kwargs = {"max_new_tokens": max_new_tokens or opts["max_new_tokens"], "mode": mode, "eos_token_id": eos,
-                  "temperature": opts["temperature"], "generator": generator}
-        if mode != "target":
-            kwargs["block_size"] = opts["block_size"]
+        kwargs = generate_kwargs(mode, opts, eos, max_new_tokens, target.device)
         batch = [ids[0] for ids in group]  # 1-D prompts of different lengths
         outs, stats = d3d.generate(target, drafter if mode != "target" else None, batch, **kwargs)
         records[spec] = {**{k: v for k, v in stats.items() if k != "rows"},
@@ -680,8 +681,10 @@ def prefill_bench(models, path: str, docs: list[str], mode: str, keep_ratios: li
 def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_field, max_samples, thinking, mode,
          block_size, temperature, max_new_tokens, coverage, fanout, cover, seed, bench_files, modes, out, no_color,
          keep_ratio=None, chunk_size=64, prefill_bench_file=None, keep_ratios=(1.0, 0.3, 0.2, 0.1), num_docs=12,
-         concurrency=None, tie_tolerance=None):
+         concurrency=None, tie_tolerance=None, threads=None):
     args = dict(locals())  # recorded in the benchmark JSON
+    if threads:
+        torch.set_num_threads(threads)
     speculative = [m for m in available_modes() if m != "target"]
     if prefill_bench_file:  # the paper pairs selective prefilling with sequential (sync) speculative decoding
         mode, modes, bench_files = mode or "sync", [mode or "sync"], None
@@ -753,6 +756,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights of both models (default: auto = bfloat16 where the device computes it natively: "
                         "CUDA, or a CPU with AVX512-BF16/AMX; float32 elsewhere and for drafters trained in float32)")
     g.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention kernel (default: sdpa)")
+    g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 for tiny models or a "
+                                               "CPU shared with other jobs)")
     g = p.add_argument_group("prompts")
     g.add_argument("--prompt", action="append", help="a prompt to answer (repeatable); '-' reads one per line of stdin")
     g.add_argument("--prompts-file", help=f"JSON Lines prompts to answer without --prompt (default: {TOY_PROMPTS})")

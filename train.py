@@ -267,6 +267,8 @@ def load_checkpoint(out: str, device) -> tuple[dict, dict | None]:
     if not os.path.exists(path):
         return {}, None
     saved = torch.load(path, map_location=device, weights_only=False)
+    if "piece" not in saved:
+        raise ValueError(f"{path} is not a checkpoint of this train.py: move it away or rerun with --no-resume")
     state, step = saved["piece"], saved["step"]
     moments = {}
     for key in state["moment_keys"]:
