@@ -669,10 +669,11 @@ def _decode_target(target, input_ids, max_new_tokens, temperature, eos_token_id,
     """Plain autoregressive decoding with the target alone: the reference output and the speedup baseline."""
     out, cache, offset, times = _prefill(target, input_ids, max_new_tokens, eos_token_id, temperature, generator,
                                          selection)
+    token = torch.tensor([out.tokens[-1:]], device=input_ids.device)  # (1, 1)
     while not out.done:
-        logits = target_forward(target, torch.tensor([out.tokens[-1:]], device=input_ids.device), cache, offset,
-                                logits_to_keep=1)[-1]
-        out.commit([int(pick_tokens(logits, temperature, generator)[0])])
+        logits = target_forward(target, token, cache, offset, logits_to_keep=1)[-1]
+        token = pick_tokens(logits, temperature, generator)[0].view(1, 1)
+        out.commit([int(token)])
     return _finish(out, times, selection, input_ids.device)
 
 

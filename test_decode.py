@@ -4,6 +4,7 @@ character-level tokenizer that has a chat template. CPU, fp32, no network, no do
 Run: python -m pytest -q test_decode.py
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -356,3 +357,13 @@ def test_perfect_overlap_estimate_counts_the_real_overlap_once():
     assert summary["speedup_if_overlapped"] == pytest.approx(20.0 / (8.0 + 2.0 - 4.0))
     assert decode.summarise([{**run, "time_overlap_saved": 0.0, "decode_time": 10.0}], [base])[
         "speedup_if_overlapped"] == pytest.approx(20.0 / 6.0)  # CPU: nothing overlapped, the same estimate
+
+
+def test_speedups_are_also_given_against_generate_when_it_is_the_faster_baseline():
+    results = {"d": {"modes": {"sync": {"speedup": 1.5, "tau": 2.0}, "hf": {"speedup": 1.25, "tau": math.nan}}}}
+    row = lambda tokens_per_s: {"tokens_per_s": tokens_per_s, "ttft_s": 0.01, "ms_per_round": {}}  # noqa: E731
+    text = decode.table(results, {"target": row(100.0), "sync": row(150.0), "hf": row(125.0)}, ["sync", "hf"], 4)
+    assert "vs transformers generate: 0.80×" in text and "against transformers generate (the faster" in text
+    assert "sync 1.20×" in text  # 150 / 125
+    slower = decode.table(results, {"target": row(100.0), "sync": row(150.0), "hf": row(90.0)}, ["sync", "hf"], 4)
+    assert "1.11×" in slower and "the faster baseline" not in slower
