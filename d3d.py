@@ -24,7 +24,7 @@ Map from the paper to this file (read top to bottom):
 Shapes: b batch, L clean tokens, K anchors (blocks), B block size, V vocabulary, q packed query length,
 past tokens already in a KV cache.
 
-Our readings where the paper is silent (see ../shared/design/method.md and README "Departures and readings"):
+Our readings where the paper is silent (README "Departures and readings" gives each with its reason):
   * "anchorless" blocks: a block of B MASK tokens hangs off a point p of the causal stream; its tokens sit at
     positions p+1 .. p+B and each predicts the token at its own position (DFlash puts a clean anchor token inside
     the block instead; here the anchor simply lives in the causal stream).
@@ -242,7 +242,7 @@ def check_tokenizer(drafter: Drafter, tokenizer) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Packed attention: one causal stream, blocks hanging off points of it (Fig. 1a, method.md section 1)
+# Packed attention: one causal stream, blocks hanging off points of it (Fig. 1a)
 
 
 def packed_attention_mask(num_causal: int, anchors: torch.Tensor, block_size: int, *, prefix_len: int = 0,
@@ -298,7 +298,7 @@ def packed_attention_mask(num_causal: int, anchors: torch.Tensor, block_size: in
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Training: blockwise denoising + auxiliary autoregressive supervision (Fig. 1a, method.md section 2)
+# Training: blockwise denoising + auxiliary autoregressive supervision (Fig. 1a)
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None):
@@ -439,7 +439,7 @@ def offline_tau(drafter: Drafter, input_ids, loss_mask, *, num_anchors: int = 32
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Drafting, verification and acceptance (method.md section 3)
+# Drafting, verification and acceptance
 
 
 def new_cache(model: nn.Module):
@@ -550,7 +550,7 @@ def accept_draft(p_logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Ten
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Decoding loops: target-only (the reference) and synchronous speculative decoding (method.md section 3)
+# Decoding loops: target-only (the reference) and synchronous speculative decoding
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -884,7 +884,7 @@ def _decode_batch_sync(target, drafter, prompts, max_new_tokens, block_size, tem
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Asynchronous speculative decoding (Fig. 1c, Fig. 3, method.md section 4)
+# Asynchronous speculative decoding (Fig. 1c, Fig. 3)
 
 
 def default_budget(block_size: int) -> tuple[int, int]:
@@ -915,7 +915,7 @@ def plan_branches(draft_logits: torch.Tensor, draft: torch.Tensor, coverage: int
 
 
 def build_branch_pass(drafter: Drafter, new_tokens, draft, positions, candidates, *, past_len: int, block_size: int):
-    """The input of the packed pass that drafts the next block for each planned outcome (method.md section 4).
+    """The input of the packed pass that drafts the next block for each planned outcome.
 
     new_tokens (m,): committed tokens the drafter has not seen, ending with x_n (m = 0: x_n is in its cache)
     draft (L,): d_1 .. d_L, the block under verification; positions (C,), candidates (C, F) from plan_branches.
@@ -1087,7 +1087,7 @@ def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temper
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Progressive layer pruning with recovery distillation (Fig. 1b, method.md section 5)
+# Progressive layer pruning with recovery distillation (Fig. 1b)
 
 
 def adjusted_teacher(teacher_logits: torch.Tensor, labels: torch.Tensor, beta: float) -> torch.Tensor:
@@ -1220,7 +1220,7 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Selective prefilling (paper appendix, Fig. 5, Tables 6-7; method.md section 6)
+# Selective prefilling (paper appendix, Fig. 5, Tables 6-7)
 
 
 @torch.no_grad()
@@ -1277,7 +1277,7 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
     """Decode one sequence, input_ids (1, prompt_len). Returns (output_ids (1, prompt + new), stats).
 
     mode "target": target-only autoregressive decoding (no drafter needed); "sync": speculative decoding with D3D
-    drafts (method.md section 3); "async": the drafter prepares the next draft during verification (section 4),
+    drafts (_decode_sync); "async": the drafter prepares the next draft during verification (_decode_async),
     with `coverage` C rejection positions x `fanout` F candidate tokens (default: default_budget(B)) chosen by
     `cover` ("first" or "likely"); stats then add hit_rate, hits/misses per position and the time split.
     Temperature 0 is exact greedy: every mode gives the target's greedy tokens. Temperature > 0 samples;

@@ -8,7 +8,7 @@
 Answers are coloured by origin: green = draft tokens the target accepted, yellow = the target's own token that
 closes every round (the first token comes from the target's prefill). Then tau, the acceptance histogram, the
 speedup over target-only decoding measured in the same run and, in async mode, the hit rate.
-Benchmark (method.md): batch 1, greedy unless --temperature, a warm-up, then per prompt target-only decoding and
+Benchmark (the paper's protocol): batch 1, greedy unless --temperature, a warm-up, then per prompt target-only decoding and
 each speculative mode, in the same run. speedup = target-only time per output token / speculative time per output
 token, prefill excluded (TTFT reported apart), times and tokens summed over a dataset; tau = mean over rounds,
 averaged per prompt. Every greedy output (speculative modes and baselines) is checked token for token against the
@@ -157,7 +157,7 @@ def decode_prompt(models, ids, modes, opts, max_new_tokens=None) -> dict[str, di
             records[spec] = hf_decode(models, ids, mode, opts, max_new_tokens or opts["max_new_tokens"])
             continue
         kwargs = generate_kwargs(mode, opts, eos, max_new_tokens, ids.device)
-        if mode == "async":  # branch budget C x F and which positions (method.md section 4); unset = d3d's defaults
+        if mode == "async":  # branch budget C x F and which positions (plan_branches); unset = d3d's defaults
             kwargs.update({k: opts[k] for k in ("coverage", "fanout", "cover") if opts[k] is not None}, **overrides)
         if opts.get("keep_ratio") is not None:  # selective prefilling (lossy, off by default)
             kwargs.update(keep_ratio=opts["keep_ratio"], chunk_size=opts["chunk_size"])
@@ -319,13 +319,24 @@ def classify_divergence(target, ids: torch.Tensor, reference: list[int], other: 
             "max_abs_logit": logits.abs().max().item()}
 
 
-def greedy_check(divergences: list[dict], checked: int) -> str:
+def divergence(target, tok, ids: torch.Tensor, reference: list[int], other: list[int], opts: dict, **where):
+    """None if a greedy output equals target-only's, else where it leaves it (tokens shown) and its class."""
+    pos = first_difference(reference, other)
+    if opts["temperature"] or pos is None:
+        return None
+    show = [{"id": t[pos], "text": tok.decode(t[pos:pos + 1])} if pos < len(t) else "end of output"
+            for t in (reference, other)]
+    return {**where, "position": pos, "target_token": show[0], "mode_token": show[1],
+            **classify_divergence(target, ids, reference, other, pos, opts.get("tie_tolerance"))}
+
+
+def greedy_check(divergences: list[dict], checked: int, against: str = "target-only") -> str:
     """The summary line of the greedy check, then the first error if any."""
     ties = [d for d in divergences if d["class"] == "near-tie"]
     errors = [d for d in divergences if d["class"] == "error"]
     largest = f" (largest margin {max(abs(d['margin']) for d in ties):.3g})" if ties else ""
     text = (f"greedy check: identical {checked - len(divergences)}, near-tie divergences {len(ties)}{largest}, "
-            f"errors {len(errors)} (of {checked} outputs against target-only)")
+            f"errors {len(errors)} (of {checked} outputs against {against})")
     if errors:
         x = errors[0]
         margin = (f"margin {x['margin']:.3g} > tolerance {x['tolerance']:.3g}" if x["margin"] is not None
@@ -469,14 +480,9 @@ def bench(models, files: list[tuple[str, str, list[str]]], modes: list[str], opt
         for i, ids in enumerate(tqdm(prompts, desc=name, unit="prompt", dynamic_ncols=True)):
             for mode, r in decode_prompt(models, ids, ["target"] + modes, opts).items():
                 records[mode].append(r)
-                ref, new = records["target"][-1]["new_tokens"], r["new_tokens"]
-                pos = first_difference(ref, new)
-                if opts["temperature"] == 0 and pos is not None:
-                    show = [{"id": t[pos], "text": tok.decode(t[pos:pos + 1])} if pos < len(t) else "end of output"
-                            for t in (ref, new)]
-                    mismatches.append({"dataset": name, "prompt_index": i, "mode": mode, "position": pos,
-                                       "target_token": show[0], "mode_token": show[1],
-                                       **classify_divergence(target, ids, ref, new, pos, opts.get("tie_tolerance"))})
+                found = divergence(target, tok, ids, records["target"][-1]["new_tokens"], r["new_tokens"], opts,
+                                   dataset=name, prompt_index=i, mode=mode)
+                mismatches += [found] if found else []
         results[name] = {"path": path, "field": field, "num_prompts": len(prompts), "modes": {}, "per_prompt": {}}
         for m in records:
             results[name]["modes"][m] = summarise(records[m], records["target"])
@@ -589,9 +595,9 @@ def concurrency_bench(models, files, modes: list[str], levels: list[int], opts: 
                 for mode, r in decode_group(models, group, run, opts).items():
                     records[mode].append(r)
                     for row, (ref, new) in enumerate(zip(records["target"][-1]["new_tokens"], r["new_tokens"])):
-                        if opts["temperature"] == 0 and ref != new:
-                            mismatches.append({"dataset": name, "concurrency": c, "mode": mode,
-                                               "prompt_index": g * c + row, "position": first_difference(ref, new)})
+                        found = divergence(target, tok, group[row], ref, new, opts, dataset=name, concurrency=c,
+                                           mode=mode, prompt_index=g * c + row)
+                        mismatches += [found] if found else []
             results[name]["levels"][c] = {m: summarise_concurrent(records[m], records["target"]) for m in run}
             for m in run:
                 everything[c][m] += records[m]
@@ -604,12 +610,12 @@ def concurrency_bench(models, files, modes: list[str], levels: list[int], opts: 
     checked = sum(len(r["new_tokens"]) for c in levels for m in everything[c] if m != "target"
                   for r in everything[c][m])
     check = ("greedy check skipped: at temperature > 0 the outputs are samples" if opts["temperature"] else
-             f"greedy check: all {checked} speculative outputs equal target-only at the same concurrency"
-             if not mismatches else f"greedy check: {len(mismatches)} of {checked} speculative outputs DIFFER from "
-             f"target-only; first: {mismatches[0]}")
+             greedy_check(mismatches, checked, against="target-only at the same concurrency"))
     print(f"\n{text}\n\n{check}")
+    counts = collections.Counter(x["class"] for x in mismatches)
     return {"concurrency": levels, "datasets": results, "overall": overall, "block_size": block_size, "table": text,
-            "mismatches": {"count": len(mismatches), "checked": checked, "list": mismatches}}
+            "mismatches": {"count": len(mismatches), "checked": checked, "identical": checked - len(mismatches),
+                           "near_ties": counts["near-tie"], "errors": counts["error"], "list": mismatches}}
 
 
 def long_prompts(docs: list[str], num_docs: int, count: int, seed: int) -> list[tuple[str, int]]:

@@ -122,7 +122,7 @@ def reference_continuation(target, prompt, n):
 
 
 def slow_mask(num_causal, anchors, block_size, prefix_lens, past_len):
-    """The rules of method.md section 1, one (query, key) pair at a time."""
+    """The rules of packed_attention_mask's docstring, one (query, key) pair at a time."""
     tokens = [("c", None, i) for i in range(num_causal)]  # (kind, segment, index)
     for s, _ in enumerate(anchors):
         tokens += [("s", s, i) for i in range(prefix_lens[s] + block_size)]

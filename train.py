@@ -1,4 +1,4 @@
-"""Train a D3D drafter on answers written by the target itself (paper "Drafter training", Fig. 1a; method.md 2).
+"""Train a D3D drafter on answers written by the target itself (paper "Drafter training", Fig. 1a).
 
     python train.py                                   # built-in toy on CPU, no download: runs/toy/{target,drafter}
     python train.py --target PATH --prompts train.jsonl --val-prompts test.jsonl --drafter-layers 8 ...
