@@ -354,7 +354,7 @@ def rows_loss(drafter: Drafter, hidden: torch.Tensor, labels: torch.Tensor, *, t
         return -(q * log_p.clamp(min=-1e4)).sum(-1), log_p.argmax(-1)  # MASK: q = 0, log_p = -inf; keep 0*-inf out
 
     chunk = max(1, LOGITS_PER_CHUNK // drafter.d3d_config.target_vocab_size)
-    losses, argmax = [hidden.sum(-1)[:0]], [labels[:0]]  # (0,): what a batch without a labelled row gives
+    losses, argmax = [hidden[:0].sum(-1)], [labels[:0]]  # (0,), in the graph: a batch without a labelled row
     for rows in (slice(start, start + chunk) for start in range(0, len(hidden), chunk)):
         t_h = teacher_hidden[rows] if teacher is not None else None
         if torch.is_grad_enabled() and hidden.requires_grad:  # recompute the logits in backward instead of storing
