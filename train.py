@@ -318,8 +318,8 @@ def evaluate_tau(drafter, examples, *, block_size: int, num_anchors: int = 32, b
 
 
 class TrainingLoss(torch.nn.Module):
-    """d3d.d3d_loss as a module's forward. DDP all-reduces the gradients of what its module's forward computes; the
-    loss projects to the vocabulary outside the drafter's own forward (chunk by chunk), so DDP wraps this."""
+    """d3d.d3d_loss as a module's forward. DDP prepares its gradient all-reduce in the forward of the module it
+    wraps; d3d_loss calls the drafter's hidden_states and projects the labelled rows itself, so DDP wraps this."""
 
     def __init__(self, drafter: d3d.Drafter):
         super().__init__()
