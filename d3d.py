@@ -15,8 +15,8 @@ Map from the paper to this file (read top to bottom):
     drafting / verification / acceptance                draft_block, verify_block, accept_draft
     target-only and synchronous decoding                generate(mode="target" | "sync"), _decode_sync
     concurrent requests (Table 2): ragged batches        generate([prompts]), _decode_batch_sync, _RaggedCache
-    asynchronous decoding (Fig. 1c): one packed pass     generate(mode="async"), _decode_async, plan_branches
-      prepares the next block for likely outcomes,
+    asynchronous decoding (Fig. 1c): one packed pass     generate(mode="async"), _decode_async, plan_branches,
+      prepares the next block for likely outcomes,        build_branch_pass
       on a second CUDA stream during verification
     progressive layer pruning with recovery (Fig. 1b)   prune_drafter, distill_loss, adjusted_teacher
     selective prefilling (appendix, Fig. 5)             select_chunks, generate(keep_ratio=...)
@@ -37,7 +37,9 @@ Our readings where the paper is silent (README "Departures and readings" gives e
   * the target prefills the prompt and produces the first token itself; speculation starts from the second token.
   * asynchronous branches: C covered positions x F candidate tokens (the drafter's runners-up at that position),
     plus a full-acceptance block whose first token guesses the bonus; after a full-acceptance hit the next draft
-    has B-1 tokens. Branch blocks are projected to logits only for the branch that hits.
+    has B-1 tokens. Every segment has one shape, [token, MASK x B] (the full-acceptance block repeats d_B), so the
+    pass is built on the device without waiting for it. Branch blocks are projected only for the branch that hits.
+  * the loss projects to the vocabulary only the rows that carry a label, in chunks recomputed in backward.
   * pruning: recovery distils from the fixed unpruned drafter toward q = (1-beta) softmax(teacher) + beta onehot
     (beta = 0.5) on blocks and causal stream; tau ties between candidate layers go to the smallest change in loss.
   * selective prefill: a chunk's score is the attention mass the last 32 prompt tokens give it (mean over layers,
