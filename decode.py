@@ -9,9 +9,9 @@ Answers are coloured by origin: green = draft tokens the target accepted, yellow
 closes every round (the first token comes from the target's prefill). Then tau, the acceptance histogram, the
 speedup over target-only decoding measured in the same run and, in async mode, the hit rate.
 Benchmark (the paper's protocol): batch 1, greedy unless --temperature, a warm-up, then per prompt target-only
-decoding and each speculative mode, in the same run. speedup = target-only time per output token / speculative time per output
-token, prefill excluded (TTFT reported apart), times and tokens summed over a dataset; tau = mean over rounds,
-averaged per prompt. Every greedy output (speculative modes and baselines) is checked token for token against the
+decoding and each speculative mode, in the same run. speedup = target-only time per output token / speculative
+time per output token, prefill excluded (TTFT reported apart), times and tokens summed over a dataset; tau = mean
+over rounds, averaged per prompt. Every greedy output (speculative modes and baselines) is checked token for token against the
 target-only output; where one differs, a teacher-forced target pass gives the target's logit margin at the first
 differing token: within rounding (tie_tolerance) it is a near-tie, beyond it an error.
 Baselines (--modes hf hf-assisted hf-lookup, off by default): transformers' own generate, assisted generation with
