@@ -136,6 +136,15 @@ def keep_layers(model: nn.Module, layer_ids: list[int]) -> nn.Module:
     return model
 
 
+def additive_mask(mask: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    """A bool mask (True = may attend) as the additive float mask HF takes (eager attention adds it, sdpa uses it as
+    is), made once in the dtype attention computes in: autocast's if on, else the model's."""
+    device = mask.device
+    autocast = torch.is_autocast_enabled(device.type)
+    dtype = torch.get_autocast_dtype(device.type) if autocast else next(model.parameters()).dtype
+    return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
 class Drafter(nn.Module):
     """A Hugging Face causal LM plus its D3DConfig. `forward` takes a packed sequence and returns float logits over
     the target's vocabulary (MASK can never be drafted)."""
@@ -152,12 +161,8 @@ class Drafter(nn.Module):
     def hidden_states(self, input_ids, position_ids, attention_mask, past_key_values=None) -> torch.Tensor:
         """Last hidden states (b, q, H) of a packed sequence. attention_mask: bool (b, 1, q, past+q), True = may
         attend; it goes to HF as an additive float mask, which the sdpa and eager attention paths take as is."""
-        device = input_ids.device  # the mask is made once, in the dtype attention computes in (autocast's, if on)
-        autocast = torch.is_autocast_enabled(device.type)
-        dtype = torch.get_autocast_dtype(device.type) if autocast else next(self.model.parameters()).dtype
-        additive = torch.zeros(attention_mask.shape, dtype=dtype, device=device)
-        additive.masked_fill_(~attention_mask, torch.finfo(dtype).min)
-        out = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=additive,
+        out = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                       attention_mask=additive_mask(attention_mask, self.model),
                                        past_key_values=past_key_values, use_cache=past_key_values is not None)
         return out.last_hidden_state
 
@@ -763,10 +768,8 @@ def _target_pass(target: nn.Module, ragged: _RaggedCache, ids, new_valid, logits
     q, device = ids.shape[1], ids.device
     positions, mask = ragged.inputs(new_valid, torch.arange(q, device=device)[None],
                                     torch.ones(q, q, dtype=torch.bool, device=device).tril())
-    dtype = next(target.parameters()).dtype  # an additive mask: eager attention adds it, sdpa takes it as is
-    additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
-    return target(input_ids=ids, position_ids=positions, attention_mask=additive, past_key_values=ragged.cache,
-                  use_cache=True, logits_to_keep=logits_to_keep).logits.float()
+    return target(input_ids=ids, position_ids=positions, attention_mask=additive_mask(mask, target),
+                  past_key_values=ragged.cache, use_cache=True, logits_to_keep=logits_to_keep).logits.float()
 
 
 def _draft_batch(drafter: Drafter, ragged: _RaggedCache, new_tokens: list[list[int]], block_size: int):
@@ -1056,8 +1059,9 @@ def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temper
         if num_accepted < length:  # rejected at k: was (k, next_token) a branch?
             slot, next_rows, k = num_accepted, slice(0, block_size), num_accepted + 1
             covered = positions.tolist()  # read after the join: no extra wait
-            cands = candidates[covered.index(k)].tolist() if k in covered else []
-            hit_seg = covered.index(k) * candidates.shape[1] + cands.index(next_token) if next_token in cands else None
+            row = covered.index(k) if k in covered else None
+            cands = candidates[row].tolist() if row is not None else []
+            hit_seg = row * candidates.shape[1] + cands.index(next_token) if next_token in cands else None
         else:  # all accepted: did the full block guess the bonus token?
             slot, next_rows, hit_seg = block_size, slice(1, block_size), None
             guess = int(pick_tokens(drafter.logits(block_hidden[-1, :1]), temperature, generator)[0])
