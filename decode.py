@@ -418,6 +418,41 @@ def table(results: dict, overall: dict, modes: list[str], block_size: int) -> st
     return "\n".join(lines)
 
 
+def sampling_check(models, prompt: str, mode: str, opts: dict, thinking: bool, num_samples: int) -> dict:
+    """Lossless speculative sampling, measured: `num_samples` answers to one prompt by target-only sampling and by
+    `mode`, each answer from its own seed, then per position the total variation distance between the two empirical
+    distributions of the token there (an answer that ended counts as one more outcome). A second target-only set
+    shows the distance that sampling noise alone gives: a lossless mode stays near it, a biased one rises above."""
+    ids = encode(models[2], prompt, thinking, models[0].device)
+    sets = {"target": "target", mode: mode, "target, again": "target"}
+    answers = {}
+    bar = tqdm(total=len(sets) * num_samples, desc="sampling check", unit="answer", dynamic_ncols=True)
+    for k, (name, m) in enumerate(sets.items()):
+        answers[name] = []
+        for i in range(num_samples):  # seeds never shared between sets
+            seed = opts["seed"] + k * num_samples + i
+            answers[name].append(decode_prompt(models, ids, [m], {**opts, "seed": seed})[m]["new_tokens"])
+            bar.update(1)
+    bar.close()
+
+    def distance(a, b, position):
+        ca = collections.Counter(r[position] if position < len(r) else -1 for r in a)  # -1: ended before
+        cb = collections.Counter(r[position] if position < len(r) else -1 for r in b)
+        return 0.5 * sum(abs(ca[t] - cb[t]) for t in ca.keys() | cb.keys()) / num_samples
+
+    length = max(len(r) for rows in answers.values() for r in rows)
+    rows = [(p, distance(answers[mode], answers["target"], p), distance(answers["target, again"], answers["target"], p))
+            for p in range(length)]
+    print(f"\nsampling check at temperature {opts['temperature']}: {num_samples} answers per set, prompt {prompt!r}\n"
+          f"{'position':>8}  TV({mode}, target)  TV(target, target again)")
+    for p, spec, noise in rows:
+        print(f"{p + 1:>8}  {spec:>16.3f}  {noise:>24.3f}" + ("   (the target's prefill token)" if p == 0 else ""))
+    mean = {k: sum(r[i] for r in rows) / len(rows) for i, k in ((1, mode), (2, "target, again"))}
+    print(f"{'mean':>8}  {mean[mode]:>16.3f}  {mean['target, again']:>24.3f}")
+    return {"positions": [{"tv_mode": a, "tv_noise": b} for _, a, b in rows], "mean_tv_mode": mean[mode],
+            "mean_tv_noise": mean["target, again"], "num_samples": num_samples, "mode": mode}
+
+
 def _finite(x):  # NaN is not JSON: write null
     if isinstance(x, dict):
         return {k: _finite(v) for k, v in x.items()}
@@ -430,9 +465,12 @@ def _finite(x):  # NaN is not JSON: write null
 # The two drivers: interactive answers and the benchmark
 
 
-def interactive(models, prompts: list[str], mode: str, opts: dict, thinking: bool, colour: bool) -> dict:
+def interactive(models, prompts: list[str], mode: str, opts: dict, thinking: bool, colour: bool,
+                compare: list[str] = ()) -> dict:
+    """Answer each prompt with `mode` (coloured by origin), then compare it with target-only decoding, and with the
+    `compare` modes, on the same prompts."""
     target, _, tok, _, info = models
-    modes = ["target"] if mode == "target" else ["target", mode]
+    modes = list(dict.fromkeys(["target", mode, *compare]))
     all_ids = [encode(tok, p, thinking, target.device) for p in prompts]  # a bad prompt fails before any decoding
     decode_prompt(models, all_ids[0], modes, opts, max_new_tokens=8)  # warm-up
     if colour:
@@ -441,27 +479,31 @@ def interactive(models, prompts: list[str], mode: str, opts: dict, thinking: boo
     for i, (text, ids) in enumerate(zip(prompts, all_ids)):
         for m, r in decode_prompt(models, ids, modes, opts).items():
             records[m].append(r)
-        r, base = records[mode][-1], records["target"][-1]
+        r = records[mode][-1]
         print(f"\n── prompt {i + 1}/{len(prompts)}: {text}\n"
               f"{colour_answer(tok, r['new_tokens'], r['accept_lengths'], colour)}")
-        if mode != "target":
-            print(f"   [{mode}: {r['num_new_tokens']} tokens in {r['num_rounds']} rounds, τ {r['tau']:.2f}, "
-                  f"{r['tokens_per_s']:.0f} tok/s; target-only {base['tokens_per_s']:.0f} tok/s; same tokens: "
-                  f"{'sampled' if opts['temperature'] else 'yes' if r['new_tokens'] == base['new_tokens'] else 'NO'}]")
-    s = summarise(records[mode], records["target"])
-    print(f"\n{mode}, {len(prompts)} prompt(s), {info['device']}, {info['dtype']}: {s['tokens_per_s']:.0f} tok/s "
-          f"(prefill excluded), time to first token {1000 * s['ttft_s']:.1f} ms")
+    block_size = opts["block_size"] or (info["drafter_config"] or {}).get("block_size")
+    print(f"\n{len(prompts)} prompt(s), {info['device']}, {info['dtype']}, block size {block_size}; tok/s with "
+          "prefill excluded, speedup = target-only time per output token / the mode's")
+    print(f"{'mode':<8}{'tok/s':>8}{'speedup':>9}{'τ':>6}{'hit rate':>10}   same tokens as target-only")
+    summaries = {}
+    for m in modes:
+        s = summaries[m] = summarise(records[m], records["target"])
+        same = sum(r["new_tokens"] == b["new_tokens"] for r, b in zip(records[m], records["target"]))
+        same = "sampled" if opts["temperature"] and m != "target" else f"{same}/{len(prompts)}"
+        tau = "-" if m == "target" else f"{s['tau']:.2f}"
+        hit_rate = format(s["hit_rate"], ".0%") if "hit_rate" in s else "-"
+        print(f"{m:<8}{s['tokens_per_s']:8.0f}{s['speedup']:8.2f}×{tau:>6}{hit_rate:>10}   "
+              f"{same if m != 'target' else '-'}")
+    if "async" in modes and target.device.type != "cuda":
+        print("async drafts the next block during verification on a second CUDA stream; on a CPU the two passes run "
+              "one after the other, so sync is the faster mode here (async's numbers above are its hit rate and "
+              "exactness, not its speed)")
     if mode != "target":
-        block_size = opts["block_size"] or info["drafter_config"]["block_size"]
-        same = sum(r["new_tokens"] == b["new_tokens"] for r, b in zip(records[mode], records["target"]))
-        print(f"  τ = {s['tau']:.2f} tokens per round (block size {block_size})")
-        print(f"  speedup {s['speedup']:.2f}× over target-only decoding of the same prompts (time per output token)")
-        if "hit_rate" in s:
-            print(f"  hit rate {s['hit_rate']:.0%}: rounds whose next draft the packed pass had ready")
-        print(f"  same tokens as target-only: {same}/{len(prompts)}" + (" (sampled)" if opts["temperature"] else ""))
-        print(f"acceptance histogram (tokens committed per round, 1 .. {block_size + 1}):\n" +
+        print(f"{mode}: acceptance histogram (tokens committed per round, 1 .. {block_size + 1}):\n" +
               histogram([n for r in records[mode] for n in r["accept_lengths"]]))
-    return {"summary": s, "answers": [tok.decode(r["new_tokens"], skip_special_tokens=True) for r in records[mode]]}
+    return {"summary": summaries[mode], "summaries": summaries,
+            "answers": [tok.decode(r["new_tokens"], skip_special_tokens=True) for r in records[mode]]}
 
 
 def bench(models, files: list[tuple[str, str, list[str]]], modes: list[str], opts: dict, thinking: bool) -> dict:
@@ -690,14 +732,19 @@ def prefill_bench(models, path: str, docs: list[str], mode: str, keep_ratios: li
 def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_field, max_samples, thinking, mode,
          block_size, temperature, max_new_tokens, coverage, fanout, cover, seed, bench_files, modes, out, no_color,
          keep_ratio=None, chunk_size=64, prefill_bench_file=None, keep_ratios=(1.0, 0.3, 0.2, 0.1), num_docs=12,
-         concurrency=None, tie_tolerance=None, threads=None):
+         concurrency=None, tie_tolerance=None, threads=None, sampling_check_samples=None):
     args = dict(locals())  # recorded in the benchmark JSON
     if threads:
         torch.set_num_threads(threads)
     speculative = [m for m in available_modes() if m != "target"]
     if prefill_bench_file:  # the paper pairs selective prefilling with sequential (sync) speculative decoding
         mode, modes, bench_files = mode or "sync", [mode or "sync"], None
-    mode = mode or speculative[-1]  # async when d3d has it
+    compare = []  # the demo without --mode: the fastest mode on this device, beside the other one and the target
+    if mode is None and not bench_files and not prefill_bench_file and not sampling_check_samples:
+        cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+        mode, compare = ("async", ["sync"]) if cuda else ("sync", ["async"])
+        compare = [m for m in compare if m in speculative]
+    mode = mode or speculative[-1]
     modes = [m for m in modes or speculative if m != "target"]  # target-only always runs: it is the baseline
     for m in [mode] + modes:
         parse_mode(m)  # raises on an unknown mode or a bad async:C,F
@@ -711,6 +758,8 @@ def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_f
         raise ValueError(f"--modes: name speculative modes ({', '.join(speculative)}); target-only always runs")
     if concurrency is not None and (not bench_files or min(concurrency) < 1):
         raise ValueError(f"--concurrency takes sizes >= 1 and goes with --bench, got {concurrency}")
+    if sampling_check_samples is not None and (not temperature or sampling_check_samples < 2 or bench_files):
+        raise ValueError("--sampling-check N (N >= 2) samples answers: give it --temperature > 0, without --bench")
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"--max-samples must be >= 1, got {max_samples}")
     if prompt is not None and "-" in prompt:  # `--prompt -`: one prompt per non-empty line of stdin
@@ -727,17 +776,19 @@ def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_f
     if prefill_bench_file:
         docs = read_prompts(prefill_bench_file, prompt_field)[1]
     torch.manual_seed(seed)
-    models = load(target, drafter, modes if bench_files else [mode] + (["sync"] if keep_ratio else []), device, dtype,
-                  attn)
+    models = load(target, drafter, modes if bench_files else [mode, *compare] + (["sync"] if keep_ratio else []),
+                  device, dtype, attn)
     opts = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "block_size": block_size,
             "coverage": coverage, "fanout": fanout, "cover": cover, "keep_ratio": keep_ratio, "chunk_size": chunk_size,
             "tie_tolerance": tie_tolerance}
     if prefill_bench_file:
         result = prefill_bench(models, prefill_bench_file, docs, mode, list(keep_ratios), num_docs, max_samples or 10,
                                {**opts, "keep_ratio": None}, thinking)
+    elif sampling_check_samples:
+        result = sampling_check(models, prompt[0], mode, opts, thinking, sampling_check_samples)
     elif not bench_files:
         colour = not no_color and sys.stdout.isatty() and "NO_COLOR" not in os.environ
-        return interactive(models, prompt, mode, opts, thinking, colour)
+        return interactive(models, prompt, mode, opts, thinking, colour, compare)
     elif concurrency:
         result = concurrency_bench(models, files, modes, list(concurrency), opts, thinking)
     else:
@@ -761,7 +812,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     f"train_args.json, else {TOY_TARGET})")
     g.add_argument("--drafter", default=TOY_DRAFTER, help=f"D3D drafter folder (default: {TOY_DRAFTER})")
     g.add_argument("--device", help="cuda, cuda:1, cpu, ... (default: cuda if available, else cpu)")
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="weights of both models (default: auto = bfloat16 where the device computes it natively: "
                         "CUDA, or a CPU with AVX512-BF16/AMX; float32 elsewhere and for drafters trained in float32)")
     g.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention kernel (default: sdpa)")
@@ -774,7 +825,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-samples", type=int, help="prompts per file (default: 3 interactive, all with --bench)")
     g.add_argument("--thinking", action="store_true", help="Qwen3 chat template with thinking on (default: off)")
     g = p.add_argument_group("decoding")
-    g.add_argument("--mode", help=f"one of {', '.join(available_modes())} (default: the last speculative one)")
+    g.add_argument("--mode", help=f"one of {', '.join(available_modes())} (default: async on CUDA, sync elsewhere, "
+                                  "each shown beside the other and the target)")
     g.add_argument("--block-size", type=int, help="B, draft tokens per round (default: the drafter's)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer at most (default: 128)")
@@ -783,6 +835,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cover", choices=["first", "likely"],
                    help="async: branch the first C positions or the C likeliest first rejections (default: d3d's)")
     g.add_argument("--seed", type=int, default=0, help="seed of sampling (default: 0)")
+    g.add_argument("--sampling-check", dest="sampling_check_samples", type=int, metavar="N",
+                   help="lossless sampling, measured: N answers to the first prompt by target-only and by --mode, "
+                        "per-position distance between the two token distributions (needs --temperature)")
     g = p.add_argument_group("benchmark (prints Table 1, writes --out)")
     g.add_argument("--bench", dest="bench_files", nargs="+", metavar="FILE.jsonl", help="prompt files to benchmark")
     g.add_argument("--modes", nargs="+", help="speculative modes to compare with target-only (default: all); "

@@ -24,7 +24,10 @@ operation per line, each line starting with the previous result; first number 1.
 1..9 (so that a tiny model learns some of the sums); no intermediate value below 0 or above 999; answers
 of 30 to 80 characters (44 on average).
 
-Command line: ``python toy.py --out toy-out [--seed 0] [--max-seconds 120] [--threads 1]``.
+Command line: ``python toy.py --out runs/toy [--seed 0] [--steps 1000] [--threads 1]``.
+
+The target trains for a fixed number of steps (TRAIN_STEPS) from fixed seeds, so every machine builds the same
+target, up to floating-point rounding, and the numbers in README hold anywhere.
 
 On a CPU shared with other busy processes, training with as many torch threads as cores can be many times
 slower than with one thread (threads wait on each other); pass ``num_threads=1`` / ``--threads 1`` there.
@@ -231,27 +234,19 @@ def _batch(tok, problems: list[tuple[str, str]], device) -> dict[str, torch.Tens
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": lab.to(device)}
 
 
-def _train(model, tok, *, seed: int, exclude: set[str], train_steps: int | None, max_seconds: float,
-           batch_size: int, lr: float, warmup: int, device) -> tuple[int, float]:
+def _train(model, tok, *, seed: int, exclude: set[str], train_steps: int, batch_size: int, lr: float, warmup: int,
+           device) -> tuple[int, float]:
     """Train on a fresh stream of problems (none of them a test question). Returns (steps, last smoothed loss)."""
     from tqdm.auto import tqdm
 
     rng = random.Random(f"toy-train-{seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     model.train()
-    start = time.monotonic()
-    step, ema = 0, float("nan")
+    ema = float("nan")
     bar = tqdm(total=train_steps, desc="toy target", unit="step", dynamic_ncols=True)
-    while True:
-        elapsed = time.monotonic() - start
-        if (train_steps is not None and step >= train_steps) or elapsed >= max_seconds:
-            break
-        # Schedule on progress = whichever budget (steps or seconds) is nearer to its end: linear warmup,
-        # then cosine decay to 10%, so a time-limited run still ends with a low learning rate.
-        progress = elapsed / max_seconds if max_seconds > 0 else 0.0
-        if train_steps:
-            progress = max(progress, step / train_steps)
-        scale = min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+    for step in range(train_steps):
+        # linear warmup, then cosine decay to 10 %
+        scale = min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / train_steps)))
         for g in opt.param_groups:
             g["lr"] = lr * scale
         problems = []
@@ -264,14 +259,13 @@ def _train(model, tok, *, seed: int, exclude: set[str], train_steps: int | None,
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        step += 1
         val = loss.item()
         ema = val if math.isnan(ema) else 0.9 * ema + 0.1 * val
         bar.update(1)
         bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr * scale:.1e}")
     bar.close()
     model.eval()
-    return step, ema
+    return train_steps, ema
 
 
 @torch.no_grad()
@@ -315,24 +309,26 @@ def evaluate(model, tok, rows: list[dict]) -> dict:
 
 # -------------------------------------------------------------------------------------------- API
 
+TRAIN_STEPS = 1000  # the toy target's optimizer steps: a few minutes on one CPU core
+RECIPE = "toy.json"  # written into the target folder: how it was built
+
+
 def _target_done(path: str) -> bool:
     return all(os.path.exists(os.path.join(path, f)) for f in ("config.json", "model.safetensors", "tokenizer.json"))
 
 
 def build_toy(out_dir: str, *, seed: int = 0, num_train_prompts: int = 2000, num_test_prompts: int = 200,
-              train_steps: int | None = None, max_seconds: float = 120.0, device: str = "cpu",
-              num_threads: int | None = None) -> dict:
+              train_steps: int = TRAIN_STEPS, device: str = "cpu", num_threads: int | None = None) -> dict:
     """Writes out_dir/target/ (a normal HF folder: AutoModelForCausalLM.from_pretrained and
     AutoTokenizer.from_pretrained both load it, with a chat template), out_dir/prompts-train.jsonl and
     out_dir/prompts-test.jsonl (one JSON object per line with a "question" field). Skips the work that is
     already there (rerun = instant). Returns {"target": path, "train": path, "test": path}. Prints where it
     wrote what.
 
-    Training stops after ``train_steps`` steps or ``max_seconds`` seconds, whichever comes first (with only
-    the time limit, the number of steps, hence the weights, depends on the machine's speed). The prompt files
-    depend only on ``seed`` and the two counts. What exists is reused as is: delete the folder to rebuild
-    with other settings. ``num_threads``, if given, is torch's CPU thread count while training and evaluating
-    (restored afterwards).
+    The prompt files depend only on ``seed`` and the two counts; the target on ``seed`` and ``train_steps``
+    (recorded in target/toy.json). What exists is reused as is, and a target built with other settings is reused
+    with a warning: delete the folder to rebuild. ``num_threads``, if given, is torch's CPU thread count while
+    training and evaluating (restored afterwards).
     """
     out_dir = os.path.abspath(out_dir)
     paths = {"target": os.path.join(out_dir, "target"),
@@ -350,33 +346,40 @@ def build_toy(out_dir: str, *, seed: int = 0, num_train_prompts: int = 2000, num
         print(f"[toy] wrote {len(test_rows)} test prompts to {paths['test']}")
 
     if _target_done(paths["target"]):
-        print(f"[toy] target already there: {paths['target']}")
+        recipe_path = os.path.join(paths["target"], RECIPE)
+        recipe = json.load(open(recipe_path)) if os.path.exists(recipe_path) else {}
+        wanted = {"seed": seed, "train_steps": train_steps}
+        if {k: recipe.get(k) for k in wanted} != wanted:
+            print(f"[toy] WARNING: reusing {paths['target']}, built with {recipe or 'unknown settings'}, not "
+                  f"{wanted}: its numbers differ from README's. Delete {out_dir} to rebuild it.")
+        else:
+            print(f"[toy] target already there: {paths['target']}")
         return paths
 
     old_threads = torch.get_num_threads()
     if num_threads:
         torch.set_num_threads(num_threads)
     try:
-        _build_target(paths, seed=seed, train_steps=train_steps, max_seconds=max_seconds, device=device)
+        _build_target(paths, seed=seed, train_steps=train_steps, device=device)
     finally:
         torch.set_num_threads(old_threads)
     return paths
 
 
-def _build_target(paths: dict, *, seed: int, train_steps: int | None, max_seconds: float, device: str) -> None:
+def _build_target(paths: dict, *, seed: int, train_steps: int, device: str) -> None:
     test_rows = _read_jsonl(paths["test"])
     tok = make_tokenizer()
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
         torch.manual_seed(seed)
         model = _make_model(tok).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    budget = f"{train_steps} steps or " if train_steps is not None else ""
-    print(f"[toy] training a {n_params / 1e6:.2f}M-parameter Qwen3 target from scratch "
-          f"({budget}{max_seconds:.0f} s, whichever first) on {device}")
+    print(f"[toy] training a {n_params / 1e6:.2f}M-parameter Qwen3 target from scratch ({train_steps} steps, "
+          f"seed {seed}) on {device}")
     t0 = time.monotonic()
-    steps, loss = _train(model, tok, seed=seed, exclude={r["question"] for r in test_rows},
-                         train_steps=train_steps, max_seconds=max_seconds, batch_size=16, lr=5e-3,
-                         warmup=30, device=device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        steps, loss = _train(model, tok, seed=seed, exclude={r["question"] for r in test_rows},
+                             train_steps=train_steps, batch_size=16, lr=5e-3, warmup=30, device=device)
     print(f"[toy] trained {steps} steps in {time.monotonic() - t0:.0f} s, final loss {loss:.4f}")
 
     eval_rows = test_rows[:50]
@@ -393,6 +396,8 @@ def _build_target(paths: dict, *, seed: int, train_steps: int | None, max_second
     shutil.rmtree(tmp, ignore_errors=True)
     model.to("cpu").to(torch.float32).save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    with open(os.path.join(tmp, RECIPE), "w") as f:
+        json.dump({"seed": seed, "train_steps": train_steps, "final_loss": round(loss, 4)}, f)
     shutil.rmtree(paths["target"], ignore_errors=True)
     os.replace(tmp, paths["target"])
     print(f"[toy] wrote target model and tokenizer to {paths['target']}")
@@ -400,12 +405,12 @@ def _build_target(paths: dict, *, seed: int, train_steps: int | None, max_second
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description="Build the toy target model and prompt files.")
-    ap.add_argument("--out", default="toy-out", help="output folder (default: toy-out)")
+    ap.add_argument("--out", default="runs/toy", help="output folder (default: runs/toy)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-seconds", type=float, default=120.0, help="training time budget (default: 120)")
+    ap.add_argument("--steps", type=int, default=TRAIN_STEPS, help=f"training steps (default: {TRAIN_STEPS})")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = ap.parse_args(argv)
-    return build_toy(args.out, seed=args.seed, max_seconds=args.max_seconds, num_threads=args.threads)
+    return build_toy(args.out, seed=args.seed, train_steps=args.steps, num_threads=args.threads)
 
 
 if __name__ == "__main__":

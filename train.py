@@ -40,6 +40,8 @@ try:
 except ImportError:
     resource = None
 
+TOY_DIR = "runs/toy"  # the built-in toy (toy.py): target, prompts and the target's answers, shared by all toy runs
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Data: prompts -> the target's own greedy answers, cached as token ids
 
@@ -203,8 +205,10 @@ def select_layers(num_layers: int, spec) -> list[int] | None:
     return [round(k * (num_layers - 1) / (n - 1)) for k in range(n)]
 
 
-def build_drafter(drafter_init: str, tokenizer, *, target_vocab_size: int, layers=None, **config) -> d3d.Drafter:
-    """d3d.make_drafter on `drafter_init` after checking that it speaks the target's tokenizer."""
+def build_drafter(drafter_init: str, tokenizer, *, target_vocab_size: int, layers=None, random_init: bool = False,
+                  **config) -> d3d.Drafter:
+    """d3d.make_drafter on `drafter_init` after checking that it speaks the target's tokenizer; with `random_init`,
+    its architecture with freshly initialised weights (from torch's current seed)."""
     try:
         init_tokenizer = AutoTokenizer.from_pretrained(drafter_init)
     except (OSError, ValueError):  # no tokenizer saved with it: make_drafter still checks the vocabulary size
@@ -212,7 +216,10 @@ def build_drafter(drafter_init: str, tokenizer, *, target_vocab_size: int, layer
     if init_tokenizer is not None and d3d.tokenizer_fingerprint(init_tokenizer) != d3d.tokenizer_fingerprint(tokenizer):
         raise ValueError(f"--drafter-init {drafter_init} uses a different tokenizer than the target: its token ids "
                          "mean other text. Initialise the drafter from a checkpoint of the target's family")
-    model = AutoModelForCausalLM.from_pretrained(drafter_init, dtype=torch.float32)  # fp32 master weights
+    if random_init:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(drafter_init), dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(drafter_init, dtype=torch.float32)  # fp32 master weights
     layer_ids = select_layers(model.config.get_text_config().num_hidden_layers, layers)
     drafter = d3d.make_drafter(model, tokenizer=tokenizer, layers=layer_ids, target_vocab_size=target_vocab_size,
                                **config)
@@ -436,7 +443,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--thinking", action="store_true", help="Qwen3: answer with thinking on (default: off)")
     g.add_argument("--max-new-tokens", type=int, default=256, help="cap on a target answer, tokens (default: 256)")
     g.add_argument("--gen-batch-size", type=int, default=64, help="prompts answered together (default: 64)")
-    g.add_argument("--data-dir", help="where the answer caches go (default: the folder above --out)")
+    g.add_argument("--data-dir", help="where the answer caches go (default: the folder above --out; runs/toy for "
+                                      "the toy)")
     g = ap.add_argument_group("drafter")
     g.add_argument("--drafter-init", help="causal LM with the target's tokenizer to start from (default: the target)")
     g.add_argument("--drafter-layers", help="keep N layers evenly spaced (first and last kept) or ids '0,5,29' "
@@ -446,6 +454,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--ar-weight", type=float, default=1.0, help="lambda, weight of the AR loss (default: 1.0)")
     g.add_argument("--decay-gamma", type=float, help="gamma, block position weights exp(-(i-1)/gamma) "
                                                      "(default: off, uniform)")
+    g.add_argument("--first-token", choices=["ar", "block"], default="ar", help="who drafts d_1 when decoding: "
+                   "'ar', the causal next-token head that lambda trains; 'block', MASK 1 (default: ar)")
+    g.add_argument("--random-init", action="store_true", help="same architecture as --drafter-init, random weights "
+                   "(the paper's Fig. 2; default: its pretrained weights)")
     g = ap.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=400, help="optimizer steps (default: 400)")
     g.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch and rank (default: 8)")
@@ -499,12 +511,15 @@ def main(**overrides) -> dict:
     if args.target is None:  # built-in toy: scaffolding from toy.py, not part of the method
         import toy
 
-        toy_dir = os.path.dirname(os.path.abspath(args.out))
-        paths = toy.build_toy(toy_dir, num_threads=1) if rank == 0 else None  # tiny model: 1 thread is fastest
+        # one toy for every run, wherever --out puts the drafter: the same target and the same cached answers
+        paths = toy.build_toy(TOY_DIR, num_threads=1) if rank == 0 else None  # tiny model: 1 thread is fastest
         if world > 1:
             dist.barrier()
-        paths = paths or toy.build_toy(toy_dir, num_threads=1)
+        paths = paths or toy.build_toy(TOY_DIR, num_threads=1)
+        if rank == 0 and os.path.dirname(os.path.abspath(args.out)) != os.path.abspath(TOY_DIR):
+            print(f"[toy] target and answers from {os.path.abspath(TOY_DIR)}; the drafter goes to {args.out}")
         args.target, args.prompts = paths["target"], args.prompts or paths["train"]
+        args.data_dir = args.data_dir or TOY_DIR
         val_prompts, layers = val_prompts or paths["test"], layers or "2"
         args.block_size, args.num_anchors = args.block_size or 8, args.num_anchors or 32  # short toy answers
         args.lr = args.lr or 6e-3  # a 0.4M-parameter drafter: 1e-3 gave tau 3.5, 6e-3 gave 4.6 (README)
@@ -526,13 +541,18 @@ def main(**overrides) -> dict:
     target_vocab_size = AutoConfig.from_pretrained(args.target).get_text_config().vocab_size
     drafter = build_drafter(args.drafter_init or args.target, tokenizer, target_vocab_size=target_vocab_size,
                             layers=layers, block_size=args.block_size, num_anchors=args.num_anchors,
-                            ar_weight=args.ar_weight, decay_gamma=args.decay_gamma).to(device)
+                            ar_weight=args.ar_weight, decay_gamma=args.decay_gamma, first_token=args.first_token,
+                            random_init=args.random_init).to(device)
     if args.gradient_checkpointing:
         drafter.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if rank == 0:
         params = sum(p.numel() for p in drafter.parameters())
-        print(f"[drafter] {args.drafter_init or args.target}, layers {drafter.d3d_config.layer_ids or 'all'}, "
+        init = f"{args.drafter_init or args.target}{' (random weights)' if args.random_init else ''}"
+        print(f"[drafter] {init}, layers {drafter.d3d_config.layer_ids or 'all'}, "
               f"{params / 1e6:.1f}M parameters; {len(train)} training and {len(val)} held-out answers")
+        if args.ar_weight == 0 and args.first_token == "ar":
+            print("[drafter] note: --ar-weight 0 trains no next-token head, yet d_1 comes from it (--first-token "
+                  "ar); --first-token block drafts d_1 from MASK 1, which the block loss does train")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     result = train_drafter(drafter, train, val, out=args.out, steps=args.steps, batch_size=args.batch_size,
                            grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,

@@ -249,3 +249,35 @@ def test_prune_command_removes_layers_and_keeps_decoding_lossless(setup, tmp_pat
     assert "removed" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         train.parse_prune_args(["--bogus"])
+
+
+def test_random_init_keeps_the_architecture_and_first_token_is_recorded(setup):
+    tok, vocab = setup["tok"], _tiny_model(setup["tok"]).config.vocab_size
+    pretrained = train.build_drafter(setup["target"], tok, target_vocab_size=vocab, layers="2")
+    torch.manual_seed(1)
+    random_a = train.build_drafter(setup["target"], tok, target_vocab_size=vocab, layers="2", random_init=True,
+                                   first_token="block")
+    torch.manual_seed(1)
+    random_b = train.build_drafter(setup["target"], tok, target_vocab_size=vocab, layers="2", random_init=True)
+    shapes = lambda d: {k: v.shape for k, v in d.state_dict().items()}
+    assert shapes(random_a) == shapes(pretrained) and random_a.d3d_config.layer_ids == [0, 3]
+    weight = "model.model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(random_a.state_dict()[weight], pretrained.state_dict()[weight])
+    assert torch.equal(random_a.state_dict()[weight], random_b.state_dict()[weight])  # seeded
+    assert random_a.d3d_config.first_token == "block" and pretrained.d3d_config.first_token == "ar"
+
+
+def test_every_toy_run_shares_one_toy_wherever_out_goes(monkeypatch, tmp_path):
+    built = []
+
+    class Built(Exception):
+        pass
+
+    def build_toy(out_dir, **kw):
+        built.append(out_dir)
+        raise Built  # the routing is what this test checks: building the real toy takes minutes
+
+    monkeypatch.setattr(toy, "build_toy", build_toy)
+    with pytest.raises(Built):
+        train.main(out=str(tmp_path / "lam0" / "drafter"), device="cpu")
+    assert built == [train.TOY_DIR]

@@ -135,7 +135,7 @@ def built(tmp_path_factory, _one_thread):
     torch.manual_seed(123)
     state = torch.random.get_rng_state()
     paths = toy.build_toy(str(out), seed=0, num_train_prompts=40, num_test_prompts=8, train_steps=3,
-                          max_seconds=60, num_threads=1)
+                          num_threads=1)
     assert torch.equal(state, torch.random.get_rng_state())  # caller's RNG left alone
     return out, paths
 
@@ -198,13 +198,23 @@ def test_build_toy_second_call_skips(built, capsys):
     assert "already there" in printed and "training" not in printed
 
 
+def test_build_toy_with_other_settings_reuses_the_target_and_says_so(built, capsys):
+    out, paths = built
+    stamp = os.path.getmtime(os.path.join(paths["target"], "model.safetensors"))
+    assert json.load(open(os.path.join(paths["target"], toy.RECIPE)))["train_steps"] == 3
+    toy.build_toy(str(out), seed=0, num_train_prompts=40, num_test_prompts=8, train_steps=5)
+    assert os.path.getmtime(os.path.join(paths["target"], "model.safetensors")) == stamp
+    printed = capsys.readouterr().out
+    assert "WARNING" in printed and "'train_steps': 3" in printed and "Delete" in printed
+
+
 def test_training_is_deterministic_with_seed():
     tok = toy.make_tokenizer()
     weights = []
     for _ in range(2):
         torch.manual_seed(0)
         model = toy._make_model(tok)
-        toy._train(model, tok, seed=0, exclude=set(), train_steps=2, max_seconds=60, batch_size=4, lr=1e-3,
+        toy._train(model, tok, seed=0, exclude=set(), train_steps=2, batch_size=4, lr=1e-3,
                    warmup=1, device="cpu")
         weights.append(model.model.embed_tokens.weight.detach().clone())
     assert torch.equal(weights[0], weights[1])

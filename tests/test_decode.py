@@ -1,7 +1,7 @@
 """Tests for decode.py: a tiny Qwen3 target and drafter built from configs and saved to a tmp folder, with a
 character-level tokenizer that has a chat template. CPU, fp32, no network, no downloaded models.
 
-Run: python -m pytest -q test_decode.py
+Run: python -m pytest -q tests/test_decode.py
 """
 import json
 import math
@@ -16,6 +16,8 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config,
 
 import d3d
 import decode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # decode.py lives there
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated")
@@ -170,11 +172,11 @@ def test_clear_errors(setting, tmp_path, monkeypatch):
 def test_subprocess_reads_prompts_from_stdin(setting):
     cmd = [sys.executable, "decode.py", *map(str, models_args(setting)), "--prompt", "-"]
     run = subprocess.run(cmd, input="12 + 3\n\nhello\n", capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
+                         cwd=ROOT)
     assert run.returncode == 0, run.stderr
     assert "prompt 1/2: 12 + 3" in run.stdout and "prompt 2/2: hello" in run.stdout and "τ =" in run.stdout
     bad = subprocess.run([sys.executable, "decode.py", "--drafter", str(setting / "nope"), "--prompt", "x"],
-                         capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.abspath(__file__)))
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode != 0 and "error: no drafter folder" in bad.stderr
 
 
