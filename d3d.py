@@ -24,7 +24,7 @@ Map from the paper to this file (read top to bottom):
 Shapes: b batch, L clean tokens, K anchors (blocks), B block size, V vocabulary, q packed query length,
 past tokens already in a KV cache.
 
-Our readings where the paper is silent, one line each; README.md, section "Departures and readings", gives each
+Our readings where the paper is silent ("ours" below); README.md, section "Departures and readings", gives each
 with its reason:
   * anchorless blocks: a block hangs off a point p of the causal stream; its i-th MASK predicts the token at p+i.
   * d_1 comes from the causal stream's next-token head (first_token="ar", default); first_token="block": MASK 1.
@@ -39,14 +39,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import hashlib
 import json
 import math
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -87,7 +86,7 @@ class D3DConfig:
 
     def save(self, path: str) -> None:
         with open(os.path.join(path, CONFIG_NAME), "w") as f:
-            json.dump(dataclasses.asdict(self), f, indent=2)
+            json.dump(asdict(self), f, indent=2)
 
     @classmethod
     def load(cls, path: str) -> "D3DConfig":
@@ -106,9 +105,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def keep_layers(model: nn.Module, layer_ids: list[int]) -> nn.Module:
-    """Keep only the decoder layers `layer_ids` (in that order) of an HF causal LM, in place.
-
-    Layers are renumbered 0..n-1 so that KV-cache slots, the config and a save/load round trip all agree."""
+    """Keep only the decoder layers `layer_ids` (in that order) of an HF causal LM, in place, renumbered 0..n-1 so
+    that KV-cache slots, the config and a save/load round trip all agree."""
     decoder = model.get_decoder()
     layers = decoder.layers
     if not layer_ids or any(not 0 <= i < len(layers) for i in layer_ids) or len(set(layer_ids)) != len(layer_ids):
@@ -148,23 +146,21 @@ class Drafter(nn.Module):
         return next(self.parameters()).device
 
     def hidden_states(self, input_ids, position_ids, attention_mask, past_key_values=None) -> torch.Tensor:
-        """Last hidden states (b, q, H) of a packed sequence; attention_mask: bool (b, 1, q, past+q), True = may
-        attend."""
+        """Last hidden states (b, q, H); attention_mask: bool (b, 1, q, past+q), True = may attend."""
         out = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                        attention_mask=additive_mask(attention_mask, self.model),
                                        past_key_values=past_key_values, use_cache=past_key_values is not None)
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float logits over the target's vocabulary; MASK can never be drafted."""
         logits = self.model.get_output_embeddings()(hidden)[..., : self.d3d_config.target_vocab_size].float()
         if self.d3d_config.mask_token_id < logits.shape[-1]:
-            logits[..., self.d3d_config.mask_token_id] = float("-inf")
+            logits[..., self.d3d_config.mask_token_id] = float("-inf")  # MASK can never be drafted
         return logits
 
     def forward(self, input_ids, position_ids, attention_mask, past_key_values=None, logits_to_keep=None):
-        """Logits (b, n, V) of a packed sequence, projected only at `logits_to_keep`: row indices (n,) shared by the
-        batch, or (b, n) per sequence; None keeps all q rows."""
+        """Logits (b, n, V), projected only at `logits_to_keep`: row indices (n,) shared by the batch, or (b, n) per
+        sequence; None keeps all q rows."""
         hidden = self.hidden_states(input_ids, position_ids, attention_mask, past_key_values)
         if logits_to_keep is not None and logits_to_keep.dim() == 2:
             hidden = hidden.gather(1, logits_to_keep[..., None].expand(-1, -1, hidden.shape[-1]))
@@ -198,11 +194,10 @@ def make_drafter(model: nn.Module, mask_token_id: int | None = None, *, tokenize
                  target_vocab_size: int | None = None, **config) -> Drafter:
     """Turn any HF causal LM that uses the target's tokenizer into a D3D drafter.
 
-    MASK: `mask_token_id` if given (not a token that text can produce), else the id of `<|MASK|>` if the tokenizer
-    has one, else the first id the tokenizer does not use (Qwen3: 151669, inside its padded vocabulary of 151936);
-    the embeddings are resized only when that id has no row. `layers` keeps only those decoder layers.
-    `target_vocab_size`: rows of the target's output layer (default: this model's). Other keyword arguments go to
-    D3DConfig (block_size, num_anchors, ar_weight, decay_gamma, first_token)."""
+    MASK: `mask_token_id` if given (not a token text can produce), else the id of `<|MASK|>` if the tokenizer has
+    one, else the first id the tokenizer does not use (Qwen3: 151669, inside its padded vocabulary of 151936); the
+    embeddings grow only when that id has no row. `layers` keeps only those decoder layers. `target_vocab_size`:
+    rows of the target's output layer (default: this model's). Other keyword arguments go to D3DConfig."""
     rows = model.get_output_embeddings().weight.shape[0]
     text_vocab = len(tokenizer)
     if rows < text_vocab:
@@ -245,13 +240,12 @@ def packed_attention_mask(num_causal: int, anchors: torch.Tensor, block_size: in
                           past_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask and position ids of a packed sequence [causal stream | segment 1 | segment 2 | ...].
 
-    The causal stream holds `num_causal` tokens at positions past_len, past_len+1, ...; `past_len` tokens before
-    them sit in the KV cache and are visible to everyone. Segment s hangs off causal index anchors[.., s] (position
-    p): it is `prefix_len` causal tokens (0 in training and synchronous drafting; 1 for an asynchronous branch)
-    followed by `block_size` MASK tokens, at positions p+1, p+2, .... A segment sees the causal stream up to and
-    including p, never a causal token after p and never another segment; its prefix tokens see each other causally;
-    its MASK tokens see the whole segment (bidirectional). Visibility is decided by anchor *position*, so
-    overlapping spans cannot leak the future.
+    The causal stream holds `num_causal` tokens at positions past_len, past_len+1, ...; the `past_len` tokens before
+    them sit in the KV cache, visible to all. Segment s hangs off causal index anchors[.., s] (position p): it is
+    `prefix_len` causal tokens (1 for an asynchronous branch, else 0) then `block_size` MASK tokens, at positions
+    p+1, p+2, .... A segment sees the causal stream up to and including p, never another segment; its prefix tokens
+    see each other causally; its MASK tokens see the whole segment (bidirectional). Visibility is decided by anchor
+    *position*, so overlapping spans cannot leak the future.
 
     Example: 5 causal tokens c0..c4, two blocks of B=2 hanging off c1 and c3 (x = may attend):
 
@@ -323,7 +317,7 @@ def _packed_hidden(drafter, input_ids, anchors, block_size):
 
 def with_first_token(block: torch.Tensor, anchor: torch.Tensor, first_token: str) -> torch.Tensor:
     """The rows that draft a block, (..., B, D) (hidden states or logits): the block's own rows, with row 1 (d_1)
-    taken from the token the block hangs off (its next-token row) when first_token == "ar" (ours; D3DConfig)."""
+    taken from the token the block hangs off (its next-token row) when first_token == "ar" (ours)."""
     if first_token == "block":
         return block
     return torch.cat([anchor.unsqueeze(-2), block[..., 1:, :]], -2)
@@ -334,12 +328,10 @@ LOGITS_PER_CHUNK = 2**25  # fp32 logits alive at once in the loss: 128 MiB (Qwen
 
 def rows_loss(drafter: Drafter, hidden: torch.Tensor, labels: torch.Tensor, *, teacher: Drafter | None = None,
               teacher_hidden: torch.Tensor | None = None, beta: float = 0.5):
-    """Cross-entropy of the drafter's logits at `hidden` (N, H) against `labels` (N,); with a teacher, against the
-    adjusted teacher at `teacher_hidden` (N, H) instead (pruning's recovery). Returns (loss (N,), argmax (N,)).
-
-    The vocabulary projection runs chunk by chunk and, when gradients are on, is recomputed in backward, so at most
-    LOGITS_PER_CHUNK fp32 logits (and their gradient) live at once: at Qwen3's vocabulary, all logits of a batch
-    would be tens of GB."""
+    """Cross-entropy of the drafter's logits at `hidden` (N, H) against `labels` (N,), or with a teacher against the
+    adjusted teacher at `teacher_hidden` (N, H) (pruning's recovery). Returns (loss (N,), argmax (N,)). The logits
+    are made chunk by chunk and recomputed in backward, so at most LOGITS_PER_CHUNK fp32 logits live at once: at
+    Qwen3's vocabulary, all logits of a batch would be tens of GB."""
     def chunk_loss(h, y, t_h):
         log_p = torch.log_softmax(drafter.logits(h), -1)  # (n, V), float32
         if teacher is None:
@@ -376,12 +368,10 @@ def _block_labels(input_ids, loss_mask, anchors, valid, block_size):
 def d3d_loss(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor, *, num_anchors: int | None = None,
              block_size: int | None = None, ar_weight: float | None = None, decay_gamma: float | None = None,
              generator: torch.Generator | None = None):
-    """L = L_block + lambda * L_AR on a batch of right-padded prompt+response sequences, input_ids and loss_mask
-    (b, L), loss_mask True on response tokens (prompt and padding carry no loss).
-
-    L_block: cross-entropy of block k position i against x_{a_k+i}, weighted by exp(-(i-1)/gamma) if gamma is set.
-    L_AR: next-token cross-entropy on the causal stream, response tokens only. Settings default to the drafter's
-    D3DConfig. Returns (loss, metrics): the two loss terms, and block_acc (B,) the accuracy at each block position."""
+    """L = L_block + lambda * L_AR on right-padded prompt+response sequences; input_ids, loss_mask (b, L), loss_mask
+    True on response tokens. L_block: cross-entropy of block k position i against x_{a_k+i}, weighted by
+    exp(-(i-1)/gamma) if gamma is set; L_AR: next-token cross-entropy on the causal stream's response tokens.
+    Settings default to the drafter's config. Returns (loss, {loss_block, loss_ar, block_acc (B,) per position})."""
     cfg = drafter.d3d_config
     num_anchors = num_anchors or cfg.num_anchors
     block_size = block_size or cfg.block_size
@@ -416,10 +406,9 @@ def d3d_loss(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
 @torch.no_grad()
 def offline_tau(drafter: Drafter, input_ids, loss_mask, *, num_anchors: int = 32, block_size: int | None = None,
                 first_token: str | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Validation tau without running the target: the responses are the target's own greedy output, so a block
-    drafted at anchor a is accepted exactly as far as it matches x_{a+1} ... . d_1 comes from where decoding takes
-    it (first_token, default: the drafter's config). Returns one tau (accepted + 1) per sampled anchor, shape
-    (num_valid,); a token past the end of the response counts as a mismatch."""
+    """Validation tau without the target: the responses are its greedy output, so a block drafted at anchor a is
+    accepted as far as it matches x_{a+1} ... (a token past the response's end is a mismatch). d_1 comes from where
+    decoding takes it (first_token, default: the config's). Returns tau (accepted + 1) per valid anchor (num_valid,)."""
     block_size = block_size or drafter.d3d_config.block_size
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
     causal_hidden, block_hidden = _packed_hidden(drafter, input_ids, anchors, block_size)
@@ -474,11 +463,9 @@ def draft_rows(drafter: Drafter, anchor_rows: torch.Tensor, block_starts: torch.
 
 @torch.no_grad()
 def draft_block(drafter: Drafter, cache, new_tokens: torch.Tensor, block_size: int) -> torch.Tensor:
-    """One drafter pass: the committed tokens the drafter has not seen yet (causal) + one MASK block hanging off the
-    last committed token x_n. The block's KV is cropped again, so the cache ends holding the committed tokens only.
-
-    new_tokens: (1, m), m >= 1 (x_n is always new: the drafter's cache never holds the last committed token
-    when it drafts). Returns the draft logits (B, V): row i-1 drafts position n+i."""
+    """One drafter pass: the committed tokens it has not read, new_tokens (1, m) ending with x_n (never in its cache
+    when it drafts), + one MASK block hanging off x_n. The block's KV is cropped again, so the cache ends holding the
+    committed tokens only. Returns the draft logits (B, V): row i-1 drafts position n+i."""
     past = cache.get_seq_length()
     m = new_tokens.shape[1]
     device = new_tokens.device
@@ -512,13 +499,12 @@ def verify_block(target: nn.Module, cache, last_token: torch.Tensor, draft: torc
 
 def accept_draft(p_logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Tensor | None, temperature: float,
                  generator=None) -> tuple[int, int]:
-    """Longest accepted prefix of the draft and the target's own next token.
+    """Longest accepted prefix of the draft and the target's own next token: (num_accepted, next_token).
 
     Greedy: accept d_i while it equals the target's argmax; the next token is the target's argmax after the accepted
     prefix (a correction, or the bonus token when all B are accepted). Sampling (lossless speculative sampling):
     accept d_i with probability min(1, p_target(d_i) / q_draft(d_i)); on the first rejection draw from the residual
-    max(p_target - q_draft, 0) normalised; after full acceptance draw the bonus from p_target.
-    Returns (num_accepted, next_token)."""
+    max(p_target - q_draft, 0) normalised; after full acceptance draw the bonus from p_target."""
     block_size = draft.shape[0]
     if temperature == 0:
         target_tokens = p_logits.argmax(-1)  # (B+1,)
@@ -547,8 +533,8 @@ DTYPES.update(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)  # sh
 
 
 def native_bf16(device: torch.device) -> bool:
-    """Does this device compute bf16 natively? CUDA: the GPU says; CPU: AVX512-BF16 or AMX (in /proc/cpuinfo on
-    Linux). Elsewhere bf16 matmuls fall back to slow kernels (measured: ~20-200x slower)."""
+    """Does the device compute bf16 natively (CUDA: the GPU says; CPU: AVX512-BF16 or AMX in /proc/cpuinfo)?
+    Elsewhere bf16 matmuls fall back to slow kernels (measured: ~20-200x slower)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type != "cpu" or not os.path.exists("/proc/cpuinfo"):
@@ -605,13 +591,13 @@ class _Output:
         return new
 
     def commit_round(self, accepted: list[int], next_token: int) -> None:
-        """A speculative round: the accepted drafts, then the target's own token; records how many were committed."""
+        """A speculative round: the accepted drafts, then the target's own token."""
         self.accept_lengths.append(len(self.commit(accepted + [next_token])))
 
 
 @dataclass
 class _Decoding:
-    """One sequence being decoded (every single-sequence loop): its tokens, both KV caches and the time split."""
+    """One sequence being decoded: its tokens, both KV caches and the time split."""
 
     out: _Output
     target_cache: object
@@ -622,9 +608,8 @@ class _Decoding:
 
 
 def _prefill(target, drafter, input_ids, selection, max_new_tokens, eos_token_id, temperature, generator):
-    """How every single-sequence loop starts: the target prefills the prompt (after selective prefill: only the kept
-    chunks, at their original positions) and produces the first token itself. The drafter's cache starts empty, or
-    after selective prefill holding the whole prompt (select_chunks read it)."""
+    """How every single-sequence loop starts: the target prefills the prompt (with selective prefill: the kept chunks
+    at their own positions; the drafter's cache then holds the whole prompt) and produces the first token itself."""
     device = input_ids.device
     out = _Output(input_ids[0].tolist(), max_new_tokens, eos_token_id)
     ids, positions = input_ids, None
@@ -676,8 +661,9 @@ def _decode_target(target, run: _Decoding, temperature, generator) -> None:
 def _decode_sync(target, drafter, run: _Decoding, block_size, temperature, generator) -> None:
     """Synchronous speculative decoding: draft a block, verify it, commit, repeat.
 
-    Invariants at the top of every round (committed tokens x_0 .. x_n):
-      target cache = x_0 .. x_{n-1}     (x_n is fed with the draft; less the prompt chunks selective prefill skipped)
+    Invariants at the top of every round (committed tokens x_0 .. x_n; the target's cache lacks the prompt chunks
+    that selective prefill skipped):
+      target cache = x_0 .. x_{n-1}     (x_n is fed with the draft)
       drafter cache = x_0 .. x_{d-1}    for some d <= n (the drafter catches up in its next pass)"""
     out, times, device = run.out, run.times, run.device
     while not out.done:
@@ -702,10 +688,9 @@ class _RaggedCache:
     """One DynamicCache for a batch of sequences of different lengths ("masked holes").
 
     Every pass appends the same q columns to every row (ragged new tokens are left-padded); `valid` (b, C) marks the
-    columns that hold a committed token of that row. Holes (padding, rejected draft tokens) are masked out of every
-    attention and a row's tokens sit at its own absolute positions, so each row computes what it would alone. Holes
-    cost memory and attention (B - a per round for a row that accepted a of B) but never a copy: trailing columns
-    that no row needs are cropped, and finished rows leave the batch (DynamicCache.batch_select_indices)."""
+    columns that hold a committed token of that row. Holes (padding, rejected drafts) are masked out of every
+    attention and a row's tokens sit at its own positions, so each row computes what it would alone. Holes cost
+    memory and attention but never a copy: trailing columns no row needs are cropped, finished rows leave."""
 
     def __init__(self, model: nn.Module, batch_size: int, device):
         self.cache = new_cache(model)
@@ -720,8 +705,8 @@ class _RaggedCache:
         return (relative + offset[:, None]).clamp(min=0), mask[:, None]
 
     def commit(self, new_valid):
-        """Record the q columns the last pass appended, new_valid (b, q) True where a row keeps the token; crop
-        trailing columns that are a hole in every row."""
+        """Record the q columns the last pass appended (new_valid (b, q): the tokens each row keeps); crop trailing
+        columns that are a hole in every row."""
         self.valid = torch.cat([self.valid, new_valid], 1)
         used = self.valid.any(0).nonzero()
         length = int(used[-1]) + 1 if len(used) else 0
@@ -751,9 +736,8 @@ def _target_pass(target: nn.Module, ragged: _RaggedCache, ids, new_valid, logits
 
 
 def _draft_batch(drafter: Drafter, ragged: _RaggedCache, new_tokens: list[list[int]], block_size: int):
-    """draft_block for a batch: each row's committed tokens the drafter has not seen (left-padded, so that every
-    row's x_n is the last causal column) + one MASK block hanging off x_n. Returns draft logits (b, B, V); the
-    blocks' KV is cropped again."""
+    """draft_block for a batch, left-padded so that every row's x_n is the last causal column. Returns draft logits
+    (b, B, V)."""
     device = ragged.valid.device
     ids, new_valid = _left_pad(new_tokens, device)  # (b, m)
     b, m = ids.shape
@@ -831,8 +815,8 @@ def _decode_batch_target(target, prompts, max_new_tokens, temperature, eos_token
 
 def _decode_batch_sync(target, drafter, prompts, max_new_tokens, block_size, temperature, eos_token_id, generator):
     """_decode_sync for a batch: one drafter pass drafts a block for every unfinished row, one target pass verifies
-    them all, and each row commits its own accepted prefix + the target's token (ragged acceptance: a row's rejected
-    tail becomes a hole in its target cache). Invariants per row as in _decode_sync, over the row's valid columns."""
+    them all, and each row commits its own accepted prefix + the target's token (a row's rejected tail becomes a
+    hole in its target cache). Invariants per row as in _decode_sync, over the row's valid columns."""
     device = prompts[0].device
     outs, target_cache, times = _batch_prefill(target, prompts, max_new_tokens, eos_token_id, temperature, generator)
     drafter_cache = _RaggedCache(drafter.model, len(outs), device)
@@ -840,10 +824,9 @@ def _decode_batch_sync(target, drafter, prompts, max_new_tokens, block_size, tem
     active = _drop_finished(outs, list(range(len(outs))), caches, times)
     while active:
         t0 = _clock(device)
-        seen = drafter_cache.valid.sum(1).tolist()
-        draft_logits = _draft_batch(drafter, drafter_cache, [outs[row].tokens[s:] for row, s in zip(active, seen)],
-                                    block_size)
-        draft, q_draft = pick_tokens(draft_logits, temperature, generator)  # (b, B), (b, B, V) or None
+        new_tokens = [outs[row].tokens[seen:] for row, seen in zip(active, drafter_cache.valid.sum(1).tolist())]
+        draft, q_draft = pick_tokens(_draft_batch(drafter, drafter_cache, new_tokens, block_size), temperature,
+                                     generator)  # (b, B), (b, B, V) or None
         t1 = _clock(device)
         last = torch.tensor([outs[row].tokens[-1:] for row in active], device=device)  # (b, 1): each row's x_n
         ids = torch.cat([last, draft], 1)  # (b, B+1)
@@ -872,13 +855,11 @@ def default_budget(block_size: int) -> tuple[int, int]:
 
 
 def plan_branches(draft_logits: torch.Tensor, draft: torch.Tensor, coverage: int, fanout: int, cover: str = "first"):
-    """Which rejection outcomes get a branch in the packed pass: C covered positions k x F candidate tokens t.
-
-    The candidates at k are the drafter's F most likely tokens other than d_k (from the logits that drafted d_k).
-    cover="first": k = 1 .. C; cover="likely": the C largest r_k = prod_{j<k} c_j * (1 - c_k), the probability that
-    verification first rejects at k, with c_j the drafter's probability of d_j (as in D2SD).
-    Returns positions (C,) ascending and candidates (C, F), both on the device: nothing is read back to the host, so
-    the passes launch right after planning (the host waits only once a round, for the verification result)."""
+    """Which rejection outcomes get a branch in the packed pass: C covered positions k x F candidate tokens t, the
+    drafter's F most likely tokens at k other than d_k. cover="first": k = 1 .. C; cover="likely": the C largest
+    r_k = prod_{j<k} c_j * (1 - c_k), the probability that verification first rejects at k, c_j the drafter's
+    probability of d_j (as in D2SD). Returns positions (C,) ascending and candidates (C, F), both left on the device
+    so that the passes launch right away (the host waits once a round, for the verification result)."""
     block_size, vocab = draft_logits.shape
     coverage, fanout = min(coverage, block_size), min(fanout, vocab - 1)
     if cover == "first":
@@ -898,31 +879,31 @@ def build_branch_pass(drafter: Drafter, new_tokens, draft, positions, candidates
 
     new_tokens (m,): committed tokens the drafter has not read, ending with x_n (m = 0: x_n is in its cache);
     draft (L,): d_1 .. d_L, the block under verification; positions (C,), candidates (C, F) from plan_branches.
-    The causal stream is new_tokens then d_1 .. d_L (so the accepted drafts get their KV right here); then C x F
-    branch segments [t, MASK x B], t at position n+k hanging off d_{k-1} (d_0 = x_n): "rejected at k, the target
-    said t"; then the full-acceptance segment [d_L, MASK x B] hanging off d_{L-1}: d_L again, so that every segment
-    has one shape, and its block guesses the bonus token and what follows. With first_token == "ar" the segment's
-    first token drafts d'_1 and MASK 1 is a placeholder. One pass, m = 1, L = 3, C = 2, F = 1, B = 2 (x = may
-    attend; the cache x_0 .. x_{n-1} is visible to all):
+    The causal stream is new_tokens then d_1 .. d_L, so the accepted drafts get their KV here. Then C x F branch
+    segments [t, MASK x B], t at position n+k hanging off d_{k-1} (d_0 = x_n): "d_k rejected, the target said t".
+    Last the full-acceptance segment [d_L, MASK x B] hanging off d_{L-1}: d_L again, so that every segment has one
+    shape; its block guesses the bonus token and what follows. (With first_token "ar" a segment's first token
+    drafts d'_1 and MASK 1 is a placeholder.) m = 1, L = 3, C = 2, F = 1, B = 2; the cache x_0 .. x_{n-1} is
+    visible to all, x = may attend:
 
-                    x_n d_1 d_2 d_3 | t1 m m | t2 m m | d_3 m m
-        x_n   (n)    x              |        |        |
-        d_1 (n+1)    x   x          |        |        |          causal stream: new tokens, then the draft
-        d_2 (n+2)    x   x   x      |        |        |
-        d_3 (n+3)    x   x   x   x  |        |        |
-        t1  (n+1)    x              | x      |        |          branch (1, t1): d_1 rejected, the target said t1;
-        m   (n+2)    x              | x  x x |        |          its block drafts x_{n+2}, x_{n+3}
-        m   (n+3)    x              | x  x x |        |
-        t2  (n+2)    x   x          |        | x      |          branch (2, t2): d_1 accepted, d_2 rejected -> t2
-        m   (n+3)    x   x          |        | x  x x |
-        m   (n+4)    x   x          |        | x  x x |
-        d_3 (n+3)    x   x   x      |        |        | x        full acceptance: hangs off d_2; its block
-        m   (n+4)    x   x   x      |        |        | x   x x  guesses the bonus x_{n+4}, then x_{n+5}
-        m   (n+5)    x   x   x      |        |        | x   x x
+                     x_n d_1 d_2 d_3 | t1 m m | t2 m m | d_3 m m
+        x_n (n)      x               |        |        |
+        d_1 (n+1)    x   x           |        |        |               causal stream: new tokens, then the draft
+        d_2 (n+2)    x   x   x       |        |        |
+        d_3 (n+3)    x   x   x   x   |        |        |
+        t1  (n+1)    x               | x      |        |               branch (1, t1): d_1 rejected, target said t1;
+        m   (n+2)    x               | x  x x |        |               drafts x_{n+2}, x_{n+3}
+        m   (n+3)    x               | x  x x |        |
+        t2  (n+2)    x   x           |        | x      |               branch (2, t2): d_1 accepted, d_2 rejected
+        m   (n+3)    x   x           |        | x  x x |
+        m   (n+4)    x   x           |        | x  x x |
+        d_3 (n+3)    x   x   x       |        |        | x             full acceptance, off d_2: guesses the
+        m   (n+4)    x   x   x       |        |        | x   x x       bonus x_{n+4}, then x_{n+5}
+        m   (n+5)    x   x   x       |        |        | x   x x
 
-    Everything is built on the device from device tensors and host ints, so it does not wait for the device.
-    Returns input ids (1, q), position ids (1, q), mask (1, 1, q, past+q) and the rows (S, B) that draft each
-    segment's block (see draft_rows), segments in the order of candidates.flatten(), then full acceptance."""
+    Built on the device from device tensors and host ints, so it does not wait for the device. Returns input ids
+    (1, q), position ids (1, q), mask (1, 1, q, past+q) and the rows (S, B) that draft each segment's block
+    (draft_rows), segments in the order of candidates.flatten(), then full acceptance."""
     num_new, length, fanout = new_tokens.shape[0], draft.shape[0], candidates.shape[1]
     hang_on = torch.cat([positions[:, None].expand(-1, fanout).flatten(), positions.new_full((1,), length)]) - 1
     anchors = num_new - 1 + hang_on  # causal index of d_{k-1} (d_0 = x_n; -1 if x_n is in the cache)
@@ -936,9 +917,9 @@ def build_branch_pass(drafter: Drafter, new_tokens, draft, positions, candidates
 
 
 class _Span:
-    """Run a body on a CUDA stream and time it there (events, to read once the host has waited for them); without
-    CUDA (stream None) run it right here and time it on the host clock. `launch` is the host time spent queuing
-    the body: close to `seconds()` means the pass is bound by kernel launches."""
+    """Run a body on a CUDA stream and time it there with events (read them once the host has waited for them); on
+    CPU (stream None) run it here, on the host clock. `launch`: the host time spent queuing the body (close to
+    `seconds()`: the pass is bound by kernel launches)."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -969,8 +950,8 @@ def _host_to_device(values: list[int], device) -> torch.Tensor:
 
 
 def _side_streams(device: torch.device):
-    """(main, verify, draft) streams: the target on a high-priority stream, as it is on the critical path, and the
-    drafter's packed pass on another, where it fills the gaps. All None without CUDA."""
+    """(main, verify, draft) streams; the target's has the higher priority (it is on the critical path), the drafter
+    fills the gaps. All None without CUDA."""
     if device.type != "cuda":
         return None, None, None
     return torch.cuda.current_stream(device), torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device)
@@ -978,9 +959,9 @@ def _side_streams(device: torch.device):
 
 def _verify_while_drafting(target, drafter, run: _Decoding, last_token, draft, packed, streams):
     """Step (b) of an async round: the verify pass on [x_n, d_1 .. d_L] and the packed drafter pass, each on its own
-    CUDA stream (`streams`: main, verify, draft; all None on CPU, where the two run one after the other), then the
-    join. Returns p_logits (L+1, V), the hidden states that draft each segment's block (S, B, H) (projected later,
-    only for the branch that hits), and timings(), the round's times (read it once the host has waited for them)."""
+    CUDA stream (on CPU one after the other), then the join. Returns p_logits (L+1, V), the hidden states that draft
+    each segment's block (S, B, H) (projected later, only for the branch that hits), and timings(): the round's
+    times, to call once the host has waited for the round."""
     main, verify_stream, draft_stream = streams
     ids, position_ids, mask, block_rows = packed
     with _Span(main) as round_span:
@@ -1011,8 +992,8 @@ def _prepared_block(drafter, block_hidden, positions, candidates, draft, num_acc
                     generator):
     """Step (c)'s lookup: did the packed pass prepare the outcome (a = num_accepted, target token c = next_token)?
     Returns the outcome's slot in the hit / miss counts (k-1 for a rejection at k = a+1, B for full acceptance) and
-    the hidden states that draft the next block ((B, H); (B-1, H) after full acceptance, whose first drafted token
-    was the guess of c), or None if the outcome was not prepared."""
+    the hidden states that draft the next block: (B, H), or (B-1, H) after full acceptance, whose first drafted
+    token was the guess of c; None if the outcome was not prepared."""
     if num_accepted < draft.shape[0]:  # rejected at k: was (k, c) a branch?
         covered, k = positions.tolist(), num_accepted + 1  # read after the join: no extra wait
         if k in covered:
@@ -1030,33 +1011,29 @@ def _decode_async(target, drafter, run: _Decoding, block_size, temperature, gene
                   cover) -> dict:
     """Asynchronous speculative decoding: while the target verifies [x_n, d_1 .. d_L], one packed drafter pass
     prepares the next draft for the likely outcomes of that verification. Each round:
-      (a) plan the branches and build the packed pass, on the device (plan_branches, build_branch_pass, which
-          pictures the pass);
-      (b) verify on one CUDA stream while the packed pass runs on the other, and join (_verify_while_drafting);
-      (c) resolve: commit the accepted prefix and the target's token c; if that outcome was prepared (a rejection at
-          k with c among k's candidates, or full acceptance with c the full block's guess), its block is the next
-          draft (a hit: B tokens, B-1 after full acceptance); otherwise the drafter drafts now (a miss: fallback).
+      (a) plan the branches and build the packed pass on the device (plan_branches; build_branch_pass pictures it);
+      (b) verify on one CUDA stream while the packed pass runs on another, and join (_verify_while_drafting);
+      (c) resolve: commit the accepted prefix and the target's token c. If that outcome was prepared (rejection at k
+          with c among k's candidates, or full acceptance with c the full block's guess), its block is the next
+          draft (a hit: B tokens, B-1 after full acceptance); else the drafter drafts it (a miss: fallback draft).
     Invariants at the top of a round (committed x_0 .. x_n):
-      target cache  = x_0 .. x_{n-1}   (less the prompt chunks selective prefill skipped)
-      drafter cache = x_0 .. x_{n-1}   after a hit: the packed pass read the accepted drafts, and all it appended
-                                       after them (the rejected tail, every segment) was cropped;
-                      x_0 .. x_n       after a fallback draft, which reads x_n (so is the first round).
-    Returns the async stats: hits and misses per outcome, the time split."""
+      target cache  = x_0 .. x_{n-1}  (less the prompt chunks that selective prefill skipped)
+      drafter cache = x_0 .. x_{n-1}  after a hit: the packed pass read the accepted drafts, and the rest it
+                                      appended (rejected drafts, all segments) was cropped;
+                      x_0 .. x_n      after a fallback draft (and so in the first round), which reads x_n.
+    Returns the async stats: hits and misses per outcome, and the time split."""
     out, times, device = run.out, run.times, run.device
-    times.update(dict.fromkeys(["packed_draft", "fallback_draft", "overlap_saved", "verify_launch", "packed_launch"],
-                               0.0))
+    for key in ("packed_draft", "fallback_draft", "overlap_saved", "verify_launch", "packed_launch"):
+        times[key] = 0.0
     hits, misses = [0] * (block_size + 1), [0] * (block_size + 1)  # index k-1: rejection at k; index B: full accept
     streams = _side_streams(device)
-
-    def fallback_draft() -> torch.Tensor:
-        t0 = _clock(device)
-        new_tokens = torch.tensor([out.tokens[run.drafter_cache.get_seq_length():]], device=device)
-        logits = draft_block(drafter, run.drafter_cache, new_tokens, block_size)
-        times["fallback_draft"] += _clock(device) - t0
-        return logits
-
-    draft_logits = fallback_draft() if not out.done else None
+    draft_logits = None  # the next draft; None: not prepared, the drafter drafts it on the critical path
     while not out.done:
+        if draft_logits is None:  # a fallback draft (a miss, or the first round)
+            t0 = _clock(device)
+            new_tokens = torch.tensor([out.tokens[run.drafter_cache.get_seq_length():]], device=device)
+            draft_logits = draft_block(drafter, run.drafter_cache, new_tokens, block_size)
+            times["fallback_draft"] += _clock(device) - t0
         # (a) plan and build, on the device; the round's one host-to-device copy brings the new committed tokens
         draft, q_draft = pick_tokens(draft_logits, temperature, generator)
         n, seen = len(out.tokens) - 1, run.drafter_cache.get_seq_length()
@@ -1065,21 +1042,20 @@ def _decode_async(target, drafter, run: _Decoding, block_size, temperature, gene
         positions, candidates = plan_branches(draft_logits, draft, coverage, fanout, cover)
         packed = build_branch_pass(drafter, new_tokens, draft, positions, candidates, past_len=seen,
                                    block_size=block_size)
-        # (b) verify and prepare side by side
+        # (b) verify while the packed pass prepares the next draft
         p_logits, block_hidden, timings = _verify_while_drafting(target, drafter, run, committed[-1], draft, packed,
                                                                  streams)
         num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator)  # host waits
         for key, seconds in timings().items():
             times[key] += seconds
-        # (c) resolve: commit, crop both caches, then take the prepared block (hit) or draft now (miss)
+        # (c) resolve: commit, crop both caches, take the prepared block if the outcome was prepared
         out.commit_round(draft[:num_accepted].tolist(), next_token)
         crop_cache(run.target_cache, len(out.tokens) - 1 - run.offset)
         crop_cache(run.drafter_cache, n + 1 + num_accepted)  # keep x_0 .. x_n, d_1 .. d_a; drop rejected and branches
         slot, ready = _prepared_block(drafter, block_hidden, positions, candidates, draft, num_accepted, next_token,
                                       temperature, generator)
         (hits if ready is not None else misses)[slot] += 1
-        if not out.done:
-            draft_logits = drafter.logits(ready) if ready is not None else fallback_draft()
+        draft_logits = drafter.logits(ready) if ready is not None and not out.done else None
     times["draft"] = times["packed_draft"] + times["fallback_draft"]
     return {
         "hit_rate": sum(hits) / max(1, sum(hits) + sum(misses)),
@@ -1100,8 +1076,8 @@ def _decode_async(target, drafter, run: _Decoding, block_size, temperature, gene
 
 
 def adjusted_teacher(teacher_logits: torch.Tensor, labels: torch.Tensor, beta: float) -> torch.Tensor:
-    """The recovery target: the fixed teacher's distribution moved toward the supervised token,
-    q = (1 - beta) * softmax(teacher) + beta * onehot(label) (ours; beta = 0.5 by default). Sums to one."""
+    """The recovery target (ours): the fixed teacher's distribution moved toward the supervised token,
+    q = (1 - beta) * softmax(teacher) + beta * onehot(label). Sums to one."""
     q = (1 - beta) * torch.softmax(teacher_logits.float(), -1)
     return q.scatter_add(-1, labels[..., None], torch.full_like(q[..., :1], beta))  # + beta at the label, no one-hot
 
@@ -1128,8 +1104,8 @@ def distill_loss(student: Drafter, teacher: Drafter, input_ids, loss_mask, *, be
 
 @torch.no_grad()
 def validation_tau(drafter: Drafter, batches, *, num_anchors: int = 32, seed: int = 0) -> tuple[float, float]:
-    """Mean offline tau and mean block cross-entropy over (input_ids, loss_mask) batches, with the same anchors
-    every call (fixed seed), so that candidates are compared on identical blocks."""
+    """Mean offline tau and mean block cross-entropy over (input_ids, loss_mask) batches, on the same anchors every
+    call (fixed seed), so that candidates are compared on identical blocks."""
     generator = torch.Generator().manual_seed(seed)
     taus, losses = [], []
     for input_ids, loss_mask in batches:
@@ -1168,13 +1144,11 @@ def remove_layer(drafter: Drafter, index: int) -> None:
 def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: int | None = None,
                   tau_floor: float | None = None, recovery_steps: int = 100, lr: float = 5e-5, beta: float = 0.5,
                   num_anchors: int = 32, seed: int = 0, log=print):
-    """Greedy progressive pruning (in place). Each iteration: offline tau with each remaining layer removed; remove
-    the layer whose removal costs least tau (ties: least change in block loss); recover for `recovery_steps` AdamW steps
-    distilled from the fixed unpruned drafter (distill_loss, adjusted toward the label by beta); re-measure tau.
-
-    Stops at `min_layers` layers, or before an iteration whose recovered tau falls below tau_floor x the unpruned
-    tau (that iteration is undone and reported with "kept": False). Returns the table: one dict per iteration with
-    the removed layer (index in the original drafter), tau before and after recovery, and seconds."""
+    """Greedy progressive pruning, in place. Each iteration removes the layer whose removal costs least offline tau
+    (ties: least change in block loss), recovers for `recovery_steps` AdamW steps distilled from the fixed unpruned
+    drafter (distill_loss) and re-measures tau. Stops at `min_layers` layers, or at the first iteration whose
+    recovered tau falls below tau_floor x the unpruned tau (undone, and reported with "kept": False). Returns the
+    table: one dict per iteration (removed layer as an index of the original drafter, tau before / after recovery)."""
     if min_layers is None and tau_floor is None:
         raise ValueError("give a stopping rule: min_layers (a target depth) or tau_floor (fraction of unpruned tau)")
     teacher = copy.deepcopy(drafter).eval().requires_grad_(False)  # the fixed, unpruned drafter
@@ -1196,7 +1170,6 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
         best = max(scores, key=lambda i: (scores[i][0], -abs(scores[i][1] - base_loss)))
         snapshot = copy.deepcopy(drafter) if tau_floor is not None else None
         remove_layer(drafter, best)
-        tau_before = scores[best][0]
         if recovery_steps > 0:
             drafter.train()
             params = [p for p in drafter.parameters() if p.requires_grad]
@@ -1210,6 +1183,7 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
             drafter.eval()
+        tau_before = scores[best][0]
         tau_after, _ = validation_tau(drafter, val_batches, num_anchors=num_anchors, seed=seed)
         row = {"iteration": len(table), "removed_layer": original[best], "layers": len(original) - 1,
                "tau_before_recovery": tau_before, "tau_after_recovery": tau_after,
@@ -1217,13 +1191,12 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
                "candidates": {original[i]: round(score[0], 4) for i, score in scores.items()}}
         log(f"removed layer {original[best]}: {len(original) - 1} left, tau {tau_before:.3f} -> {tau_after:.3f} "
             f"after recovery ({row['seconds']:.0f} s)")
+        table.append(row)
         if tau_floor is not None and tau_after < tau_floor * tau0:
             row["kept"] = False  # below the floor: undo this removal and stop
-            table.append(row)
             drafter.model, drafter.d3d_config = snapshot.model, snapshot.d3d_config
             log(f"tau {tau_after:.3f} < {tau_floor} x {tau0:.3f}: removal undone, stopping")
             break
-        table.append(row)
     drafter.eval()
     return table
 
@@ -1235,13 +1208,11 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
 @torch.no_grad()
 def select_chunks(drafter: Drafter, input_ids: torch.Tensor, *, keep_ratio: float, chunk_size: int = 64,
                   query_window: int = 32) -> dict:
-    """The drafter reads the whole prompt into its own cache and chooses which chunks the target prefills.
-
-    Score of a chunk (ours): the attention mass that the last `query_window` prompt tokens give its tokens, averaged
-    over layers, heads and those queries. The first and the last chunk are always kept; then the best-scoring
-    chunks up to ceil(keep_ratio * num_chunks). Kept chunks stay in their original order and keep their original
-    position ids. Returns kept_ids (1, k), kept_positions (1, k), the drafter's cache (holding the full prompt),
-    chunk scores and counts, and the scoring time."""
+    """The drafter reads the whole prompt into its own cache and chooses which chunks the target prefills. A chunk's
+    score (ours): the attention mass the last `query_window` prompt tokens give its tokens, averaged over layers,
+    heads and queries. The first and last chunk are always kept, then the best up to ceil(keep_ratio * num_chunks),
+    in their order and at their original positions. Returns kept_ids (1, k), kept_positions (1, k), the drafter's
+    cache (holding the full prompt), chunk scores and counts, and the scoring time."""
     if not 0 < keep_ratio <= 1:
         raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio}")
     if chunk_size < 1:
