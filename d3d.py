@@ -24,16 +24,15 @@ Map from the paper to this file (read top to bottom):
 Shapes: b batch, L clean tokens, K anchors (blocks), B block size, V vocabulary, q packed query length,
 past tokens already in a KV cache.
 
-Our readings where the paper is silent ("ours" below); README.md, section "Departures and readings", gives each
-with its reason:
-  * anchorless blocks: a block hangs off a point p of the causal stream; its i-th MASK predicts the token at p+i.
-  * d_1 comes from the causal stream's next-token head (first_token="ar", default); first_token="block": MASK 1.
-  * MASK is a fresh id (the first one the tokenizer does not use) and is never drafted.
-  * the target's prefill produces the first token; speculation starts from the second.
-  * async branches: C covered positions x F runner-up tokens, plus a full-acceptance block; one segment shape.
-  * the loss projects to the vocabulary only the rows that carry a label, in chunks recomputed in backward.
-  * pruning recovers toward (1-beta) softmax(teacher) + beta onehot; tau ties go to the smallest loss change.
-  * selective prefill scores a chunk by the attention the last 32 prompt tokens give it; first and last kept.
+Our readings ("ours") where the paper is silent; README.md, section "Departures and readings", gives each reason:
+  * anchorless blocks: MASK i of a block hanging off position p predicts the token at p+i
+  * d_1 from the causal stream's next-token head (first_token="ar", the default)
+  * MASK is a fresh id (the first one the tokenizer does not use), never drafted
+  * the first token comes from the target's prefill
+  * async branches: C positions x F runner-up tokens + a full-acceptance block, all of one segment shape
+  * the loss projects to the vocabulary only the rows with a label, in chunks recomputed in backward
+  * pruning: recovery toward an adjusted teacher; tau ties go to the smallest change in loss
+  * selective prefill: a chunk's score is the attention the last 32 prompt tokens give it
 """
 from __future__ import annotations
 
@@ -192,12 +191,11 @@ class Drafter(nn.Module):
 
 def make_drafter(model: nn.Module, mask_token_id: int | None = None, *, tokenizer, layers: list[int] | None = None,
                  target_vocab_size: int | None = None, **config) -> Drafter:
-    """Turn any HF causal LM that uses the target's tokenizer into a D3D drafter.
-
-    MASK: `mask_token_id` if given (not a token text can produce), else the id of `<|MASK|>` if the tokenizer has
-    one, else the first id the tokenizer does not use (Qwen3: 151669, inside its padded vocabulary of 151936); the
-    embeddings grow only when that id has no row. `layers` keeps only those decoder layers. `target_vocab_size`:
-    rows of the target's output layer (default: this model's). Other keyword arguments go to D3DConfig."""
+    """Turn any HF causal LM that uses the target's tokenizer into a D3D drafter. MASK: `mask_token_id` if given (not
+    a token text can produce), else the id of `<|MASK|>` if the tokenizer has one, else the first id the tokenizer
+    does not use (Qwen3: 151669, inside its padded vocabulary of 151936); the embeddings grow only when that id has
+    no row. `layers` keeps only those decoder layers. `target_vocab_size`: rows of the target's output layer
+    (default: this model's). Other keyword arguments go to D3DConfig."""
     rows = model.get_output_embeddings().weight.shape[0]
     text_vocab = len(tokenizer)
     if rows < text_vocab:
@@ -218,10 +216,9 @@ def make_drafter(model: nn.Module, mask_token_id: int | None = None, *, tokenize
         model.resize_token_embeddings(mask_token_id + 1, mean_resizing=False)
     if layers is not None:
         keep_layers(model, list(layers))
-    d3d_config = D3DConfig(mask_token_id=mask_token_id, target_vocab_size=target_vocab_size,
-                           tokenizer_hash=tokenizer_fingerprint(tokenizer),
-                           layer_ids=list(layers) if layers is not None else None, **config)
-    return Drafter(model, d3d_config)
+    return Drafter(model, D3DConfig(mask_token_id=mask_token_id, target_vocab_size=target_vocab_size,
+                                    tokenizer_hash=tokenizer_fingerprint(tokenizer),
+                                    layer_ids=list(layers) if layers is not None else None, **config))
 
 
 def check_tokenizer(drafter: Drafter, tokenizer) -> None:
