@@ -463,12 +463,11 @@ def draft_block(drafter: Drafter, cache, new_tokens: torch.Tensor, block_size: i
     """One drafter pass: the committed tokens it has not read, new_tokens (1, m) ending with x_n (never in its cache
     when it drafts), + one MASK block hanging off x_n. The block's KV is cropped again, so the cache ends holding the
     committed tokens only. Returns the draft logits (B, V): row i-1 drafts position n+i."""
-    past = cache.get_seq_length()
-    m = new_tokens.shape[1]
-    device = new_tokens.device
-    mask, positions = packed_attention_mask(m, torch.tensor([m - 1], device=device), block_size, past_len=past)
+    past, m, device = cache.get_seq_length(), new_tokens.shape[1], new_tokens.device
+    last = torch.tensor([m - 1], device=device)  # x_n, the token the block hangs off
+    mask, positions = packed_attention_mask(m, last, block_size, past_len=past)
     masks = torch.full((1, block_size), drafter.d3d_config.mask_token_id, device=device)
-    rows = draft_rows(drafter, torch.tensor([m - 1], device=device), torch.tensor([m], device=device), block_size)
+    rows = draft_rows(drafter, last, last + 1, block_size)
     logits = drafter(torch.cat([new_tokens, masks], 1), positions, mask, past_key_values=cache, logits_to_keep=rows[0])
     crop_cache(cache, past + m)
     return logits[0]
@@ -750,8 +749,7 @@ def _draft_batch(drafter: Drafter, ragged: _RaggedCache, new_tokens: list[list[i
 
 
 def _batch_prefill(target, prompts, max_new_tokens, eos_token_id, temperature, generator):
-    """How both batched loops start: the target prefills the left-padded prompts and gives every row its first
-    token. Returns (outputs, target cache, times)."""
+    """_prefill for a batch: the target prefills the left-padded prompts and gives every row its first token."""
     device = prompts[0].device
     outs = [_Output(p.tolist(), max_new_tokens, eos_token_id) for p in prompts]
     cache = _RaggedCache(target, len(outs), device)
@@ -1271,10 +1269,9 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
     row advances by its own accepted length, stops on its own EOS or budget, and leaves the batch when done; its
     output is what decoding it alone gives (greedy: the same tokens; sampling: the same law, other draws). Returns
     (list of 1-D tensors prompt + new, stats): stats["rows"] per request (tau, accept_lengths, num_rounds,
-    num_new_tokens, time_done) and batch totals (num_rounds = batched rounds, num_new_tokens, tau, the times as
-    above, tokens_per_s = new tokens of all rows / time_total). Batched async is not built: every row would need its
-    own branch plan (a ragged set of segments per row), and rows needing a fallback pass would no longer hide it
-    behind one verification."""
+    num_new_tokens, time_done) and batch totals (num_rounds = batched rounds; tokens_per_s = new tokens of all rows
+    / time_total). Batched async is not built: each row would need its own branch plan, and rows that need a
+    fallback pass would no longer hide it behind one verification."""
     batch = isinstance(input_ids, (list, tuple))
     if batch:
         if not input_ids or any(not torch.is_tensor(p) or p.dim() != 1 for p in input_ids):
