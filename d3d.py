@@ -16,7 +16,7 @@ Map from the paper to this file (read top to bottom):
     target-only and synchronous decoding                generate(mode="target" | "sync"), _decode_sync
     concurrent requests (Table 2): ragged batches        generate([prompts]), _decode_batch_sync, _RaggedCache
     asynchronous decoding (Fig. 1c): one packed pass     generate(mode="async"), _decode_async, plan_branches,
-      prepares the next block for likely outcomes,        build_branch_pass
+      prepares the next block for likely outcomes,        build_branch_pass, _verify_while_drafting
       on a second CUDA stream during verification
     progressive layer pruning with recovery (Fig. 1b)   prune_drafter, distill_loss, adjusted_teacher
     selective prefilling (appendix, Fig. 5)             select_chunks, generate(keep_ratio=...)
@@ -24,39 +24,27 @@ Map from the paper to this file (read top to bottom):
 Shapes: b batch, L clean tokens, K anchors (blocks), B block size, V vocabulary, q packed query length,
 past tokens already in a KV cache.
 
-Our readings where the paper is silent (README "Departures and readings" gives each with its reason):
-  * "anchorless" blocks: a block of B MASK tokens hangs off a point p of the causal stream; its tokens sit at
-    positions p+1 .. p+B and each predicts the token at its own position (DFlash puts a clean anchor token inside
-    the block instead; here the anchor simply lives in the causal stream).
-  * d_1 from the causal stream (first_token = "ar", default): the first draft token is the drafter's ordinary
-    next-token prediction at x_n (the head L_AR trains), d_2 .. d_B come from MASK 2 .. B; MASK 1 stays in the block
-    as the placeholder of the unknown x_{n+1}. Training is unchanged (L_block still covers all B positions).
-    first_token = "block" drafts d_1 from MASK 1 (`python train.py eval` measures both; README has the numbers).
-  * the drafter's MASK is a fresh id (the first id the tokenizer does not use; embeddings are resized only when the
-    model has no free row) and is never drafted.
-  * the target prefills the prompt and produces the first token itself; speculation starts from the second token.
-  * asynchronous branches: C covered positions x F candidate tokens (the drafter's runners-up at that position),
-    plus a full-acceptance block whose first token guesses the bonus; after a full-acceptance hit the next draft
-    has B-1 tokens. Every segment has one shape, [token, MASK x B] (the full-acceptance block repeats d_B), so the
-    pass is built on the device without waiting for it. Branch blocks are projected only for the branch that hits.
-  * the loss projects to the vocabulary only the rows that carry a label, in chunks recomputed in backward.
-  * pruning: recovery distils from the fixed unpruned drafter toward q = (1-beta) softmax(teacher) + beta onehot
-    (beta = 0.5) on blocks and causal stream; tau ties between candidate layers go to the smallest change in loss.
-  * selective prefill: a chunk's score is the attention mass the last 32 prompt tokens give it (mean over layers,
-    heads, queries); first and last chunk always kept.
+Our readings ("ours") where the paper is silent; README.md, section "Departures and readings", gives each reason:
+  * anchorless blocks: MASK i of a block hanging off position p predicts the token at p+i
+  * d_1 from the causal stream's next-token head (first_token="ar", the default)
+  * MASK is a fresh id (the first one the tokenizer does not use), never drafted
+  * the first token comes from the target's prefill
+  * async branches: C positions x F runner-up tokens + a full-acceptance block, all of one segment shape
+  * the loss projects to the vocabulary only the rows with a label, in chunks recomputed in backward
+  * pruning: recovery toward an adjusted teacher; tau ties go to the smallest change in loss
+  * selective prefill: a chunk's score is the attention the last 32 prompt tokens give it
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import hashlib
 import json
 import math
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -89,16 +77,15 @@ class D3DConfig:
     first_token: str = "ar"  # who drafts d_1: "ar", the causal stream's next-token head at x_n; "block", MASK 1
 
     def __post_init__(self):
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_anchors < 1:
-            raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}")
+        for name in ("block_size", "num_anchors"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.first_token not in ("ar", "block"):
             raise ValueError(f"first_token must be 'ar' or 'block', got {self.first_token!r}")
 
     def save(self, path: str) -> None:
         with open(os.path.join(path, CONFIG_NAME), "w") as f:
-            json.dump(dataclasses.asdict(self), f, indent=2)
+            json.dump(asdict(self), f, indent=2)
 
     @classmethod
     def load(cls, path: str) -> "D3DConfig":
@@ -117,9 +104,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def keep_layers(model: nn.Module, layer_ids: list[int]) -> nn.Module:
-    """Keep only the decoder layers `layer_ids` (in that order) of an HF causal LM, in place.
-
-    Layers are renumbered 0..n-1 so that KV-cache slots, the config and a save/load round trip all agree."""
+    """Keep only the decoder layers `layer_ids` (in that order) of an HF causal LM, in place, renumbered 0..n-1 so
+    that KV-cache slots, the config and a save/load round trip all agree."""
     decoder = model.get_decoder()
     layers = decoder.layers
     if not layer_ids or any(not 0 <= i < len(layers) for i in layer_ids) or len(set(layer_ids)) != len(layer_ids):
@@ -137,8 +123,8 @@ def keep_layers(model: nn.Module, layer_ids: list[int]) -> nn.Module:
 
 
 def additive_mask(mask: torch.Tensor, model: nn.Module) -> torch.Tensor:
-    """A bool mask (True = may attend) as the additive float mask HF takes (eager attention adds it, sdpa uses it as
-    is), made once in the dtype attention computes in: autocast's if on, else the model's."""
+    """A bool mask (True = may attend) as the additive float mask HF takes (eager and sdpa attention use it as is),
+    in the dtype attention computes in: autocast's if on, else the model's."""
     device = mask.device
     autocast = torch.is_autocast_enabled(device.type)
     dtype = torch.get_autocast_dtype(device.type) if autocast else next(model.parameters()).dtype
@@ -159,23 +145,21 @@ class Drafter(nn.Module):
         return next(self.parameters()).device
 
     def hidden_states(self, input_ids, position_ids, attention_mask, past_key_values=None) -> torch.Tensor:
-        """Last hidden states (b, q, H) of a packed sequence. attention_mask: bool (b, 1, q, past+q), True = may
-        attend; it goes to HF as an additive float mask, which the sdpa and eager attention paths take as is."""
+        """Last hidden states (b, q, H); attention_mask: bool (b, 1, q, past+q), True = may attend."""
         out = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                        attention_mask=additive_mask(attention_mask, self.model),
                                        past_key_values=past_key_values, use_cache=past_key_values is not None)
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Project hidden states to float logits over the target's vocabulary; MASK can never be drafted."""
         logits = self.model.get_output_embeddings()(hidden)[..., : self.d3d_config.target_vocab_size].float()
         if self.d3d_config.mask_token_id < logits.shape[-1]:
-            logits[..., self.d3d_config.mask_token_id] = float("-inf")
+            logits[..., self.d3d_config.mask_token_id] = float("-inf")  # MASK can never be drafted
         return logits
 
     def forward(self, input_ids, position_ids, attention_mask, past_key_values=None, logits_to_keep=None):
-        """Logits (b, n, V) of a packed sequence, projected only at `logits_to_keep`: row indices (n,) shared by the
-        batch, or (b, n) per sequence; None keeps all q rows."""
+        """Logits (b, n, V), projected only at `logits_to_keep`: row indices (n,) shared by the batch, or (b, n) per
+        sequence; None keeps all q rows."""
         hidden = self.hidden_states(input_ids, position_ids, attention_mask, past_key_values)
         if logits_to_keep is not None and logits_to_keep.dim() == 2:
             hidden = hidden.gather(1, logits_to_keep[..., None].expand(-1, -1, hidden.shape[-1]))
@@ -207,13 +191,11 @@ class Drafter(nn.Module):
 
 def make_drafter(model: nn.Module, mask_token_id: int | None = None, *, tokenizer, layers: list[int] | None = None,
                  target_vocab_size: int | None = None, **config) -> Drafter:
-    """Turn any HF causal LM that uses the target's tokenizer into a D3D drafter.
-
-    MASK: `mask_token_id` if given (it must not be a token that text can produce), else the id of `<|MASK|>` if the
-    tokenizer has one, else the first id the tokenizer does not use (Qwen3: 151669, inside its padded vocabulary of
-    151936). The embeddings are resized only when that id has no row. `layers` keeps only those decoder layers.
-    `target_vocab_size` is the number of rows of the target's output layer (default: this model's own).
-    Other keyword arguments go to D3DConfig (block_size, num_anchors, ar_weight, decay_gamma)."""
+    """Turn any HF causal LM that uses the target's tokenizer into a D3D drafter. MASK: `mask_token_id` if given (not
+    a token text can produce), else the id of `<|MASK|>` if the tokenizer has one, else the first id the tokenizer
+    does not use (Qwen3: 151669, inside its padded vocabulary of 151936); the embeddings grow only when that id has
+    no row. `layers` keeps only those decoder layers. `target_vocab_size`: rows of the target's output layer
+    (default: this model's). Other keyword arguments go to D3DConfig."""
     rows = model.get_output_embeddings().weight.shape[0]
     text_vocab = len(tokenizer)
     if rows < text_vocab:
@@ -234,10 +216,9 @@ def make_drafter(model: nn.Module, mask_token_id: int | None = None, *, tokenize
         model.resize_token_embeddings(mask_token_id + 1, mean_resizing=False)
     if layers is not None:
         keep_layers(model, list(layers))
-    d3d_config = D3DConfig(mask_token_id=mask_token_id, target_vocab_size=target_vocab_size,
-                           tokenizer_hash=tokenizer_fingerprint(tokenizer),
-                           layer_ids=list(layers) if layers is not None else None, **config)
-    return Drafter(model, d3d_config)
+    return Drafter(model, D3DConfig(mask_token_id=mask_token_id, target_vocab_size=target_vocab_size,
+                                    tokenizer_hash=tokenizer_fingerprint(tokenizer),
+                                    layer_ids=list(layers) if layers is not None else None, **config))
 
 
 def check_tokenizer(drafter: Drafter, tokenizer) -> None:
@@ -256,12 +237,11 @@ def packed_attention_mask(num_causal: int, anchors: torch.Tensor, block_size: in
                           past_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask and position ids of a packed sequence [causal stream | segment 1 | segment 2 | ...].
 
-    The causal stream holds `num_causal` tokens at positions past_len, past_len+1, ...; `past_len` tokens before
-    them sit in the KV cache and are visible to everyone. Segment s hangs off causal index anchors[.., s] (position
-    p): it is `prefix_len` causal tokens (0 in training and synchronous drafting; 1 for an asynchronous
-    branch) followed by `block_size` MASK tokens, at positions p+1, p+2, .... A segment sees the causal
-    stream up to and including p, never a causal token after p and never another segment; its prefix tokens see
-    each other causally; its MASK tokens see the whole segment (bidirectional). Visibility is decided by anchor
+    The causal stream holds `num_causal` tokens at positions past_len, past_len+1, ...; the `past_len` tokens before
+    them sit in the KV cache, visible to all. Segment s hangs off causal index anchors[.., s] (position p): it is
+    `prefix_len` causal tokens (1 for an asynchronous branch, else 0) then `block_size` MASK tokens, at positions
+    p+1, p+2, .... A segment sees the causal stream up to and including p, never another segment; its prefix tokens
+    see each other causally; its MASK tokens see the whole segment (bidirectional). Visibility is decided by anchor
     *position*, so overlapping spans cannot leak the future.
 
     Example: 5 causal tokens c0..c4, two blocks of B=2 hanging off c1 and c3 (x = may attend):
@@ -323,8 +303,7 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
 
 def _packed_hidden(drafter, input_ids, anchors, block_size):
     """One training-shape pass: clean tokens (causal) + a MASK block hanging off every anchor. Returns the hidden
-    states of the causal stream (b, L, H) and of the blocks (b, K, B, H); nothing is projected to the vocabulary
-    here (rows_loss does it where a loss is taken)."""
+    states of the causal stream (b, L, H) and of the blocks (b, K, B, H), not projected to the vocabulary."""
     b, length = input_ids.shape
     num_anchors = anchors.shape[1]
     mask, positions = packed_attention_mask(length, anchors, block_size)
@@ -335,7 +314,7 @@ def _packed_hidden(drafter, input_ids, anchors, block_size):
 
 def with_first_token(block: torch.Tensor, anchor: torch.Tensor, first_token: str) -> torch.Tensor:
     """The rows that draft a block, (..., B, D) (hidden states or logits): the block's own rows, with row 1 (d_1)
-    taken from the token the block hangs off (its next-token row) when first_token == "ar" (ours; D3DConfig)."""
+    taken from the token the block hangs off (its next-token row) when first_token == "ar" (ours)."""
     if first_token == "block":
         return block
     return torch.cat([anchor.unsqueeze(-2), block[..., 1:, :]], -2)
@@ -346,12 +325,10 @@ LOGITS_PER_CHUNK = 2**25  # fp32 logits alive at once in the loss: 128 MiB (Qwen
 
 def rows_loss(drafter: Drafter, hidden: torch.Tensor, labels: torch.Tensor, *, teacher: Drafter | None = None,
               teacher_hidden: torch.Tensor | None = None, beta: float = 0.5):
-    """Cross-entropy of the drafter's logits at `hidden` (N, H) against `labels` (N,); with a teacher, against the
-    adjusted teacher at `teacher_hidden` (N, H) instead (pruning's recovery). Returns (loss (N,), argmax (N,)).
-
-    The vocabulary projection runs chunk by chunk and, when gradients are on, is recomputed in backward
-    (activation checkpointing), so at most LOGITS_PER_CHUNK fp32 logits (and their gradient) live at once, however
-    many rows the batch has: at Qwen3's vocabulary, all logits of a batch would be tens of GB."""
+    """Cross-entropy of the drafter's logits at `hidden` (N, H) against `labels` (N,), or with a teacher against the
+    adjusted teacher at `teacher_hidden` (N, H) (pruning's recovery). Returns (loss (N,), argmax (N,)). The logits
+    are made chunk by chunk and recomputed in backward, so at most LOGITS_PER_CHUNK fp32 logits live at once: at
+    Qwen3's vocabulary, all logits of a batch would be tens of GB."""
     def chunk_loss(h, y, t_h):
         log_p = torch.log_softmax(drafter.logits(h), -1)  # (n, V), float32
         if teacher is None:
@@ -388,14 +365,10 @@ def _block_labels(input_ids, loss_mask, anchors, valid, block_size):
 def d3d_loss(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor, *, num_anchors: int | None = None,
              block_size: int | None = None, ar_weight: float | None = None, decay_gamma: float | None = None,
              generator: torch.Generator | None = None):
-    """L = L_block + lambda * L_AR on a batch of prompt+response sequences (right-padded).
-
-    input_ids, loss_mask: (b, L); loss_mask is True on response tokens (prompt and padding carry no loss).
-    L_block: cross-entropy of block k position i against x_{a_k+i}, weighted by exp(-(i-1)/gamma) if gamma is set.
-    L_AR: next-token cross-entropy on the causal stream, response tokens only.
-    Only rows that carry a label are projected to the vocabulary (rows_loss, in chunks).
-    Settings default to the drafter's D3DConfig. Returns (loss, metrics) with metrics["block_acc"] (B,) the
-    accuracy at each block position, and the two loss terms."""
+    """L = L_block + lambda * L_AR on right-padded prompt+response sequences; input_ids, loss_mask (b, L), loss_mask
+    True on response tokens. L_block: cross-entropy of block k position i against x_{a_k+i}, weighted by
+    exp(-(i-1)/gamma) if gamma is set; L_AR: next-token cross-entropy on the causal stream's response tokens.
+    Settings default to the drafter's config. Returns (loss, {loss_block, loss_ar, block_acc (B,) per position})."""
     cfg = drafter.d3d_config
     num_anchors = num_anchors or cfg.num_anchors
     block_size = block_size or cfg.block_size
@@ -430,10 +403,9 @@ def d3d_loss(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
 @torch.no_grad()
 def offline_tau(drafter: Drafter, input_ids, loss_mask, *, num_anchors: int = 32, block_size: int | None = None,
                 first_token: str | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Validation tau without running the target: the responses are the target's own greedy output, so a block
-    drafted at anchor a is accepted exactly as far as it matches x_{a+1} ... . d_1 comes from where decoding takes
-    it (first_token, default: the drafter's config). Returns one tau (accepted + 1) per sampled anchor, shape
-    (num_valid,); a token past the end of the response counts as a mismatch."""
+    """Validation tau without the target: the responses are its greedy output, so a block drafted at anchor a is
+    accepted as far as it matches x_{a+1} ... (a token past the response's end is a mismatch). d_1 comes from where
+    decoding takes it (first_token, default: the config's). Returns tau (accepted + 1) per valid anchor (num_valid,)."""
     block_size = block_size or drafter.d3d_config.block_size
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
     causal_hidden, block_hidden = _packed_hidden(drafter, input_ids, anchors, block_size)
@@ -462,10 +434,6 @@ def crop_cache(cache, length: int) -> None:
         cache.crop(-excess)
 
 
-def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return torch.softmax(logits.float() / temperature, dim=-1)
-
-
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of probs (..., V); draws on the generator's device so seeded runs are reproducible."""
     device = generator.device if generator is not None else probs.device
@@ -477,7 +445,7 @@ def pick_tokens(logits: torch.Tensor, temperature: float, generator=None):
     """Greedy (temperature 0) or sampled tokens from logits (..., V). Returns (tokens, probs or None)."""
     if temperature == 0:
         return logits.argmax(-1), None
-    probs = _probs(logits, temperature)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
     return _sample(probs, generator), probs
 
 
@@ -492,17 +460,14 @@ def draft_rows(drafter: Drafter, anchor_rows: torch.Tensor, block_starts: torch.
 
 @torch.no_grad()
 def draft_block(drafter: Drafter, cache, new_tokens: torch.Tensor, block_size: int) -> torch.Tensor:
-    """One drafter pass: the committed tokens the drafter has not seen yet (causal) + one MASK block hanging off the
-    last committed token x_n. The block's KV is cropped again, so the cache ends holding the committed tokens only.
-
-    new_tokens: (1, m), m >= 1 (x_n is always new: the drafter's cache never holds the last committed token
-    when it drafts). Returns the draft logits (B, V): row i-1 drafts position n+i."""
-    past = cache.get_seq_length()
-    m = new_tokens.shape[1]
-    device = new_tokens.device
-    mask, positions = packed_attention_mask(m, torch.tensor([m - 1], device=device), block_size, past_len=past)
+    """One drafter pass: the committed tokens it has not read, new_tokens (1, m) ending with x_n (never in its cache
+    when it drafts), + one MASK block hanging off x_n. The block's KV is cropped again, so the cache ends holding the
+    committed tokens only. Returns the draft logits (B, V): row i-1 drafts position n+i."""
+    past, m, device = cache.get_seq_length(), new_tokens.shape[1], new_tokens.device
+    last = torch.tensor([m - 1], device=device)  # x_n, the token the block hangs off
+    mask, positions = packed_attention_mask(m, last, block_size, past_len=past)
     masks = torch.full((1, block_size), drafter.d3d_config.mask_token_id, device=device)
-    rows = draft_rows(drafter, torch.tensor([m - 1], device=device), torch.tensor([m], device=device), block_size)
+    rows = draft_rows(drafter, last, last + 1, block_size)
     logits = drafter(torch.cat([new_tokens, masks], 1), positions, mask, past_key_values=cache, logits_to_keep=rows[0])
     crop_cache(cache, past + m)
     return logits[0]
@@ -530,19 +495,18 @@ def verify_block(target: nn.Module, cache, last_token: torch.Tensor, draft: torc
 
 def accept_draft(p_logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Tensor | None, temperature: float,
                  generator=None) -> tuple[int, int]:
-    """Longest accepted prefix of the draft and the target's own next token.
+    """Longest accepted prefix of the draft and the target's own next token: (num_accepted, next_token).
 
     Greedy: accept d_i while it equals the target's argmax; the next token is the target's argmax after the accepted
     prefix (a correction, or the bonus token when all B are accepted). Sampling (lossless speculative sampling):
     accept d_i with probability min(1, p_target(d_i) / q_draft(d_i)); on the first rejection draw from the residual
-    max(p_target - q_draft, 0) normalised; after full acceptance draw the bonus from p_target.
-    Returns (num_accepted, next_token)."""
+    max(p_target - q_draft, 0) normalised; after full acceptance draw the bonus from p_target."""
     block_size = draft.shape[0]
     if temperature == 0:
         target_tokens = p_logits.argmax(-1)  # (B+1,)
         num_accepted = int((draft == target_tokens[:block_size]).long().cumprod(0).sum())
         return num_accepted, int(target_tokens[num_accepted])
-    p_target = _probs(p_logits, temperature)  # (B+1, V)
+    p_target = torch.softmax(p_logits.float() / temperature, dim=-1)  # (B+1, V)
     rows = torch.arange(block_size, device=draft.device)
     p_d, q_d = p_target[rows, draft], q_draft[rows, draft]
     u = torch.rand(block_size, generator=generator, device=generator.device if generator else "cpu").to(p_d.device)
@@ -560,13 +524,13 @@ def accept_draft(p_logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Ten
 # Decoding loops: target-only (the reference) and synchronous speculative decoding
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES.update(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)  # short spellings (older settings files)
 
 
 def native_bf16(device: torch.device) -> bool:
-    """Does this device compute bf16 natively? CUDA: the GPU says; CPU: the AVX512-BF16 or AMX instructions (Linux
-    reports them in /proc/cpuinfo). Elsewhere bf16 matmuls fall back to slow kernels (measured: ~20-200x slower)."""
+    """Does the device compute bf16 natively (CUDA: the GPU says; CPU: AVX512-BF16 or AMX in /proc/cpuinfo)?
+    Elsewhere bf16 matmuls fall back to slow kernels (measured: ~20-200x slower)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type != "cpu" or not os.path.exists("/proc/cpuinfo"):
@@ -583,17 +547,20 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if native_bf16(device) else torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}: use auto, {', '.join(list(DTYPES)[:3])}")
-    dtype = DTYPES[name]
-    if dtype == torch.bfloat16 and device.type == "cpu" and not native_bf16(device):
+    if DTYPES[name] == torch.bfloat16 and device.type == "cpu" and not native_bf16(device):
         warnings.warn("bf16 on a CPU without AVX512-BF16/AMX runs on slow fallback kernels (measured on AVX2: a "
                       "drafter training step 130 s instead of 5.9 s in fp32); --dtype auto picks fp32 here")
-    return dtype
+    return DTYPES[name]
 
 
 def _clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def _mean(values) -> float:
+    return sum(values) / len(values) if values else float("nan")
 
 
 class _Output:
@@ -610,8 +577,7 @@ class _Output:
 
     def commit(self, new: list[int]) -> list[int]:
         """Append tokens, cut at the first EOS (kept) or at max_new_tokens. Returns what was committed."""
-        room = self.prompt_len + self.max_new_tokens - len(self.tokens)
-        new = new[:room]
+        new = new[: self.prompt_len + self.max_new_tokens - len(self.tokens)]
         for i, t in enumerate(new):
             if t in self.eos:
                 new = new[: i + 1]
@@ -620,99 +586,94 @@ class _Output:
         self.done = len(self.tokens) - self.prompt_len >= self.max_new_tokens or (bool(new) and new[-1] in self.eos)
         return new
 
+    def commit_round(self, accepted: list[int], next_token: int) -> None:
+        """A speculative round: the accepted drafts, then the target's own token."""
+        self.accept_lengths.append(len(self.commit(accepted + [next_token])))
 
-def _stats(out: _Output, times: dict) -> dict:
-    num_new = len(out.tokens) - out.prompt_len
-    rounds = out.accept_lengths
-    decode_time = times["total"] - times["prefill"]
-    return {
-        "tau": sum(rounds) / len(rounds) if rounds else float("nan"),
-        "accept_lengths": rounds,
-        "num_rounds": len(rounds),
+
+@dataclass
+class _Decoding:
+    """One sequence being decoded: its tokens, both KV caches and the time split."""
+
+    out: _Output
+    target_cache: object
+    drafter_cache: object  # None without a drafter
+    offset: int  # prompt tokens the target's cache skipped (selective prefill): positions run this far ahead of it
+    times: dict
+    device: torch.device
+
+
+def _prefill(target, drafter, input_ids, selection, max_new_tokens, eos_token_id, temperature, generator):
+    """How every single-sequence loop starts: the target prefills the prompt (with selective prefill: the kept chunks
+    at their own positions; the drafter's cache then holds the whole prompt) and produces the first token itself."""
+    device = input_ids.device
+    out = _Output(input_ids[0].tolist(), max_new_tokens, eos_token_id)
+    ids, positions = input_ids, None
+    drafter_cache = new_cache(drafter.model) if drafter is not None else None
+    if selection is not None:
+        ids, positions, drafter_cache = selection["kept_ids"], selection["kept_positions"], selection["drafter_cache"]
+    run = _Decoding(out, new_cache(target), drafter_cache, input_ids.shape[1] - ids.shape[1],
+                    {"start": _clock(device), "prefill": 0.0, "draft": 0.0, "verify": 0.0}, device)
+    if not out.done:
+        logits = target(input_ids=ids, position_ids=positions, past_key_values=run.target_cache, use_cache=True,
+                        logits_to_keep=1).logits[0, -1]
+        out.commit([int(pick_tokens(logits.float(), temperature, generator)[0])])
+        run.times["prefill"] = _clock(device) - run.times["start"]
+    return run
+
+
+def _finish(run: _Decoding, selection) -> tuple[torch.Tensor, dict]:
+    """Output ids (1, prompt + new) and the stats of a single-sequence decode."""
+    out, times = run.out, run.times
+    prefill, total = times["prefill"], _clock(run.device) - times["start"]
+    if selection is not None:  # the drafter's scoring pass is part of the time to first token
+        prefill, total = prefill + selection["time_scoring"], total + selection["time_scoring"]
+    num_new, decode_time = len(out.tokens) - out.prompt_len, total - prefill
+    stats = {
+        "tau": _mean(out.accept_lengths), "accept_lengths": out.accept_lengths, "num_rounds": len(out.accept_lengths),
         "num_new_tokens": num_new,
-        "time_prefill": times["prefill"],  # time to first token (target prefill; the drafter's is in time_draft)
-        "time_draft": times.get("draft", 0.0),
-        "time_verify": times.get("verify", 0.0),
-        "time_total": times["total"],
+        "time_prefill": prefill,  # time to first token (target prefill; the drafter's is in time_draft)
+        "time_draft": times["draft"], "time_verify": times["verify"], "time_total": total,
         # decode speed excludes prefill (the paper's protocol); the first token comes from prefill
         "tokens_per_s": (num_new - 1) / decode_time if num_new > 1 and decode_time > 0 else float("nan"),
     }
-
-
-def _prefill(target, input_ids, max_new_tokens, eos_token_id, temperature, generator, selection):
-    """How every decode loop starts: the target prefills the prompt (after selective prefill: only the kept chunks,
-    at their original positions) and produces the first token itself.
-    Returns (output, target cache, position offset, times)."""
-    device = input_ids.device
-    out = _Output(input_ids[0].tolist(), max_new_tokens, eos_token_id)
-    cache = new_cache(target)
-    times = {"start": _clock(device), "prefill": 0.0}
-    if not out.done:
-        ids, positions = (input_ids, None) if selection is None else (selection["kept_ids"],
-                                                                      selection["kept_positions"])
-        logits = target(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
-                        logits_to_keep=1).logits[0, -1]
-        out.commit([int(pick_tokens(logits.float(), temperature, generator)[0])])
-        times["prefill"] = _clock(device) - times["start"]
-    offset = 0 if selection is None else input_ids.shape[1] - selection["kept_ids"].shape[1]
-    return out, cache, offset, times
-
-
-def _finish(out: _Output, times: dict, selection, device) -> tuple[torch.Tensor, dict]:
-    times["total"] = _clock(device) - times["start"]
-    if selection is not None:  # the drafter's scoring pass is part of the time to first token
-        times["prefill"] += selection["time_scoring"]
-        times["total"] += selection["time_scoring"]
-    stats = _stats(out, times)
     if selection is not None:
         stats.update({key: selection[key] for key in ("num_chunks", "chunks_kept", "time_scoring")})
         stats["prompt_tokens_prefilled"] = selection["kept_ids"].shape[1]
-        stats["time_target_prefill"] = times["prefill"] - selection["time_scoring"]
-    return torch.tensor([out.tokens], device=device), stats
+        stats["time_target_prefill"] = prefill - selection["time_scoring"]
+    return torch.tensor([out.tokens], device=run.device), stats
 
 
-@torch.no_grad()
-def _decode_target(target, input_ids, max_new_tokens, temperature, eos_token_id, generator, selection=None):
+def _decode_target(target, run: _Decoding, temperature, generator) -> None:
     """Plain autoregressive decoding with the target alone: the reference output and the speedup baseline."""
-    out, cache, offset, times = _prefill(target, input_ids, max_new_tokens, eos_token_id, temperature, generator,
-                                         selection)
-    token = torch.tensor([out.tokens[-1:]], device=input_ids.device)  # (1, 1)
+    out = run.out
+    token = torch.tensor([out.tokens[-1:]], device=run.device)  # (1, 1)
     while not out.done:
-        logits = target_forward(target, token, cache, offset, logits_to_keep=1)[-1]
+        logits = target_forward(target, token, run.target_cache, run.offset, logits_to_keep=1)[-1]
         token = pick_tokens(logits, temperature, generator)[0].view(1, 1)
         out.commit([int(token)])
-    return _finish(out, times, selection, input_ids.device)
 
 
-@torch.no_grad()
-def _decode_sync(target, drafter, input_ids, max_new_tokens, block_size, temperature, eos_token_id, generator,
-                 selection=None):
+def _decode_sync(target, drafter, run: _Decoding, block_size, temperature, generator) -> None:
     """Synchronous speculative decoding: draft a block, verify it, commit, repeat.
 
-    Invariants at the top of every round (committed tokens x_0 .. x_n):
+    Invariants at the top of every round (committed tokens x_0 .. x_n; the target's cache lacks the prompt chunks
+    that selective prefill skipped):
       target cache = x_0 .. x_{n-1}     (x_n is fed with the draft)
       drafter cache = x_0 .. x_{d-1}    for some d <= n (the drafter catches up in its next pass)"""
-    device = input_ids.device
-    out, target_cache, offset, times = _prefill(target, input_ids, max_new_tokens, eos_token_id, temperature,
-                                                generator, selection)
-    drafter_cache = new_cache(drafter.model) if selection is None else selection["drafter_cache"]
-    times.update(draft=0.0, verify=0.0)
+    out, times, device = run.out, run.times, run.device
     while not out.done:
         t0 = _clock(device)
-        seen = drafter_cache.get_seq_length()
-        new_tokens = torch.tensor([out.tokens[seen:]], device=device)
-        draft, q_draft = pick_tokens(draft_block(drafter, drafter_cache, new_tokens, block_size), temperature,
-                                     generator)
+        new_tokens = torch.tensor([out.tokens[run.drafter_cache.get_seq_length():]], device=device)
+        draft_logits = draft_block(drafter, run.drafter_cache, new_tokens, block_size)
+        draft, q_draft = pick_tokens(draft_logits, temperature, generator)
         t1 = _clock(device)
-        p_logits = verify_block(target, target_cache, new_tokens[0, -1], draft, offset)
+        p_logits = verify_block(target, run.target_cache, new_tokens[0, -1], draft, run.offset)
         num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator)
-        committed = out.commit(draft[:num_accepted].tolist() + [next_token])
-        crop_cache(target_cache, len(out.tokens) - 1 - offset)  # keep x_0 .. x_n, d_1 .. d_a; drop the rejected tail
-        out.accept_lengths.append(len(committed))
-        t2 = _clock(device)
+        out.commit_round(draft[:num_accepted].tolist(), next_token)
+        crop_cache(run.target_cache, len(out.tokens) - 1 - run.offset)  # keep x_0 .. x_n, d_1 .. d_a
         times["draft"] += t1 - t0
-        times["verify"] += t2 - t1
-    return _finish(out, times, selection, device)
+        times["verify"] += _clock(device) - t1
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -723,11 +684,9 @@ class _RaggedCache:
     """One DynamicCache for a batch of sequences of different lengths ("masked holes").
 
     Every pass appends the same q columns to every row (ragged new tokens are left-padded); `valid` (b, C) marks the
-    columns that hold a committed token of that row. Holes (padding, rejected draft tokens) are masked out of every
-    attention, and a row's tokens sit at its own absolute positions (the next one = its number of valid columns), so
-    each row computes what it would alone. Holes cost memory and attention (a round leaves B - a holes in a row that
-    accepted a of B) but never a copy or a per-row cache: trailing columns that no row needs are cropped, and
-    finished rows leave the batch (DynamicCache.batch_select_indices)."""
+    columns that hold a committed token of that row. Holes (padding, rejected drafts) are masked out of every
+    attention and a row's tokens sit at its own positions, so each row computes what it would alone. Holes cost
+    memory and attention but never a copy: trailing columns no row needs are cropped, finished rows leave."""
 
     def __init__(self, model: nn.Module, batch_size: int, device):
         self.cache = new_cache(model)
@@ -742,8 +701,8 @@ class _RaggedCache:
         return (relative + offset[:, None]).clamp(min=0), mask[:, None]
 
     def commit(self, new_valid):
-        """Record the q columns the last pass appended, new_valid (b, q) True where a row keeps the token; crop
-        trailing columns that are a hole in every row."""
+        """Record the q columns the last pass appended (new_valid (b, q): the tokens each row keeps); crop trailing
+        columns that are a hole in every row."""
         self.valid = torch.cat([self.valid, new_valid], 1)
         used = self.valid.any(0).nonzero()
         length = int(used[-1]) + 1 if len(used) else 0
@@ -773,9 +732,8 @@ def _target_pass(target: nn.Module, ragged: _RaggedCache, ids, new_valid, logits
 
 
 def _draft_batch(drafter: Drafter, ragged: _RaggedCache, new_tokens: list[list[int]], block_size: int):
-    """draft_block for a batch: each row's committed tokens the drafter has not seen (left-padded, so that every
-    row's x_n is the last causal column) + one MASK block hanging off x_n. Returns draft logits (b, B, V); the
-    blocks' KV is cropped again."""
+    """draft_block for a batch, left-padded so that every row's x_n is the last causal column. Returns draft logits
+    (b, B, V)."""
     device = ragged.valid.device
     ids, new_valid = _left_pad(new_tokens, device)  # (b, m)
     b, m = ids.shape
@@ -791,8 +749,7 @@ def _draft_batch(drafter: Drafter, ragged: _RaggedCache, new_tokens: list[list[i
 
 
 def _batch_prefill(target, prompts, max_new_tokens, eos_token_id, temperature, generator):
-    """How both batched loops start: the target prefills the left-padded prompts and gives every row its first
-    token. Returns (outputs, target cache, times)."""
+    """_prefill for a batch: the target prefills the left-padded prompts and gives every row its first token."""
     device = prompts[0].device
     outs = [_Output(p.tolist(), max_new_tokens, eos_token_id) for p in prompts]
     cache = _RaggedCache(target, len(outs), device)
@@ -821,19 +778,17 @@ def _drop_finished(outs, active: list[int], caches, times) -> list[int]:
 
 def _batch_finish(outs, times, device) -> tuple[list[torch.Tensor], dict]:
     total = _clock(device) - times["start"]
-    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    rows = [{"tau": mean(out.accept_lengths), "accept_lengths": out.accept_lengths,
+    rows = [{"tau": _mean(out.accept_lengths), "accept_lengths": out.accept_lengths,
              "num_rounds": len(out.accept_lengths), "num_new_tokens": len(out.tokens) - out.prompt_len,
              "time_done": times["done"].get(i, total)} for i, out in enumerate(outs)]
     num_new = sum(row["num_new_tokens"] for row in rows)
     return [torch.tensor(out.tokens, device=device) for out in outs], {
         "rows": rows, "num_rounds": times["rounds"], "num_new_tokens": num_new,
-        "tau": mean([n for out in outs for n in out.accept_lengths]), "time_prefill": times["prefill"],
+        "tau": _mean([n for out in outs for n in out.accept_lengths]), "time_prefill": times["prefill"],
         "time_draft": times["draft"], "time_verify": times["verify"], "time_total": total,
         "tokens_per_s": num_new / total}  # throughput: new tokens of all rows / wall time
 
 
-@torch.no_grad()
 def _decode_batch_target(target, prompts, max_new_tokens, temperature, eos_token_id, generator):
     """_decode_target for a batch: one target pass gives every unfinished row its next token."""
     device = prompts[0].device
@@ -853,11 +808,10 @@ def _decode_batch_target(target, prompts, max_new_tokens, temperature, eos_token
     return _batch_finish(outs, times, device)
 
 
-@torch.no_grad()
 def _decode_batch_sync(target, drafter, prompts, max_new_tokens, block_size, temperature, eos_token_id, generator):
     """_decode_sync for a batch: one drafter pass drafts a block for every unfinished row, one target pass verifies
-    them all, and each row commits its own accepted prefix + the target's token (ragged acceptance: a row's rejected
-    tail becomes a hole in its target cache). Invariants per row as in _decode_sync, over the row's valid columns."""
+    them all, and each row commits its own accepted prefix + the target's token (a row's rejected tail becomes a
+    hole in its target cache). Invariants per row as in _decode_sync, over the row's valid columns."""
     device = prompts[0].device
     outs, target_cache, times = _batch_prefill(target, prompts, max_new_tokens, eos_token_id, temperature, generator)
     drafter_cache = _RaggedCache(drafter.model, len(outs), device)
@@ -865,10 +819,9 @@ def _decode_batch_sync(target, drafter, prompts, max_new_tokens, block_size, tem
     active = _drop_finished(outs, list(range(len(outs))), caches, times)
     while active:
         t0 = _clock(device)
-        seen = drafter_cache.valid.sum(1).tolist()
-        draft_logits = _draft_batch(drafter, drafter_cache, [outs[row].tokens[s:] for row, s in zip(active, seen)],
-                                    block_size)
-        draft, q_draft = pick_tokens(draft_logits, temperature, generator)  # (b, B), (b, B, V) or None
+        new_tokens = [outs[row].tokens[seen:] for row, seen in zip(active, drafter_cache.valid.sum(1).tolist())]
+        draft, q_draft = pick_tokens(_draft_batch(drafter, drafter_cache, new_tokens, block_size), temperature,
+                                     generator)  # (b, B), (b, B, V) or None
         t1 = _clock(device)
         last = torch.tensor([outs[row].tokens[-1:] for row in active], device=device)  # (b, 1): each row's x_n
         ids = torch.cat([last, draft], 1)  # (b, B+1)
@@ -877,8 +830,7 @@ def _decode_batch_sync(target, drafter, prompts, max_new_tokens, block_size, tem
         for i, row in enumerate(active):
             num_accepted, next_token = accept_draft(p_logits[i], draft[i], None if q_draft is None else q_draft[i],
                                                     temperature, generator)
-            committed = outs[row].commit(draft[i, :num_accepted].tolist() + [next_token])
-            outs[row].accept_lengths.append(len(committed))
+            outs[row].commit_round(draft[i, :num_accepted].tolist(), next_token)
             kept[i, : num_accepted + 1] = True
         target_cache.commit(kept)
         times["draft"] += t1 - t0
@@ -898,13 +850,11 @@ def default_budget(block_size: int) -> tuple[int, int]:
 
 
 def plan_branches(draft_logits: torch.Tensor, draft: torch.Tensor, coverage: int, fanout: int, cover: str = "first"):
-    """Which rejection outcomes get a branch in the packed pass: C covered positions k x F candidate tokens t.
-
-    The candidates at k are the drafter's F most likely tokens other than d_k (from the logits that drafted d_k).
-    cover="first": k = 1 .. C; cover="likely": the C largest r_k = prod_{j<k} c_j * (1 - c_k), the probability that
-    verification first rejects at k, with c_j the drafter's probability of d_j (as in D2SD).
-    Returns positions (C,) ascending and candidates (C, F), both on the device: nothing is read back to the host, so
-    the passes launch right after planning (the host waits only once a round, for the verification result)."""
+    """Which rejection outcomes get a branch in the packed pass: C covered positions k x F candidate tokens t, the
+    drafter's F most likely tokens at k other than d_k. cover="first": k = 1 .. C; cover="likely": the C largest
+    r_k = prod_{j<k} c_j * (1 - c_k), the probability that verification first rejects at k, c_j the drafter's
+    probability of d_j (as in D2SD). Returns positions (C,) ascending and candidates (C, F), both left on the device
+    so that the passes launch right away (the host waits once a round, for the verification result)."""
     block_size, vocab = draft_logits.shape
     coverage, fanout = min(coverage, block_size), min(fanout, vocab - 1)
     if cover == "first":
@@ -920,23 +870,35 @@ def plan_branches(draft_logits: torch.Tensor, draft: torch.Tensor, coverage: int
 
 
 def build_branch_pass(drafter: Drafter, new_tokens, draft, positions, candidates, *, past_len: int, block_size: int):
-    """The input of the packed pass that drafts the next block for each planned outcome.
+    """The input of the packed pass that drafts the next block for each planned outcome of verifying `draft`.
 
-    new_tokens (m,): committed tokens the drafter has not seen, ending with x_n (m = 0: x_n is in its cache)
+    new_tokens (m,): committed tokens the drafter has not read, ending with x_n (m = 0: x_n is in its cache);
     draft (L,): d_1 .. d_L, the block under verification; positions (C,), candidates (C, F) from plan_branches.
+    The causal stream is new_tokens then d_1 .. d_L, so the accepted drafts get their KV here. Then C x F branch
+    segments [t, MASK x B], t at position n+k hanging off d_{k-1} (d_0 = x_n): "d_k rejected, the target said t".
+    Last the full-acceptance segment [d_L, MASK x B] hanging off d_{L-1}: d_L again, so that every segment has one
+    shape; its block guesses the bonus token and what follows. (With first_token "ar" a segment's first token
+    drafts d'_1 and MASK 1 is a placeholder.) m = 1, L = 3, C = 2, F = 1, B = 2; the cache x_0 .. x_{n-1} is
+    visible to all, x = may attend:
 
-        causal stream:  new_tokens, d_1 .. d_L               (accepted drafts get their causal KV right here)
-        branch (k, t):  [t, MASK x B] hanging off d_{k-1}    (t at position n+k: "rejected at k, target said t")
-        full accept:    [d_L, MASK x B] hanging off d_{L-1}  (d_L again, so every segment has one shape; its
-                                                               block guesses the bonus token and what follows)
+                     x_n d_1 d_2 d_3 | t1 m m | t2 m m | d_3 m m
+        x_n (n)      x               |        |        |
+        d_1 (n+1)    x   x           |        |        |               causal stream: new tokens, then the draft
+        d_2 (n+2)    x   x   x       |        |        |
+        d_3 (n+3)    x   x   x   x   |        |        |
+        t1  (n+1)    x               | x      |        |               branch (1, t1): d_1 rejected, target said t1;
+        m   (n+2)    x               | x  x x |        |               drafts x_{n+2}, x_{n+3}
+        m   (n+3)    x               | x  x x |        |
+        t2  (n+2)    x   x           |        | x      |               branch (2, t2): d_1 accepted, d_2 rejected
+        m   (n+3)    x   x           |        | x  x x |
+        m   (n+4)    x   x           |        | x  x x |
+        d_3 (n+3)    x   x   x       |        |        | x             full acceptance, off d_2: guesses the
+        m   (n+4)    x   x   x       |        |        | x   x x       bonus x_{n+4}, then x_{n+5}
+        m   (n+5)    x   x   x       |        |        | x   x x
 
-        e.g. m = 2, L = 3, C = 2, F = 1, B = 2:
-        x_{n-1} x_n d_1 d_2 d_3 | t_1 M M | t_2 M M | d_3 M M
-                     ^--------------'   (t_1 sees x_{n-1}, x_n; t_2 sees up to d_1; the full block up to d_2)
-
-    Everything is built on the device from device tensors and host ints, so it does not wait for the device.
-    Returns input ids (1, q), position ids (1, q), mask (1, 1, q, past+q) and the rows (S, B) that draft each
-    segment's block (see draft_rows), segments in the order of candidates.flatten(), then full acceptance."""
+    Built on the device from device tensors and host ints, so it does not wait for the device. Returns input ids
+    (1, q), position ids (1, q), mask (1, 1, q, past+q) and the rows (S, B) that draft each segment's block
+    (draft_rows), segments in the order of candidates.flatten(), then full acceptance."""
     num_new, length, fanout = new_tokens.shape[0], draft.shape[0], candidates.shape[1]
     hang_on = torch.cat([positions[:, None].expand(-1, fanout).flatten(), positions.new_full((1,), length)]) - 1
     anchors = num_new - 1 + hang_on  # causal index of d_{k-1} (d_0 = x_n; -1 if x_n is in the cache)
@@ -949,19 +911,17 @@ def build_branch_pass(drafter: Drafter, new_tokens, draft, positions, candidates
     return ids, position_ids, mask, draft_rows(drafter, block_starts - 1, block_starts, block_size)
 
 
-def _stream(stream):
-    """Run on a CUDA stream, or (no CUDA) right here: the same code serves both."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
 class _Span:
-    """Time work queued on a stream: CUDA events on GPU (read after the round's join), the host clock on CPU.
-    `launch` is the host time spent queuing it: close to `seconds()` means the pass is bound by kernel launches."""
+    """Run a body on a CUDA stream and time it there with events (read them once the host has waited for them); on
+    CPU (stream None) run it here, on the host clock. `launch`: the host time spent queuing the body (close to
+    `seconds()`: the pass is bound by kernel launches)."""
 
     def __init__(self, stream):
         self.stream = stream
+        self.context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     def __enter__(self):
+        self.context.__enter__()
         if self.stream is not None:
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.start.record(self.stream)
@@ -972,6 +932,7 @@ class _Span:
         if self.stream is not None:
             self.end.record(self.stream)
         self.launch = time.perf_counter() - self.t0
+        self.context.__exit__(*exc)
 
     def seconds(self) -> float:
         return self.start.elapsed_time(self.end) / 1e3 if self.stream is not None else self.launch
@@ -983,102 +944,116 @@ def _host_to_device(values: list[int], device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
 
 
-@torch.no_grad()
-def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temperature, eos_token_id, generator,
-                  coverage, fanout, cover, selection=None):
+def _side_streams(device: torch.device):
+    """(main, verify, draft) streams; the target's has the higher priority (it is on the critical path), the drafter
+    fills the gaps. All None without CUDA."""
+    if device.type != "cuda":
+        return None, None, None
+    return torch.cuda.current_stream(device), torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device)
+
+
+def _verify_while_drafting(target, drafter, run: _Decoding, last_token, draft, packed, streams):
+    """Step (b) of an async round: the verify pass on [x_n, d_1 .. d_L] and the packed drafter pass, each on its own
+    CUDA stream (on CPU one after the other), then the join. Returns p_logits (L+1, V), the hidden states that draft
+    each segment's block (S, B, H) (projected later, only for the branch that hits), and timings(): the round's
+    times, to call once the host has waited for the round."""
+    main, verify_stream, draft_stream = streams
+    ids, position_ids, mask, block_rows = packed
+    with _Span(main) as round_span:
+        if main is not None:  # both passes read tensors made on the main stream (draft, packed input): wait for them
+            verify_stream.wait_stream(main)
+            draft_stream.wait_stream(main)
+        with _Span(verify_stream) as verify_span:
+            p_logits = verify_block(target, run.target_cache, last_token, draft, run.offset)
+        with _Span(draft_stream) as packed_span:
+            hidden = drafter.hidden_states(ids, position_ids, mask, past_key_values=run.drafter_cache)[0]  # (q, H)
+            block_hidden = hidden[block_rows]  # (S, B, H)
+        if main is not None:  # join: p_logits and block_hidden are read on the main stream
+            main.wait_stream(verify_stream)
+            main.wait_stream(draft_stream)
+            p_logits.record_stream(main)  # made on side streams: the allocator must not reuse them early
+            block_hidden.record_stream(main)
+
+    def timings() -> dict:
+        verify_s, packed_s = verify_span.seconds(), packed_span.seconds()
+        # what running the two passes side by side saved: 0 on CPU, at most the shorter pass
+        overlap = min(max(verify_s + packed_s - round_span.seconds(), 0.0), verify_s, packed_s)
+        return {"verify": verify_s, "packed_draft": packed_s, "overlap_saved": overlap,
+                "verify_launch": verify_span.launch, "packed_launch": packed_span.launch}
+    return p_logits, block_hidden, timings
+
+
+def _prepared_block(drafter, block_hidden, positions, candidates, draft, num_accepted, next_token, temperature,
+                    generator):
+    """Step (c)'s lookup: did the packed pass prepare the outcome (a = num_accepted, target token c = next_token)?
+    Returns the outcome's slot in the hit / miss counts (k-1 for a rejection at k = a+1, B for full acceptance) and
+    the hidden states that draft the next block: (B, H), or (B-1, H) after full acceptance, whose first drafted
+    token was the guess of c; None if the outcome was not prepared."""
+    if num_accepted < draft.shape[0]:  # rejected at k: was (k, c) a branch?
+        covered, k = positions.tolist(), num_accepted + 1  # read after the join: no extra wait
+        if k in covered:
+            row = covered.index(k)
+            tokens = candidates[row].tolist()
+            if next_token in tokens:
+                return num_accepted, block_hidden[row * candidates.shape[1] + tokens.index(next_token)]
+        return num_accepted, None
+    block_size = block_hidden.shape[1]  # all accepted: did the full block guess the bonus token?
+    guess = int(pick_tokens(drafter.logits(block_hidden[-1, :1]), temperature, generator)[0])
+    return block_size, block_hidden[-1, 1:] if guess == next_token and block_size > 1 else None
+
+
+def _decode_async(target, drafter, run: _Decoding, block_size, temperature, generator, coverage, fanout,
+                  cover) -> dict:
     """Asynchronous speculative decoding: while the target verifies [x_n, d_1 .. d_L], one packed drafter pass
-    (build_branch_pass) prepares the next draft for the likely outcomes of that verification.
-
-    Each round: (1) plan the branches and build the packed pass, on the device; (2) launch the verify pass on
-    verify_stream and the packed pass on draft_stream, and join; (3) resolve: if the outcome (a accepted, target
-    token c) was prepared, i.e. a rejection at k = a+1 with c among k's candidates, or full acceptance with c equal
-    to the full block's first guess, its block is the next draft (B tokens; B-1 after full acceptance, the first
-    being the guess): a hit. Otherwise the drafter drafts synchronously: a miss (fallback).
-    Invariants at the top of a round (committed x_0 .. x_n): target cache = x_0 .. x_{n-1}; drafter cache =
-    x_0 .. x_{d-1} for some d <= n + 1 (d = n + 1 after a fallback draft, which reads x_n)."""
-    device = input_ids.device
-    out, target_cache, offset, times = _prefill(target, input_ids, max_new_tokens, eos_token_id, temperature,
-                                                generator, selection)
-    drafter_cache = new_cache(drafter.model) if selection is None else selection["drafter_cache"]
-    cuda = device.type == "cuda"
-    main_stream = torch.cuda.current_stream(device) if cuda else None
-    verify_stream = torch.cuda.Stream(device, priority=-1) if cuda else None  # the target: on the critical path
-    draft_stream = torch.cuda.Stream(device) if cuda else None  # the drafter's packed pass: fills the gaps
-    keys = ["verify", "packed_draft", "fallback_draft", "overlap_saved", "verify_launch", "packed_launch"]
-    times.update(dict.fromkeys(keys, 0.0))
+    prepares the next draft for the likely outcomes of that verification. Each round:
+      (a) plan the branches and build the packed pass on the device (plan_branches; build_branch_pass pictures it);
+      (b) verify on one CUDA stream while the packed pass runs on another, and join (_verify_while_drafting);
+      (c) resolve: commit the accepted prefix and the target's token c. If that outcome was prepared (rejection at k
+          with c among k's candidates, or full acceptance with c the full block's guess), its block is the next
+          draft (a hit: B tokens, B-1 after full acceptance); else the drafter drafts it (a miss: fallback draft).
+    Invariants at the top of a round (committed x_0 .. x_n):
+      target cache  = x_0 .. x_{n-1}  (less the prompt chunks that selective prefill skipped)
+      drafter cache = x_0 .. x_{n-1}  after a hit: the packed pass read the accepted drafts, and the rest it
+                                      appended (rejected drafts, all segments) was cropped;
+                      x_0 .. x_n      after a fallback draft (and so in the first round), which reads x_n.
+    Returns the async stats: hits and misses per outcome, and the time split."""
+    out, times, device = run.out, run.times, run.device
+    for key in ("packed_draft", "fallback_draft", "overlap_saved", "verify_launch", "packed_launch"):
+        times[key] = 0.0
     hits, misses = [0] * (block_size + 1), [0] * (block_size + 1)  # index k-1: rejection at k; index B: full accept
-
-    def fallback_draft():
-        t0 = _clock(device)
-        seen = drafter_cache.get_seq_length()
-        logits = draft_block(drafter, drafter_cache, torch.tensor([out.tokens[seen:]], device=device), block_size)
-        times["fallback_draft"] += _clock(device) - t0
-        return logits
-
-    draft_logits = fallback_draft() if not out.done else None
+    streams = _side_streams(device)
+    draft_logits = None  # the next draft; None: not prepared, the drafter drafts it on the critical path
     while not out.done:
-        # (1) plan and build, on the device; the round's one host-to-device copy brings the new committed tokens
+        if draft_logits is None:  # a fallback draft (a miss, or the first round)
+            t0 = _clock(device)
+            new_tokens = torch.tensor([out.tokens[run.drafter_cache.get_seq_length():]], device=device)
+            draft_logits = draft_block(drafter, run.drafter_cache, new_tokens, block_size)
+            times["fallback_draft"] += _clock(device) - t0
+        # (a) plan and build, on the device; the round's one host-to-device copy brings the new committed tokens
         draft, q_draft = pick_tokens(draft_logits, temperature, generator)
-        n, seen, length = len(out.tokens) - 1, drafter_cache.get_seq_length(), draft.shape[0]
+        n, seen = len(out.tokens) - 1, run.drafter_cache.get_seq_length()
         committed = _host_to_device(out.tokens[min(seen, n):], device)  # ends with x_n
         new_tokens = committed[seen - min(seen, n):]  # what the drafter has not read (empty if it holds x_n)
         positions, candidates = plan_branches(draft_logits, draft, coverage, fanout, cover)
         packed = build_branch_pass(drafter, new_tokens, draft, positions, candidates, past_len=seen,
                                    block_size=block_size)
-
-        # (2) launch both passes; on CUDA they overlap, on CPU they run one after the other
-        with _Span(main_stream) as round_span:
-            if cuda:  # both passes read tensors made on the main stream (draft, packed input): wait for them
-                verify_stream.wait_stream(main_stream)
-                draft_stream.wait_stream(main_stream)
-            with _stream(verify_stream), _Span(verify_stream) as verify_span:
-                p_logits = verify_block(target, target_cache, committed[-1], draft, offset)
-            with _stream(draft_stream), _Span(draft_stream) as packed_span:
-                ids, position_ids, mask, block_rows = packed
-                hidden = drafter.hidden_states(ids, position_ids, mask, past_key_values=drafter_cache)[0]  # (q, H)
-                block_hidden = hidden[block_rows]  # (S, B, H); projected only for the branch that hits
-            if cuda:  # join: p_logits and block_hidden are read on the main stream
-                main_stream.wait_stream(verify_stream)
-                main_stream.wait_stream(draft_stream)
-                p_logits.record_stream(main_stream)  # made on side streams: the allocator must not reuse them early
-                block_hidden.record_stream(main_stream)
+        # (b) verify while the packed pass prepares the next draft
+        p_logits, block_hidden, timings = _verify_while_drafting(target, drafter, run, committed[-1], draft, packed,
+                                                                 streams)
         num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator)  # host waits
-        verify_s, packed_s = verify_span.seconds(), packed_span.seconds()
-        times["verify"] += verify_s
-        times["packed_draft"] += packed_s
-        times["verify_launch"] += verify_span.launch
-        times["packed_launch"] += packed_span.launch
-        # what running the two passes side by side saved: 0 on CPU, at most the shorter pass
-        times["overlap_saved"] += min(max(verify_s + packed_s - round_span.seconds(), 0.0), verify_s, packed_s)
-
-        # (3) resolve: commit, crop both caches, and take the prepared block if the outcome was prepared
-        committed_tokens = out.commit(draft[:num_accepted].tolist() + [next_token])
-        out.accept_lengths.append(len(committed_tokens))
-        crop_cache(target_cache, len(out.tokens) - 1 - offset)
-        crop_cache(drafter_cache, n + 1 + num_accepted)  # keep x_0 .. x_n, d_1 .. d_a; drop rejected and branches
-        if num_accepted < length:  # rejected at k: was (k, next_token) a branch?
-            slot, next_rows, k = num_accepted, slice(0, block_size), num_accepted + 1
-            covered = positions.tolist()  # read after the join: no extra wait
-            row = covered.index(k) if k in covered else None
-            cands = candidates[row].tolist() if row is not None else []
-            hit_seg = row * candidates.shape[1] + cands.index(next_token) if next_token in cands else None
-        else:  # all accepted: did the full block guess the bonus token?
-            slot, next_rows, hit_seg = block_size, slice(1, block_size), None
-            guess = int(pick_tokens(drafter.logits(block_hidden[-1, :1]), temperature, generator)[0])
-            if guess == next_token and block_size > 1:
-                hit_seg = len(block_hidden) - 1
-        (hits if hit_seg is not None else misses)[slot] += 1
-        if out.done:
-            break
-        if hit_seg is not None:  # a cache hit: the next draft is ready, no drafting on the critical path
-            draft_logits = drafter.logits(block_hidden[hit_seg, next_rows])
-        else:
-            draft_logits = fallback_draft()
+        for key, seconds in timings().items():
+            times[key] += seconds
+        # (c) resolve: commit, crop both caches, take the prepared block if the outcome was prepared
+        out.commit_round(draft[:num_accepted].tolist(), next_token)
+        crop_cache(run.target_cache, len(out.tokens) - 1 - run.offset)
+        crop_cache(run.drafter_cache, n + 1 + num_accepted)  # keep x_0 .. x_n, d_1 .. d_a; drop rejected and branches
+        slot, ready = _prepared_block(drafter, block_hidden, positions, candidates, draft, num_accepted, next_token,
+                                      temperature, generator)
+        (hits if ready is not None else misses)[slot] += 1
+        draft_logits = drafter.logits(ready) if ready is not None and not out.done else None
     times["draft"] = times["packed_draft"] + times["fallback_draft"]
-    output_ids, stats = _finish(out, times, selection, device)
-    num_hits = sum(hits)
-    stats.update({
-        "hit_rate": num_hits / max(1, num_hits + sum(misses)),
+    return {
+        "hit_rate": sum(hits) / max(1, sum(hits) + sum(misses)),
         "hits_per_position": hits,  # index k-1: rejection at k was prepared; last: full acceptance
         "misses_per_position": misses,
         "time_packed_draft": times["packed_draft"],  # device time (CUDA events); on CPU the host's
@@ -1088,8 +1063,7 @@ def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temper
         # verify + packed - the time both took together, clamped to [0, the shorter pass]: 0 on CPU
         "time_overlap_saved": times["overlap_saved"],
         "coverage": coverage, "fanout": fanout, "cover": cover,
-    })
-    return output_ids, stats
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1097,8 +1071,8 @@ def _decode_async(target, drafter, input_ids, max_new_tokens, block_size, temper
 
 
 def adjusted_teacher(teacher_logits: torch.Tensor, labels: torch.Tensor, beta: float) -> torch.Tensor:
-    """The recovery target: the fixed teacher's distribution moved toward the supervised token,
-    q = (1 - beta) * softmax(teacher) + beta * onehot(label) (ours; beta = 0.5 by default). Sums to one."""
+    """The recovery target (ours): the fixed teacher's distribution moved toward the supervised token,
+    q = (1 - beta) * softmax(teacher) + beta * onehot(label). Sums to one."""
     q = (1 - beta) * torch.softmax(teacher_logits.float(), -1)
     return q.scatter_add(-1, labels[..., None], torch.full_like(q[..., :1], beta))  # + beta at the label, no one-hot
 
@@ -1125,8 +1099,8 @@ def distill_loss(student: Drafter, teacher: Drafter, input_ids, loss_mask, *, be
 
 @torch.no_grad()
 def validation_tau(drafter: Drafter, batches, *, num_anchors: int = 32, seed: int = 0) -> tuple[float, float]:
-    """Mean offline tau and mean block cross-entropy over (input_ids, loss_mask) batches, with the same anchors
-    every call (fixed seed), so that candidates are compared on identical blocks."""
+    """Mean offline tau and mean block cross-entropy over (input_ids, loss_mask) batches, on the same anchors every
+    call (fixed seed), so that candidates are compared on identical blocks."""
     generator = torch.Generator().manual_seed(seed)
     taus, losses = [], []
     for input_ids, loss_mask in batches:
@@ -1165,13 +1139,11 @@ def remove_layer(drafter: Drafter, index: int) -> None:
 def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: int | None = None,
                   tau_floor: float | None = None, recovery_steps: int = 100, lr: float = 5e-5, beta: float = 0.5,
                   num_anchors: int = 32, seed: int = 0, log=print):
-    """Greedy progressive pruning (in place). Each iteration: offline tau with each remaining layer removed; remove
-    the layer whose removal costs least tau (ties: least change in block loss); recover for `recovery_steps` AdamW steps
-    distilled from the fixed unpruned drafter (distill_loss, adjusted toward the label by beta); re-measure tau.
-
-    Stops at `min_layers` layers, or before an iteration whose recovered tau falls below tau_floor x the unpruned
-    tau (that iteration is undone and reported with "kept": False). Returns the table: one dict per iteration with
-    the removed layer (index in the original drafter), tau before and after recovery, and seconds."""
+    """Greedy progressive pruning, in place. Each iteration removes the layer whose removal costs least offline tau
+    (ties: least change in block loss), recovers for `recovery_steps` AdamW steps distilled from the fixed unpruned
+    drafter (distill_loss) and re-measures tau. Stops at `min_layers` layers, or at the first iteration whose
+    recovered tau falls below tau_floor x the unpruned tau (undone, and reported with "kept": False). Returns the
+    table: one dict per iteration (removed layer as an index of the original drafter, tau before / after recovery)."""
     if min_layers is None and tau_floor is None:
         raise ValueError("give a stopping rule: min_layers (a target depth) or tau_floor (fraction of unpruned tau)")
     teacher = copy.deepcopy(drafter).eval().requires_grad_(False)  # the fixed, unpruned drafter
@@ -1193,7 +1165,6 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
         best = max(scores, key=lambda i: (scores[i][0], -abs(scores[i][1] - base_loss)))
         snapshot = copy.deepcopy(drafter) if tau_floor is not None else None
         remove_layer(drafter, best)
-        tau_before = scores[best][0]
         if recovery_steps > 0:
             drafter.train()
             params = [p for p in drafter.parameters() if p.requires_grad]
@@ -1207,6 +1178,7 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
             drafter.eval()
+        tau_before = scores[best][0]
         tau_after, _ = validation_tau(drafter, val_batches, num_anchors=num_anchors, seed=seed)
         row = {"iteration": len(table), "removed_layer": original[best], "layers": len(original) - 1,
                "tau_before_recovery": tau_before, "tau_after_recovery": tau_after,
@@ -1214,13 +1186,12 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
                "candidates": {original[i]: round(score[0], 4) for i, score in scores.items()}}
         log(f"removed layer {original[best]}: {len(original) - 1} left, tau {tau_before:.3f} -> {tau_after:.3f} "
             f"after recovery ({row['seconds']:.0f} s)")
+        table.append(row)
         if tau_floor is not None and tau_after < tau_floor * tau0:
             row["kept"] = False  # below the floor: undo this removal and stop
-            table.append(row)
             drafter.model, drafter.d3d_config = snapshot.model, snapshot.d3d_config
             log(f"tau {tau_after:.3f} < {tau_floor} x {tau0:.3f}: removal undone, stopping")
             break
-        table.append(row)
     drafter.eval()
     return table
 
@@ -1232,13 +1203,11 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
 @torch.no_grad()
 def select_chunks(drafter: Drafter, input_ids: torch.Tensor, *, keep_ratio: float, chunk_size: int = 64,
                   query_window: int = 32) -> dict:
-    """The drafter reads the whole prompt into its own cache and chooses which chunks the target prefills.
-
-    Score of a chunk (ours): the attention mass that the last `query_window` prompt tokens give its tokens, averaged
-    over layers, heads and those queries. The first and the last chunk are always kept; then the best-scoring
-    chunks up to ceil(keep_ratio * num_chunks). Kept chunks stay in their original order and keep their original
-    position ids. Returns kept_ids (1, k), kept_positions (1, k), the drafter's cache (holding the full prompt),
-    chunk scores and counts, and the scoring time."""
+    """The drafter reads the whole prompt into its own cache and chooses which chunks the target prefills. A chunk's
+    score (ours): the attention mass the last `query_window` prompt tokens give its tokens, averaged over layers,
+    heads and queries. The first and last chunk are always kept, then the best up to ceil(keep_ratio * num_chunks),
+    in their order and at their original positions. Returns kept_ids (1, k), kept_positions (1, k), the drafter's
+    cache (holding the full prompt), chunk scores and counts, and the scoring time."""
     if not 0 < keep_ratio <= 1:
         raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio}")
     if chunk_size < 1:
@@ -1276,20 +1245,21 @@ def select_chunks(drafter: Drafter, input_ids: torch.Tensor, *, keep_ratio: floa
 MODES = ("target", "sync", "async")
 
 
+@torch.no_grad()
 def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor | list, *, max_new_tokens: int,
              mode: str = "sync", block_size: int | None = None, temperature: float = 0.0, eos_token_id=None,
              generator: torch.Generator | None = None, coverage: int | None = None, fanout: int | None = None,
              cover: str = "first", keep_ratio: float | None = None, chunk_size: int = 64):
     """Decode one sequence, input_ids (1, prompt_len). Returns (output_ids (1, prompt + new), stats).
 
-    mode "target": target-only autoregressive decoding (no drafter needed); "sync": speculative decoding with D3D
-    drafts (_decode_sync); "async": the drafter prepares the next draft during verification (_decode_async),
-    with `coverage` C rejection positions x `fanout` F candidate tokens (default: default_budget(B)) chosen by
-    `cover` ("first" or "likely"); stats then add hit_rate, hits/misses per position and the time split.
-    Temperature 0 is exact greedy: every mode gives the target's greedy tokens. Temperature > 0 samples;
-    speculative modes use lossless speculative sampling, reproducible with `generator`. Decoding stops after EOS
-    (kept in the output) or max_new_tokens. stats: tau (mean tokens committed per round), accept_lengths,
-    num_rounds, time_prefill / time_draft / time_verify / time_total, tokens_per_s.
+    mode "target": the target alone (no drafter needed); "sync": speculative decoding with D3D drafts; "async": the
+    drafter prepares the next draft during verification, for `coverage` C rejection positions x `fanout` F
+    candidate tokens (default: default_budget(B)) chosen by `cover` ("first" or "likely"). Temperature 0 is exact
+    greedy: every mode gives the target's greedy tokens. Temperature > 0 samples; the speculative modes use
+    lossless speculative sampling, reproducible with `generator`. Decoding stops after EOS (kept in the output) or
+    max_new_tokens. stats: tau (mean tokens committed per round), accept_lengths, num_rounds, num_new_tokens,
+    time_prefill / time_draft / time_verify / time_total, tokens_per_s; async adds hit_rate, hits / misses per
+    position and the time split.
 
     keep_ratio (off by default; lossy by design): selective prefilling, the drafter picks the prompt chunks of
     `chunk_size` tokens that the target prefills (select_chunks); every mode then decodes exactly as the target
@@ -1299,13 +1269,11 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
     row advances by its own accepted length, stops on its own EOS or budget, and leaves the batch when done; its
     output is what decoding it alone gives (greedy: the same tokens; sampling: the same law, other draws). Returns
     (list of 1-D tensors prompt + new, stats): stats["rows"] per request (tau, accept_lengths, num_rounds,
-    num_new_tokens, time_done) and batch totals (num_rounds = batched rounds, num_new_tokens, tau, time_prefill /
-    time_draft / time_verify (target passes) / time_total, tokens_per_s = new tokens of all rows / time_total).
-    Ragged rows share one KV cache per model with masked holes (_RaggedCache). Batched async is not built: every
-    row would need its own branch plan and hit or miss, so the packed pass would carry a ragged set of segments per
-    row (different counts, anchors and prefix lengths), and each round would mix rows whose next draft is ready with
-    rows that need a fallback pass, which then no longer hides behind one verification."""
-    if isinstance(input_ids, (list, tuple)):
+    num_new_tokens, time_done) and batch totals (num_rounds = batched rounds; tokens_per_s = new tokens of all rows
+    / time_total). Batched async is not built: each row would need its own branch plan, and rows that need a
+    fallback pass would no longer hide it behind one verification."""
+    batch = isinstance(input_ids, (list, tuple))
+    if batch:
         if not input_ids or any(not torch.is_tensor(p) or p.dim() != 1 for p in input_ids):
             raise ValueError("a batch of prompts must be a non-empty list of 1-D id tensors (prompt_len,)")
         if any(len(p) == 0 for p in input_ids):
@@ -1339,17 +1307,21 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
         raise ValueError(f"need coverage >= 0, fanout >= 0 and cover 'first' or 'likely'; got {coverage}, {fanout},"
                          f" {cover!r}")
 
-    selection = None
+    if batch:
+        if mode == "target":
+            return _decode_batch_target(target, input_ids, max_new_tokens, temperature, eos_token_id, generator)
+        return _decode_batch_sync(target, drafter, input_ids, max_new_tokens, block_size, temperature, eos_token_id,
+                                  generator)
+    selection = None  # selective prefill: what the target prefills, and the drafter's cache holding the full prompt
     if keep_ratio is not None:
         selection = select_chunks(drafter, input_ids, keep_ratio=keep_ratio, chunk_size=chunk_size)
-    args = (max_new_tokens, temperature, eos_token_id, generator)
-    if isinstance(input_ids, (list, tuple)):
-        if mode == "target":
-            return _decode_batch_target(target, input_ids, *args)
-        return _decode_batch_sync(target, drafter, input_ids, max_new_tokens, block_size, *args[1:])
+    run = _prefill(target, drafter, input_ids, selection, max_new_tokens, eos_token_id, temperature, generator)
+    async_stats = {}
     if mode == "target":
-        return _decode_target(target, input_ids, *args, selection)
-    if mode == "sync":
-        return _decode_sync(target, drafter, input_ids, max_new_tokens, block_size, *args[1:], selection)
-    return _decode_async(target, drafter, input_ids, max_new_tokens, block_size, *args[1:], coverage, fanout, cover,
-                         selection)
+        _decode_target(target, run, temperature, generator)
+    elif mode == "sync":
+        _decode_sync(target, drafter, run, block_size, temperature, generator)
+    else:
+        async_stats = _decode_async(target, drafter, run, block_size, temperature, generator, coverage, fanout, cover)
+    output_ids, stats = _finish(run, selection)
+    return output_ids, {**stats, **async_stats}
