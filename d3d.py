@@ -524,35 +524,6 @@ def accept_draft(p_logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Ten
 # Decoding loops: target-only (the reference) and synchronous speculative decoding
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPES.update(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)  # short spellings (older settings files)
-
-
-def native_bf16(device: torch.device) -> bool:
-    """Does the device compute bf16 natively (CUDA: the GPU says; CPU: AVX512-BF16 or AMX in /proc/cpuinfo)?
-    Elsewhere bf16 matmuls fall back to slow kernels (measured: ~20-200x slower)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device.type != "cpu" or not os.path.exists("/proc/cpuinfo"):
-        return False
-    with open("/proc/cpuinfo") as f:
-        flags = next((line.split() for line in f if line.startswith("flags")), [])
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """--dtype of both drivers: "auto" (or None) is bf16 where the device does it natively, else fp32; an explicit
-    bf16 on a CPU without it is honoured with a warning."""
-    if name in (None, "auto"):
-        return torch.bfloat16 if native_bf16(device) else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}: use auto, {', '.join(list(DTYPES)[:3])}")
-    if DTYPES[name] == torch.bfloat16 and device.type == "cpu" and not native_bf16(device):
-        warnings.warn("bf16 on a CPU without AVX512-BF16/AMX runs on slow fallback kernels (measured on AVX2: a "
-                      "drafter training step 130 s instead of 5.9 s in fp32); --dtype auto picks fp32 here")
-    return DTYPES[name]
-
-
 def _clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -39,6 +39,7 @@ import transformers
 from tqdm.auto import tqdm
 
 import d3d
+import train
 
 TOY_DRAFTER, TOY_TARGET, TOY_PROMPTS = "runs/toy/drafter", "runs/toy/target", "runs/toy/prompts-test.jsonl"
 PROMPT_FIELDS = ("question", "prompt", "turns")  # GSM8K-, HumanEval-, MT-Bench-style files (first turn only)
@@ -87,7 +88,7 @@ def load(target, drafter, modes, device, dtype, attn):
     recipe = json.load(open(args_file)) if os.path.isfile(args_file) else {}
     if dtype in (None, "auto") and recipe.get("compute_dtype") == "float32":
         dtype = "float32"  # trained in fp32 (the toy always is): decode in it too
-    dtype = d3d.resolve_dtype(dtype, device)
+    dtype = train.resolve_dtype(dtype, device)
     need_drafter = any(m != "target" for m in modes)
     if (need_drafter or target is None) and drafter == TOY_DRAFTER and not os.path.isdir(drafter):
         raise FileNotFoundError(f"no drafter at {TOY_DRAFTER}: make the toy target and drafter with `python train.py` "

@@ -974,19 +974,6 @@ def test_selective_prefill_decodes_like_the_target_on_the_kept_chunks(tok, targe
 # Bad input: clear errors, never a wrong answer
 
 
-def test_dtype_auto_picks_bf16_only_where_native(monkeypatch):
-    cpu = torch.device("cpu")
-    monkeypatch.setattr(d3d, "native_bf16", lambda device: True)
-    assert d3d.resolve_dtype("auto", cpu) == d3d.resolve_dtype(None, cpu) == torch.bfloat16
-    monkeypatch.setattr(d3d, "native_bf16", lambda device: False)
-    assert d3d.resolve_dtype("auto", cpu) == torch.float32
-    with pytest.warns(UserWarning, match="slow fallback kernels"):
-        assert d3d.resolve_dtype("bfloat16", cpu) == torch.bfloat16  # asked for: honoured, with the cost
-    assert d3d.resolve_dtype("fp32", cpu) == torch.float32  # short spellings of earlier train_args.json files
-    with pytest.raises(ValueError, match="unknown dtype"):
-        d3d.resolve_dtype("float8", cpu)
-
-
 def test_bad_inputs_raise_clear_errors(tok, target, tmp_path):
     drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok)
     prompt = torch.tensor([[1, 2, 3]])

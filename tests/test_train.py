@@ -180,7 +180,7 @@ def test_checkpoint_pieces_are_replaced_one_at_a_time_and_resume_after_a_cut_sav
 
 
 def test_bf16_training_saves_a_bf16_drafter(setup, tmp_path):
-    with pytest.warns(UserWarning) if not d3d.native_bf16(torch.device("cpu")) else contextlib.nullcontext():
+    with pytest.warns(UserWarning) if not train.native_bf16(torch.device("cpu")) else contextlib.nullcontext():
         result = _run(setup, tmp_path / "d", steps=2, drafter_layers="2", dtype="bfloat16")
     saved = d3d.Drafter.from_pretrained(str(tmp_path / "d"))
     assert next(saved.parameters()).dtype == torch.bfloat16  # the training dtype, half the disk of fp32
@@ -281,3 +281,15 @@ def test_every_toy_run_shares_one_toy_wherever_out_goes(monkeypatch, tmp_path):
     with pytest.raises(Built):
         train.main(out=str(tmp_path / "lam0" / "drafter"), device="cpu")
     assert built == [train.TOY_DIR]
+
+
+def test_dtype_auto_picks_bf16_only_where_native(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(train, "native_bf16", lambda device: True)
+    assert train.resolve_dtype("auto", cpu) == train.resolve_dtype(None, cpu) == torch.bfloat16
+    monkeypatch.setattr(train, "native_bf16", lambda device: False)
+    assert train.resolve_dtype("auto", cpu) == torch.float32
+    with pytest.warns(UserWarning, match="slow fallback kernels"):
+        assert train.resolve_dtype("bfloat16", cpu) == torch.bfloat16  # asked for: honoured, with the cost
+    with pytest.raises(ValueError, match="unknown dtype"):
+        train.resolve_dtype("float8", cpu)
