@@ -497,9 +497,9 @@ def interactive(models, prompts: list[str], mode: str, opts: dict, thinking: boo
         print(f"{m:<8}{s['tokens_per_s']:8.0f}{s['speedup']:8.2f}×{tau:>6}{hit_rate:>10}   "
               f"{same if m != 'target' else '-'}")
     if "async" in modes and target.device.type != "cuda":
-        print("async drafts the next block during verification on a second CUDA stream; on a CPU the two passes run "
-              "one after the other, so sync is the faster mode here (async's numbers above are its hit rate and "
-              "exactness, not its speed)")
+        print("On a CPU the target's verification and async's drafter pass run one after the other (a GPU overlaps "
+              "them on two CUDA streams), so sync is the faster mode here; async's hit rate is how often its next "
+              "draft was ready when the verification ended")
     if mode != "target":
         print(f"{mode}: acceptance histogram (tokens committed per round, 1 .. {block_size + 1}):\n" +
               histogram([n for r in records[mode] for n in r["accept_lengths"]]))
