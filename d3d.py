@@ -1,38 +1,27 @@
 """D3D: Decoupled Diffusion Drafting for Asynchronous Speculative Decoding (arXiv 2611.06425), in one module.
 
-A standalone drafter (a causal LM with the target's tokenizer that never reads the target's hidden states) learns
-to fill in a block of B masked future tokens in one forward pass. Because it needs nothing from the target, it can
-draft the next block while the target verifies the current one.
+A standalone drafter (a causal LM with the target's tokenizer that never reads the target's hidden states) fills in a
+block of B masked future tokens in one pass, so it can draft the next block while the target verifies this one.
 
-Map from the paper to this file (read top to bottom):
-    method config (block size, MASK, K, lambda, gamma)   D3DConfig
-    standalone drafter from any HF causal LM            make_drafter, Drafter, keep_layers
-    packed attention (Fig. 1a: shared causal prefix,    packed_attention_mask
-      isolated bidirectional blocks)
-    training loss L_block + lambda * L_AR (Fig. 1a)     d3d_loss, sample_anchors, rows_loss (chunked logits)
-    offline acceptance length (validation tau)          offline_tau
-    where d_1 comes from (ours: the causal head)         with_first_token (training shape), draft_rows (decoding)
-    drafting / verification / acceptance                draft_block, verify_block, accept_draft
-    target-only and synchronous decoding                generate(mode="target" | "sync"), _decode_sync
+Paper -> this file, top to bottom:
+    config (block size, MASK, K, lambda, gamma)          D3DConfig
+    standalone drafter from any HF causal LM             make_drafter, Drafter, keep_layers
+    packed attention (Fig. 1a)                           packed_attention_mask
+    loss L_block + lambda * L_AR (Fig. 1a)               d3d_loss, sample_anchors, rows_loss; offline_tau (validation)
+    where d_1 comes from (ours: the causal head)         with_first_token (training), draft_rows (decoding)
+    drafting / verification / acceptance                 draft_block, verify_block, accept_draft
+    target-only and synchronous decoding                 generate(mode="target" | "sync"), _decode_sync
     concurrent requests (Table 2): ragged batches        generate([prompts]), _decode_batch_sync, _RaggedCache
     asynchronous decoding (Fig. 1c): one packed pass     generate(mode="async"), _decode_async, plan_branches,
-      prepares the next block for likely outcomes,        build_branch_pass, _verify_while_drafting
-      on a second CUDA stream during verification
-    progressive layer pruning with recovery (Fig. 1b)   prune_drafter, distill_loss, adjusted_teacher
-    selective prefilling (appendix, Fig. 5)             select_chunks, generate(keep_ratio=...)
+      drafts for likely outcomes during verification       build_branch_pass, _verify_while_drafting
+    progressive layer pruning with recovery (Fig. 1b)    prune_drafter, distill_loss, adjusted_teacher
+    selective prefilling (appendix, Fig. 5)              select_chunks, generate(keep_ratio=...)
 
-Shapes: b batch, L clean tokens, K anchors (blocks), B block size, V vocabulary, q packed query length,
-past tokens already in a KV cache.
-
-Our readings ("ours") where the paper is silent; README.md, section "Departures and readings", gives each reason:
-  * anchorless blocks: MASK i of a block hanging off position p predicts the token at p+i
-  * d_1 from the causal stream's next-token head (first_token="ar", the default)
-  * MASK is a fresh id (the first one the tokenizer does not use), never drafted
-  * the first token comes from the target's prefill
-  * async branches: C positions x F runner-up tokens + a full-acceptance block, all of one segment shape
-  * the loss projects to the vocabulary only the rows with a label, in chunks recomputed in backward
-  * pruning: recovery toward an adjusted teacher; tau ties go to the smallest change in loss
-  * selective prefill: a chunk's score is the attention the last 32 prompt tokens give it
+Shapes: b batch, L clean tokens, K anchors (blocks), B block size, V vocabulary, q packed query length, past tokens
+already in a KV cache. "ours" marks a reading where the paper is silent (README.md, "Departures and readings", gives
+the reasons): anchorless blocks (MASK i off position p predicts token p+i); d_1 from the causal head; MASK a fresh
+id; the first token from the target's prefill; async branch shapes; chunked loss logits; pruning's adjusted teacher
+and tie-break; selective prefill's attention score.
 """
 from __future__ import annotations
 
@@ -64,8 +53,7 @@ CONFIG_NAME = "d3d_config.json"
 
 @dataclass
 class D3DConfig:
-    """The method's settings. Saved as d3d_config.json next to every drafter and read back from it."""
-
+    """The method's settings, saved as d3d_config.json next to every drafter."""
     block_size: int = 16  # B: MASK tokens drafted in one pass (paper default 16; Table 4 compares 8/16/32)
     mask_token_id: int = -1  # id of MASK in the drafter's embedding table (set by make_drafter)
     num_anchors: int = 64  # K: blocks per training sequence (Table 5: tau saturates near 128-256)
@@ -104,9 +92,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def keep_layers(model: nn.Module, layer_ids: list[int]) -> nn.Module:
-    """Keep only the decoder layers `layer_ids` (in that order) of an HF causal LM, in place, renumbered 0..n-1 so
-    that KV-cache slots, the config and a save/load round trip all agree."""
-    decoder = model.get_decoder()
+    """Keep only decoder layers `layer_ids`, in that order and in place, renumbered 0..n-1 (cache slots, config)."""
+    decoder, config = model.get_decoder(), model.config
     layers = decoder.layers
     if not layer_ids or any(not 0 <= i < len(layers) for i in layer_ids) or len(set(layer_ids)) != len(layer_ids):
         raise ValueError(f"layer ids must be distinct and in [0, {len(layers)}), got {layer_ids}")
@@ -115,7 +102,6 @@ def keep_layers(model: nn.Module, layer_ids: list[int]) -> nn.Module:
         for module in layer.modules():
             if hasattr(module, "layer_idx"):
                 module.layer_idx = new_idx  # the cache slot this attention writes to
-    config = model.config
     if getattr(config, "layer_types", None) is not None:
         config.layer_types = [config.layer_types[i] for i in layer_ids]
     config.num_hidden_layers = len(layer_ids)
@@ -123,22 +109,18 @@ def keep_layers(model: nn.Module, layer_ids: list[int]) -> nn.Module:
 
 
 def additive_mask(mask: torch.Tensor, model: nn.Module) -> torch.Tensor:
-    """A bool mask (True = may attend) as the additive float mask HF takes (eager and sdpa attention use it as is),
-    in the dtype attention computes in: autocast's if on, else the model's."""
-    device = mask.device
-    autocast = torch.is_autocast_enabled(device.type)
-    dtype = torch.get_autocast_dtype(device.type) if autocast else next(model.parameters()).dtype
-    return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
+    """Bool mask (True = may attend) as HF's additive float mask, in attention's dtype (autocast's or the model's)."""
+    kind = mask.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else next(model.parameters()).dtype
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
 class Drafter(nn.Module):
-    """A Hugging Face causal LM plus its D3DConfig. `forward` takes a packed sequence and returns float logits over
-    the target's vocabulary (MASK can never be drafted)."""
+    """An HF causal LM plus its D3DConfig; `forward` gives float logits over the target's vocabulary, MASK excluded."""
 
     def __init__(self, model: nn.Module, config: D3DConfig):
         super().__init__()
-        self.model = model
-        self.d3d_config = config
+        self.model, self.d3d_config = model, config
 
     @property
     def device(self) -> torch.device:
@@ -158,8 +140,7 @@ class Drafter(nn.Module):
         return logits
 
     def forward(self, input_ids, position_ids, attention_mask, past_key_values=None, logits_to_keep=None):
-        """Logits (b, n, V), projected only at `logits_to_keep`: row indices (n,) shared by the batch, or (b, n) per
-        sequence; None keeps all q rows."""
+        """Logits (b, n, V) at rows `logits_to_keep`: (n,) shared by the batch, (b, n) per sequence, None = all q."""
         hidden = self.hidden_states(input_ids, position_ids, attention_mask, past_key_values)
         if logits_to_keep is not None and logits_to_keep.dim() == 2:
             hidden = hidden.gather(1, logits_to_keep[..., None].expand(-1, -1, hidden.shape[-1]))
@@ -177,13 +158,10 @@ class Drafter(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str, dtype=None, device=None, attn_implementation: str = "sdpa") -> "Drafter":
         from transformers import AutoModelForCausalLM
-
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"no drafter folder at {path!r}: train one with `python train.py` "
-                                    "or make one with d3d.make_drafter(...).save_pretrained(path)")
+            raise FileNotFoundError(f"no drafter folder at {path!r}: run python train.py, or save a d3d.make_drafter()")
         if not os.path.isfile(os.path.join(path, CONFIG_NAME)):
-            raise FileNotFoundError(f"{path!r} has no {CONFIG_NAME}: it is a plain model, not a D3D drafter; "
-                                    "make one with d3d.make_drafter(model, tokenizer=...)")
+            raise FileNotFoundError(f"{path!r} lacks {CONFIG_NAME}: a plain model, not a D3D drafter; see make_drafter")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
         drafter = cls(model, D3DConfig.load(path))
         return drafter.to(device) if device is not None else drafter
@@ -191,11 +169,9 @@ class Drafter(nn.Module):
 
 def make_drafter(model: nn.Module, mask_token_id: int | None = None, *, tokenizer, layers: list[int] | None = None,
                  target_vocab_size: int | None = None, **config) -> Drafter:
-    """Turn any HF causal LM that uses the target's tokenizer into a D3D drafter. MASK: `mask_token_id` if given (not
-    a token text can produce), else the id of `<|MASK|>` if the tokenizer has one, else the first id the tokenizer
-    does not use (Qwen3: 151669, inside its padded vocabulary of 151936); the embeddings grow only when that id has
-    no row. `layers` keeps only those decoder layers. `target_vocab_size`: rows of the target's output layer
-    (default: this model's). Other keyword arguments go to D3DConfig."""
+    """Turn any HF causal LM with the target's tokenizer into a D3D drafter. MASK: `mask_token_id` (not a text token),
+    else `<|MASK|>` if the tokenizer has it, else its first unused id (embeddings grow only if that id has no row).
+    `layers`: decoder layers to keep; `target_vocab_size`: default this model's; other keywords go to D3DConfig."""
     rows = model.get_output_embeddings().weight.shape[0]
     text_vocab = len(tokenizer)
     if rows < text_vocab:
@@ -237,14 +213,11 @@ def packed_attention_mask(num_causal: int, anchors: torch.Tensor, block_size: in
                           past_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask and position ids of a packed sequence [causal stream | segment 1 | segment 2 | ...].
 
-    The causal stream holds `num_causal` tokens at positions past_len, past_len+1, ...; the `past_len` tokens before
-    them sit in the KV cache, visible to all. Segment s hangs off causal index anchors[.., s] (position p): it is
-    `prefix_len` causal tokens (1 for an asynchronous branch, else 0) then `block_size` MASK tokens, at positions
-    p+1, p+2, .... A segment sees the causal stream up to and including p, never another segment; its prefix tokens
-    see each other causally; its MASK tokens see the whole segment (bidirectional). Visibility is decided by anchor
-    *position*, so overlapping spans cannot leak the future.
-
-    Example: 5 causal tokens c0..c4, two blocks of B=2 hanging off c1 and c3 (x = may attend):
+    `num_causal` causal tokens at positions past_len, past_len+1, ... follow `past_len` cached tokens that all see.
+    Segment s hangs off causal index anchors[.., s] (position p): `prefix_len` causal tokens (1 for an async branch)
+    then `block_size` MASKs, at positions p+1, p+2, .... It sees the causal stream up to p and no other segment; its
+    MASKs see the whole segment. Visibility goes by anchor *position*, so overlapping spans cannot leak the future.
+    Example: c0..c4, blocks of B=2 off c1 and c3 (x = may attend):
 
                      c0 c1 c2 c3 c4 | m m | m m
         c0 (pos 0)   x              |     |
@@ -257,9 +230,8 @@ def packed_attention_mask(num_causal: int, anchors: torch.Tensor, block_size: in
         m  (pos 4)   x  x  x  x     |     | x x      block off c3: predicts tokens 4, 5
         m  (pos 5)   x  x  x  x     |     | x x
 
-    anchors: (S,) or (b, S) long. Returns mask (b, 1, q, past_len + q) bool, position_ids (b, q) long,
-    with q = num_causal + S * (prefix_len + block_size).
-    """
+    anchors: (S,) or (b, S) long. Returns mask (b, 1, q, past_len + q) bool and position_ids (b, q) long,
+    q = num_causal + S * (prefix_len + block_size)."""
     anchors = anchors if anchors.dim() == 2 else anchors[None]
     device = anchors.device
     b, num_segments = anchors.shape
@@ -267,19 +239,15 @@ def packed_attention_mask(num_causal: int, anchors: torch.Tensor, block_size: in
     token = torch.arange(num_segments * seg_len, device=device)
     seg_of, idx_in_seg = token // seg_len, token % seg_len  # (T,) segment of each token, index inside it
     is_prefix = idx_in_seg < prefix_len  # (T,)
-
     causal_idx = torch.arange(num_causal, device=device)
     seg_anchor = anchors[:, seg_of]  # (b, T) causal index each segment token hangs off
-    # causal rows: causal columns j <= i; segment columns never
-    cc = (causal_idx[None, :] <= causal_idx[:, None]).expand(b, -1, -1)  # (b, N, N)
-    cs = torch.zeros(b, num_causal, len(seg_of), dtype=torch.bool, device=device)  # (b, N, T)
-    # segment rows: causal columns up to the anchor; same-segment columns (causally among the prefix)
-    sc = causal_idx[None, None, :] <= seg_anchor[:, :, None]  # (b, T, N)
+    cc = (causal_idx[None, :] <= causal_idx[:, None]).expand(b, -1, -1)  # (b, N, N) causal rows: j <= i
+    cs = torch.zeros(b, num_causal, len(seg_of), dtype=torch.bool, device=device)  # (b, N, T) and no segment
+    sc = causal_idx[None, None, :] <= seg_anchor[:, :, None]  # (b, T, N) segment rows: the stream up to the anchor
     same = seg_of[:, None] == seg_of[None, :]
-    ss = same & ((idx_in_seg[None, :] <= idx_in_seg[:, None]) | ~is_prefix[:, None])  # (T, T)
+    ss = same & ((idx_in_seg[None, :] <= idx_in_seg[:, None]) | ~is_prefix[:, None])  # (T, T) own segment, MASK: all
     mask = torch.cat([torch.cat([cc, cs], 2), torch.cat([sc, ss.expand(b, -1, -1)], 2)], 1)  # (b, q, q)
     mask = torch.cat([torch.ones(b, mask.shape[1], past_len, dtype=torch.bool, device=device), mask], 2)
-
     positions = torch.cat([causal_idx.expand(b, -1), seg_anchor + 1 + idx_in_seg], 1) + past_len  # (b, q)
     return mask[:, None], positions
 
@@ -289,8 +257,8 @@ def packed_attention_mask(num_causal: int, anchors: torch.Tensor, block_size: in
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None):
-    """K anchors per row, uniformly without replacement among positions p whose next token x_{p+1} is a response
-    token. Returns anchors (b, K) sorted, and valid (b, K) (False where a row has fewer than K candidates)."""
+    """K anchors per row, uniformly without replacement among positions p whose next token is a response token.
+    Returns anchors (b, K) sorted, and valid (b, K) (False where a row has fewer than K candidates)."""
     b, length = loss_mask.shape
     candidate = torch.zeros_like(loss_mask, dtype=torch.bool)
     candidate[:, :-1] = loss_mask[:, 1:].bool()
@@ -302,8 +270,7 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
 
 
 def _packed_hidden(drafter, input_ids, anchors, block_size):
-    """One training-shape pass: clean tokens (causal) + a MASK block hanging off every anchor. Returns the hidden
-    states of the causal stream (b, L, H) and of the blocks (b, K, B, H), not projected to the vocabulary."""
+    """Training-shape pass: hidden states of the causal stream (b, L, H) and of a MASK block per anchor (b, K, B, H)."""
     b, length = input_ids.shape
     num_anchors = anchors.shape[1]
     mask, positions = packed_attention_mask(length, anchors, block_size)
@@ -313,8 +280,7 @@ def _packed_hidden(drafter, input_ids, anchors, block_size):
 
 
 def with_first_token(block: torch.Tensor, anchor: torch.Tensor, first_token: str) -> torch.Tensor:
-    """The rows that draft a block, (..., B, D) (hidden states or logits): the block's own rows, with row 1 (d_1)
-    taken from the token the block hangs off (its next-token row) when first_token == "ar" (ours)."""
+    """The rows (..., B, D) that draft a block: its own, with row 1 (d_1) from the token it hangs off if "ar" (ours)."""
     if first_token == "block":
         return block
     return torch.cat([anchor.unsqueeze(-2), block[..., 1:, :]], -2)
@@ -325,10 +291,8 @@ LOGITS_PER_CHUNK = 2**25  # fp32 logits alive at once in the loss: 128 MiB (Qwen
 
 def rows_loss(drafter: Drafter, hidden: torch.Tensor, labels: torch.Tensor, *, teacher: Drafter | None = None,
               teacher_hidden: torch.Tensor | None = None, beta: float = 0.5):
-    """Cross-entropy of the drafter's logits at `hidden` (N, H) against `labels` (N,), or with a teacher against the
-    adjusted teacher at `teacher_hidden` (N, H) (pruning's recovery). Returns (loss (N,), argmax (N,)). The logits
-    are made chunk by chunk and recomputed in backward, so at most LOGITS_PER_CHUNK fp32 logits live at once: at
-    Qwen3's vocabulary, all logits of a batch would be tens of GB."""
+    """Cross-entropy at `hidden` (N, H) against `labels` (N,), or the adjusted teacher at `teacher_hidden` (N, H):
+    (loss (N,), argmax (N,)). Logits are made in chunks, recomputed in backward: a batch's would take tens of GB."""
     def chunk_loss(h, y, t_h):
         log_p = torch.log_softmax(drafter.logits(h), -1)  # (n, V), float32
         if teacher is None:
@@ -336,7 +300,6 @@ def rows_loss(drafter: Drafter, hidden: torch.Tensor, labels: torch.Tensor, *, t
         with torch.no_grad():
             q = adjusted_teacher(teacher.logits(t_h), y, beta)
         return -(q * log_p.clamp(min=-1e4)).sum(-1), log_p.argmax(-1)  # MASK: q = 0, log_p = -inf; keep 0*-inf out
-
     chunk = max(1, LOGITS_PER_CHUNK // drafter.d3d_config.target_vocab_size)
     losses, argmax = [hidden[:0].sum(-1)], [labels[:0]]  # (0,), in the graph: a batch without a labelled row
     for rows in (slice(start, start + chunk) for start in range(0, len(hidden), chunk)):
@@ -352,11 +315,10 @@ def rows_loss(drafter: Drafter, hidden: torch.Tensor, labels: torch.Tensor, *, t
 
 
 def _block_labels(input_ids, loss_mask, anchors, valid, block_size):
-    """Targets x_{a+i} (i = 1..B) for every block, and where they count (exist, are response, anchor valid)."""
+    """Targets x_{a+i} (i = 1..B) of every block, and where they count (exist, are response, anchor valid)."""
     length = input_ids.shape[1]
     idx = anchors[:, :, None] + torch.arange(1, block_size + 1, device=anchors.device)  # (b, K, B)
-    inside = idx < length
-    idx = idx.clamp(max=length - 1)
+    inside, idx = idx < length, idx.clamp(max=length - 1)
     labels = input_ids.gather(1, idx.flatten(1)).view_as(idx)
     counts = inside & loss_mask.bool().gather(1, idx.flatten(1)).view_as(idx) & valid[:, :, None]
     return labels, counts
@@ -365,47 +327,41 @@ def _block_labels(input_ids, loss_mask, anchors, valid, block_size):
 def d3d_loss(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor, *, num_anchors: int | None = None,
              block_size: int | None = None, ar_weight: float | None = None, decay_gamma: float | None = None,
              generator: torch.Generator | None = None):
-    """L = L_block + lambda * L_AR on right-padded prompt+response sequences; input_ids, loss_mask (b, L), loss_mask
-    True on response tokens. L_block: cross-entropy of block k position i against x_{a_k+i}, weighted by
-    exp(-(i-1)/gamma) if gamma is set; L_AR: next-token cross-entropy on the causal stream's response tokens.
-    Settings default to the drafter's config. Returns (loss, {loss_block, loss_ar, block_acc (B,) per position})."""
+    """L = L_block + lambda * L_AR on right-padded input_ids (b, L), loss_mask (b, L) True on response tokens. L_block:
+    cross-entropy of block k position i against x_{a_k+i}, weighted exp(-(i-1)/gamma) if gamma is set; L_AR: the
+    causal stream's next-token loss. Settings default to the config's. Returns (loss, {loss_block, loss_ar,
+    block_acc (B,)})."""
     cfg = drafter.d3d_config
-    num_anchors = num_anchors or cfg.num_anchors
-    block_size = block_size or cfg.block_size
+    num_anchors, block_size = num_anchors or cfg.num_anchors, block_size or cfg.block_size
     ar_weight = cfg.ar_weight if ar_weight is None else ar_weight
     decay_gamma = cfg.decay_gamma if decay_gamma is None else decay_gamma
-
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
     causal_hidden, block_hidden = _packed_hidden(drafter, input_ids, anchors, block_size)  # (b, L, H), (b, K, B, H)
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)  # (b, K, B)
-
-    weights = torch.ones(block_size, device=input_ids.device)
-    if decay_gamma:
-        weights = torch.exp(-torch.arange(block_size, device=input_ids.device) / decay_gamma)
+    steps = torch.arange(block_size, device=input_ids.device)
+    weights = torch.exp(-steps / decay_gamma) if decay_gamma else torch.ones(block_size, device=input_ids.device)
     token_loss, predicted = rows_loss(drafter, block_hidden[counts], labels[counts])  # block rows with a label
     w = (counts * weights)[counts]
     loss_block = (token_loss * w).sum() / w.sum().clamp(min=1e-8)
-
     loss_ar = torch.zeros((), device=input_ids.device)
     if ar_weight > 0:
         has_label = loss_mask[:, 1:].bool()  # causal row j predicts x_{j+1}: response tokens only
         ar_tok, _ = rows_loss(drafter, causal_hidden[:, :-1][has_label], input_ids[:, 1:][has_label])
         loss_ar = ar_tok.sum() / has_label.sum().clamp(min=1)
-    loss = loss_block + ar_weight * loss_ar
-
     with torch.no_grad():
         correct = torch.zeros_like(counts)
         correct[counts] = predicted == labels[counts]
         block_acc = correct.sum((0, 1)) / counts.sum((0, 1)).clamp(min=1)
+    loss = loss_block + ar_weight * loss_ar
     return loss, {"loss_block": loss_block.detach(), "loss_ar": loss_ar.detach(), "block_acc": block_acc}
 
 
 @torch.no_grad()
 def offline_tau(drafter: Drafter, input_ids, loss_mask, *, num_anchors: int = 32, block_size: int | None = None,
                 first_token: str | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Validation tau without the target: the responses are its greedy output, so a block drafted at anchor a is
-    accepted as far as it matches x_{a+1} ... (a token past the response's end is a mismatch). d_1 comes from where
-    decoding takes it (first_token, default: the config's). Returns tau (accepted + 1) per valid anchor (num_valid,)."""
+    """Validation tau without the target (the responses are its greedy output): a block drafted at anchor a, d_1 as
+    `first_token` says (default: the config's), is accepted as far as it matches x_{a+1} .... Returns tau
+    (accepted + 1) per valid anchor (num_valid,)."""
     block_size = block_size or drafter.d3d_config.block_size
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
     causal_hidden, block_hidden = _packed_hidden(drafter, input_ids, anchors, block_size)
@@ -413,7 +369,7 @@ def offline_tau(drafter: Drafter, input_ids, loss_mask, *, num_anchors: int = 32
     rows = with_first_token(block_hidden, anchor_hidden, first_token or drafter.d3d_config.first_token)[valid]
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
     _, draft = rows_loss(drafter, rows.flatten(0, 1), labels[valid].flatten())  # chunked argmax
-    hit = (draft.view_as(labels[valid]) == labels[valid]) & counts[valid]  # (num_valid, B)
+    hit = (draft.view_as(labels[valid]) == labels[valid]) & counts[valid]  # (num_valid, B), past the end: a miss
     return (hit.long().cumprod(-1).sum(-1) + 1).float()
 
 
@@ -423,7 +379,6 @@ def offline_tau(drafter: Drafter, input_ids, loss_mask, *, num_anchors: int = 32
 
 def new_cache(model: nn.Module):
     from transformers import DynamicCache
-
     return DynamicCache(config=model.config)
 
 
@@ -450,8 +405,7 @@ def pick_tokens(logits: torch.Tensor, temperature: float, generator=None):
 
 
 def draft_rows(drafter: Drafter, anchor_rows: torch.Tensor, block_starts: torch.Tensor, block_size: int):
-    """Rows of a packed sequence whose hidden states draft each block, (S, B): the block's B MASK rows, except that
-    with first_token == "ar" d_1 comes from the row of the token the block hangs off (its next-token head)."""
+    """Rows (S, B) of a packed pass that draft each block: its MASK rows, d_1 from `anchor_rows` if first_token "ar"."""
     rows = block_starts[:, None] + torch.arange(block_size, device=block_starts.device)
     if drafter.d3d_config.first_token == "ar":
         rows[:, 0] = anchor_rows
@@ -460,9 +414,8 @@ def draft_rows(drafter: Drafter, anchor_rows: torch.Tensor, block_starts: torch.
 
 @torch.no_grad()
 def draft_block(drafter: Drafter, cache, new_tokens: torch.Tensor, block_size: int) -> torch.Tensor:
-    """One drafter pass: the committed tokens it has not read, new_tokens (1, m) ending with x_n (never in its cache
-    when it drafts), + one MASK block hanging off x_n. The block's KV is cropped again, so the cache ends holding the
-    committed tokens only. Returns the draft logits (B, V): row i-1 drafts position n+i."""
+    """One drafter pass over the committed tokens it has not read, new_tokens (1, m) ending with x_n, + a MASK block
+    off x_n (its KV cropped again). Returns the draft logits (B, V): row i-1 drafts position n+i."""
     past, m, device = cache.get_seq_length(), new_tokens.shape[1], new_tokens.device
     last = torch.tensor([m - 1], device=device)  # x_n, the token the block hangs off
     mask, positions = packed_attention_mask(m, last, block_size, past_len=past)
@@ -474,8 +427,7 @@ def draft_block(drafter: Drafter, cache, new_tokens: torch.Tensor, block_size: i
 
 
 def target_forward(target: nn.Module, input_ids, cache, position_offset: int = 0, logits_to_keep=0) -> torch.Tensor:
-    """A target pass with its KV cache. position_offset > 0 after selective prefill: the cache skipped that many
-    prompt tokens, so absolute positions run ahead of the cache length."""
+    """A target pass with its KV cache; position_offset: prompt tokens the cache skipped (selective prefill)."""
     extra = {}
     if position_offset:
         start = cache.get_seq_length() + position_offset
@@ -495,12 +447,9 @@ def verify_block(target: nn.Module, cache, last_token: torch.Tensor, draft: torc
 
 def accept_draft(p_logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Tensor | None, temperature: float,
                  generator=None) -> tuple[int, int]:
-    """Longest accepted prefix of the draft and the target's own next token: (num_accepted, next_token).
-
-    Greedy: accept d_i while it equals the target's argmax; the next token is the target's argmax after the accepted
-    prefix (a correction, or the bonus token when all B are accepted). Sampling (lossless speculative sampling):
-    accept d_i with probability min(1, p_target(d_i) / q_draft(d_i)); on the first rejection draw from the residual
-    max(p_target - q_draft, 0) normalised; after full acceptance draw the bonus from p_target."""
+    """(num_accepted, next_token). Greedy: accept d_i while it is the target's argmax, then take the argmax. Sampling
+    (lossless): accept d_i with probability min(1, p(d_i) / q(d_i)); at the first rejection draw from max(p - q, 0)
+    normalised; after full acceptance draw the bonus token from p."""
     block_size = draft.shape[0]
     if temperature == 0:
         target_tokens = p_logits.argmax(-1)  # (B+1,)
@@ -510,8 +459,7 @@ def accept_draft(p_logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Ten
     rows = torch.arange(block_size, device=draft.device)
     p_d, q_d = p_target[rows, draft], q_draft[rows, draft]
     u = torch.rand(block_size, generator=generator, device=generator.device if generator else "cpu").to(p_d.device)
-    accepted = (u * q_d <= p_d).long()  # u < p/q without dividing by a tiny q
-    num_accepted = int(accepted.cumprod(0).sum())
+    num_accepted = int((u * q_d <= p_d).long().cumprod(0).sum())  # u < p/q without dividing by a tiny q
     if num_accepted == block_size:
         return num_accepted, int(_sample(p_target[block_size], generator))
     residual = (p_target[num_accepted] - q_draft[num_accepted]).clamp(min=0)
@@ -538,9 +486,7 @@ class _Output:
     """Committed tokens of one sequence, with the stop rules (EOS kept, max_new_tokens) and the round statistics."""
 
     def __init__(self, prompt: list[int], max_new_tokens: int, eos_token_id):
-        self.tokens = list(prompt)
-        self.prompt_len = len(prompt)
-        self.max_new_tokens = max_new_tokens
+        self.tokens, self.prompt_len, self.max_new_tokens = list(prompt), len(prompt), max_new_tokens
         eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
         self.eos = {int(e) for e in eos if e is not None}
         self.done = max_new_tokens <= 0
@@ -558,14 +504,12 @@ class _Output:
         return new
 
     def commit_round(self, accepted: list[int], next_token: int) -> None:
-        """A speculative round: the accepted drafts, then the target's own token."""
         self.accept_lengths.append(len(self.commit(accepted + [next_token])))
 
 
 @dataclass
 class _Decoding:
     """One sequence being decoded: its tokens, both KV caches and the time split."""
-
     out: _Output
     target_cache: object
     drafter_cache: object  # None without a drafter
@@ -575,8 +519,7 @@ class _Decoding:
 
 
 def _prefill(target, drafter, input_ids, selection, max_new_tokens, eos_token_id, temperature, generator):
-    """How every single-sequence loop starts: the target prefills the prompt (with selective prefill: the kept chunks
-    at their own positions; the drafter's cache then holds the whole prompt) and produces the first token itself."""
+    """The target prefills the prompt (or the chunks selective prefill kept) and produces the first token itself."""
     device = input_ids.device
     out = _Output(input_ids[0].tolist(), max_new_tokens, eos_token_id)
     ids, positions = input_ids, None
@@ -600,18 +543,16 @@ def _finish(run: _Decoding, selection) -> tuple[torch.Tensor, dict]:
     if selection is not None:  # the drafter's scoring pass is part of the time to first token
         prefill, total = prefill + selection["time_scoring"], total + selection["time_scoring"]
     num_new, decode_time = len(out.tokens) - out.prompt_len, total - prefill
-    stats = {
-        "tau": _mean(out.accept_lengths), "accept_lengths": out.accept_lengths, "num_rounds": len(out.accept_lengths),
-        "num_new_tokens": num_new,
-        "time_prefill": prefill,  # time to first token (target prefill; the drafter's is in time_draft)
-        "time_draft": times["draft"], "time_verify": times["verify"], "time_total": total,
-        # decode speed excludes prefill (the paper's protocol); the first token comes from prefill
-        "tokens_per_s": (num_new - 1) / decode_time if num_new > 1 and decode_time > 0 else float("nan"),
-    }
+    stats = {"tau": _mean(out.accept_lengths), "accept_lengths": out.accept_lengths,
+             "num_rounds": len(out.accept_lengths), "num_new_tokens": num_new,
+             "time_prefill": prefill,  # time to first token (target prefill; the drafter's is in time_draft)
+             "time_draft": times["draft"], "time_verify": times["verify"], "time_total": total,
+             # decode speed excludes prefill (the paper's protocol); the first token comes from prefill
+             "tokens_per_s": (num_new - 1) / decode_time if num_new > 1 and decode_time > 0 else float("nan")}
     if selection is not None:
-        stats.update({key: selection[key] for key in ("num_chunks", "chunks_kept", "time_scoring")})
-        stats["prompt_tokens_prefilled"] = selection["kept_ids"].shape[1]
-        stats["time_target_prefill"] = prefill - selection["time_scoring"]
+        stats.update({key: selection[key] for key in ("num_chunks", "chunks_kept", "time_scoring")},
+                     prompt_tokens_prefilled=selection["kept_ids"].shape[1],
+                     time_target_prefill=prefill - selection["time_scoring"])
     return torch.tensor([out.tokens], device=run.device), stats
 
 
@@ -626,12 +567,8 @@ def _decode_target(target, run: _Decoding, temperature, generator) -> None:
 
 
 def _decode_sync(target, drafter, run: _Decoding, block_size, temperature, generator) -> None:
-    """Synchronous speculative decoding: draft a block, verify it, commit, repeat.
-
-    Invariants at the top of every round (committed tokens x_0 .. x_n; the target's cache lacks the prompt chunks
-    that selective prefill skipped):
-      target cache = x_0 .. x_{n-1}     (x_n is fed with the draft)
-      drafter cache = x_0 .. x_{d-1}    for some d <= n (the drafter catches up in its next pass)"""
+    """Draft a block, verify it, commit, repeat. At the top of a round (committed x_0 .. x_n): target cache =
+    x_0 .. x_{n-1} (x_n goes with the draft); drafter cache = x_0 .. x_{d-1}, d <= n (it catches up next pass)."""
     out, times, device = run.out, run.times, run.device
     while not out.done:
         t0 = _clock(device)
@@ -652,28 +589,24 @@ def _decode_sync(target, drafter, run: _Decoding, block_size, temperature, gener
 
 
 class _RaggedCache:
-    """One DynamicCache for a batch of sequences of different lengths ("masked holes").
-
-    Every pass appends the same q columns to every row (ragged new tokens are left-padded); `valid` (b, C) marks the
-    columns that hold a committed token of that row. Holes (padding, rejected drafts) are masked out of every
-    attention and a row's tokens sit at its own positions, so each row computes what it would alone. Holes cost
-    memory and attention but never a copy: trailing columns no row needs are cropped, finished rows leave."""
+    """One DynamicCache for a ragged batch: every pass appends q columns to every row (left-padded), `valid` (b, C)
+    marks a row's committed tokens. Holes (pads, rejected drafts) are masked out and each row keeps its own positions,
+    so it computes what it would alone; all-hole trailing columns are cropped, finished rows leave."""
 
     def __init__(self, model: nn.Module, batch_size: int, device):
         self.cache = new_cache(model)
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # (b, C)
 
     def inputs(self, new_valid, relative, inner):
-        """Position ids (b, q) and bool mask (b, 1, q, C + q) of a pass appending q columns, new_valid (b, q) False
-        on padding; `relative` (1, q): positions from a row's first new column; `inner` (q, q): who sees whom."""
+        """Position ids (b, q) and mask (b, 1, q, C + q) of a pass appending q columns (new_valid (b, q): not pads);
+        `relative` (1, q): positions from a row's first new column; `inner` (q, q): who sees whom."""
         offset = self.valid.sum(1) - (~new_valid).sum(1)  # (b,) a row's position at new column 0 (before its pads)
         q = new_valid.shape[1]
         mask = torch.cat([self.valid[:, None].expand(-1, q, -1), inner & new_valid[:, None]], 2)  # nobody sees a hole
         return (relative + offset[:, None]).clamp(min=0), mask[:, None]
 
     def commit(self, new_valid):
-        """Record the q columns the last pass appended (new_valid (b, q): the tokens each row keeps); crop trailing
-        columns that are a hole in every row."""
+        """Record the columns the last pass appended (new_valid (b, q): what each row keeps); crop all-hole ones."""
         self.valid = torch.cat([self.valid, new_valid], 1)
         used = self.valid.any(0).nonzero()
         length = int(used[-1]) + 1 if len(used) else 0
@@ -703,8 +636,7 @@ def _target_pass(target: nn.Module, ragged: _RaggedCache, ids, new_valid, logits
 
 
 def _draft_batch(drafter: Drafter, ragged: _RaggedCache, new_tokens: list[list[int]], block_size: int):
-    """draft_block for a batch, left-padded so that every row's x_n is the last causal column. Returns draft logits
-    (b, B, V)."""
+    """draft_block for a batch, left-padded so that every row's x_n is the last causal column. Returns (b, B, V)."""
     device = ragged.valid.device
     ids, new_valid = _left_pad(new_tokens, device)  # (b, m)
     b, m = ids.shape
@@ -736,8 +668,7 @@ def _batch_prefill(target, prompts, max_new_tokens, eos_token_id, temperature, g
 
 
 def _drop_finished(outs, active: list[int], caches, times) -> list[int]:
-    """Finished rows leave the batch and every cache, so they stop costing compute. active: indices into outs of the
-    rows in the batch, in batch order. Returns the rows that go on."""
+    """Finished rows leave the batch and every cache. active: indices into outs, in batch order. Returns those left."""
     keep = [i for i, row in enumerate(active) if not outs[row].done]
     if len(keep) < len(active):
         times["done"].update({row: _clock(caches[0].valid.device) - times["start"] for row in active
@@ -780,9 +711,7 @@ def _decode_batch_target(target, prompts, max_new_tokens, temperature, eos_token
 
 
 def _decode_batch_sync(target, drafter, prompts, max_new_tokens, block_size, temperature, eos_token_id, generator):
-    """_decode_sync for a batch: one drafter pass drafts a block for every unfinished row, one target pass verifies
-    them all, and each row commits its own accepted prefix + the target's token (a row's rejected tail becomes a
-    hole in its target cache). Invariants per row as in _decode_sync, over the row's valid columns."""
+    """_decode_sync for a batch: one drafter pass and one target pass per round; a row's rejected tail is a hole."""
     device = prompts[0].device
     outs, target_cache, times = _batch_prefill(target, prompts, max_new_tokens, eos_token_id, temperature, generator)
     drafter_cache = _RaggedCache(drafter.model, len(outs), device)
@@ -821,11 +750,9 @@ def default_budget(block_size: int) -> tuple[int, int]:
 
 
 def plan_branches(draft_logits: torch.Tensor, draft: torch.Tensor, coverage: int, fanout: int, cover: str = "first"):
-    """Which rejection outcomes get a branch in the packed pass: C covered positions k x F candidate tokens t, the
-    drafter's F most likely tokens at k other than d_k. cover="first": k = 1 .. C; cover="likely": the C largest
-    r_k = prod_{j<k} c_j * (1 - c_k), the probability that verification first rejects at k, c_j the drafter's
-    probability of d_j (as in D2SD). Returns positions (C,) ascending and candidates (C, F), both left on the device
-    so that the passes launch right away (the host waits once a round, for the verification result)."""
+    """The outcomes that get a branch: C positions k x F candidates (the drafter's F likeliest tokens at k but d_k).
+    cover="first": k = 1 .. C; "likely": the C largest r_k = prod_{j<k} c_j * (1 - c_k), c_j the drafter's probability
+    of d_j (as in D2SD). Returns positions (C,) ascending and candidates (C, F), left on the device (no wait)."""
     block_size, vocab = draft_logits.shape
     coverage, fanout = min(coverage, block_size), min(fanout, vocab - 1)
     if cover == "first":
@@ -841,16 +768,13 @@ def plan_branches(draft_logits: torch.Tensor, draft: torch.Tensor, coverage: int
 
 
 def build_branch_pass(drafter: Drafter, new_tokens, draft, positions, candidates, *, past_len: int, block_size: int):
-    """The input of the packed pass that drafts the next block for each planned outcome of verifying `draft`.
+    """Input of the packed pass that drafts the next block for each planned outcome of verifying `draft` (L,).
 
-    new_tokens (m,): committed tokens the drafter has not read, ending with x_n (m = 0: x_n is in its cache);
-    draft (L,): d_1 .. d_L, the block under verification; positions (C,), candidates (C, F) from plan_branches.
-    The causal stream is new_tokens then d_1 .. d_L, so the accepted drafts get their KV here. Then C x F branch
-    segments [t, MASK x B], t at position n+k hanging off d_{k-1} (d_0 = x_n): "d_k rejected, the target said t".
-    Last the full-acceptance segment [d_L, MASK x B] hanging off d_{L-1}: d_L again, so that every segment has one
-    shape; its block guesses the bonus token and what follows. (With first_token "ar" a segment's first token
-    drafts d'_1 and MASK 1 is a placeholder.) m = 1, L = 3, C = 2, F = 1, B = 2; the cache x_0 .. x_{n-1} is
-    visible to all, x = may attend:
+    Causal stream: new_tokens (m,), the tokens the drafter has not read, ending with x_n (m = 0: x_n is cached), then
+    d_1 .. d_L (the accepted drafts get their KV here). Then C x F segments [t, MASK x B], t at position n+k off
+    d_{k-1} (d_0 = x_n): "d_k rejected, the target said t"; last [d_L, MASK x B] off d_{L-1}, guessing the bonus
+    token and on. With first_token "ar" a segment's first token drafts d'_1 (MASK 1: a placeholder). Example with
+    m = 1, L = 3, C = 2, F = 1, B = 2; the cache x_0 .. x_{n-1} is visible to all:
 
                      x_n d_1 d_2 d_3 | t1 m m | t2 m m | d_3 m m
         x_n (n)      x               |        |        |
@@ -867,9 +791,8 @@ def build_branch_pass(drafter: Drafter, new_tokens, draft, positions, candidates
         m   (n+4)    x   x   x       |        |        | x   x x       bonus x_{n+4}, then x_{n+5}
         m   (n+5)    x   x   x       |        |        | x   x x
 
-    Built on the device from device tensors and host ints, so it does not wait for the device. Returns input ids
-    (1, q), position ids (1, q), mask (1, 1, q, past+q) and the rows (S, B) that draft each segment's block
-    (draft_rows), segments in the order of candidates.flatten(), then full acceptance."""
+    Built without waiting for the device. Returns input ids (1, q), position ids (1, q), mask (1, 1, q, past+q) and
+    the rows (S, B) drafting each segment's block, in the order of candidates.flatten(), then full acceptance."""
     num_new, length, fanout = new_tokens.shape[0], draft.shape[0], candidates.shape[1]
     hang_on = torch.cat([positions[:, None].expand(-1, fanout).flatten(), positions.new_full((1,), length)]) - 1
     anchors = num_new - 1 + hang_on  # causal index of d_{k-1} (d_0 = x_n; -1 if x_n is in the cache)
@@ -883,9 +806,8 @@ def build_branch_pass(drafter: Drafter, new_tokens, draft, positions, candidates
 
 
 class _Span:
-    """Run a body on a CUDA stream and time it there with events (read them once the host has waited for them); on
-    CPU (stream None) run it here, on the host clock. `launch`: the host time spent queuing the body (close to
-    `seconds()`: the pass is bound by kernel launches)."""
+    """Run a body on a CUDA stream, timed there with events (on CPU, stream None: here, on the host clock). `launch`:
+    host time spent queuing it (close to `seconds()` when the pass is bound by kernel launches)."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -909,25 +831,9 @@ class _Span:
         return self.start.elapsed_time(self.end) / 1e3 if self.stream is not None else self.launch
 
 
-def _host_to_device(values: list[int], device) -> torch.Tensor:
-    """Host ints to the device without waiting for the device's queue (pinned memory, asynchronous copy)."""
-    tensor = torch.tensor(values, dtype=torch.long)
-    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
-
-
-def _side_streams(device: torch.device):
-    """(main, verify, draft) streams; the target's has the higher priority (it is on the critical path), the drafter
-    fills the gaps. All None without CUDA."""
-    if device.type != "cuda":
-        return None, None, None
-    return torch.cuda.current_stream(device), torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device)
-
-
 def _verify_while_drafting(target, drafter, run: _Decoding, last_token, draft, packed, streams):
-    """Step (b) of an async round: the verify pass on [x_n, d_1 .. d_L] and the packed drafter pass, each on its own
-    CUDA stream (on CPU one after the other), then the join. Returns p_logits (L+1, V), the hidden states that draft
-    each segment's block (S, B, H) (projected later, only for the branch that hits), and timings(): the round's
-    times, to call once the host has waited for the round."""
+    """Step (b): verify and the packed pass, each on its own stream (CPU: one by one), then join. Returns p_logits
+    (L+1, V), the hidden states (S, B, H) drafting each segment's block, and timings() (call after the host waits)."""
     main, verify_stream, draft_stream = streams
     ids, position_ids, mask, block_rows = packed
     with _Span(main) as round_span:
@@ -956,10 +862,8 @@ def _verify_while_drafting(target, drafter, run: _Decoding, last_token, draft, p
 
 def _prepared_block(drafter, block_hidden, positions, candidates, draft, num_accepted, next_token, temperature,
                     generator):
-    """Step (c)'s lookup: did the packed pass prepare the outcome (a = num_accepted, target token c = next_token)?
-    Returns the outcome's slot in the hit / miss counts (k-1 for a rejection at k = a+1, B for full acceptance) and
-    the hidden states that draft the next block: (B, H), or (B-1, H) after full acceptance, whose first drafted
-    token was the guess of c; None if the outcome was not prepared."""
+    """Step (c): was outcome (a = num_accepted, target token c) prepared? Returns its slot (k-1: rejection at k = a+1;
+    B: full acceptance) and the next block's hidden states ((B, H); (B-1, H) after full acceptance) or None."""
     if num_accepted < draft.shape[0]:  # rejected at k: was (k, c) a branch?
         covered, k = positions.tolist(), num_accepted + 1  # read after the join: no extra wait
         if k in covered:
@@ -975,25 +879,19 @@ def _prepared_block(drafter, block_hidden, positions, candidates, draft, num_acc
 
 def _decode_async(target, drafter, run: _Decoding, block_size, temperature, generator, coverage, fanout,
                   cover) -> dict:
-    """Asynchronous speculative decoding: while the target verifies [x_n, d_1 .. d_L], one packed drafter pass
-    prepares the next draft for the likely outcomes of that verification. Each round:
-      (a) plan the branches and build the packed pass on the device (plan_branches; build_branch_pass pictures it);
-      (b) verify on one CUDA stream while the packed pass runs on another, and join (_verify_while_drafting);
-      (c) resolve: commit the accepted prefix and the target's token c. If that outcome was prepared (rejection at k
-          with c among k's candidates, or full acceptance with c the full block's guess), its block is the next
-          draft (a hit: B tokens, B-1 after full acceptance); else the drafter drafts it (a miss: fallback draft).
-    Invariants at the top of a round (committed x_0 .. x_n):
-      target cache  = x_0 .. x_{n-1}  (less the prompt chunks that selective prefill skipped)
-      drafter cache = x_0 .. x_{n-1}  after a hit: the packed pass read the accepted drafts, and the rest it
-                                      appended (rejected drafts, all segments) was cropped;
-                      x_0 .. x_n      after a fallback draft (and so in the first round), which reads x_n.
-    Returns the async stats: hits and misses per outcome, and the time split."""
+    """While the target verifies [x_n, d_1 .. d_L], one packed drafter pass prepares the next draft for the likely
+    outcomes. Each round: (a) plan and build the packed pass; (b) verify while it runs; (c) commit the accepted prefix
+    and the target's token c; a prepared outcome's block is the next draft (a hit), else the drafter drafts it (a
+    miss: fallback draft). Drafter cache at the top of a round: x_0 .. x_{n-1} after a hit (the rest the packed pass
+    appended is cropped), x_0 .. x_n after a fallback draft. Returns the async stats."""
     out, times, device = run.out, run.times, run.device
-    for key in ("packed_draft", "fallback_draft", "overlap_saved", "verify_launch", "packed_launch"):
-        times[key] = 0.0
+    timed = ("packed_draft", "fallback_draft", "verify_launch", "packed_launch", "overlap_saved")
+    times.update(dict.fromkeys(timed, 0.0))
     hits, misses = [0] * (block_size + 1), [0] * (block_size + 1)  # index k-1: rejection at k; index B: full accept
-    streams = _side_streams(device)
-    draft_logits = None  # the next draft; None: not prepared, the drafter drafts it on the critical path
+    streams = None, None, None  # (main, verify, draft); the target, on the critical path, gets the higher priority
+    if device.type == "cuda":
+        streams = torch.cuda.current_stream(device), torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device)
+    draft_logits = None  # the next draft; None: not prepared
     while not out.done:
         if draft_logits is None:  # a fallback draft (a miss, or the first round)
             t0 = _clock(device)
@@ -1003,7 +901,9 @@ def _decode_async(target, drafter, run: _Decoding, block_size, temperature, gene
         # (a) plan and build, on the device; the round's one host-to-device copy brings the new committed tokens
         draft, q_draft = pick_tokens(draft_logits, temperature, generator)
         n, seen = len(out.tokens) - 1, run.drafter_cache.get_seq_length()
-        committed = _host_to_device(out.tokens[min(seen, n):], device)  # ends with x_n
+        committed = torch.tensor(out.tokens[min(seen, n):], dtype=torch.long)  # ends with x_n
+        if device.type == "cuda":  # pinned, asynchronous: the copy does not wait for the device's queue
+            committed = committed.pin_memory().to(device, non_blocking=True)
         new_tokens = committed[seen - min(seen, n):]  # what the drafter has not read (empty if it holds x_n)
         positions, candidates = plan_branches(draft_logits, draft, coverage, fanout, cover)
         packed = build_branch_pass(drafter, new_tokens, draft, positions, candidates, past_len=seen,
@@ -1023,18 +923,10 @@ def _decode_async(target, drafter, run: _Decoding, block_size, temperature, gene
         (hits if ready is not None else misses)[slot] += 1
         draft_logits = drafter.logits(ready) if ready is not None and not out.done else None
     times["draft"] = times["packed_draft"] + times["fallback_draft"]
-    return {
-        "hit_rate": sum(hits) / max(1, sum(hits) + sum(misses)),
-        "hits_per_position": hits,  # index k-1: rejection at k was prepared; last: full acceptance
-        "misses_per_position": misses,
-        "time_packed_draft": times["packed_draft"],  # device time (CUDA events); on CPU the host's
-        "time_fallback_draft": times["fallback_draft"],
-        "time_verify_launch": times["verify_launch"],  # host time spent queuing each pass: launch-bound if close
-        "time_packed_launch": times["packed_launch"],  # to the device time
-        # verify + packed - the time both took together, clamped to [0, the shorter pass]: 0 on CPU
-        "time_overlap_saved": times["overlap_saved"],
-        "coverage": coverage, "fanout": fanout, "cover": cover,
-    }
+    # time_*: device time (CUDA events; on CPU the host's); *_launch: host time queuing a pass (launch-bound if close)
+    return {"hit_rate": sum(hits) / max(1, sum(hits) + sum(misses)), "hits_per_position": hits,
+            "misses_per_position": misses, **{f"time_{key}": times[key] for key in timed},
+            "coverage": coverage, "fanout": fanout, "cover": cover}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1042,18 +934,17 @@ def _decode_async(target, drafter, run: _Decoding, block_size, temperature, gene
 
 
 def adjusted_teacher(teacher_logits: torch.Tensor, labels: torch.Tensor, beta: float) -> torch.Tensor:
-    """The recovery target (ours): the fixed teacher's distribution moved toward the supervised token,
-    q = (1 - beta) * softmax(teacher) + beta * onehot(label). Sums to one."""
+    """The recovery target (ours): q = (1 - beta) * softmax(teacher) + beta * onehot(label). Sums to one."""
     q = (1 - beta) * torch.softmax(teacher_logits.float(), -1)
     return q.scatter_add(-1, labels[..., None], torch.full_like(q[..., :1], beta))  # + beta at the label, no one-hot
 
 
 def distill_loss(student: Drafter, teacher: Drafter, input_ids, loss_mask, *, beta: float = 0.5,
                  num_anchors: int | None = None, block_size: int | None = None, generator=None) -> torch.Tensor:
-    """Cross-entropy of the student against the adjusted teacher on the same packed batch: the blocks (targets
-    x_{a+i}) and the causal stream (targets x_{j+1}), response tokens only. The teacher gets no gradients."""
-    num_anchors = num_anchors or student.d3d_config.num_anchors
-    block_size = block_size or student.d3d_config.block_size
+    """Cross-entropy of the student against the adjusted teacher (no gradients) on one packed batch: the blocks
+    (targets x_{a+i}) and the causal stream (targets x_{j+1}), response tokens only."""
+    cfg = student.d3d_config
+    num_anchors, block_size = num_anchors or cfg.num_anchors, block_size or cfg.block_size
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
     with torch.no_grad():
@@ -1070,8 +961,8 @@ def distill_loss(student: Drafter, teacher: Drafter, input_ids, loss_mask, *, be
 
 @torch.no_grad()
 def validation_tau(drafter: Drafter, batches, *, num_anchors: int = 32, seed: int = 0) -> tuple[float, float]:
-    """Mean offline tau and mean block cross-entropy over (input_ids, loss_mask) batches, on the same anchors every
-    call (fixed seed), so that candidates are compared on identical blocks."""
+    """Mean offline tau and block cross-entropy over (input_ids, loss_mask) batches, on the same anchors every call
+    (fixed seed) so that candidates are compared on identical blocks."""
     generator = torch.Generator().manual_seed(seed)
     taus, losses = [], []
     for input_ids, loss_mask in batches:
@@ -1084,20 +975,17 @@ def validation_tau(drafter: Drafter, batches, *, num_anchors: int = 32, seed: in
 
 @contextlib.contextmanager
 def _without_layer(drafter: Drafter, index: int):
-    """Temporarily drop decoder layer `index` (for scoring a candidate without copying the model)."""
-    model = drafter.model
-    decoder, config = model.get_decoder(), model.config
-    saved = (decoder.layers, config.num_hidden_layers, getattr(config, "layer_types", None),
-             [(m, m.layer_idx) for m in decoder.layers.modules() if hasattr(m, "layer_idx")])
-    keep_layers(model, [i for i in range(len(decoder.layers)) if i != index])
+    """Drop decoder layer `index` for the duration (to score it without copying the model)."""
+    decoder, config = drafter.model.get_decoder(), drafter.model.config
+    layers, layer_types = decoder.layers, getattr(config, "layer_types", None)
+    keep_layers(drafter.model, [i for i in range(len(layers)) if i != index])
     try:
         yield
-    finally:
-        decoder.layers, config.num_hidden_layers = saved[0], saved[1]
-        if saved[2] is not None:
-            config.layer_types = saved[2]
-        for module, layer_idx in saved[3]:
-            module.layer_idx = layer_idx
+    finally:  # every layer back, numbered 0..n-1 again by keep_layers
+        decoder.layers = layers
+        if layer_types is not None:
+            config.layer_types = layer_types
+        keep_layers(drafter.model, list(range(len(layers))))
 
 
 def remove_layer(drafter: Drafter, index: int) -> None:
@@ -1110,18 +998,18 @@ def remove_layer(drafter: Drafter, index: int) -> None:
 def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: int | None = None,
                   tau_floor: float | None = None, recovery_steps: int = 100, lr: float = 5e-5, beta: float = 0.5,
                   num_anchors: int = 32, seed: int = 0, log=print):
-    """Greedy progressive pruning, in place. Each iteration removes the layer whose removal costs least offline tau
+    """Greedy progressive pruning, in place: each iteration removes the layer whose removal costs least offline tau
     (ties: least change in block loss), recovers for `recovery_steps` AdamW steps distilled from the fixed unpruned
-    drafter (distill_loss) and re-measures tau. Stops at `min_layers` layers, or at the first iteration whose
-    recovered tau falls below tau_floor x the unpruned tau (undone, and reported with "kept": False). Returns the
-    table: one dict per iteration (removed layer as an index of the original drafter, tau before / after recovery)."""
+    drafter and re-measures tau. Stops at `min_layers`, or at the first removal whose recovered tau falls below
+    tau_floor x the unpruned tau (undone, "kept": False). Returns one dict per iteration."""
     if min_layers is None and tau_floor is None:
         raise ValueError("give a stopping rule: min_layers (a target depth) or tau_floor (fraction of unpruned tau)")
     teacher = copy.deepcopy(drafter).eval().requires_grad_(False)  # the fixed, unpruned drafter
     tau0, _ = validation_tau(drafter, val_batches, num_anchors=num_anchors, seed=seed)
-    log(f"unpruned: {len(drafter.model.get_decoder().layers)} layers, tau {tau0:.3f}")
-    table = [{"iteration": 0, "removed_layer": None, "layers": len(drafter.model.get_decoder().layers),
-              "tau_before_recovery": tau0, "tau_after_recovery": tau0, "seconds": 0.0, "kept": True}]
+    num_layers = len(drafter.model.get_decoder().layers)
+    log(f"unpruned: {num_layers} layers, tau {tau0:.3f}")
+    table = [{"iteration": 0, "removed_layer": None, "layers": num_layers, "tau_before_recovery": tau0,
+              "tau_after_recovery": tau0, "seconds": 0.0, "kept": True}]
     generator = torch.Generator().manual_seed(seed)
     while len(drafter.model.get_decoder().layers) > max(1, min_layers or 1):
         start = time.perf_counter()
@@ -1158,8 +1046,8 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
         log(f"removed layer {original[best]}: {len(original) - 1} left, tau {tau_before:.3f} -> {tau_after:.3f} "
             f"after recovery ({row['seconds']:.0f} s)")
         table.append(row)
-        if tau_floor is not None and tau_after < tau_floor * tau0:
-            row["kept"] = False  # below the floor: undo this removal and stop
+        if tau_floor is not None and tau_after < tau_floor * tau0:  # below the floor: undo this removal and stop
+            row["kept"] = False
             drafter.model, drafter.d3d_config = snapshot.model, snapshot.d3d_config
             log(f"tau {tau_after:.3f} < {tau_floor} x {tau0:.3f}: removal undone, stopping")
             break
@@ -1174,21 +1062,15 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
 @torch.no_grad()
 def select_chunks(drafter: Drafter, input_ids: torch.Tensor, *, keep_ratio: float, chunk_size: int = 64,
                   query_window: int = 32) -> dict:
-    """The drafter reads the whole prompt into its own cache and chooses which chunks the target prefills. A chunk's
-    score (ours): the attention mass the last `query_window` prompt tokens give its tokens, averaged over layers,
-    heads and queries. The first and last chunk are always kept, then the best up to ceil(keep_ratio * num_chunks),
-    in their order and at their original positions. Returns kept_ids (1, k), kept_positions (1, k), the drafter's
-    cache (holding the full prompt), chunk scores and counts, and the scoring time."""
-    if not 0 < keep_ratio <= 1:
-        raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    device = input_ids.device
-    start = _clock(device)
-    length = input_ids.shape[1]
-    window = min(query_window, length)
-    decoder = drafter.model.get_decoder()
-    cache = new_cache(drafter.model)
+    """The drafter reads the whole prompt into its cache and picks the chunks the target prefills: the first, the last,
+    then the best by score (ours: attention from the last `query_window` prompt tokens, mean over layers, heads and
+    queries) up to ceil(keep_ratio * num_chunks), at their own positions. Returns kept_ids (1, k), kept_positions
+    (1, k), drafter_cache (full prompt), chunk_scores, kept_chunks, num_chunks, chunks_kept, time_scoring."""
+    if not 0 < keep_ratio <= 1 or chunk_size < 1:
+        raise ValueError(f"need keep_ratio in (0, 1] and chunk_size >= 1, got {keep_ratio}, {chunk_size}")
+    device, length = input_ids.device, input_ids.shape[1]
+    start, window = _clock(device), min(query_window, length)
+    decoder, cache = drafter.model.get_decoder(), new_cache(drafter.model)
     if length > window:  # the bulk of the prompt with the fast attention path
         decoder(input_ids=input_ids[:, : length - window], past_key_values=cache, use_cache=True)
     attn_implementation = drafter.model.config._attn_implementation
@@ -1221,42 +1103,26 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
              mode: str = "sync", block_size: int | None = None, temperature: float = 0.0, eos_token_id=None,
              generator: torch.Generator | None = None, coverage: int | None = None, fanout: int | None = None,
              cover: str = "first", keep_ratio: float | None = None, chunk_size: int = 64):
-    """Decode one sequence, input_ids (1, prompt_len). Returns (output_ids (1, prompt + new), stats).
-
-    mode "target": the target alone (no drafter needed); "sync": speculative decoding with D3D drafts; "async": the
-    drafter prepares the next draft during verification, for `coverage` C rejection positions x `fanout` F
-    candidate tokens (default: default_budget(B)) chosen by `cover` ("first" or "likely"). Temperature 0 is exact
-    greedy: every mode gives the target's greedy tokens. Temperature > 0 samples; the speculative modes use
-    lossless speculative sampling, reproducible with `generator`. Decoding stops after EOS (kept in the output) or
-    max_new_tokens. stats: tau (mean tokens committed per round), accept_lengths, num_rounds, num_new_tokens,
-    time_prefill / time_draft / time_verify / time_total, tokens_per_s; async adds hit_rate, hits / misses per
-    position and the time split.
-
-    keep_ratio (off by default; lossy by design): selective prefilling, the drafter picks the prompt chunks of
-    `chunk_size` tokens that the target prefills (select_chunks); every mode then decodes exactly as the target
-    would on the kept chunks. stats add chunks_kept, prompt_tokens_prefilled, time_scoring, time_target_prefill.
-
-    Concurrent requests: input_ids a list of 1-D id tensors (lengths may differ), modes "target" and "sync". Each
-    row advances by its own accepted length, stops on its own EOS or budget, and leaves the batch when done; its
-    output is what decoding it alone gives (greedy: the same tokens; sampling: the same law, other draws). Returns
-    (list of 1-D tensors prompt + new, stats): stats["rows"] per request (tau, accept_lengths, num_rounds,
-    num_new_tokens, time_done) and batch totals (num_rounds = batched rounds; tokens_per_s = new tokens of all rows
-    / time_total). Batched async is not built: each row would need its own branch plan, and rows that need a
-    fallback pass would no longer hide it behind one verification."""
+    """Decode input_ids (1, prompt_len) until EOS (kept) or max_new_tokens. Returns (output_ids (1, prompt + new),
+    stats). mode "target": the target alone (drafter may be None); "sync": speculative decoding with D3D drafts;
+    "async": the drafter drafts during verification for `coverage` x `fanout` outcomes (default_budget(B)) picked by
+    `cover`. Greedy (temperature 0) gives exactly the target's tokens; sampling is lossless, reproducible with
+    `generator`. keep_ratio (lossy): the target prefills only the chunks select_chunks keeps. stats: tau,
+    accept_lengths, num_rounds, num_new_tokens, time_{prefill, draft, verify, total}, tokens_per_s; async adds
+    hit_rate, {hits, misses}_per_position, coverage, fanout, cover, time_{packed_draft, fallback_draft, verify_launch,
+    packed_launch, overlap_saved}; keep_ratio adds num_chunks, chunks_kept, time_scoring, prompt_tokens_prefilled,
+    time_target_prefill. A list of 1-D prompts (modes "target", "sync") decodes as a ragged batch, each row as it
+    would alone: returns (list of 1-D outputs, stats), the same totals plus stats["rows"] (per request tau,
+    accept_lengths, num_rounds, num_new_tokens, time_done)."""
     batch = isinstance(input_ids, (list, tuple))
-    if batch:
-        if not input_ids or any(not torch.is_tensor(p) or p.dim() != 1 for p in input_ids):
-            raise ValueError("a batch of prompts must be a non-empty list of 1-D id tensors (prompt_len,)")
-        if any(len(p) == 0 for p in input_ids):
-            raise ValueError("a prompt in the batch is empty: give at least one token each")
-        if mode == "async" or keep_ratio is not None:
-            raise ValueError("a batch of prompts decodes in modes 'target' and 'sync' without keep_ratio; batched "
-                             "async is not built (see generate's docstring): decode such prompts one at a time")
-    elif input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"input_ids must have shape (1, prompt_len) (batch 1) or be a list of 1-D prompts, got "
-                         f"{tuple(input_ids.shape)}")
-    elif input_ids.shape[1] == 0:
-        raise ValueError("the prompt is empty: give at least one token (e.g. the chat template's prefix)")
+    if batch and (not input_ids or any(not torch.is_tensor(p) or p.dim() != 1 or len(p) == 0 for p in input_ids)):
+        raise ValueError("a batch of prompts must be a non-empty list of 1-D id tensors (prompt_len,), none empty")
+    if batch and (mode == "async" or keep_ratio is not None):
+        raise ValueError("a batch decodes in modes 'target' and 'sync' without keep_ratio (batched async is not "
+                         "built: each row would need its own branch plan): decode such prompts one at a time")
+    if not batch and (input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0):
+        raise ValueError(f"input_ids must have shape (1, prompt_len) (batch 1, not empty: at least one token) or be a "
+                         f"list of 1-D prompts, got {tuple(input_ids.shape)}")
     if max_new_tokens < 0 or temperature < 0:
         raise ValueError(f"need max_new_tokens >= 0 and temperature >= 0, got {max_new_tokens}, {temperature}")
     if mode not in MODES:
@@ -1275,12 +1141,10 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
     coverage = default_coverage if coverage is None else coverage
     fanout = default_fanout if fanout is None else fanout
     if coverage < 0 or fanout < 0 or cover not in ("first", "likely"):
-        raise ValueError(f"need coverage >= 0, fanout >= 0 and cover 'first' or 'likely'; got {coverage}, {fanout},"
-                         f" {cover!r}")
-
+        raise ValueError(f"need coverage, fanout >= 0, cover 'first' or 'likely'; got {coverage}, {fanout}, {cover!r}")
+    if batch and mode == "target":
+        return _decode_batch_target(target, input_ids, max_new_tokens, temperature, eos_token_id, generator)
     if batch:
-        if mode == "target":
-            return _decode_batch_target(target, input_ids, max_new_tokens, temperature, eos_token_id, generator)
         return _decode_batch_sync(target, drafter, input_ids, max_new_tokens, block_size, temperature, eos_token_id,
                                   generator)
     selection = None  # selective prefill: what the target prefills, and the drafter's cache holding the full prompt
