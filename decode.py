@@ -431,7 +431,7 @@ def sampling_check(models, prompt: str, mode: str, opts: dict, thinking: bool, n
     for k, (name, m) in enumerate(sets.items()):
         answers[name] = []
         for i in range(num_samples):  # seeds never shared between sets
-            seed = opts["seed"] + k * num_samples + i
+            seed = (opts["seed"] * len(sets) + k) * num_samples + i
             answers[name].append(decode_prompt(models, ids, [m], {**opts, "seed": seed})[m]["new_tokens"])
             bar.update(1)
     bar.close()
