@@ -105,8 +105,9 @@ def load(target, drafter, modes, device, dtype, attn, threads=None):
         torch.set_num_threads(1)  # a tiny model's passes are too short to split between threads (the toy: ~2x faster)
     eos = getattr(model.generation_config, "eos_token_id", None)
     eos = sorted({tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
+    threads = torch.get_num_threads()
     info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else
-            f"cpu ({platform.machine()}, {torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)})", "dtype": str(dtype), "attn": attn,
+            f"cpu ({platform.machine()}, {threads} thread{'s' * (threads > 1)})", "dtype": str(dtype), "attn": attn,
             "target": target, "drafter": drafter if need_drafter else None, "eos_token_id": eos,
             "drafter_config": dataclasses.asdict(draft_model.d3d_config) if draft_model else None}
     return model, draft_model, tok, eos, info
