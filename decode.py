@@ -6,13 +6,15 @@
     python decode.py --bench runs/toy/prompts-test.jsonl --max-samples 32 --modes sync --concurrency 1 4 8 16
 
 Answers are coloured by origin: green = draft tokens the target accepted, yellow = the target's own token that
-closes every round (the first token comes from the target's prefill). Then tau, the acceptance histogram, the
-speedup over target-only decoding measured in the same run and, in async mode, the hit rate.
+closes every round (the first token comes from the target's prefill). Then a table of target-only decoding and each
+mode on the same prompts (speed, speedup, tau, hit rate, same tokens) and the acceptance histogram. Without --mode:
+async on CUDA, sync elsewhere, each shown beside the other.
+--sampling-check N (with --temperature): N sampled answers by target-only and by --mode, compared position by position.
 Benchmark (the paper's protocol): batch 1, greedy unless --temperature, a warm-up, then per prompt target-only
 decoding and each speculative mode, in the same run. speedup = target-only time per output token / speculative
 time per output token, prefill excluded (TTFT reported apart), times and tokens summed over a dataset; tau = mean
-over rounds, averaged per prompt. Every greedy output (speculative modes and baselines) is checked token for token against the
-target-only output; where one differs, a teacher-forced target pass gives the target's logit margin at the first
+over rounds, averaged per prompt. Every greedy output (speculative modes and baselines) is checked token for token
+against the target-only output; where one differs, a teacher-forced target pass gives the target's logit margin at the first
 differing token: within rounding (tie_tolerance) it is a near-tie, beyond it an error.
 Baselines (--modes hf hf-assisted hf-lookup, off by default): transformers' own generate, assisted generation with
 the drafter's model drafting one token per pass, and prompt lookup, timed by the same rule (hf_decode).
@@ -821,7 +823,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "CUDA, or a CPU with AVX512-BF16/AMX; float32 elsewhere and for drafters trained in float32)")
     g.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention kernel (default: sdpa)")
     g.add_argument("--threads", type=int, help="torch CPU threads (default: 1 for a target under 20M parameters, "
-                                               "like the toy; else torch's choice; use 1 on a CPU shared with other jobs)")
+                   "like the toy; else torch's choice; use 1 on a CPU shared with other jobs)")
     g = p.add_argument_group("prompts")
     g.add_argument("--prompt", action="append", help="a prompt to answer (repeatable); '-' reads one per line of stdin")
     g.add_argument("--prompts-file", help=f"JSON Lines prompts to answer without --prompt (default: {TOY_PROMPTS})")
