@@ -14,7 +14,7 @@ Benchmark (the paper's protocol): batch 1, greedy unless --temperature, a warm-u
 decoding and each speculative mode, in the same run. speedup = target-only time per output token / speculative
 time per output token, prefill excluded (TTFT reported apart), times and tokens summed over a dataset; tau = mean
 over rounds, averaged per prompt. Every greedy output (speculative modes and baselines) is checked token for token
-against the target-only output; where one differs, a teacher-forced target pass gives the target's logit margin at the first
+--sampling-check N (with --temperature): N sampled answers by target-only and by --mode, compared per position.
 differing token: within rounding (tie_tolerance) it is a near-tie, beyond it an error.
 Baselines (--modes hf hf-assisted hf-lookup, off by default): transformers' own generate, assisted generation with
 the drafter's model drafting one token per pass, and prompt lookup, timed by the same rule (hf_decode).
