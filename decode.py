@@ -9,13 +9,13 @@ Answers are coloured by origin: green = draft tokens the target accepted, yellow
 closes every round (the first token comes from the target's prefill). Then a table of target-only decoding and each
 mode on the same prompts (speed, speedup, tau, hit rate, same tokens) and the acceptance histogram. Without --mode:
 async on CUDA, sync elsewhere, each shown beside the other.
---sampling-check N (with --temperature): N sampled answers by target-only and by --mode, compared position by position.
+--sampling-check N (with --temperature): N sampled answers by target-only and by --mode, compared per position.
 Benchmark (the paper's protocol): batch 1, greedy unless --temperature, a warm-up, then per prompt target-only
 decoding and each speculative mode, in the same run. speedup = target-only time per output token / speculative
 time per output token, prefill excluded (TTFT reported apart), times and tokens summed over a dataset; tau = mean
 over rounds, averaged per prompt. Every greedy output (speculative modes and baselines) is checked token for token
---sampling-check N (with --temperature): N sampled answers by target-only and by --mode, compared per position.
-differing token: within rounding (tie_tolerance) it is a near-tie, beyond it an error.
+against the target-only output; where one differs, a teacher-forced target pass gives the target's logit margin at
+the first differing token: within rounding (tie_tolerance) it is a near-tie, beyond it an error.
 Baselines (--modes hf hf-assisted hf-lookup, off by default): transformers' own generate, assisted generation with
 the drafter's model drafting one token per pass, and prompt lookup, timed by the same rule (hf_decode).
 --concurrency (the paper's Table 2): prompts in consecutive groups of c decoded as one batch; throughput = new tokens
@@ -107,9 +107,10 @@ def load(target, drafter, modes, device, dtype, attn, threads=None):
         torch.set_num_threads(1)  # a tiny model's passes are too short to split between threads (the toy: ~2x faster)
     eos = getattr(model.generation_config, "eos_token_id", None)
     eos = sorted({tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
-    threads = torch.get_num_threads()
+    num_threads = torch.get_num_threads()
     info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else
-            f"cpu ({platform.machine()}, {threads} thread{'s' * (threads > 1)})", "dtype": str(dtype), "attn": attn,
+            f"cpu ({platform.machine()}, {num_threads} thread{'s' * (num_threads > 1)})",
+            "dtype": str(dtype), "attn": attn,
             "target": target, "drafter": drafter if need_drafter else None, "eos_token_id": eos,
             "drafter_config": dataclasses.asdict(draft_model.d3d_config) if draft_model else None}
     return model, draft_model, tok, eos, info
@@ -441,9 +442,8 @@ def sampling_check(models, prompt: str, mode: str, opts: dict, thinking: bool, n
             bar.update(1)
     bar.close()
 
-    def distance(a, b, position):
-        ca = collections.Counter(r[position] if position < len(r) else -1 for r in a)  # -1: ended before
-        cb = collections.Counter(r[position] if position < len(r) else -1 for r in b)
+    def distance(a, b, position):  # total variation between the token laws at `position` (-1: the answer ended)
+        ca, cb = (collections.Counter(r[position] if position < len(r) else -1 for r in rows) for rows in (a, b))
         return 0.5 * sum(abs(ca[t] - cb[t]) for t in ca.keys() | cb.keys()) / num_samples
 
     length = max(len(r) for rows in answers.values() for r in rows)
@@ -745,11 +745,10 @@ def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_f
     speculative = [m for m in available_modes() if m != "target"]
     if prefill_bench_file:  # the paper pairs selective prefilling with sequential (sync) speculative decoding
         mode, modes, bench_files = mode or "sync", [mode or "sync"], None
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     compare = []  # the demo without --mode: the fastest mode on this device, beside the other one and the target
     if mode is None and not bench_files and not prefill_bench_file and not sampling_check_samples:
-        cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-        mode, compare = ("async", ["sync"]) if cuda else ("sync", ["async"])
-        compare = [m for m in compare if m in speculative]
+        mode, compare = ("async", ["sync"]) if device.startswith("cuda") else ("sync", ["async"])
     mode = mode or speculative[-1]
     modes = [m for m in modes or speculative if m != "target"]  # target-only always runs: it is the baseline
     for m in [mode] + modes:

@@ -372,12 +372,10 @@ def _build_target(paths: dict, *, seed: int, train_steps: int, device: str) -> N
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
         torch.manual_seed(seed)
         model = _make_model(tok).to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"[toy] training a {n_params / 1e6:.2f}M-parameter Qwen3 target from scratch ({train_steps} steps, "
-          f"seed {seed}) on {device}")
-    t0 = time.monotonic()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"[toy] training a {n_params / 1e6:.2f}M-parameter Qwen3 target from scratch ({train_steps} steps, "
+              f"seed {seed}) on {device}")
+        t0 = time.monotonic()
         steps, loss = _train(model, tok, seed=seed, exclude={r["question"] for r in test_rows},
                              train_steps=train_steps, batch_size=16, lr=5e-3, warmup=30, device=device)
     print(f"[toy] trained {steps} steps in {time.monotonic() - t0:.0f} s, final loss {loss:.4f}")
