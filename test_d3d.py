@@ -838,6 +838,30 @@ def noop_layer_drafter(tok, layers=4, noop=2):
     return drafter
 
 
+def test_scoring_all_removals_in_one_pass_each_gives_the_full_passes_numbers(tok):
+    """tau_without_each_layer resumes from recorded layer inputs; it must equal, bit for bit, the tau of a full pass
+    without that layer (validation_tau under _without_layer), first and last layer included."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=7, layers=4), tokenizer=tok, block_size=3, num_anchors=4)
+    data = prune_data(num_batches=3)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    for step in range(30):  # fit the data a little: taus above 1 that differ by layer
+        loss, _ = d3d.d3d_loss(drafter, *data[step % 3], generator=torch.Generator().manual_seed(step))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    drafter.eval()
+    fast = d3d.tau_without_each_layer(drafter, data, num_anchors=4, seed=3)
+    slow = {}
+    for index in range(4):
+        with d3d._without_layer(drafter, index):
+            slow[index] = d3d.validation_tau(drafter, data, num_anchors=4, seed=3)[0]
+    assert fast == slow and len(set(fast.values())) > 1 and max(fast.values()) > 1  # layers differ, blocks hit
+    assert len(drafter.model.model.layers) == 4 == drafter.model.config.num_hidden_layers
+    assert [layer.self_attn.layer_idx for layer in drafter.model.model.layers] == [0, 1, 2, 3]
+    assert d3d.validation_tau(drafter, data, num_anchors=4, seed=3) == d3d.validation_tau(drafter, data, num_anchors=4,
+                                                                                           seed=3)
+
+
 @pytest.mark.parametrize("noop", [1, 2])
 def test_pruning_removes_one_layer_per_iteration_and_the_noop_layer_first(tok, noop):
     drafter = noop_layer_drafter(tok, noop=noop)

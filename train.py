@@ -338,9 +338,11 @@ def peak_memory_gib(device, reset: bool = False) -> float:
 
 @torch.no_grad()
 def evaluate_tau(drafter, examples, *, block_size: int, num_anchors: int = 32, batch_size: int = 8, pad_id: int,
-                 max_len: int = 1024, autocast=contextlib.nullcontext, seed: int = 0, first_token=None) -> float:
-    """Mean offline tau (accepted + 1) over blocks drafted at `num_anchors` sampled points per held-out answer;
-    d_1 from where the drafter's config says (first_token overrides: "ar" or "block")."""
+                 max_len: int = 1024, autocast=contextlib.nullcontext, seed: int = 0, first_token=None,
+                 per_block: bool = False):
+    """Mean offline tau (accepted + 1) over blocks drafted at `num_anchors` sampled points per held-out answer (with
+    per_block: the tau of every block, a tensor); d_1 from where the drafter's config says (first_token overrides:
+    "ar" or "block")."""
     generator = torch.Generator().manual_seed(seed)  # the same anchors at every evaluation
     was_training, taus = drafter.training, []
     drafter.eval()
@@ -351,7 +353,12 @@ def evaluate_tau(drafter, examples, *, block_size: int, num_anchors: int = 32, b
                                         num_anchors=num_anchors, block_size=block_size, first_token=first_token,
                                         generator=generator))
     drafter.train(was_training)
-    return torch.cat(taus).mean().item()
+    return torch.cat(taus) if per_block else torch.cat(taus).mean().item()
+
+
+def acceptance_curve(taus: torch.Tensor, block_size: int) -> list[float]:
+    """Per block position i = 1..B: the share of blocks whose drafts d_1 .. d_i were all accepted (tau > i)."""
+    return [(taus > i).float().mean().item() for i in range(1, block_size + 1)]
 
 
 class TrainingLoss(torch.nn.Module):
@@ -647,6 +654,9 @@ def parse_prune_args(argv=None) -> argparse.Namespace:
     g.add_argument("--compare-prompts", type=int, default=8, help="held-out prompts decoded with the unpruned and "
                    "the pruned drafter against the target, for the speedup (default: 8; 0 = skip)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens per compared answer (default: 128)")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="float32",
+                   help="bfloat16 autocast for scoring and recovery, or float32 (default: float32; auto: bfloat16 "
+                        "where native)")
     g.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     g.add_argument("--seed", type=int, default=0, help="anchors and batch order (default: 0)")
     return ap.parse_args(argv)
@@ -693,13 +703,21 @@ def eval_main(argv=None) -> dict:
     bf16 = resolve_dtype(dtype, device) == torch.bfloat16
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     block_size = drafter.d3d_config.block_size
-    result = {first: evaluate_tau(drafter, val, block_size=block_size, pad_id=pad_id, max_len=recipe["max_len"],
-                                  num_anchors=args.val_anchors or recipe["val_anchors"], autocast=autocast,
-                                  first_token=first) for first in ("ar", "block")}
-    print(f"[eval] {args.drafter}: offline tau (B={block_size}) on {len(val)} held-out answers: {result['ar']:.3f} "
-          f"with d_1 from the causal next-token head, {result['block']:.3f} from MASK 1 "
-          f"(this drafter uses {drafter.d3d_config.first_token!r})")
-    return result
+    taus = {first: evaluate_tau(drafter, val, block_size=block_size, pad_id=pad_id, max_len=recipe["max_len"],
+                                num_anchors=args.val_anchors or recipe["val_anchors"], autocast=autocast,
+                                first_token=first, per_block=True) for first in ("ar", "block")}
+    result = {first: t.mean().item() for first, t in taus.items()}
+    curves = {first: acceptance_curve(t, block_size) for first, t in taus.items()}
+    print(f"[eval] {args.drafter}: offline tau (B={block_size}) on {len(val)} held-out answers "
+          f"({len(taus['ar'])} blocks): {result['ar']:.3f} with d_1 from the causal next-token head, "
+          f"{result['block']:.3f} from MASK 1 (this drafter uses {drafter.d3d_config.first_token!r})")
+    print("[eval] share of blocks with d_1 .. d_i all accepted, and d_i accepted given d_1 .. d_(i-1) were:")
+    print(f"{'i':>4}{'head: all':>11}{'given':>7}{'MASK 1: all':>13}{'given':>7}")
+    for i in range(block_size):
+        row = "".join(f"{curves[f][i]:{w}.3f}{curves[f][i] / max(curves[f][i - 1] if i else 1.0, 1e-9):7.2f}"
+                      for f, w in (("ar", 11), ("block", 13)))
+        print(f"{i + 1:>4}{row}")
+    return {**result, "curve": curves}
 
 
 @torch.no_grad()
@@ -723,7 +741,7 @@ def compare_drafters(target, drafters: dict, prompts, *, max_new_tokens: int, eo
 
 
 def prune_main(*, drafter, out, min_layers, tau_floor, recovery_steps, lr, beta, batch_size, num_val, val_anchors,
-               compare_prompts, max_new_tokens, device, seed) -> dict:
+               compare_prompts, max_new_tokens, dtype="float32", device, seed) -> dict:
     import copy
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -738,11 +756,14 @@ def prune_main(*, drafter, out, min_layers, tau_floor, recovery_steps, lr, beta,
     unpruned = copy.deepcopy(model)
     print(f"[prune] {drafter}: {model.model.config.num_hidden_layers} layers; {len(val_batches)} validation and "
           f"{len(train_batches)} recovery batches of {batch_size}")
-    table = d3d.prune_drafter(model, val_batches, train_batches, min_layers=min_layers, tau_floor=tau_floor,
-                              recovery_steps=recovery_steps, lr=lr, beta=beta, num_anchors=val_anchors, seed=seed,
-                              log=lambda msg: tqdm.write(f"[prune] {msg}"))
+    bf16 = resolve_dtype(dtype, device) == torch.bfloat16
+    with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+        table = d3d.prune_drafter(model, val_batches, train_batches, min_layers=min_layers, tau_floor=tau_floor,
+                                  recovery_steps=recovery_steps, lr=lr, beta=beta, num_anchors=val_anchors, seed=seed,
+                                  log=lambda msg: tqdm.write(f"[prune] {msg}"))
     result = {"table": table, "drafter": os.path.abspath(drafter), "recovery_steps": recovery_steps, "beta": beta,
-              "lr": lr, "layer_ids": model.d3d_config.layer_ids}
+              "lr": lr, "dtype": "bfloat16" if bf16 else "float32", "num_val": min(num_val, len(val)),
+              "val_anchors": val_anchors, "layer_ids": model.d3d_config.layer_ids}
     if compare_prompts:
         target = AutoModelForCausalLM.from_pretrained(recipe["target"], dtype=torch.float32).to(device).eval()
         prompts = [torch.tensor([p], device=device) for p, _ in val[:compare_prompts]]
@@ -755,11 +776,14 @@ def prune_main(*, drafter, out, min_layers, tau_floor, recovery_steps, lr, beta,
                   indent=2)
     with open(os.path.join(out, "prune_table.json"), "w") as f:
         json.dump(result, f, indent=2)
-    print(f"\n{'removed':>8}{'layers':>8}{'tau before':>12}{'tau after':>11}{'seconds':>9}  (tau: offline, "
-          f"B={model.d3d_config.block_size}, after recovery of {recovery_steps} steps)")
+    print(f"\n{'removed':>8}{'layers':>8}{'tau before':>12}{'tau after':>11}{'% of tau0':>11}{'scoring s':>11}"
+          f"{'total s':>9}  (tau: offline, B={model.d3d_config.block_size}, {result['num_val']} held-out answers x "
+          f"{val_anchors} blocks, after recovery of {recovery_steps} steps)")
+    tau0 = table[0]["tau_after_recovery"]
     for row in table:
         removed = "-" if row["removed_layer"] is None else row["removed_layer"]
         print(f"{removed:>8}{row['layers']:>8}{row['tau_before_recovery']:>12.3f}{row['tau_after_recovery']:>11.3f}"
+              f"{100 * row['tau_after_recovery'] / tau0:>10.1f}%{row.get('score_seconds', 0):>11.0f}"
               f"{row['seconds']:>9.0f}" + ("  (undone: below the floor)" if not row["kept"] else ""))
     for label, r in result.get("decode", {}).items():
         print(f"[decode] {label:<16} speedup {r['speedup']:.2f}x over target-only, tau {r['tau']:.2f}")

@@ -129,6 +129,10 @@ def test_training_lowers_loss_and_saves_a_lossless_drafter(setup, tmp_path):
     taus = train.eval_main(["--drafter", str(out)])
     assert taus["ar"] == pytest.approx(record["offline_tau"])
     assert taus["block"] == pytest.approx(record["offline_tau_first_token_block"])
+    for first in ("ar", "block"):  # the acceptance curve: falls with the position, sums to the mean accepted length
+        curve = taus["curve"][first]
+        assert len(curve) == 4 and all(a >= b for a, b in zip(curve, curve[1:]))
+        assert 1 + sum(curve) == pytest.approx(taus[first])
 
 
 def test_resume_continues_at_the_right_step(setup, tmp_path, monkeypatch, capsys):
