@@ -14,7 +14,8 @@ Paper -> this file, top to bottom:
     concurrent requests (Table 2): ragged batches        generate([prompts]), _decode_batch_sync, _RaggedCache
     asynchronous decoding (Fig. 1c): one packed pass     generate(mode="async"), _decode_async, plan_branches,
       drafts for likely outcomes during verification       build_branch_pass, _verify_while_drafting
-    progressive layer pruning with recovery (Fig. 1b)    prune_drafter, distill_loss, adjusted_teacher
+    progressive layer pruning with recovery (Fig. 1b)    prune_drafter, distill_loss, adjusted_teacher,
+      every candidate from one recorded pass               tau_without_each_layer
     selective prefilling (appendix, Fig. 5)              select_chunks, generate(keep_ratio=...)
 
 Shapes: b batch, L clean tokens, K anchors (blocks), B block size, V vocabulary, q packed query length, past tokens
