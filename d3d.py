@@ -1128,8 +1128,9 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
                "tau_before_recovery": tau_before, "tau_after_recovery": tau_after,
                "seconds": time.perf_counter() - start, "score_seconds": score_seconds, "kept": True,
                "candidates": {original[i]: round(score, 4) for i, score in scores.items()}}
-        log(f"removed layer {original[best]}: {len(original) - 1} left, tau {tau_before:.3f} -> {tau_after:.3f} "
-            f"after recovery ({row['seconds']:.0f} s)")
+        recovered = f" -> {tau_after:.3f} after recovery" if recovery_steps > 0 else ""
+        log(f"removed layer {original[best]}: {len(original) - 1} left, tau {tau_before:.3f}{recovered} "
+            f"({row['seconds']:.0f} s, scoring {score_seconds:.0f} s)")
         table.append(row)
         if tau_floor is not None and tau_after < tau_floor * tau0:  # below the floor: undo this removal and stop
             row["kept"] = False
