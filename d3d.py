@@ -985,13 +985,18 @@ def validation_tau(drafter: Drafter, batches, *, num_anchors: int = 32, seed: in
 
 
 @contextlib.contextmanager
-def _without_layer(drafter: Drafter, index: int):
-    """Drop decoder layer `index` for the duration (to score it without copying the model)."""
+def _only_layers(drafter: Drafter, layer_ids: list[int]):
+    """Keep only decoder layers `layer_ids` (none: straight to the final norm) for the duration; yields the decoder."""
     decoder, config = drafter.model.get_decoder(), drafter.model.config
     layers, layer_types = decoder.layers, getattr(config, "layer_types", None)
-    keep_layers(drafter.model, [i for i in range(len(layers)) if i != index])
+    if layer_ids:
+        keep_layers(drafter.model, layer_ids)
+    else:  # keep_layers keeps at least one layer
+        decoder.layers, config.num_hidden_layers = nn.ModuleList(), 0
+        if layer_types is not None:
+            config.layer_types = []
     try:
-        yield
+        yield decoder
     finally:  # every layer back, numbered 0..n-1 again by keep_layers
         decoder.layers = layers
         if layer_types is not None:
@@ -999,16 +1004,20 @@ def _without_layer(drafter: Drafter, index: int):
         keep_layers(drafter.model, list(range(len(layers))))
 
 
-def _hidden_arg(args, kwargs) -> torch.Tensor:
-    return args[0] if args else kwargs["hidden_states"]
+def _without_layer(drafter: Drafter, index: int):
+    """Drop decoder layer `index` for the duration (to score it without copying the model)."""
+    return _only_layers(drafter, [i for i in range(len(drafter.model.get_decoder().layers)) if i != index])
 
 
 @contextlib.contextmanager
 def _recording_layer_inputs(drafter: Drafter):
     """Record the hidden states entering each decoder layer during the passes inside: a list, layer by layer."""
     entering = []
-    handles = [layer.register_forward_pre_hook(lambda _, args, kwargs: entering.append(_hidden_arg(args, kwargs)),
-                                               with_kwargs=True) for layer in drafter.model.get_decoder().layers]
+
+    def record(_, args, kwargs):
+        entering.append(args[0] if args else kwargs["hidden_states"])
+    handles = [layer.register_forward_pre_hook(record, with_kwargs=True)
+               for layer in drafter.model.get_decoder().layers]
     try:
         yield entering
     finally:
@@ -1019,28 +1028,16 @@ def _recording_layer_inputs(drafter: Drafter):
 @contextlib.contextmanager
 def _resumed_at(drafter: Drafter, start: int, hidden: torch.Tensor):
     """Run only layers start.. (and the final norm) on `hidden` instead of the embedded input, for the duration."""
-    decoder, config = drafter.model.get_decoder(), drafter.model.config
-    layers, layer_types = decoder.layers, getattr(config, "layer_types", None)
-    if start < len(layers):
-        keep_layers(drafter.model, list(range(start, len(layers))))
-        first = decoder.layers[0]
-    else:  # no layer left after `start`: straight to the final norm
-        decoder.layers, config.num_hidden_layers = nn.ModuleList(), 0
-        if layer_types is not None:
-            config.layer_types = []
-        first = decoder.norm
+    with _only_layers(drafter, list(range(start, len(drafter.model.get_decoder().layers)))) as decoder:
+        first = decoder.layers[0] if len(decoder.layers) else decoder.norm
 
-    def swap_input(_, args, kwargs):
-        return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
-    handle = first.register_forward_pre_hook(swap_input, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
-        decoder.layers = layers
-        if layer_types is not None:
-            config.layer_types = layer_types
-        keep_layers(drafter.model, list(range(len(layers))))
+        def swap_input(_, args, kwargs):
+            return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+        handle = first.register_forward_pre_hook(swap_input, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
 
 
 @torch.no_grad()
@@ -1088,7 +1085,7 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
     num_layers = len(drafter.model.get_decoder().layers)
     log(f"unpruned: {num_layers} layers, tau {tau0:.3f}")
     table = [{"iteration": 0, "removed_layer": None, "layers": num_layers, "tau_before_recovery": tau0,
-              "tau_after_recovery": tau0, "seconds": 0.0, "kept": True}]
+              "tau_after_recovery": tau0, "seconds": 0.0, "score_seconds": 0.0, "kept": True}]
     generator = torch.Generator().manual_seed(seed)
     while len(drafter.model.get_decoder().layers) > max(1, min_layers or 1):
         start = time.perf_counter()

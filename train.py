@@ -789,7 +789,7 @@ def prune_main(*, drafter, out, min_layers, tau_floor, recovery_steps, lr, beta,
     for row in table:
         removed = "-" if row["removed_layer"] is None else row["removed_layer"]
         print(f"{removed:>8}{row['layers']:>8}{row['tau_before_recovery']:>12.3f}{row['tau_after_recovery']:>11.3f}"
-              f"{100 * row['tau_after_recovery'] / tau0:>10.1f}%{row.get('score_seconds', 0):>11.0f}"
+              f"{100 * row['tau_after_recovery'] / tau0:>10.1f}%{row['score_seconds']:>11.0f}"
               f"{row['seconds']:>9.0f}" + ("  (undone: below the floor)" if not row["kept"] else ""))
     for label, r in result.get("decode", {}).items():
         print(f"[decode] {label:<16} speedup {r['speedup']:.2f}x over target-only, tau {r['tau']:.2f}")
