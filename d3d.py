@@ -1117,6 +1117,7 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
+                torch.clear_autocast_cache()  # under a caller's autocast, later passes must not read stale bf16 copies
             drafter.eval()
         tau_before = scores[best]  # without recovery, the same number as measuring the pruned drafter again
         tau_after = tau_before if recovery_steps <= 0 else validation_tau(drafter, val_batches,

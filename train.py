@@ -662,12 +662,6 @@ def parse_prune_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def bf16_autocast(device):
-    """bf16 autocast for a context in which weights change (pruning's recovery steps): without its cast cache, which
-    would keep the first bf16 copy of each weight for the whole context, stale after an optimizer step."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
-
-
 def load_trained(drafter: str, device):
     """A trained drafter folder with what it was trained on: (recipe, tokenizer, drafter, train, val, pad_id); the
     answers come from the caches train.py wrote (train_args.json names them)."""
@@ -763,7 +757,7 @@ def prune_main(*, drafter, out, min_layers, tau_floor, recovery_steps, lr, beta,
     print(f"[prune] {drafter}: {model.model.config.num_hidden_layers} layers; {len(val_batches)} validation and "
           f"{len(train_batches)} recovery batches of {batch_size}")
     bf16 = resolve_dtype(dtype, device) == torch.bfloat16
-    with bf16_autocast(device) if bf16 else contextlib.nullcontext():
+    with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
         table = d3d.prune_drafter(model, val_batches, train_batches, min_layers=min_layers, tau_floor=tau_floor,
                                   recovery_steps=recovery_steps, lr=lr, beta=beta, num_anchors=val_anchors, seed=seed,
                                   log=lambda msg: tqdm.write(f"[prune] {msg}"))

@@ -256,23 +256,20 @@ def test_prune_command_removes_layers_and_keeps_decoding_lossless(setup, tmp_pat
         train.parse_prune_args(["--bogus"])
 
 
-@pytest.mark.parametrize("cache", [False, True])
-def test_prune_in_bf16_reads_the_weights_recovery_changed(setup, tmp_path, cache):
+def test_prune_in_bf16_reads_the_weights_recovery_changed(setup, tmp_path):
     """Pruning runs in one bf16 autocast context; recovery steps change the weights inside it. Every later pass must
-    read the new weights: autocast's cast cache (kept for the whole context) would serve stale bf16 copies."""
+    read the new weights, not the bf16 copies autocast's cast cache keeps for the whole context."""
     _run(setup, tmp_path / "drafter", steps=2, drafter_layers="3")
     _, _, drafter, _, val, pad_id = train.load_trained(str(tmp_path / "drafter"), torch.device("cpu"))
     batches = [train.collate(val[:3], pad_id, 1024)]
-    context = train.bf16_autocast(torch.device("cpu")) if not cache else torch.autocast("cpu", dtype=torch.bfloat16)
-    with context:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
         d3d.prune_drafter(drafter, batches, batches, min_layers=2, recovery_steps=3, lr=1e-2, num_anchors=4,
                           log=lambda *_: None)
         ids = batches[0][0][:, :12]
         args = (torch.arange(12)[None], torch.ones(1, 1, 12, 12, dtype=torch.bool).tril())
         with torch.no_grad():
             fresh = copy.deepcopy(drafter)  # new tensors: nothing cached
-            same = torch.equal(drafter.hidden_states(ids[:1], *args), fresh.hidden_states(ids[:1], *args))
-    assert same != cache  # the cache (the trap the helper avoids) does go stale: this test can tell
+            assert torch.equal(drafter.hidden_states(ids[:1], *args), fresh.hidden_states(ids[:1], *args))
 
 
 def test_random_init_keeps_the_architecture_and_first_token_is_recorded(setup):
