@@ -757,7 +757,9 @@ def prune_main(*, drafter, out, min_layers, tau_floor, recovery_steps, lr, beta,
     print(f"[prune] {drafter}: {model.model.config.num_hidden_layers} layers; {len(val_batches)} validation and "
           f"{len(train_batches)} recovery batches of {batch_size}")
     bf16 = resolve_dtype(dtype, device) == torch.bfloat16
-    with torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+    # no cast cache: each use of a weight (the head, on the blocks and on the causal stream) casts anew, so its recovery
+    # gradient sums in fp32, not in one cached bf16 copy
+    with torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False) if bf16 else contextlib.nullcontext():
         table = d3d.prune_drafter(model, val_batches, train_batches, min_layers=min_layers, tau_floor=tau_floor,
                                   recovery_steps=recovery_steps, lr=lr, beta=beta, num_anchors=val_anchors, seed=seed,
                                   log=lambda msg: tqdm.write(f"[prune] {msg}"))
