@@ -33,7 +33,6 @@ import json
 import math
 import os
 import time
-import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -41,8 +40,6 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-# transformers 5.24 renames `past_key_values` to `cache` (removal in 5.40); 5.17 knows only the old name, so we keep it.
-warnings.filterwarnings("ignore", message=r".*`past_key_values` is deprecated.*")
 
 MASK_TOKEN = "<|MASK|>"
 CONFIG_NAME = "d3d_config.json"
@@ -131,7 +128,7 @@ class Drafter(nn.Module):
         """Last hidden states (b, q, H); attention_mask: bool (b, 1, q, past+q), True = may attend."""
         out = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                        attention_mask=additive_mask(attention_mask, self.model),
-                                       past_key_values=past_key_values, use_cache=past_key_values is not None)
+                                       cache=past_key_values, use_cache=past_key_values is not None)
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -388,16 +385,68 @@ def _tau_at(drafter, input_ids, loss_mask, anchors, valid, block_size, first_tok
 # Drafting, verification and acceptance
 
 
-def new_cache(model: nn.Module):
-    from transformers import DynamicCache
-    return DynamicCache(config=model.config)
+class KVCache:
+    """A model's KV cache of fixed size (an HF StaticCache), made once and reused for every request, so that shapes
+    and addresses never change (what compiled passes and CUDA graphs need). A pass writes its q tokens at the cache's
+    own position; `rewind` moves that position back (a rejected draft, a packed pass's branches) without touching the
+    tensors. The length is kept on the host: the StaticCache's own is a device tensor, and reading it would wait for
+    the device. `step` runs the fixed-shape passes: the fast path (fast.py) swaps in a compiled one."""
+
+    def __init__(self, model: nn.Module, max_len: int):
+        from transformers import StaticCache
+        config = model.model.config if isinstance(model, Drafter) else model.config
+        self.model, self.max_len, self.length = model, max_len, 0
+        self.hf = StaticCache(config=config, max_cache_len=max_len)
+        self.step = self.forward
+
+    def forward(self, ids, positions, mask) -> torch.Tensor:
+        """ids, positions (1, q); mask (1, 1, q, max_len) bool over the cache's slots. A drafter: its last hidden
+        states (q, H); a target: float logits (q, V)."""
+        if isinstance(self.model, Drafter):
+            return self.model.hidden_states(ids, positions, mask, self.hf)[0]
+        return self.model(input_ids=ids, position_ids=positions, attention_mask=additive_mask(mask, self.model),
+                          cache=self.hf, use_cache=True).logits[0].float()
+
+    def run(self, ids, positions, mask, *, fixed: bool = True) -> torch.Tensor:
+        """A pass over ids (1, q) written at slots length .. length+q-1; mask (1, 1, q, length+q) is widened to all
+        slots (no query sees past its pass). fixed=False (a prefill: any length) always runs eagerly."""
+        q = ids.shape[1]
+        if self.length + q > self.max_len:  # refused before the write: an overflowing write moves the position first
+            raise ValueError(f"KV cache full: {self.length} + {q} tokens > max_len {self.max_len}; make the cache "
+                             "larger (generate's caches=, decode.py --max-len)")
+        mask = F.pad(mask, (0, self.max_len - self.length - q))
+        self.length += q
+        return (self.step if fixed else self.forward)(ids, positions, mask)
+
+    def rewind(self, length: int) -> None:
+        """Keep the first `length` tokens (the next pass overwrites the rest)."""
+        if length < self.length:
+            self.hf.crop(length - self.length)
+            self.length = length
 
 
-def crop_cache(cache, length: int) -> None:
-    """Keep the first `length` positions of a DynamicCache (public API: crop with a negative count)."""
-    excess = cache.get_seq_length() - length
-    if excess > 0:
-        cache.crop(-excess)
+@dataclass
+class Caches:
+    """The target's and the drafter's KVCache, kept across requests (decode.py makes one pair per run)."""
+    target: KVCache
+    drafter: KVCache | None
+
+    @classmethod
+    def make(cls, target: nn.Module, drafter: Drafter | None, max_len: int) -> "Caches":
+        return cls(KVCache(target, max_len), KVCache(drafter, max_len) if drafter is not None else None)
+
+
+def cache_len(prompt_len: int, max_new_tokens: int, block_size: int = 1, coverage: int = 0, fanout: int = 0) -> int:
+    """Slots a request needs: its tokens plus the widest pass written past them (async: the packed pass)."""
+    widest = max(2 * block_size + 1, 1 + block_size + (min(coverage, block_size) * fanout + 1) * (1 + block_size))
+    return prompt_len + max_new_tokens + widest
+
+
+def causal_pass(cache: KVCache, ids: torch.Tensor, position_offset: int = 0, fixed: bool = True) -> torch.Tensor:
+    """A plain causal pass over ids (1, q) after what the cache holds; position_offset: prompt tokens the cache
+    skipped (selective prefill), so positions run that far ahead of the slots."""
+    mask, positions = packed_attention_mask(ids.shape[1], ids.new_zeros(0), 1, past_len=cache.length)
+    return cache.run(ids, positions + position_offset, mask, fixed=fixed)
 
 
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -424,59 +473,55 @@ def draft_rows(drafter: Drafter, anchor_rows: torch.Tensor, block_starts: torch.
 
 
 @torch.no_grad()
-def draft_block(drafter: Drafter, cache, new_tokens: torch.Tensor, block_size: int) -> torch.Tensor:
+def draft_block(drafter: Drafter, cache: KVCache, new_tokens: torch.Tensor, block_size: int,
+                width: int | None = None) -> torch.Tensor:
     """One drafter pass over the committed tokens it has not read, new_tokens (1, m) ending with x_n, + a MASK block
-    off x_n (its KV cropped again). Returns the draft logits (B, V): row i-1 drafts position n+i."""
-    past, m, device = cache.get_seq_length(), new_tokens.shape[1], new_tokens.device
+    off x_n (its KV dropped again). `width`: the causal part padded to this many tokens (one shape for every m; the
+    pads come after x_n and no block sees them). Returns the draft logits (B, V): row i-1 drafts position n+i."""
+    m, device, start = new_tokens.shape[1], new_tokens.device, cache.length
+    width = max(width or m, m)
     last = torch.tensor([m - 1], device=device)  # x_n, the token the block hangs off
-    mask, positions = packed_attention_mask(m, last, block_size, past_len=past)
+    mask, positions = packed_attention_mask(width, last, block_size, past_len=start)
     masks = torch.full((1, block_size), drafter.d3d_config.mask_token_id, device=device)
-    rows = draft_rows(drafter, last, last + 1, block_size)
-    logits = drafter(torch.cat([new_tokens, masks], 1), positions, mask, past_key_values=cache, logits_to_keep=rows[0])
-    crop_cache(cache, past + m)
-    return logits[0]
-
-
-def target_forward(target: nn.Module, input_ids, cache, position_offset: int = 0, logits_to_keep=0) -> torch.Tensor:
-    """A target pass with its KV cache; position_offset: prompt tokens the cache skipped (selective prefill)."""
-    extra = {}
-    if position_offset:
-        start = cache.get_seq_length() + position_offset
-        extra["position_ids"] = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
-    return target(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep,
-                  **extra).logits[0].float()
+    hidden = cache.run(torch.cat([F.pad(new_tokens, (0, width - m)), masks], 1), positions, mask)  # (width + B, H)
+    cache.rewind(start + m)
+    return drafter.logits(hidden[draft_rows(drafter, last, last.new_full((1,), width), block_size)[0]])
 
 
 @torch.no_grad()
-def verify_block(target: nn.Module, cache, last_token: torch.Tensor, draft: torch.Tensor,
-                 position_offset: int = 0) -> torch.Tensor:
+def verify_block(cache: KVCache, last_token: torch.Tensor, draft: torch.Tensor, position_offset: int = 0):
     """One target pass on [x_n, d_1 .. d_B] (cache holds x_0 .. x_{n-1}). Returns logits (B+1, V): row i is the
     target's distribution for the token after x_n, d_1 .. d_i."""
-    ids = torch.cat([last_token.view(1), draft]).view(1, -1)
-    return target_forward(target, ids, cache, position_offset)
+    return causal_pass(cache, torch.cat([last_token.view(1), draft])[None], position_offset)
+
+
+def _at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] for a 0-d device index, without reading it (plain indexing with a 0-d tensor reads it back)."""
+    return x.index_select(0, index.view(1))[0]
 
 
 def accept_draft(p_logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Tensor | None, temperature: float,
-                 generator=None) -> tuple[int, int]:
-    """(num_accepted, next_token). Greedy: accept d_i while it is the target's argmax, then take the argmax. Sampling
-    (lossless): accept d_i with probability min(1, p(d_i) / q(d_i)); at the first rejection draw from max(p - q, 0)
-    normalised; after full acceptance draw the bonus token from p."""
+                 generator=None, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_accepted, next_token) as 0-d tensors, left on the device (the round reads them with its one host read).
+    Greedy: accept d_i while it is the target's argmax, then take the argmax. Sampling (lossless): accept d_i with
+    probability min(1, p(d_i) / q(d_i)); at the first rejection draw from max(p - q, 0) normalised; after full
+    acceptance draw the bonus token from p. Only the first `length` tokens count (default all): pads never do."""
     block_size = draft.shape[0]
+    real = torch.arange(block_size, device=draft.device) < (block_size if length is None else length)  # (B,)
     if temperature == 0:
         target_tokens = p_logits.argmax(-1)  # (B+1,)
-        num_accepted = int((draft == target_tokens[:block_size]).long().cumprod(0).sum())
-        return num_accepted, int(target_tokens[num_accepted])
+        num_accepted = ((draft == target_tokens[:block_size]) & real).long().cumprod(0).sum()
+        return num_accepted, _at(target_tokens, num_accepted)
     p_target = torch.softmax(p_logits.float() / temperature, dim=-1)  # (B+1, V)
     rows = torch.arange(block_size, device=draft.device)
     p_d, q_d = p_target[rows, draft], q_draft[rows, draft]
     u = torch.rand(block_size, generator=generator, device=generator.device if generator else "cpu").to(p_d.device)
-    num_accepted = int((u * q_d <= p_d).long().cumprod(0).sum())  # u < p/q without dividing by a tiny q
-    if num_accepted == block_size:
-        return num_accepted, int(_sample(p_target[block_size], generator))
-    residual = (p_target[num_accepted] - q_draft[num_accepted]).clamp(min=0)
-    if residual.sum() <= 0:  # p == q up to rounding: the rejection had probability ~0; fall back to p itself
-        residual = p_target[num_accepted]
-    return num_accepted, int(_sample(residual / residual.sum(), generator))
+    num_accepted = ((u * q_d <= p_d) & real).long().cumprod(0).sum()  # u < p/q without dividing by a tiny q
+    p_next = _at(p_target, num_accepted)  # (V,) the target's law after the accepted prefix
+    residual = (p_next - _at(F.pad(q_draft, (0, 0, 0, 1)), num_accepted)).clamp(min=0)  # past the draft: q = 0
+    residual = torch.where(residual.sum() > 0, residual, p_next)  # p == q up to rounding: rejection had prob. ~0
+    law = torch.where(real.sum() == num_accepted, p_next, residual)  # all accepted: the bonus token from p
+    return num_accepted, _sample(law / law.sum(), generator)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -522,27 +567,32 @@ class _Output:
 class _Decoding:
     """One sequence being decoded: its tokens, both KV caches and the time split."""
     out: _Output
-    target_cache: object
-    drafter_cache: object  # None without a drafter
+    target_cache: KVCache
+    drafter_cache: KVCache | None
     offset: int  # prompt tokens the target's cache skipped (selective prefill): positions run this far ahead of it
     times: dict
     device: torch.device
 
 
-def _prefill(target, drafter, input_ids, selection, max_new_tokens, eos_token_id, temperature, generator):
-    """The target prefills the prompt (or the chunks selective prefill kept) and produces the first token itself."""
+def _prefill(caches: Caches, input_ids, selection, max_new_tokens, eos_token_id, temperature, generator):
+    """The target prefills the prompt (or the chunks selective prefill kept) and produces the first token itself;
+    the drafter reads the prompt (selective prefill: it already has), so that its first draft starts at x_n."""
     device = input_ids.device
     out = _Output(input_ids[0].tolist(), max_new_tokens, eos_token_id)
-    ids, positions = input_ids, None
-    drafter_cache = new_cache(drafter.model) if drafter is not None else None
+    ids, positions = input_ids, torch.arange(input_ids.shape[1], device=device)[None]
     if selection is not None:
-        ids, positions, drafter_cache = selection["kept_ids"], selection["kept_positions"], selection["drafter_cache"]
-    run = _Decoding(out, new_cache(target), drafter_cache, input_ids.shape[1] - ids.shape[1],
+        ids, positions = selection["kept_ids"], selection["kept_positions"]
+    run = _Decoding(out, caches.target, caches.drafter, input_ids.shape[1] - ids.shape[1],
                     {"start": _clock(device), "prefill": 0.0, "draft": 0.0, "verify": 0.0}, device)
+    run.target_cache.rewind(0)
+    if run.drafter_cache is not None and selection is None:
+        run.drafter_cache.rewind(0)
     if not out.done:
-        logits = target(input_ids=ids, position_ids=positions, past_key_values=run.target_cache, use_cache=True,
-                        logits_to_keep=1).logits[0, -1]
-        out.commit([int(pick_tokens(logits.float(), temperature, generator)[0])])
+        mask, _ = packed_attention_mask(ids.shape[1], ids.new_zeros(0), 1)
+        logits = run.target_cache.run(ids, positions, mask, fixed=False)[-1]
+        out.commit([int(pick_tokens(logits, temperature, generator)[0])])
+        if run.drafter_cache is not None and selection is None:
+            causal_pass(run.drafter_cache, input_ids, fixed=False)
         run.times["prefill"] = _clock(device) - run.times["start"]
     return run
 
@@ -556,7 +606,7 @@ def _finish(run: _Decoding, selection) -> tuple[torch.Tensor, dict]:
     num_new, decode_time = len(out.tokens) - out.prompt_len, total - prefill
     stats = {"tau": _mean(out.accept_lengths), "accept_lengths": out.accept_lengths,
              "num_rounds": len(out.accept_lengths), "num_new_tokens": num_new,
-             "time_prefill": prefill,  # time to first token (target prefill; the drafter's is in time_draft)
+             "time_prefill": prefill,  # time to first token (the target's prefill and the drafter's)
              "time_draft": times["draft"], "time_verify": times["verify"], "time_total": total,
              # decode speed excludes prefill (the paper's protocol); the first token comes from prefill
              "tokens_per_s": (num_new - 1) / decode_time if num_new > 1 and decode_time > 0 else float("nan")}
@@ -567,36 +617,52 @@ def _finish(run: _Decoding, selection) -> tuple[torch.Tensor, dict]:
     return torch.tensor([out.tokens], device=run.device), stats
 
 
-def _decode_target(target, run: _Decoding, temperature, generator) -> None:
+def _decode_target(run: _Decoding, temperature, generator) -> None:
     """Plain autoregressive decoding with the target alone: the reference output and the speedup baseline."""
     out = run.out
     token = torch.tensor([out.tokens[-1:]], device=run.device)  # (1, 1)
     while not out.done:
-        logits = target_forward(target, token, run.target_cache, run.offset, logits_to_keep=1)[-1]
+        logits = causal_pass(run.target_cache, token, run.offset)[-1]
         token = pick_tokens(logits, temperature, generator)[0].view(1, 1)
-        out.commit([int(token)])
+        out.commit(token[0].tolist())  # the step's one host read
 
 
-def _decode_sync(target, drafter, run: _Decoding, block_size, temperature, generator) -> None:
+def _decode_sync(drafter, run: _Decoding, block_size, temperature, generator) -> None:
     """Draft a block, verify it, commit, repeat. At the top of a round (committed x_0 .. x_n): target cache =
-    x_0 .. x_{n-1} (x_n goes with the draft); drafter cache = x_0 .. x_{d-1}, d <= n (it catches up next pass)."""
+    x_0 .. x_{n-1} (x_n goes with the draft); drafter cache = x_0 .. x_{d-1}, n - B <= d <= n (it reads the rest,
+    padded to B + 1 tokens, in its next pass)."""
     out, times, device = run.out, run.times, run.device
     while not out.done:
         t0 = _clock(device)
-        new_tokens = torch.tensor([out.tokens[run.drafter_cache.get_seq_length():]], device=device)
-        draft_logits = draft_block(drafter, run.drafter_cache, new_tokens, block_size)
+        new_tokens = torch.tensor([out.tokens[run.drafter_cache.length:]], device=device)
+        draft_logits = draft_block(drafter, run.drafter_cache, new_tokens, block_size, width=block_size + 1)
         draft, q_draft = pick_tokens(draft_logits, temperature, generator)
         t1 = _clock(device)
-        p_logits = verify_block(target, run.target_cache, new_tokens[0, -1], draft, run.offset)
+        p_logits = verify_block(run.target_cache, new_tokens[0, -1], draft, run.offset)
         num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator)
-        out.commit_round(draft[:num_accepted].tolist(), next_token)
-        crop_cache(run.target_cache, len(out.tokens) - 1 - run.offset)  # keep x_0 .. x_n, d_1 .. d_a
+        num_accepted, next_token, *tokens = torch.cat([num_accepted[None], next_token[None], draft]).tolist()
+        out.commit_round(tokens[:num_accepted], next_token)  # the round's one host read, above
+        run.target_cache.rewind(len(out.tokens) - 1 - run.offset)  # keep x_0 .. x_n, d_1 .. d_a
         times["draft"] += t1 - t0
         times["verify"] += _clock(device) - t1
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Batched decoding: concurrent requests, each advancing by its own accepted length (the paper's Table 2)
+# A ragged batch keeps a growing DynamicCache: rows leave when they finish (batch_select_indices, which a static
+# layer lacks) and a static layer writes every row at one shared position, where each row here has its own.
+
+
+def new_cache(model: nn.Module):
+    from transformers import DynamicCache
+    return DynamicCache(config=model.config)
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first `length` positions of a DynamicCache (public API: crop with a negative count)."""
+    excess = cache.get_seq_length() - length
+    if excess > 0:
+        cache.crop(-excess)
 
 
 class _RaggedCache:
@@ -643,7 +709,7 @@ def _target_pass(target: nn.Module, ragged: _RaggedCache, ids, new_valid, logits
     positions, mask = ragged.inputs(new_valid, torch.arange(q, device=device)[None],
                                     torch.ones(q, q, dtype=torch.bool, device=device).tril())
     return target(input_ids=ids, position_ids=positions, attention_mask=additive_mask(mask, target),
-                  past_key_values=ragged.cache, use_cache=True, logits_to_keep=logits_to_keep).logits.float()
+                  cache=ragged.cache, use_cache=True, logits_to_keep=logits_to_keep).logits.float()
 
 
 def _draft_batch(drafter: Drafter, ragged: _RaggedCache, new_tokens: list[list[int]], block_size: int):
@@ -738,10 +804,11 @@ def _decode_batch_sync(target, drafter, prompts, max_new_tokens, block_size, tem
         ids = torch.cat([last, draft], 1)  # (b, B+1)
         p_logits = _target_pass(target, target_cache, ids, torch.ones_like(ids, dtype=torch.bool))  # (b, B+1, V)
         kept = torch.zeros_like(ids, dtype=torch.bool)  # (b, B+1): x_n, d_1 .. d_a stay; the rejected tail is a hole
-        for i, row in enumerate(active):
-            num_accepted, next_token = accept_draft(p_logits[i], draft[i], None if q_draft is None else q_draft[i],
-                                                    temperature, generator)
-            outs[row].commit_round(draft[i, :num_accepted].tolist(), next_token)
+        accepted = torch.stack([torch.stack(accept_draft(p_logits[i], draft[i], None if q_draft is None else q_draft[i],
+                                                         temperature, generator)) for i in range(len(active))])
+        for i, (row, (num_accepted, next_token, *tokens)) in enumerate(
+                zip(active, torch.cat([accepted, draft], 1).tolist())):  # the round's one host read
+            outs[row].commit_round(tokens[:num_accepted], next_token)
             kept[i, : num_accepted + 1] = True
         target_cache.commit(kept)
         times["draft"] += t1 - t0
@@ -778,14 +845,16 @@ def plan_branches(draft_logits: torch.Tensor, draft: torch.Tensor, coverage: int
     return positions, others.topk(fanout, dim=-1).indices[positions - 1]  # (C,), (C, F)
 
 
-def build_branch_pass(drafter: Drafter, new_tokens, draft, positions, candidates, *, past_len: int, block_size: int):
-    """Input of the packed pass that drafts the next block for each planned outcome of verifying `draft` (L,).
+def build_branch_pass(drafter: Drafter, new_tokens, draft, positions, candidates, *, past_len: int, block_size: int,
+                      length: int | None = None):
+    """Input of the packed pass that drafts the next block for each planned outcome of verifying `draft` (B,).
 
     Causal stream: new_tokens (m,), the tokens the drafter has not read, ending with x_n (m = 0: x_n is cached), then
-    d_1 .. d_L (the accepted drafts get their KV here). Then C x F segments [t, MASK x B], t at position n+k off
+    d_1 .. d_B (the accepted drafts get their KV here). Then C x F segments [t, MASK x B], t at position n+k off
     d_{k-1} (d_0 = x_n): "d_k rejected, the target said t"; last [d_L, MASK x B] off d_{L-1}, guessing the bonus
-    token and on. With first_token "ar" a segment's first token drafts d'_1 (MASK 1: a placeholder). Example with
-    m = 1, L = 3, C = 2, F = 1, B = 2; the cache x_0 .. x_{n-1} is visible to all:
+    token and on (L = `length`, the real draft tokens; default B). With first_token "ar" a segment's first token
+    drafts d'_1 (MASK 1: a placeholder). Example with m = 1, B = L = 3, C = 2, F = 1, B = 2; the cache x_0 .. x_{n-1}
+    is visible to all:
 
                      x_n d_1 d_2 d_3 | t1 m m | t2 m m | d_3 m m
         x_n (n)      x               |        |        |
@@ -802,142 +871,159 @@ def build_branch_pass(drafter: Drafter, new_tokens, draft, positions, candidates
         m   (n+4)    x   x   x       |        |        | x   x x       bonus x_{n+4}, then x_{n+5}
         m   (n+5)    x   x   x       |        |        | x   x x
 
-    Built without waiting for the device. Returns input ids (1, q), position ids (1, q), mask (1, 1, q, past+q) and
-    the rows (S, B) drafting each segment's block, in the order of candidates.flatten(), then full acceptance."""
-    num_new, length, fanout = new_tokens.shape[0], draft.shape[0], candidates.shape[1]
+    Built without waiting for the device; its shape depends on m, B, C and F only. Returns input ids (1, q), position
+    ids (1, q), mask (1, 1, q, past+q) and the rows (S, B) drafting each segment's block, in the order of
+    candidates.flatten(), then full acceptance."""
+    num_new, fanout = new_tokens.shape[0], candidates.shape[1]
+    length = draft.shape[0] if length is None else length
     hang_on = torch.cat([positions[:, None].expand(-1, fanout).flatten(), positions.new_full((1,), length)]) - 1
     anchors = num_new - 1 + hang_on  # causal index of d_{k-1} (d_0 = x_n; -1 if x_n is in the cache)
     segments = torch.full((len(anchors), 1 + block_size), drafter.d3d_config.mask_token_id, device=draft.device)
-    segments[:, 0] = torch.cat([candidates.flatten(), draft[-1:]])
-    num_causal = num_new + length
+    segments[:, 0] = torch.cat([candidates.flatten(), draft[length - 1: length]])
+    num_causal = num_new + draft.shape[0]
     ids = torch.cat([new_tokens, draft, segments.flatten()])[None]
     mask, position_ids = packed_attention_mask(num_causal, anchors, block_size, prefix_len=1, past_len=past_len)
     block_starts = num_causal + 1 + (1 + block_size) * torch.arange(len(anchors), device=draft.device)
     return ids, position_ids, mask, draft_rows(drafter, block_starts - 1, block_starts, block_size)
 
 
-class _Span:
-    """Run a body on a CUDA stream, timed there with events (on CPU, stream None: here, on the host clock). `launch`:
-    host time spent queuing it (close to `seconds()` when the pass is bound by kernel launches)."""
-
-    def __init__(self, stream):
-        self.stream = stream
-        self.context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-    def __enter__(self):
-        self.context.__enter__()
-        if self.stream is not None:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record(self.stream)
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.stream is not None:
-            self.end.record(self.stream)
-        self.launch = time.perf_counter() - self.t0
-        self.context.__exit__(*exc)
-
-    def seconds(self) -> float:
-        return self.start.elapsed_time(self.end) / 1e3 if self.stream is not None else self.launch
+def prepared_segment(drafter: Drafter, block_hidden, positions, candidates, num_accepted, next_token, length: int,
+                     temperature: float, generator=None) -> torch.Tensor:
+    """Which segment of the packed pass was prepared for the outcome (a = num_accepted, c = next_token), as a 0-d
+    device tensor: the branch (k = a+1, t = c) if there is one, else the full-acceptance segment if a = length and its
+    MASK 1 guessed c (it needs B > 1: its block's later rows are the next draft), else -1. Computed on the device, so
+    the round still reads the host once."""
+    num_segments, block_size = block_hidden.shape[:2]
+    guess = pick_tokens(drafter.logits(block_hidden[-1, 0]), temperature, generator)[0]  # the bonus token's guess
+    branch = ((positions[:, None] == num_accepted + 1) & (candidates == next_token)).flatten()  # (C*F,)
+    full = (num_accepted == length) & (guess == next_token) & (block_size > 1)
+    first = (torch.cat([branch, full[None]]).long().cumsum(0) == 0).sum()  # index of the first match; S if none
+    return torch.where(first < num_segments, first, -1)
 
 
-def _verify_while_drafting(target, drafter, run: _Decoding, last_token, draft, packed, streams):
-    """Step (b): verify and the packed pass, each on its own stream (CPU: one by one), then join. Returns p_logits
-    (L+1, V), the hidden states (S, B, H) drafting each segment's block, and timings() (call after the host waits)."""
-    main, verify_stream, draft_stream = streams
-    ids, position_ids, mask, block_rows = packed
-    with _Span(main) as round_span:
-        if main is not None:  # both passes read tensors made on the main stream (draft, packed input): wait for them
-            verify_stream.wait_stream(main)
-            draft_stream.wait_stream(main)
-        with _Span(verify_stream) as verify_span:
-            p_logits = verify_block(target, run.target_cache, last_token, draft, run.offset)
-        with _Span(draft_stream) as packed_span:
-            hidden = drafter.hidden_states(ids, position_ids, mask, past_key_values=run.drafter_cache)[0]  # (q, H)
-            block_hidden = hidden[block_rows]  # (S, B, H)
-        if main is not None:  # join: p_logits and block_hidden are read on the main stream
-            main.wait_stream(verify_stream)
-            main.wait_stream(draft_stream)
-            p_logits.record_stream(main)  # made on side streams: the allocator must not reuse them early
-            block_hidden.record_stream(main)
+class _Lanes:
+    """The second lane the packed pass runs in while the target verifies: a CUDA stream (verify gets a stream of
+    higher priority), or on a CPU a worker thread (two lanes share the cores: each gets half of torch's threads).
+    lanes=1: one after the other. `both(verify, packed)` runs the two and returns both results, with the time each
+    took in its lane and the round's wall time (CUDA: device time from events; CPU: the host clock)."""
 
-    def timings() -> dict:
-        verify_s, packed_s = verify_span.seconds(), packed_span.seconds()
-        # what running the two passes side by side saved: 0 on CPU, at most the shorter pass
-        overlap = min(max(verify_s + packed_s - round_span.seconds(), 0.0), verify_s, packed_s)
-        return {"verify": verify_s, "packed_draft": packed_s, "overlap_saved": overlap,
-                "verify_launch": verify_span.launch, "packed_launch": packed_span.launch}
-    return p_logits, block_hidden, timings
+    def __init__(self, device: torch.device, lanes: int):
+        self.device, self.lanes, self.pool = device, lanes, None
+        if device.type == "cuda" and lanes > 1:
+            self.main = torch.cuda.current_stream(device)
+            self.verify_stream, self.draft_stream = torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device)
+        elif lanes > 1:
+            from concurrent.futures import ThreadPoolExecutor
+            self.pool, self.threads = ThreadPoolExecutor(1), torch.get_num_threads()
+            torch.set_num_threads(max(1, self.threads // 2))
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown()
+            torch.set_num_threads(self.threads)
+
+    def both(self, verify, packed):
+        if self.device.type == "cuda" and self.lanes > 1:
+            return self._streams(verify, packed)
+        start = time.perf_counter()
+        if self.pool is not None:  # the packed pass in the worker thread, verify here; eager kernels release the GIL
+            future = self.pool.submit(_timed, packed)
+            p_logits, verify_s = _timed(verify)
+            block_hidden, packed_s = future.result()
+        else:
+            p_logits, verify_s = _timed(verify)
+            block_hidden, packed_s = _timed(packed)
+        return p_logits, block_hidden, verify_s, packed_s, time.perf_counter() - start
+
+    def _streams(self, verify, packed):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
+        events[0].record(self.main)
+        self.verify_stream.wait_stream(self.main)  # both read what the main stream made: the draft, the packed input
+        self.draft_stream.wait_stream(self.main)
+        with torch.cuda.stream(self.verify_stream):
+            events[1].record()
+            p_logits = verify()
+            events[2].record()
+        with torch.cuda.stream(self.draft_stream):
+            events[3].record()
+            block_hidden = packed()
+            events[4].record()
+        self.main.wait_stream(self.verify_stream)  # join: p_logits and block_hidden are read on the main stream
+        self.main.wait_stream(self.draft_stream)
+        p_logits.record_stream(self.main)  # made on side streams: the allocator must not reuse them early
+        block_hidden.record_stream(self.main)
+        events[5].record(self.main)
+        seconds = lambda a, b: events[a].elapsed_time(events[b]) / 1e3  # noqa: E731 (read after the host waits)
+        return p_logits, block_hidden, lambda: seconds(1, 2), lambda: seconds(3, 4), lambda: seconds(0, 5)
 
 
-def _prepared_block(drafter, block_hidden, positions, candidates, draft, num_accepted, next_token, temperature,
-                    generator):
-    """Step (c): was outcome (a = num_accepted, target token c) prepared? Returns its slot (k-1: rejection at k = a+1;
-    B: full acceptance) and the next block's hidden states ((B, H); (B-1, H) after full acceptance) or None."""
-    if num_accepted < draft.shape[0]:  # rejected at k: was (k, c) a branch?
-        covered, k = positions.tolist(), num_accepted + 1  # read after the join: no extra wait
-        if k in covered:
-            row = covered.index(k)
-            tokens = candidates[row].tolist()
-            if next_token in tokens:
-                return num_accepted, block_hidden[row * candidates.shape[1] + tokens.index(next_token)]
-        return num_accepted, None
-    block_size = block_hidden.shape[1]  # all accepted: did the full block guess the bonus token?
-    guess = int(pick_tokens(drafter.logits(block_hidden[-1, :1]), temperature, generator)[0])
-    return block_size, block_hidden[-1, 1:] if guess == next_token and block_size > 1 else None
+def _timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
 
 
-def _decode_async(target, drafter, run: _Decoding, block_size, temperature, generator, coverage, fanout,
-                  cover) -> dict:
-    """While the target verifies [x_n, d_1 .. d_L], one packed drafter pass prepares the next draft for the likely
+def _decode_async(drafter, run: _Decoding, block_size, temperature, generator, coverage, fanout, cover,
+                  lanes: int) -> dict:
+    """While the target verifies [x_n, d_1 .. d_B], one packed drafter pass prepares the next draft for the likely
     outcomes. Each round: (a) plan and build the packed pass; (b) verify while it runs; (c) commit the accepted prefix
     and the target's token c; a prepared outcome's block is the next draft (a hit), else the drafter drafts it (a
-    miss: fallback draft). Drafter cache at the top of a round: x_0 .. x_{n-1} after a hit (the rest the packed pass
-    appended is cropped), x_0 .. x_n after a fallback draft. Returns the async stats."""
-    out, times, device = run.out, run.times, run.device
-    timed = ("packed_draft", "fallback_draft", "verify_launch", "packed_launch", "overlap_saved")
+    miss: fallback draft). At the top of a round the drafter's cache holds x_0 .. x_{n-1}, so every packed pass has
+    one shape. After a full-acceptance hit the next draft has B-1 real tokens, padded to B (a pad is never accepted).
+    Returns the async stats."""
+    out, times, device, dc, tc = run.out, run.times, run.device, run.drafter_cache, run.target_cache
+    timed = ("packed_draft", "fallback_draft", "overlap_saved")
     times.update(dict.fromkeys(timed, 0.0))
     hits, misses = [0] * (block_size + 1), [0] * (block_size + 1)  # index k-1: rejection at k; index B: full accept
-    streams = None, None, None  # (main, verify, draft); the target, on the critical path, gets the higher priority
-    if device.type == "cuda":
-        streams = torch.cuda.current_stream(device), torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device)
-    draft_logits = None  # the next draft; None: not prepared
-    while not out.done:
-        if draft_logits is None:  # a fallback draft (a miss, or the first round)
-            t0 = _clock(device)
-            new_tokens = torch.tensor([out.tokens[run.drafter_cache.get_seq_length():]], device=device)
-            draft_logits = draft_block(drafter, run.drafter_cache, new_tokens, block_size)
-            times["fallback_draft"] += _clock(device) - t0
-        # (a) plan and build, on the device; the round's one host-to-device copy brings the new committed tokens
-        draft, q_draft = pick_tokens(draft_logits, temperature, generator)
-        n, seen = len(out.tokens) - 1, run.drafter_cache.get_seq_length()
-        committed = torch.tensor(out.tokens[min(seen, n):], dtype=torch.long)  # ends with x_n
-        if device.type == "cuda":  # pinned, asynchronous: the copy does not wait for the device's queue
-            committed = committed.pin_memory().to(device, non_blocking=True)
-        new_tokens = committed[seen - min(seen, n):]  # what the drafter has not read (empty if it holds x_n)
-        positions, candidates = plan_branches(draft_logits, draft, coverage, fanout, cover)
-        packed = build_branch_pass(drafter, new_tokens, draft, positions, candidates, past_len=seen,
-                                   block_size=block_size)
-        # (b) verify while the packed pass prepares the next draft
-        p_logits, block_hidden, timings = _verify_while_drafting(target, drafter, run, committed[-1], draft, packed,
-                                                                 streams)
-        num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator)  # host waits
-        for key, seconds in timings().items():
-            times[key] += seconds
-        # (c) resolve: commit, crop both caches, take the prepared block if the outcome was prepared
-        out.commit_round(draft[:num_accepted].tolist(), next_token)
-        crop_cache(run.target_cache, len(out.tokens) - 1 - run.offset)
-        crop_cache(run.drafter_cache, n + 1 + num_accepted)  # keep x_0 .. x_n, d_1 .. d_a; drop rejected and branches
-        slot, ready = _prepared_block(drafter, block_hidden, positions, candidates, draft, num_accepted, next_token,
-                                      temperature, generator)
-        (hits if ready is not None else misses)[slot] += 1
-        draft_logits = drafter.logits(ready) if ready is not None and not out.done else None
+    lane, pending = _Lanes(device, lanes), []  # pending: CUDA timings, read once the host has waited anyway
+    draft_logits, length = None, block_size  # the next draft (None: not prepared) and its real tokens
+    try:
+        while not out.done:
+            n = len(out.tokens) - 1
+            if draft_logits is None:  # a fallback draft (a miss, or the first round): its pass reads x_n
+                t0 = _clock(device)
+                draft_logits, length = draft_block(drafter, dc, torch.tensor([out.tokens[n:]], device=device),
+                                                   block_size), block_size
+                dc.rewind(n)  # x_n again in the packed pass, whose causal stream always starts there
+                times["fallback_draft"] += _clock(device) - t0
+            # (a) plan and build, on the device; x_n is the round's one host-to-device copy
+            draft, q_draft = pick_tokens(draft_logits, temperature, generator)  # (B,), padded if length < B
+            last = torch.tensor(out.tokens[n:], device=device)  # (1,) x_n
+            positions, candidates = plan_branches(draft_logits, draft, coverage, fanout, cover)
+            ids, position_ids, mask, block_rows = build_branch_pass(drafter, last, draft, positions, candidates,
+                                                                    past_len=dc.length, block_size=block_size,
+                                                                    length=length)
+            # (b) verify while the packed pass prepares the next draft
+            p_logits, block_hidden, verify_s, packed_s, round_s = lane.both(
+                lambda: verify_block(tc, last, draft, run.offset),
+                lambda: dc.run(ids, position_ids, mask)[block_rows])  # (S, B, H)
+            num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator, length)
+            segment = prepared_segment(drafter, block_hidden, positions, candidates, num_accepted, next_token, length,
+                                       temperature, generator)
+            num_accepted, next_token, segment, *tokens = torch.cat(
+                [num_accepted[None], next_token[None], segment[None], draft]).tolist()  # the round's one host read
+            pending.append((verify_s, packed_s, round_s))
+            # (c) resolve: commit, rewind both caches, take the prepared block if the outcome was prepared
+            out.commit_round(tokens[:num_accepted], next_token)
+            tc.rewind(len(out.tokens) - 1 - run.offset)
+            dc.rewind(n + 1 + num_accepted)  # keep x_0 .. x_n, d_1 .. d_a; drop rejected drafts and branches
+            (hits if segment >= 0 else misses)[block_size if num_accepted == length else num_accepted] += 1
+            draft_logits = None
+            if segment >= 0 and not out.done:
+                full = segment == block_hidden.shape[0] - 1  # its MASK 1 was the bonus token: the rest is the draft
+                draft_logits = drafter.logits(block_hidden[segment, 1:] if full else block_hidden[segment])
+                draft_logits, length = F.pad(draft_logits, (0, 0, 0, int(full))), block_size - int(full)
+    finally:
+        lane.close()
+    for verify_s, packed_s, round_s in pending:
+        verify_s, packed_s, round_s = (t() if callable(t) else t for t in (verify_s, packed_s, round_s))
+        times["verify"] += verify_s
+        times["packed_draft"] += packed_s
+        times["overlap_saved"] += min(max(verify_s + packed_s - round_s, 0.0), verify_s, packed_s)  # measured
     times["draft"] = times["packed_draft"] + times["fallback_draft"]
-    # time_*: device time (CUDA events; on CPU the host's); *_launch: host time queuing a pass (launch-bound if close)
     return {"hit_rate": sum(hits) / max(1, sum(hits) + sum(misses)), "hits_per_position": hits,
             "misses_per_position": misses, **{f"time_{key}": times[key] for key in timed},
-            "coverage": coverage, "fanout": fanout, "cover": cover}
+            "coverage": coverage, "fanout": fanout, "cover": cover, "lanes": lanes}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1145,26 +1231,32 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
 
 @torch.no_grad()
 def select_chunks(drafter: Drafter, input_ids: torch.Tensor, *, keep_ratio: float, chunk_size: int = 64,
-                  query_window: int = 32) -> dict:
-    """The drafter reads the whole prompt into its cache and picks the chunks the target prefills: the first, the last,
-    then the best by score (ours: attention from the last `query_window` prompt tokens, mean over layers, heads and
-    queries) up to ceil(keep_ratio * num_chunks), at their own positions. Returns kept_ids (1, k), kept_positions
-    (1, k), drafter_cache (full prompt), chunk_scores, kept_chunks, num_chunks, chunks_kept, time_scoring."""
+                  query_window: int = 32, cache: KVCache | None = None) -> dict:
+    """The drafter reads the whole prompt into its cache (`cache`, else a new one) and picks the chunks the target
+    prefills: the first, the last, then the best by score (ours: attention from the last `query_window` prompt tokens,
+    mean over layers, heads and queries) up to ceil(keep_ratio * num_chunks), at their own positions. Returns kept_ids
+    (1, k), kept_positions (1, k), drafter_cache (full prompt), chunk_scores, kept_chunks, num_chunks, chunks_kept,
+    time_scoring."""
     if not 0 < keep_ratio <= 1 or chunk_size < 1:
         raise ValueError(f"need keep_ratio in (0, 1] and chunk_size >= 1, got {keep_ratio}, {chunk_size}")
     device, length = input_ids.device, input_ids.shape[1]
     start, window = _clock(device), min(query_window, length)
-    decoder, cache = drafter.model.get_decoder(), new_cache(drafter.model)
+    cache = cache if cache is not None else KVCache(drafter, length)
+    cache.rewind(0)
     if length > window:  # the bulk of the prompt with the fast attention path
-        decoder(input_ids=input_ids[:, : length - window], past_key_values=cache, use_cache=True)
+        causal_pass(cache, input_ids[:, : length - window], fixed=False)
+    mask, positions = packed_attention_mask(window, input_ids.new_zeros(0), 1, past_len=cache.length)
     attn_implementation = drafter.model.config._attn_implementation
     drafter.model.set_attn_implementation("eager")  # only eager attention returns the attention weights
     try:
-        out = decoder(input_ids=input_ids[:, length - window:], past_key_values=cache, use_cache=True,
-                      output_attentions=True)
+        out = drafter.model.get_decoder()(input_ids=input_ids[:, length - window:], position_ids=positions,
+                                          attention_mask=additive_mask(F.pad(mask, (0, cache.max_len - length)),
+                                                                       drafter.model),
+                                          cache=cache.hf, use_cache=True, output_attentions=True)
+        cache.length = length
     finally:
         drafter.model.set_attn_implementation(attn_implementation)
-    attention = torch.stack([a[0].float() for a in out.attentions]).mean((0, 1, 2))  # (L,) mean over layer/head/query
+    attention = torch.stack([a[0].float() for a in out.attentions]).mean((0, 1, 2))[:length]  # (L,) over the prompt
     num_chunks = math.ceil(length / chunk_size)
     scores = torch.zeros(num_chunks, device=device).index_add_(
         0, torch.arange(length, device=device) // chunk_size, attention)
@@ -1186,18 +1278,55 @@ MODES = ("target", "sync", "async")
 def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor | list, *, max_new_tokens: int,
              mode: str = "sync", block_size: int | None = None, temperature: float = 0.0, eos_token_id=None,
              generator: torch.Generator | None = None, coverage: int | None = None, fanout: int | None = None,
-             cover: str = "first", keep_ratio: float | None = None, chunk_size: int = 64):
+             cover: str = "first", keep_ratio: float | None = None, chunk_size: int = 64, caches: Caches | None = None,
+             lanes: int = 1):
     """Decode input_ids (1, prompt_len) until EOS (kept) or max_new_tokens. Returns (output_ids (1, prompt + new),
     stats). mode "target": the target alone (drafter may be None); "sync": speculative decoding with D3D drafts;
     "async": the drafter drafts during verification for `coverage` x `fanout` outcomes (default_budget(B)) picked by
-    `cover`. Greedy (temperature 0) gives exactly the target's tokens; sampling is lossless, reproducible with
-    `generator`. keep_ratio (lossy): the target prefills only the chunks select_chunks keeps. stats: tau,
-    accept_lengths, num_rounds, num_new_tokens, time_{prefill, draft, verify, total}, tokens_per_s; async adds
-    hit_rate, {hits, misses}_per_position, coverage, fanout, cover, time_{packed_draft, fallback_draft, verify_launch,
-    packed_launch, overlap_saved}; keep_ratio adds num_chunks, chunks_kept, time_scoring, prompt_tokens_prefilled,
-    time_target_prefill. A list of 1-D prompts (modes "target", "sync") decodes as a ragged batch, each row as it
-    would alone: returns (list of 1-D outputs, stats), the same totals plus stats["rows"] (per request tau,
-    accept_lengths, num_rounds, num_new_tokens, time_done)."""
+    `cover`, in a second lane if lanes=2 (CUDA: a stream; CPU: a thread). Greedy (temperature 0) gives exactly the
+    target's tokens; sampling is lossless, reproducible with `generator`. keep_ratio (lossy): the target prefills only
+    the chunks select_chunks keeps. caches: KV caches of fixed size to reuse (Caches.make; default: new ones sized to
+    the request). stats: tau, accept_lengths, num_rounds, num_new_tokens, time_{prefill, draft, verify, total},
+    tokens_per_s; async adds hit_rate, {hits, misses}_per_position, coverage, fanout, cover, lanes,
+    time_{packed_draft, fallback_draft, overlap_saved}; keep_ratio adds num_chunks, chunks_kept, time_scoring,
+    prompt_tokens_prefilled, time_target_prefill. A list of 1-D prompts (modes "target", "sync") decodes as a ragged
+    batch, each row as it would alone: returns (list of 1-D outputs, stats), the same totals plus stats["rows"] (per
+    request tau, accept_lengths, num_rounds, num_new_tokens, time_done)."""
+    block_size, coverage, fanout = _check_request(target, drafter, input_ids, max_new_tokens, mode, block_size,
+                                                  temperature, coverage, fanout, cover, keep_ratio, lanes)
+    if isinstance(input_ids, (list, tuple)) and mode == "target":
+        return _decode_batch_target(target, input_ids, max_new_tokens, temperature, eos_token_id, generator)
+    if isinstance(input_ids, (list, tuple)):
+        return _decode_batch_sync(target, drafter, input_ids, max_new_tokens, block_size, temperature, eos_token_id,
+                                  generator)
+    use_drafter = drafter if mode != "target" or keep_ratio is not None else None
+    need = cache_len(input_ids.shape[1], max_new_tokens, block_size or 1, coverage * (mode == "async"), fanout)
+    caches = caches if caches is not None else Caches.make(target, use_drafter, need)
+    if need > caches.target.max_len or (use_drafter is not None and need > caches.drafter.max_len):
+        raise ValueError(f"this request needs KV caches of {need} slots (prompt {input_ids.shape[1]} + "
+                         f"max_new_tokens {max_new_tokens} + the widest pass), the caches have {caches.target.max_len}:"
+                         " make them larger (Caches.make(..., max_len), decode.py --max-len)")
+    if caches.target.model is not target or (use_drafter is not None and caches.drafter.model is not drafter):
+        raise ValueError("caches were made for other models: Caches.make(target, drafter, max_len)")
+    selection = None  # selective prefill: what the target prefills; the drafter's cache holds the full prompt
+    if keep_ratio is not None:
+        selection = select_chunks(drafter, input_ids, keep_ratio=keep_ratio, chunk_size=chunk_size,
+                                  cache=caches.drafter)
+    run = _prefill(caches, input_ids, selection, max_new_tokens, eos_token_id, temperature, generator)
+    async_stats = {}
+    if mode == "target":
+        _decode_target(run, temperature, generator)
+    elif mode == "sync":
+        _decode_sync(drafter, run, block_size, temperature, generator)
+    else:
+        async_stats = _decode_async(drafter, run, block_size, temperature, generator, coverage, fanout, cover, lanes)
+    output_ids, stats = _finish(run, selection)
+    return output_ids, {**stats, **async_stats}
+
+
+def _check_request(target, drafter, input_ids, max_new_tokens, mode, block_size, temperature, coverage, fanout, cover,
+                   keep_ratio, lanes) -> tuple[int | None, int, int]:
+    """generate's input checks: a clear error for each bad input. Returns block_size, coverage, fanout resolved."""
     batch = isinstance(input_ids, (list, tuple))
     if batch and (not input_ids or any(not torch.is_tensor(p) or p.dim() != 1 or len(p) == 0 for p in input_ids)):
         raise ValueError("a batch of prompts must be a non-empty list of 1-D id tensors (prompt_len,), none empty")
@@ -1211,6 +1340,8 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
         raise ValueError(f"need max_new_tokens >= 0 and temperature >= 0, got {max_new_tokens}, {temperature}")
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
+    if lanes not in (1, 2):
+        raise ValueError(f"lanes must be 1 (one pass after the other) or 2 (a second stream or thread), got {lanes}")
     if drafter is None and (mode != "target" or keep_ratio is not None):
         raise ValueError(f"mode {mode!r} needs a drafter" + (" (it scores the prompt chunks)" if keep_ratio else ""))
     if drafter is not None:
@@ -1226,21 +1357,4 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
     fanout = default_fanout if fanout is None else fanout
     if coverage < 0 or fanout < 0 or cover not in ("first", "likely"):
         raise ValueError(f"need coverage, fanout >= 0, cover 'first' or 'likely'; got {coverage}, {fanout}, {cover!r}")
-    if batch and mode == "target":
-        return _decode_batch_target(target, input_ids, max_new_tokens, temperature, eos_token_id, generator)
-    if batch:
-        return _decode_batch_sync(target, drafter, input_ids, max_new_tokens, block_size, temperature, eos_token_id,
-                                  generator)
-    selection = None  # selective prefill: what the target prefills, and the drafter's cache holding the full prompt
-    if keep_ratio is not None:
-        selection = select_chunks(drafter, input_ids, keep_ratio=keep_ratio, chunk_size=chunk_size)
-    run = _prefill(target, drafter, input_ids, selection, max_new_tokens, eos_token_id, temperature, generator)
-    async_stats = {}
-    if mode == "target":
-        _decode_target(target, run, temperature, generator)
-    elif mode == "sync":
-        _decode_sync(target, drafter, run, block_size, temperature, generator)
-    else:
-        async_stats = _decode_async(target, drafter, run, block_size, temperature, generator, coverage, fanout, cover)
-    output_ids, stats = _finish(run, selection)
-    return output_ids, {**stats, **async_stats}
+    return block_size, coverage, fanout

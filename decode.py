@@ -164,8 +164,10 @@ def decode_prompt(models, ids, modes, opts, max_new_tokens=None) -> dict[str, di
             records[spec] = hf_decode(models, ids, mode, opts, max_new_tokens or opts["max_new_tokens"])
             continue
         kwargs = generate_kwargs(mode, opts, eos, max_new_tokens, ids.device)
+        kwargs["caches"] = opts.get("caches")  # the run's fixed-size KV caches (prepare)
         if mode == "async":  # branch budget C x F and which positions (plan_branches); unset = d3d's defaults
             kwargs.update({k: opts[k] for k in ("coverage", "fanout", "cover") if opts[k] is not None}, **overrides)
+            kwargs["lanes"] = opts.get("lanes") or 1
         if opts.get("keep_ratio") is not None:  # selective prefilling (lossy, off by default)
             kwargs.update(keep_ratio=opts["keep_ratio"], chunk_size=opts["chunk_size"])
         use_drafter = mode != "target" or opts.get("keep_ratio") is not None
@@ -174,6 +176,37 @@ def decode_prompt(models, ids, modes, opts, max_new_tokens=None) -> dict[str, di
                          "decode_time": stats["time_total"] - stats["time_prefill"],  # the first token is prefill's
                          "decode_tokens": max(stats["num_new_tokens"] - 1, 0)}
     return records
+
+
+def prepare(models, opts: dict, all_ids: list[torch.Tensor], modes: list[str]) -> None:
+    """Once per run, before the warm-up: the KV caches of fixed size every request reuses (opts["caches"]; --max-len,
+    else the longest prompt + --max-new-tokens + the widest pass of `modes`), and with --compile their fixed-shape
+    passes compiled and every shape warmed up (opts["compile_seconds"], printed: compile time is not decode time)."""
+    target, drafter = models[0], models[1]
+    block_size = opts["block_size"] or (drafter.d3d_config.block_size if drafter is not None else 1)
+    widest = 0
+    for spec in modes:
+        mode, overrides = parse_mode(spec)
+        budget = d3d.default_budget(block_size)
+        coverage = overrides.get("coverage", opts["coverage"] if opts["coverage"] is not None else budget[0])
+        fanout = overrides.get("fanout", opts["fanout"] if opts["fanout"] is not None else budget[1])
+        widest = max(widest, d3d.cache_len(0, 0, block_size, coverage * (mode == "async"), fanout))
+    need = max(x.shape[1] for x in all_ids) + opts["max_new_tokens"] + widest
+    if opts.get("max_len") and opts["max_len"] < need:
+        raise ValueError(f"--max-len {opts['max_len']} is too small for these prompts: they need {need} KV slots "
+                         "(the longest prompt + --max-new-tokens + the widest pass)")
+    use_drafter = drafter if any(parse_mode(m)[0] not in ("target", *BASELINES) for m in modes) else None
+    opts["caches"] = d3d.Caches.make(target, use_drafter, opts.get("max_len") or need)
+    if opts.get("compile"):
+        import fast
+        fast.compile_passes(opts["caches"])
+        speculative = [parse_mode(m)[0] for m in modes if parse_mode(m)[0] not in BASELINES]
+        settings = {k: opts[k] for k in ("coverage", "fanout", "cover") if opts[k] is not None}
+        opts["compile_seconds"] = fast.warm_up(target, use_drafter, opts["caches"], all_ids[0][:, :8],
+                                               list(dict.fromkeys(speculative)), block_size=opts["block_size"],
+                                               lanes=opts.get("lanes") or 1, **settings)
+        print(f"compiled the fixed-shape passes of {', '.join(dict.fromkeys(speculative))} in "
+              f"{opts['compile_seconds']:.1f} s (not counted in any time below)")
 
 
 def first_difference(reference: list[int], other: list[int]) -> int | None:
@@ -431,6 +464,7 @@ def sampling_check(models, prompt: str, mode: str, opts: dict, thinking: bool, n
     distributions of the token there (an answer that ended counts as one more outcome). A second target-only set
     shows the distance that sampling noise alone gives: a lossless mode stays near it, a biased one rises above."""
     ids = encode(models[2], prompt, thinking, models[0].device)
+    prepare(models, opts, [ids], ["target", mode])
     sets = {"target": "target", mode: mode, "target, again": "target"}
     answers = {}
     bar = tqdm(total=len(sets) * num_samples, desc="sampling check", unit="answer", dynamic_ncols=True)
@@ -478,6 +512,7 @@ def interactive(models, prompts: list[str], mode: str, opts: dict, thinking: boo
     target, _, tok, _, info = models
     modes = list(dict.fromkeys(["target", mode, *compare]))
     all_ids = [encode(tok, p, thinking, target.device) for p in prompts]  # a bad prompt fails before any decoding
+    prepare(models, opts, all_ids, modes)
     decode_prompt(models, all_ids[0], modes, opts, max_new_tokens=8)  # warm-up
     if colour:
         print(f"{COLOURS['draft']}accepted draft tokens{RESET}, {COLOURS['target']}the target's own tokens{RESET}")
@@ -521,6 +556,7 @@ def bench(models, files: list[tuple[str, str, list[str]]], modes: list[str], opt
         name = os.path.splitext(os.path.basename(path))[0]
         ids = [encode(tok, p, thinking, target.device) for p in prompts]
         datasets[name if name not in datasets else f"{name}-{len(datasets)}"] = (path, field, ids)
+    prepare(models, opts, [x for _, _, ids in datasets.values() for x in ids], ["target"] + modes)
     decode_prompt(models, next(iter(datasets.values()))[2][0], ["target"] + modes, opts, max_new_tokens=16)  # warm-up
     results, mismatches, everything = {}, [], collections.defaultdict(list)
     for name, (path, field, prompts) in datasets.items():
@@ -694,6 +730,7 @@ def prefill_bench(models, path: str, docs: list[str], mode: str, keep_ratios: li
     rows = {"target, full prefill": None} | {f"{r:.0%} + D3D ({mode})": r for r in keep_ratios}
     last_number = lambda toks: (re.findall(r"-?\d[\d,]*\.?\d*", tok.decode(toks)) or [None])[-1]  # noqa: E731
     records = collections.defaultdict(list)
+    prepare(models, opts, ids, ["target", mode])
     decode_prompt(models, ids[0], ["target"], opts, max_new_tokens=4)  # warm-up
     for x in tqdm(ids, desc="long prompts", unit="prompt", dynamic_ncols=True):
         for name, ratio in rows.items():
@@ -735,10 +772,24 @@ def prefill_bench(models, path: str, docs: list[str], mode: str, keep_ratios: li
             "chunk_size": opts["chunk_size"], "mode": mode, "source": path}
 
 
+def default_setting(device: str, compiled: bool) -> tuple[str, int, str]:
+    """The mode and lanes the demo uses without --mode / --lanes, and why: a rule written from measurements (README,
+    "Speed"), not a calibration at run time."""
+    if device.startswith("cuda"):
+        if compiled:
+            return "async", 2, ("compiled passes leave the host idle while the GPU works, so the packed pass overlaps "
+                                "verification on a second stream (an estimate until a GPU run measures it)")
+        return "sync", 1, ("eager passes on a GPU are bound by kernel launches from one Python thread: a second "
+                           "stream has nothing to overlap, so the packed pass would only add work (add --compile)")
+    return "sync", 2, ("on a CPU each pass costs in proportion to its tokens: async's packed pass is several times a "
+                       "draft, and overlapping it in a second thread halves both passes' cores (measured: README)")
+
+
 def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_field, max_samples, thinking, mode,
          block_size, temperature, max_new_tokens, coverage, fanout, cover, seed, bench_files, modes, out, no_color,
          keep_ratio=None, chunk_size=64, prefill_bench_file=None, keep_ratios=(1.0, 0.3, 0.2, 0.1), num_docs=12,
-         concurrency=None, tie_tolerance=None, threads=None, sampling_check_samples=None):
+         concurrency=None, tie_tolerance=None, threads=None, sampling_check_samples=None, compile=False, max_len=None,
+         lanes=None):
     args = dict(locals())  # recorded in the benchmark JSON
     if threads:
         torch.set_num_threads(threads)
@@ -746,9 +797,12 @@ def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_f
     if prefill_bench_file:  # the paper pairs selective prefilling with sequential (sync) speculative decoding
         mode, modes, bench_files = mode or "sync", [mode or "sync"], None
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    best, best_lanes, why = default_setting(device, compile)
+    lanes = lanes or best_lanes
     compare = []  # the demo without --mode: the fastest mode on this device, beside the other one and the target
     if mode is None and not bench_files and not prefill_bench_file and not sampling_check_samples:
-        mode, compare = ("async", ["sync"]) if device.startswith("cuda") else ("sync", ["async"])
+        mode, compare = best, [m for m in speculative if m != best]
+        print(f"mode {mode}{f', {lanes} lanes' if mode == 'async' else ''}: {why}")
     mode = mode or speculative[-1]
     modes = [m for m in modes or speculative if m != "target"]  # target-only always runs: it is the baseline
     for m in [mode] + modes:
@@ -785,7 +839,7 @@ def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_f
                   device, dtype, attn, threads)
     opts = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "block_size": block_size,
             "coverage": coverage, "fanout": fanout, "cover": cover, "keep_ratio": keep_ratio, "chunk_size": chunk_size,
-            "tie_tolerance": tie_tolerance}
+            "tie_tolerance": tie_tolerance, "compile": compile, "max_len": max_len, "lanes": lanes}
     if prefill_bench_file:
         result = prefill_bench(models, prefill_bench_file, docs, mode, list(keep_ratios), num_docs, max_samples or 10,
                                {**opts, "keep_ratio": None}, thinking)
@@ -837,6 +891,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer at most (default: 128)")
     g.add_argument("--coverage", type=int, help="async: C, draft positions with rejection branches (default: d3d's)")
     g.add_argument("--fanout", type=int, help="async: F, candidate tokens per covered position (default: d3d's)")
+    g.add_argument("--lanes", type=int, choices=[1, 2], help="async: 2 runs the packed pass beside verification (CUDA: a "
+                   "second stream; CPU: a second thread, each lane with half of --threads), 1 one after the other "
+                   "(default: decode.py's rule, printed with the mode)")
+    g.add_argument("--compile", action="store_true", help="compile the fixed-shape passes (torch.compile, fullgraph; "
+                   "CUDA graphs on a GPU): warmed up first, compile time reported apart (default: off)")
+    g.add_argument("--max-len", type=int, help="KV cache slots per model, kept for the whole run (default: the longest "
+                   "prompt + --max-new-tokens + the widest pass)")
     g.add_argument("--cover", choices=["first", "likely"],
                    help="async: branch the first C positions or the C likeliest first rejections (default: d3d's)")
     g.add_argument("--seed", type=int, default=0, help="seed of sampling (default: 0)")

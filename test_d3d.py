@@ -179,11 +179,11 @@ def test_packed_blocks_equal_separate_passes(tok, first_token):
     draft_logits = d3d.with_first_token(block_logits, anchor_logits, first_token)
     for row in range(2):
         for k, a in enumerate(anchors[row].tolist()):
-            cache = d3d.new_cache(drafter.model)
-            logits = d3d.draft_block(drafter, cache, x[row: row + 1, : a + 1], 5)
+            cache = d3d.KVCache(drafter, 32)
+            logits = d3d.draft_block(drafter, cache, x[row: row + 1, : a + 1], 5, width=a + 3)  # 2 pads after x_a
             torch.testing.assert_close(logits[:, :TEXT_VOCAB], draft_logits[row, k, :, :TEXT_VOCAB])
             torch.testing.assert_close(logits[1:, :TEXT_VOCAB], block_logits[row, k, 1:, :TEXT_VOCAB])
-            assert cache.get_seq_length() == a + 1  # block KV cropped
+            assert cache.length == int(cache.hf.get_seq_length()) == a + 1  # pads and block KV dropped
     plain = drafter.model(x).logits[:, :, :TEXT_VOCAB]
     torch.testing.assert_close(anchor_logits[..., :TEXT_VOCAB], plain.gather(1, anchors[..., None].expand(
         -1, -1, TEXT_VOCAB)), atol=1e-5, rtol=1e-5)
@@ -932,7 +932,7 @@ def test_kept_chunks_are_in_order_with_original_positions(tok):
     assert torch.equal(sel["kept_ids"][0], prompt[0, expected_positions])
     middle = max(range(1, 6), key=lambda c: sel["chunk_scores"][c])
     assert kept[1] == middle  # the best-scoring middle chunk
-    assert sel["drafter_cache"].get_seq_length() == 45  # the drafter keeps the whole prompt
+    assert sel["drafter_cache"].length == 45  # the drafter keeps the whole prompt
 
 
 def needle_drafter(tok, needle):
@@ -1035,3 +1035,185 @@ def test_bad_inputs_raise_clear_errors(tok, target, tmp_path):
     target.save_pretrained(str(tmp_path / "plain"))
     with pytest.raises(FileNotFoundError, match="not a D3D drafter"):
         d3d.Drafter.from_pretrained(str(tmp_path / "plain"))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What the decode loops promise beyond their output: the caches' contents, one host read per round
+
+
+class AuditedDrafter(d3d.Drafter):
+    """Wraps a drafter (scripted or real) and checks, before each of its passes, that its KV cache holds exactly
+    the committed tokens the pass takes for granted: as many as the position of the pass's first token, with the
+    keys and values a fresh pass over those tokens gives. `committed`: the decode's output (greedy: the target's)."""
+
+    def __init__(self, drafter, committed):
+        super().__init__(drafter.model, drafter.d3d_config)
+        self.inner, self.committed, self.checked = drafter, committed, 0
+
+    def hidden_states(self, input_ids, position_ids, attention_mask, past_key_values=None):
+        if past_key_values is not None and int(position_ids[0, 0]) > 0:
+            self.check(past_key_values, int(position_ids[0, 0]))
+        return self.inner.hidden_states(input_ids, position_ids, attention_mask, past_key_values)
+
+    def logits(self, hidden):
+        return self.inner.logits(hidden)
+
+    def check(self, cache, length):
+        from transformers import DynamicCache
+        assert int(cache.get_seq_length()) == length, "the cache holds another number of tokens than the pass assumes"
+        fresh = DynamicCache(config=self.model.config)
+        self.model.get_decoder()(input_ids=torch.tensor([self.committed[:length]]), cache=fresh, use_cache=True)
+        for held, clean in zip(cache.layers, fresh.layers):
+            torch.testing.assert_close(held.keys[:, :, :length], clean.keys, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(held.values[:, :, :length], clean.values, atol=1e-5, rtol=1e-4)
+        self.checked += 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("kind", ["oracle", "never", "partial", "real"])
+def test_drafter_cache_holds_exactly_the_committed_tokens(tok, target, mode, kind):
+    """After every round, hit or miss, the drafter's cache holds the committed tokens and nothing else (a scripted
+    drafter ignores its cache, so only this check sees a wrong one); the caches are reused by the next request."""
+    block_size, max_new = 5, 31
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+    expected, _ = d3d.generate(target, None, prompt, max_new_tokens=max_new, mode="target")
+    if kind == "real":
+        inner = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=block_size)  # the target's weights
+    else:
+        inner, _ = scripted(tok, target, prompt, block_size, kind, max_new)
+    drafter = AuditedDrafter(inner, expected[0].tolist())
+    caches = d3d.Caches.make(target, drafter, 96)
+    for _ in range(2):  # the second request finds the caches the first one left
+        out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=max_new, mode=mode, caches=caches)
+        assert out.tolist() == expected.tolist()
+        drafter.check(caches.drafter.hf, caches.drafter.length)  # and after the last round
+    assert drafter.checked >= 2 * stats["num_rounds"]
+    if mode == "async" and kind in ("oracle", "partial"):  # hits, so the cache after a hit is checked too
+        assert sum(stats["hits_per_position"]) > 0
+
+
+def test_eos_inside_an_accepted_block_is_committed_there(tok, target):
+    """EOS as the 3rd..14th token of a block the drafter has right: the round that commits it stops at it, in sync
+    and async, with the tokens after it in the block dropped."""
+    prompt = torch.tensor([[4, 8, 15, 16, 23]])
+    for mode in ("sync", "async"):
+        drafter, _ = scripted(tok, target, prompt, 16, "oracle", 60)
+        new = drafter.reference[5:]
+        k = next(k for k in range(2, 15) if new[k] not in new[:k])
+        out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode=mode, eos_token_id=new[k])
+        assert out[0, 5:].tolist() == new[: k + 1]
+        assert stats["accept_lengths"] == [k]  # one round: tokens 2 .. k+1 (the first is the prefill's), EOS last
+
+
+@pytest.mark.parametrize("mode,temperature", [("target", 0), ("sync", 0), ("async", 0), ("sync", 1.0),
+                                              ("async", 1.0)])
+def test_a_round_reads_the_device_once(tok, target, monkeypatch, mode, temperature):
+    """No round waits for the device more than once (on CUDA each read stalls the host until the queue drains):
+    between two acceptances (one per round) at most one .item(), .tolist(), int(), bool(), float() or index of a
+    tensor."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=4)
+    prompt = torch.tensor([[7, 1, 9, 4, 4]])
+    events = []
+    for name in ("item", "tolist", "__int__", "__bool__", "__index__", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(*args, __original=original, **kwargs):
+            events.append("read")
+            return __original(*args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    boundary = getattr(d3d, "pick_tokens" if mode == "target" else "accept_draft")  # once a round (target: a token)
+
+    def marked(*args, **kwargs):
+        events.append("round")
+        return boundary(*args, **kwargs)
+    monkeypatch.setattr(d3d, boundary.__name__, marked)
+    generator = torch.Generator().manual_seed(0)
+    d3d.generate(target, drafter, prompt, max_new_tokens=25, mode=mode, temperature=temperature, generator=generator)
+    prefill, *rounds = [r.split().count("read") for r in " ".join(events).split("round")]
+    assert prefill <= 2 and len(rounds) > 4 and max(rounds) <= 1, events  # prefill: the prompt, the first token
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The fast path (fast.py): compiled fixed-shape passes, and the CPU's second lane
+
+
+@pytest.fixture
+def no_recompiles():
+    """Inside: a recompile (a pass whose shape or guards changed) is an error."""
+    torch._dynamo.reset()
+    yield lambda: setattr(torch._dynamo.config, "error_on_recompile", True)
+    torch._dynamo.config.error_on_recompile = False
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_every_pass_traces_as_one_graph_and_compiles_once(tok, target, no_recompiles, block_size):
+    """fullgraph=True over every fixed-shape pass of every mode (dynamo's tracing, without code generation: a graph
+    break raises), then new prompts of other lengths and a full-acceptance hit's padded draft reuse those graphs
+    (a recompile raises); outputs equal target-only decoding."""
+    import fast
+    prompts = [torch.tensor([[7, 1, 9, 4, 4]]), torch.tensor([[3, 2, 1, 5, 6, 7, 8, 9, 10, 11, 12]])]
+    drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=block_size)  # the target's weights: hits
+    caches = d3d.Caches.make(target, drafter, 128)
+    fast.compile_passes(caches, backend="eager")
+    fast.warm_up(target, drafter, caches, prompts[0], d3d.MODES)
+    no_recompiles()
+    for prompt in prompts:
+        expected, _ = d3d.generate(target, None, prompt, max_new_tokens=40, mode="target")
+        for mode in d3d.MODES:
+            out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode=mode, caches=caches)
+            assert out.tolist() == expected.tolist(), mode
+            if mode == "async" and block_size > 1:
+                assert stats["hits_per_position"][-1] > 0  # full-acceptance hits: padded drafts went through
+
+
+def test_inductor_compiled_decoding_equals_eager(tok, target, no_recompiles):
+    """The real compiler (inductor's generated code, on a CPU): sync and async equal target-only, greedy and sampled
+    with the same seed as eager decoding, with no recompile after the warm-up."""
+    import fast
+    prompt = torch.tensor([[7, 1, 9, 4, 4]])
+    drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=3)
+    eager = {(mode, t): d3d.generate(target, drafter, prompt, max_new_tokens=30, mode=mode, temperature=t,
+                                     generator=torch.Generator().manual_seed(5))[0].tolist()
+             for mode in ("sync", "async") for t in (0, 1.0)}
+    caches = d3d.Caches.make(target, drafter, 64)
+    fast.compile_passes(caches)
+    fast.warm_up(target, drafter, caches, prompt, ("sync", "async"))
+    no_recompiles()
+    expected, _ = d3d.generate(target, None, prompt, max_new_tokens=30, mode="target")
+    for (mode, t), tokens in eager.items():
+        out, _ = d3d.generate(target, drafter, prompt, max_new_tokens=30, mode=mode, temperature=t, caches=caches,
+                              generator=torch.Generator().manual_seed(5))
+        assert out.tolist() == tokens and (t or tokens == expected.tolist()), (mode, t)
+
+
+def test_two_lanes_on_a_cpu_decode_the_same_tokens(tok, target):
+    """lanes=2 on a CPU: the packed pass in a worker thread beside verification; greedy output equals target-only,
+    hits happen as with one lane, the overlap is measured (>= 0) and torch's thread count comes back."""
+    prompt = torch.tensor([[7, 1, 9, 4, 4]])
+    drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=4)
+    expected, _ = d3d.generate(target, None, prompt, max_new_tokens=40, mode="target")
+    threads = torch.get_num_threads()
+    one, one_stats = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode="async", lanes=1)
+    two, two_stats = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode="async", lanes=2)
+    assert one.tolist() == two.tolist() == expected.tolist()
+    assert one_stats["hits_per_position"] == two_stats["hits_per_position"] and two_stats["lanes"] == 2
+    assert 0 <= two_stats["time_overlap_saved"] <= min(two_stats["time_verify"], two_stats["time_packed_draft"])
+    assert torch.get_num_threads() == threads
+    with pytest.raises(ValueError, match="lanes"):
+        d3d.generate(target, drafter, prompt, max_new_tokens=4, mode="async", lanes=3)
+
+
+def test_a_request_the_caches_cannot_hold_is_refused_up_front(tok, target):
+    """A request longer than the caches: a clear error before anything is written, and the caches still decode."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=4)
+    caches = d3d.Caches.make(target, drafter, 40)
+    prompt = torch.tensor([[7, 1, 9, 4, 4]])
+    with pytest.raises(ValueError, match="KV caches of 5. slots"):
+        d3d.generate(target, drafter, prompt, max_new_tokens=30, mode="async", caches=caches)
+    with pytest.raises(ValueError, match="other models"):
+        d3d.generate(tiny_qwen3(seed=2), drafter, prompt, max_new_tokens=3, caches=caches)
+    out, _ = d3d.generate(target, drafter, prompt, max_new_tokens=20, mode="sync", caches=caches)
+    assert out.tolist() == d3d.generate(target, None, prompt, max_new_tokens=20, mode="target")[0].tolist()
+    with pytest.raises(ValueError, match="KV cache full"):
+        d3d.causal_pass(caches.target, torch.zeros(1, 41, dtype=torch.long))
