@@ -904,14 +904,18 @@ def prepared_segment(drafter: Drafter, block_hidden, positions, candidates, num_
 class _Lanes:
     """The second lane the packed pass runs in while the target verifies: a CUDA stream (verify gets a stream of
     higher priority), or on a CPU a worker thread (two lanes share the cores: each gets half of torch's threads).
-    lanes=1: one after the other. `both(verify, packed)` runs the two and returns both results, with the time each
-    took in its lane and the round's wall time (CUDA: device time from events; CPU: the host clock)."""
+    lanes=1: one after the other. `both(verify, packed)` runs the two and returns both results and their times:
+    each pass in its lane, the two together, and (CUDA) the host time spent launching each: device times come from
+    events and are read later, once the host has waited anyway (callables); on a CPU all are the host clock."""
 
     def __init__(self, device: torch.device, lanes: int):
         self.device, self.lanes, self.pool = device, lanes, None
-        if device.type == "cuda" and lanes > 1:
+        if device.type == "cuda":  # lanes=1: both on the main stream, one after the other, timed the same way
             self.main = torch.cuda.current_stream(device)
-            self.verify_stream, self.draft_stream = torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device)
+            self.verify_stream, self.draft_stream = self.main, self.main
+            if lanes > 1:
+                self.verify_stream = torch.cuda.Stream(device, priority=-1)  # the critical path goes first
+                self.draft_stream = torch.cuda.Stream(device)
         elif lanes > 1:
             from concurrent.futures import ThreadPoolExecutor
             self.pool, self.threads = ThreadPoolExecutor(1), torch.get_num_threads()
@@ -923,17 +927,18 @@ class _Lanes:
             torch.set_num_threads(self.threads)
 
     def both(self, verify, packed):
-        if self.device.type == "cuda" and self.lanes > 1:
+        if self.device.type == "cuda":
             return self._streams(verify, packed)
         start = time.perf_counter()
-        if self.pool is not None:  # the packed pass in the worker thread, verify here; eager kernels release the GIL
+        if self.pool is not None:  # the packed pass in the worker thread, verify here; kernels release the GIL
             future = self.pool.submit(_timed, packed)
             p_logits, verify_s = _timed(verify)
             block_hidden, packed_s = future.result()
         else:
             p_logits, verify_s = _timed(verify)
             block_hidden, packed_s = _timed(packed)
-        return p_logits, block_hidden, verify_s, packed_s, time.perf_counter() - start
+        return p_logits, block_hidden, {"verify": verify_s, "packed_draft": packed_s,
+                                        "both": time.perf_counter() - start}
 
     def _streams(self, verify, packed):
         events = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
@@ -942,21 +947,23 @@ class _Lanes:
         self.draft_stream.wait_stream(self.main)
         with torch.cuda.stream(self.verify_stream):
             events[1].record()
-            p_logits = verify()
+            p_logits, verify_launch = _timed(verify)  # host time: the pass is queued, not done
             events[2].record()
         with torch.cuda.stream(self.draft_stream):
             events[3].record()
-            block_hidden = packed()
+            block_hidden, packed_launch = _timed(packed)
             events[4].record()
         self.main.wait_stream(self.verify_stream)  # join: p_logits and block_hidden are read on the main stream
         self.main.wait_stream(self.draft_stream)
         p_logits.record_stream(self.main)  # made on side streams: the allocator must not reuse them early
         block_hidden.record_stream(self.main)
         events[5].record(self.main)
-        seconds = lambda a, b: events[a].elapsed_time(events[b]) / 1e3  # noqa: E731 (read after the host waits)
-        return p_logits, block_hidden, lambda: seconds(1, 2), lambda: seconds(3, 4), lambda: seconds(0, 5)
+        seconds = lambda a, b: lambda: events[a].elapsed_time(events[b]) / 1e3  # noqa: E731 (read after a wait)
+        return p_logits, block_hidden, {"verify": seconds(1, 2), "packed_draft": seconds(3, 4), "both": seconds(0, 5),
+                                        "verify_launch": verify_launch, "packed_launch": packed_launch}
 
 
+@torch.no_grad()  # also in a worker thread, where the caller's no_grad does not reach
 def _timed(fn):
     start = time.perf_counter()
     result = fn()
@@ -972,7 +979,7 @@ def _decode_async(drafter, run: _Decoding, block_size, temperature, generator, c
     one shape. After a full-acceptance hit the next draft has B-1 real tokens, padded to B (a pad is never accepted).
     Returns the async stats."""
     out, times, device, dc, tc = run.out, run.times, run.device, run.drafter_cache, run.target_cache
-    timed = ("packed_draft", "fallback_draft", "overlap_saved")
+    timed = ("packed_draft", "fallback_draft", "overlap_saved", "verify_launch", "packed_launch")
     times.update(dict.fromkeys(timed, 0.0))
     hits, misses = [0] * (block_size + 1), [0] * (block_size + 1)  # index k-1: rejection at k; index B: full accept
     lane, pending = _Lanes(device, lanes), []  # pending: CUDA timings, read once the host has waited anyway
@@ -994,7 +1001,7 @@ def _decode_async(drafter, run: _Decoding, block_size, temperature, generator, c
                                                                     past_len=dc.length, block_size=block_size,
                                                                     length=length)
             # (b) verify while the packed pass prepares the next draft
-            p_logits, block_hidden, verify_s, packed_s, round_s = lane.both(
+            p_logits, block_hidden, seconds = lane.both(
                 lambda: verify_block(tc, last, draft, run.offset),
                 lambda: dc.run(ids, position_ids, mask)[block_rows])  # (S, B, H)
             num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator, length)
@@ -1002,7 +1009,7 @@ def _decode_async(drafter, run: _Decoding, block_size, temperature, generator, c
                                        temperature, generator)
             num_accepted, next_token, segment, *tokens = torch.cat(
                 [num_accepted[None], next_token[None], segment[None], draft]).tolist()  # the round's one host read
-            pending.append((verify_s, packed_s, round_s))
+            pending.append(seconds)
             # (c) resolve: commit, rewind both caches, take the prepared block if the outcome was prepared
             out.commit_round(tokens[:num_accepted], next_token)
             tc.rewind(len(out.tokens) - 1 - run.offset)
@@ -1015,11 +1022,13 @@ def _decode_async(drafter, run: _Decoding, block_size, temperature, generator, c
                 draft_logits, length = F.pad(draft_logits, (0, 0, 0, int(full))), block_size - int(full)
     finally:
         lane.close()
-    for verify_s, packed_s, round_s in pending:
-        verify_s, packed_s, round_s = (t() if callable(t) else t for t in (verify_s, packed_s, round_s))
-        times["verify"] += verify_s
-        times["packed_draft"] += packed_s
-        times["overlap_saved"] += min(max(verify_s + packed_s - round_s, 0.0), verify_s, packed_s)  # measured
+    for seconds in pending:
+        seconds = {key: t() if callable(t) else t for key, t in seconds.items()}
+        for key in ("verify", "packed_draft", "verify_launch", "packed_launch"):
+            times[key] += seconds.get(key, 0.0)
+        both = seconds.pop("both")  # what running the two side by side saved, measured: at most the shorter pass
+        times["overlap_saved"] += min(max(seconds["verify"] + seconds["packed_draft"] - both, 0.0),
+                                      seconds["verify"], seconds["packed_draft"])
     times["draft"] = times["packed_draft"] + times["fallback_draft"]
     return {"hit_rate": sum(hits) / max(1, sum(hits) + sum(misses)), "hits_per_position": hits,
             "misses_per_position": misses, **{f"time_{key}": times[key] for key in timed},
@@ -1288,7 +1297,8 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
     the chunks select_chunks keeps. caches: KV caches of fixed size to reuse (Caches.make; default: new ones sized to
     the request). stats: tau, accept_lengths, num_rounds, num_new_tokens, time_{prefill, draft, verify, total},
     tokens_per_s; async adds hit_rate, {hits, misses}_per_position, coverage, fanout, cover, lanes,
-    time_{packed_draft, fallback_draft, overlap_saved}; keep_ratio adds num_chunks, chunks_kept, time_scoring,
+    time_{packed_draft, fallback_draft, overlap_saved, verify_launch, packed_launch} (launch: host time queuing a pass
+    on CUDA; 0 elsewhere); keep_ratio adds num_chunks, chunks_kept, time_scoring,
     prompt_tokens_prefilled, time_target_prefill. A list of 1-D prompts (modes "target", "sync") decodes as a ragged
     batch, each row as it would alone: returns (list of 1-D outputs, stats), the same totals plus stats["rows"] (per
     request tau, accept_lengths, num_rounds, num_new_tokens, time_done)."""

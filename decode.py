@@ -60,7 +60,19 @@ def available_modes() -> tuple[str, ...]:
 
 def parse_mode(spec: str) -> tuple[str, dict]:
     """'sync', 'async', 'async:C,F[,cover]' (a branch budget to sweep, the paper's Fig. 3), or a transformers
-    baseline (BASELINES): (mode, overrides)."""
+    baseline (BASELINES): (mode, overrides). A D3D mode or 'target' may end in '+compiled' (its passes compiled,
+    beside the eager ones in the same run) and '+2lanes' (async: the packed pass in a second lane)."""
+    spec, *setting = spec.split("+")
+    if any(s not in ("compiled", "2lanes") for s in setting) or (setting and spec.split(":")[0] in BASELINES):
+        raise ValueError(f"unknown setting in {'+'.join([spec, *setting])!r}: a D3D mode or target may end in "
+                         "+compiled and +2lanes (async), e.g. sync+compiled async+compiled+2lanes")
+    flags = {"compiled": True} if "compiled" in setting else {}
+    flags.update({"lanes": 2} if "2lanes" in setting else {})
+    mode, overrides = _parse_budget(spec)
+    return mode, {**overrides, **flags}
+
+
+def _parse_budget(spec: str) -> tuple[str, dict]:
     mode, _, budget = spec.partition(":")
     if mode in BASELINES and not budget:
         return mode, {}
@@ -164,10 +176,12 @@ def decode_prompt(models, ids, modes, opts, max_new_tokens=None) -> dict[str, di
             records[spec] = hf_decode(models, ids, mode, opts, max_new_tokens or opts["max_new_tokens"])
             continue
         kwargs = generate_kwargs(mode, opts, eos, max_new_tokens, ids.device)
-        kwargs["caches"] = opts.get("caches")  # the run's fixed-size KV caches (prepare)
+        compiled = overrides.pop("compiled", False) or opts.get("compile")
+        kwargs["caches"] = opts.get("compiled_caches" if compiled else "caches")  # the run's KV caches (prepare)
+        lanes = overrides.pop("lanes", opts.get("lanes") or 1)
         if mode == "async":  # branch budget C x F and which positions (plan_branches); unset = d3d's defaults
             kwargs.update({k: opts[k] for k in ("coverage", "fanout", "cover") if opts[k] is not None}, **overrides)
-            kwargs["lanes"] = opts.get("lanes") or 1
+            kwargs["lanes"] = lanes
         if opts.get("keep_ratio") is not None:  # selective prefilling (lossy, off by default)
             kwargs.update(keep_ratio=opts["keep_ratio"], chunk_size=opts["chunk_size"])
         use_drafter = mode != "target" or opts.get("keep_ratio") is not None
@@ -180,8 +194,9 @@ def decode_prompt(models, ids, modes, opts, max_new_tokens=None) -> dict[str, di
 
 def prepare(models, opts: dict, all_ids: list[torch.Tensor], modes: list[str]) -> None:
     """Once per run, before the warm-up: the KV caches of fixed size every request reuses (opts["caches"]; --max-len,
-    else the longest prompt + --max-new-tokens + the widest pass of `modes`), and with --compile their fixed-shape
-    passes compiled and every shape warmed up (opts["compile_seconds"], printed: compile time is not decode time)."""
+    else the longest prompt + --max-new-tokens + the widest pass of `modes`), and with --compile or a '+compiled'
+    mode a second pair (opts["compiled_caches"]) whose fixed-shape passes are compiled, every shape warmed up
+    (opts["compile_seconds"], printed: compile time is not decode time)."""
     target, drafter = models[0], models[1]
     block_size = opts["block_size"] or (drafter.d3d_config.block_size if drafter is not None else 1)
     widest = 0
@@ -191,22 +206,26 @@ def prepare(models, opts: dict, all_ids: list[torch.Tensor], modes: list[str]) -
         coverage = overrides.get("coverage", opts["coverage"] if opts["coverage"] is not None else budget[0])
         fanout = overrides.get("fanout", opts["fanout"] if opts["fanout"] is not None else budget[1])
         widest = max(widest, d3d.cache_len(0, 0, block_size, coverage * (mode == "async"), fanout))
-    need = max(x.shape[1] for x in all_ids) + opts["max_new_tokens"] + widest
+    new_tokens = max(opts["max_new_tokens"], 16, 2 * block_size + 3)  # the warm-ups decode up to this many
+    need = max(x.shape[1] for x in all_ids) + new_tokens + widest
     if opts.get("max_len") and opts["max_len"] < need:
         raise ValueError(f"--max-len {opts['max_len']} is too small for these prompts: they need {need} KV slots "
                          "(the longest prompt + --max-new-tokens + the widest pass)")
     use_drafter = drafter if any(parse_mode(m)[0] not in ("target", *BASELINES) for m in modes) else None
     opts["caches"] = d3d.Caches.make(target, use_drafter, opts.get("max_len") or need)
-    if opts.get("compile"):
+    compiled = [m for m in modes if opts.get("compile") or parse_mode(m)[1].get("compiled")]
+    if compiled:
         import fast
-        fast.compile_passes(opts["caches"])
-        speculative = [parse_mode(m)[0] for m in modes if parse_mode(m)[0] not in BASELINES]
-        settings = {k: opts[k] for k in ("coverage", "fanout", "cover") if opts[k] is not None}
-        opts["compile_seconds"] = fast.warm_up(target, use_drafter, opts["caches"], all_ids[0][:, :8],
-                                               list(dict.fromkeys(speculative)), block_size=opts["block_size"],
-                                               lanes=opts.get("lanes") or 1, **settings)
-        print(f"compiled the fixed-shape passes of {', '.join(dict.fromkeys(speculative))} in "
-              f"{opts['compile_seconds']:.1f} s (not counted in any time below)")
+        opts["compiled_caches"] = d3d.Caches.make(target, use_drafter, opts.get("max_len") or need)
+        fast.compile_passes(opts["compiled_caches"])
+        opts["compile_seconds"] = 0.0
+        for spec in dict.fromkeys(m.split("+")[0] for m in compiled if parse_mode(m)[0] not in BASELINES):
+            mode, overrides = parse_mode(spec)  # each shape it uses (an async budget sets the packed pass's)
+            settings = {k: opts[k] for k in ("coverage", "fanout", "cover") if opts[k] is not None} | overrides
+            opts["compile_seconds"] += fast.warm_up(target, use_drafter, opts["compiled_caches"], all_ids[0][:, :8],
+                                                    [mode], block_size=opts["block_size"], **settings)
+        print(f"compiled the fixed-shape passes of {', '.join(compiled)} in {opts['compile_seconds']:.1f} s "
+              "(not counted in any time below)")
 
 
 def first_difference(reference: list[int], other: list[int]) -> int | None:
@@ -409,12 +428,15 @@ def summarise(records: list[dict], baseline: list[dict]) -> dict:
                             if k in records[0]}}
     if rounds:  # the whole round, to compare with its phases
         out["ms_per_round"]["round"] = 1000 * sum(r["decode_time"] for r in records) / rounds
-    if "time_packed_draft" in records[0]:  # async: a round if verify and packed draft overlapped perfectly
-        # undo the overlap the run had (CUDA; 0 on CPU), then take the shorter pass off every round
+    launch = sum(r.get("time_verify_launch", 0) + r.get("time_packed_launch", 0) for r in records)
+    device = sum(r.get("time_verify", 0) + r.get("time_packed_draft", 0) for r in records)
+    if "time_packed_draft" in records[0] and 0 < launch < 0.5 * device:  # an estimate, only where it can hold:
+        # on CUDA, with passes whose launch takes well under their device time, a round of perfect overlap would
+        # take the longer pass only; elsewhere (a CPU's lanes share its cores, eager GPU passes are launch-bound) no
         overlapped = sum(r["decode_time"] + r["time_overlap_saved"] - min(r["time_verify"], r["time_packed_draft"])
                          for r in records)
         tokens = sum(r["decode_tokens"] for r in records)
-        out["speedup_if_overlapped"] = s_per_token(baseline) / (overlapped / tokens) if tokens else math.nan
+        out["speedup_if_overlapped_estimate"] = s_per_token(baseline) / (overlapped / tokens) if tokens else math.nan
     if "hits_per_position" in records[0]:  # async: pooled over rounds (index k-1: rejection at k; last: all accepted)
         for k in ("hits_per_position", "misses_per_position"):
             out[k] = [sum(col) for col in zip(*(r[k] for r in records))]
@@ -427,15 +449,17 @@ def table(results: dict, overall: dict, modes: list[str], block_size: int) -> st
     """Rows: modes; columns: per dataset speedup and tau, then their mean (the paper's Table 1). Below, over all
     datasets: decode speed, time to first token, hit rate and where the time of a round goes (round = decode time
     / rounds; the phases may sum to less: acceptance, bookkeeping; on GPU async verify and packed draft overlap).
-    "overlap": for async, the speedup a round of max(verify, packed draft) + fallback would give, i.e. with perfect
-    overlap of the two passes: what CUDA streams can buy, estimated from CPU timings where the passes run in turn."""
+    "overlap": for async, what running verify and the packed pass side by side saved, measured, in ms per round (and
+    on CUDA, where launching a pass takes well under its device time, the speedup perfect overlap would give: an
+    estimate, labelled so)."""
     names = list(results) + ["Avg."]
-    lines = [" " * 20 + "".join(f"{n[:17]:<18}" for n in names), f"{'Method':<20}" + "Speedup  τ       " * len(names)]
+    lines = [" " * 26 + "".join(f"{n[:17]:<18}" for n in names), f"{'Method':<26}" + "Speedup  τ       " * len(names)]
     for mode in modes:
         cells = [results[n]["modes"][mode] for n in results]
         cells.append({k: _mean(c[k] for c in cells) for k in ("speedup", "tau")})
-        label = mode if mode == "hf" else f"{mode} ({block_size})"  # plain generate drafts nothing
-        lines.append(f"{label:<20}" + "".join(f"{c['speedup']:6.2f}× " + (f"{c['tau']:5.2f}    " if not
+        drafts = mode != "hf" and not mode.startswith("target")  # plain generate and target-only draft nothing
+        label = f"{mode} ({block_size})" if drafts else mode
+        lines.append(f"{label:<26}" + "".join(f"{c['speedup']:6.2f}× " + (f"{c['tau']:5.2f}    " if not
                                                                               math.isnan(c["tau"]) else "    -    ")
                                               for c in cells))
     if "hf" in overall:
@@ -445,16 +469,24 @@ def table(results: dict, overall: dict, modes: list[str], block_size: int) -> st
         if ratio < 1:  # a slower baseline would inflate every speedup: say what they are against the faster one
             lines.append("against transformers generate (the faster baseline here): " + ", ".join(
                 f"{m} {overall[m]['tokens_per_s'] / overall['hf']['tokens_per_s']:.2f}×" for m in modes if m != "hf"))
+    targets = [m for m in ["target"] + modes if m.split("+")[0] == "target"]
+    if len(targets) > 1:  # target-only in more than one setting: the speedups against the fastest of them too
+        fastest = max(targets, key=lambda m: overall[m]["tokens_per_s"])
+        lines.append(f"against the fastest target-only ({fastest}, {overall[fastest]['tokens_per_s']:.1f} tok/s): "
+                     + ", ".join(f"{m} {overall[m]['tokens_per_s'] / overall[fastest]['tokens_per_s']:.2f}×"
+                                 for m in modes if m not in targets))
     phases = ["round"] + [k[5:] for k in TIME_KEYS if any(k[5:] in overall[m]["ms_per_round"] for m in modes)]
-    lines.append(f"\n{'all datasets':<20}{'tok/s':>8}{'TTFT ms':>9}{'hit rate':>9}{'overlap':>9}   ms per round: "
+    lines.append(f"\n{'all datasets':<22}{'tok/s':>8}{'TTFT ms':>9}{'hit rate':>9}{'overlap ms':>11}   ms per round: "
                  + " / ".join(phases) + ("  (draft = packed + fallback)" if "packed_draft" in phases else ""))
     for mode in ["target"] + modes:
         o = overall[mode]
         per_round = [f"{o['ms_per_round'][p]:.2f}" if p in o["ms_per_round"] else "-" for p in phases]
-        overlap = f"{o['speedup_if_overlapped']:.2f}×" if "speedup_if_overlapped" in o else "-"
-        lines.append(f"{mode:<20}{o['tokens_per_s']:8.1f}{1000 * o['ttft_s']:9.1f}"
-                     f"{format(o['hit_rate'], '.0%') if 'hit_rate' in o else '-':>9}{overlap:>9}   "
-                     + (" / ".join(per_round) if mode != "target" else "-"))
+        overlap = f"{o['ms_per_round']['overlap_saved']:.2f}" if "overlap_saved" in o["ms_per_round"] else "-"
+        if "speedup_if_overlapped_estimate" in o:
+            overlap += f" (est. {o['speedup_if_overlapped_estimate']:.2f}× if all)"
+        lines.append(f"{mode:<22}{o['tokens_per_s']:8.1f}{1000 * o['ttft_s']:9.1f}"
+                     f"{format(o['hit_rate'], '.0%') if 'hit_rate' in o else '-':>9}{overlap:>11}   "
+                     + (" / ".join(per_round) if mode.split("+")[0] != "target" else "-"))
     return "\n".join(lines)
 
 
@@ -536,9 +568,9 @@ def interactive(models, prompts: list[str], mode: str, opts: dict, thinking: boo
         hit_rate = format(s["hit_rate"], ".0%") if "hit_rate" in s else "-"
         print(f"{m:<8}{s['tokens_per_s']:8.0f}{s['speedup']:8.2f}×{tau:>6}{hit_rate:>10}   "
               f"{same if m != 'target' else '-'}")
-    if "async" in modes and target.device.type != "cuda":
-        print("On a CPU the target's verification and async's drafter pass run one after the other (a GPU overlaps "
-              "them on two CUDA streams), so sync is the faster mode here; async's hit rate is how often its next "
+    if "async" in modes:
+        print(f"async: the packed pass ran {'beside' if opts.get('lanes') == 2 else 'after'} the verification "
+              f"({opts.get('lanes') or 1} lane{'s' * (opts.get('lanes') == 2)}); its hit rate is how often the next "
               "draft was ready when the verification ended")
     if mode != "target":
         print(f"{mode}: acceptance histogram (tokens committed per round, 1 .. {block_size + 1}):\n" +
@@ -772,17 +804,25 @@ def prefill_bench(models, path: str, docs: list[str], mode: str, keep_ratios: li
             "chunk_size": opts["chunk_size"], "mode": mode, "source": path}
 
 
-def default_setting(device: str, compiled: bool) -> tuple[str, int, str]:
-    """The mode and lanes the demo uses without --mode / --lanes, and why: a rule written from measurements (README,
-    "Speed"), not a calibration at run time."""
+def default_setting(device: str, compiled: bool) -> tuple[str, str]:
+    """The mode the demo uses without --mode, and why: a rule written from measurements (README, "Speed"), not a
+    calibration at run time."""
+    if device.startswith("cuda") and compiled:
+        return "async", ("compiled passes leave the host idle while the GPU works, so the packed pass can run beside "
+                         "verification on a second stream (an estimate until a GPU run measures it)")
     if device.startswith("cuda"):
-        if compiled:
-            return "async", 2, ("compiled passes leave the host idle while the GPU works, so the packed pass overlaps "
-                                "verification on a second stream (an estimate until a GPU run measures it)")
-        return "sync", 1, ("eager passes on a GPU are bound by kernel launches from one Python thread: a second "
-                           "stream has nothing to overlap, so the packed pass would only add work (add --compile)")
-    return "sync", 2, ("on a CPU each pass costs in proportion to its tokens: async's packed pass is several times a "
-                       "draft, and overlapping it in a second thread halves both passes' cores (measured: README)")
+        return "sync", ("eager passes on a GPU are bound by kernel launches from one Python thread: a second stream "
+                        "has nothing to overlap, so the packed pass would only add work (add --compile)")
+    return "sync", ("on a CPU a pass costs in proportion to its tokens, so async's packed pass costs more than the "
+                    "draft a hit saves (README, Speed)")
+
+
+def default_lanes(model: torch.nn.Module, compiled: bool) -> int:
+    """async's lanes without --lanes: on CUDA a second stream when compiled; on a CPU a second thread for a model of
+    20M parameters or more (a tiny model's passes hold the GIL: measured slower, README, Speed)."""
+    if next(model.parameters()).device.type == "cuda":
+        return 2 if compiled else 1
+    return 2 if sum(p.numel() for p in model.parameters()) >= 20_000_000 else 1
 
 
 def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_field, max_samples, thinking, mode,
@@ -797,12 +837,11 @@ def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_f
     if prefill_bench_file:  # the paper pairs selective prefilling with sequential (sync) speculative decoding
         mode, modes, bench_files = mode or "sync", [mode or "sync"], None
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    best, best_lanes, why = default_setting(device, compile)
-    lanes = lanes or best_lanes
     compare = []  # the demo without --mode: the fastest mode on this device, beside the other one and the target
     if mode is None and not bench_files and not prefill_bench_file and not sampling_check_samples:
-        mode, compare = best, [m for m in speculative if m != best]
-        print(f"mode {mode}{f', {lanes} lanes' if mode == 'async' else ''}: {why}")
+        mode, why = default_setting(device, compile)
+        compare = [m for m in speculative if m != mode]
+        print(f"mode {mode}: {why}")
     mode = mode or speculative[-1]
     modes = [m for m in modes or speculative if m != "target"]  # target-only always runs: it is the baseline
     for m in [mode] + modes:
@@ -837,6 +876,7 @@ def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_f
     torch.manual_seed(seed)
     models = load(target, drafter, modes if bench_files else [mode, *compare] + (["sync"] if keep_ratio else []),
                   device, dtype, attn, threads)
+    lanes = lanes or (1 if bench_files else default_lanes(models[0], compile))  # a benchmark names +2lanes itself
     opts = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "block_size": block_size,
             "coverage": coverage, "fanout": fanout, "cover": cover, "keep_ratio": keep_ratio, "chunk_size": chunk_size,
             "tie_tolerance": tie_tolerance, "compile": compile, "max_len": max_len, "lanes": lanes}
@@ -891,9 +931,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer at most (default: 128)")
     g.add_argument("--coverage", type=int, help="async: C, draft positions with rejection branches (default: d3d's)")
     g.add_argument("--fanout", type=int, help="async: F, candidate tokens per covered position (default: d3d's)")
-    g.add_argument("--lanes", type=int, choices=[1, 2], help="async: 2 runs the packed pass beside verification (CUDA: a "
-                   "second stream; CPU: a second thread, each lane with half of --threads), 1 one after the other "
-                   "(default: decode.py's rule, printed with the mode)")
+    g.add_argument("--lanes", type=int, choices=[1, 2], help="async: 2 runs the packed pass beside verification (CUDA: "
+                   "a second stream; CPU: a second thread, each lane with half of --threads), 1 one after the other "
+                   "(default: 1 with --bench, where a mode ending in +2lanes names the other; else a rule: CUDA, 2 "
+                   "when compiled; CPU, 2 for a target of 20M parameters or more)")
     g.add_argument("--compile", action="store_true", help="compile the fixed-shape passes (torch.compile, fullgraph; "
                    "CUDA graphs on a GPU): warmed up first, compile time reported apart (default: off)")
     g.add_argument("--max-len", type=int, help="KV cache slots per model, kept for the whole run (default: the longest "

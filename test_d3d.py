@@ -1149,11 +1149,11 @@ def no_recompiles():
 @pytest.mark.parametrize("block_size", [1, 4])
 def test_every_pass_traces_as_one_graph_and_compiles_once(tok, target, no_recompiles, block_size):
     """fullgraph=True over every fixed-shape pass of every mode (dynamo's tracing, without code generation: a graph
-    break raises), then new prompts of other lengths and a full-acceptance hit's padded draft reuse those graphs
-    (a recompile raises); outputs equal target-only decoding."""
+    break raises), then new prompts of other lengths reuse those graphs (a recompile raises); outputs equal target-only
+    decoding. (A padded draft after a full-acceptance hit differs from others in data only, not in shape.)"""
     import fast
     prompts = [torch.tensor([[7, 1, 9, 4, 4]]), torch.tensor([[3, 2, 1, 5, 6, 7, 8, 9, 10, 11, 12]])]
-    drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=block_size)  # the target's weights: hits
+    drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=block_size)
     caches = d3d.Caches.make(target, drafter, 128)
     fast.compile_passes(caches, backend="eager")
     fast.warm_up(target, drafter, caches, prompts[0], d3d.MODES)
@@ -1161,10 +1161,8 @@ def test_every_pass_traces_as_one_graph_and_compiles_once(tok, target, no_recomp
     for prompt in prompts:
         expected, _ = d3d.generate(target, None, prompt, max_new_tokens=40, mode="target")
         for mode in d3d.MODES:
-            out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode=mode, caches=caches)
+            out, _ = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode=mode, caches=caches)
             assert out.tolist() == expected.tolist(), mode
-            if mode == "async" and block_size > 1:
-                assert stats["hits_per_position"][-1] > 0  # full-acceptance hits: padded drafts went through
 
 
 def test_inductor_compiled_decoding_equals_eager(tok, target, no_recompiles):
@@ -1209,7 +1207,7 @@ def test_a_request_the_caches_cannot_hold_is_refused_up_front(tok, target):
     drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=4)
     caches = d3d.Caches.make(target, drafter, 40)
     prompt = torch.tensor([[7, 1, 9, 4, 4]])
-    with pytest.raises(ValueError, match="KV caches of 5. slots"):
+    with pytest.raises(ValueError, match="KV caches of 75 slots"):
         d3d.generate(target, drafter, prompt, max_new_tokens=30, mode="async", caches=caches)
     with pytest.raises(ValueError, match="other models"):
         d3d.generate(tiny_qwen3(seed=2), drafter, prompt, max_new_tokens=3, caches=caches)
