@@ -475,7 +475,8 @@ def table(results: dict, overall: dict, modes: list[str], block_size: int) -> st
         lines.append(f"against the fastest target-only ({fastest}, {overall[fastest]['tokens_per_s']:.1f} tok/s): "
                      + ", ".join(f"{m} {overall[m]['tokens_per_s'] / overall[fastest]['tokens_per_s']:.2f}×"
                                  for m in modes if m not in targets))
-    phases = ["round"] + [k[5:] for k in TIME_KEYS if any(k[5:] in overall[m]["ms_per_round"] for m in modes)]
+    phases = ["round"] + [k[5:] for k in TIME_KEYS if k != "time_overlap_saved" and  # that is the overlap column
+                          any(overall[m]["ms_per_round"].get(k[5:], 0) for m in modes)]  # (launch: CUDA only)
     lines.append(f"\n{'all datasets':<22}{'tok/s':>8}{'TTFT ms':>9}{'hit rate':>9}{'overlap ms':>11}   ms per round: "
                  + " / ".join(phases) + ("  (draft = packed + fallback)" if "packed_draft" in phases else ""))
     for mode in ["target"] + modes:

@@ -90,7 +90,8 @@ def main(tiny: bool, layers: int, new_tokens: int, skip_tests: bool):
     print(f"{'setting':<28}{'round':>8}{'draft':>8}{'verify':>8}{'packed':>8}{'launch v/p':>14}{'overlap':>9}")
     rows = {}
     for compiled in (False, True):
-        caches = d3d.Caches.make(target, drafter, 128 + new_tokens + 8 + 16 + 400)
+        max_len = d3d.cache_len(prompt.shape[1], new_tokens, 16, *d3d.default_budget(16))
+        caches = d3d.Caches.make(target, drafter, max_len)
         if compiled:
             start = time.perf_counter()
             fast.compile_passes(caches)
