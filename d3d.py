@@ -9,11 +9,13 @@ Paper -> this file, top to bottom:
     packed attention (Fig. 1a)                           packed_attention_mask
     loss L_block + lambda * L_AR (Fig. 1a)               d3d_loss, sample_anchors, rows_loss; offline_tau (validation)
     where d_1 comes from (ours: the causal head)         with_first_token (training), draft_rows (decoding)
+    fixed-size KV caches, fixed-shape passes              KVCache, Caches, causal_pass (compiled from outside: fast.py)
     drafting / verification / acceptance                 draft_block, verify_block, accept_draft
     target-only and synchronous decoding                 generate(mode="target" | "sync"), _decode_sync
     concurrent requests (Table 2): ragged batches        generate([prompts]), _decode_batch_sync, _RaggedCache
     asynchronous decoding (Fig. 1c): one packed pass     generate(mode="async"), _decode_async, plan_branches,
-      drafts for likely outcomes during verification       build_branch_pass, _verify_while_drafting
+      drafts for likely outcomes during verification       build_branch_pass, prepared_segment, _Lanes (a second
+                                                           CUDA stream, or a CPU thread)
     progressive layer pruning with recovery (Fig. 1b)    prune_drafter, distill_loss, adjusted_teacher,
       every candidate from one recorded pass               tau_without_each_layer
     selective prefilling (appendix, Fig. 5)              select_chunks, generate(keep_ratio=...)
@@ -21,8 +23,8 @@ Paper -> this file, top to bottom:
 Shapes: b batch, L clean tokens, K anchors (blocks), B block size, V vocabulary, q packed query length, past tokens
 already in a KV cache. "ours" marks a reading where the paper is silent (README.md, "Departures and readings", gives
 the reasons): anchorless blocks (MASK i off position p predicts token p+i); d_1 from the causal head; MASK a fresh
-id; the first token from the target's prefill; async branch shapes; chunked loss logits; pruning's adjusted teacher
-and tie-break; selective prefill's attention score.
+id; the first token from the target's prefill; async branch shapes and padded drafts; chunked loss logits; pruning's
+adjusted teacher and tie-break; selective prefill's attention score.
 """
 from __future__ import annotations
 
