@@ -13,7 +13,6 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 import d3d
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest and leaves a core to the other tests
-pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated")  # see d3d.py's import block
 TEXT_VOCAB = 90  # tokens the tokenizer knows; the models have 99 rows (free slots, like Qwen3's padded vocab)
 
 

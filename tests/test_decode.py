@@ -20,7 +20,6 @@ import decode
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # decode.py lives there
 
 torch.set_num_threads(1)
-pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated")
 MODES = decode.available_modes()
 SPECULATIVE = [m for m in MODES if m != "target"]
 

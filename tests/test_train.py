@@ -14,7 +14,6 @@ import d3d
 import toy
 import train
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*past_key_values.*deprecated")  # see d3d.py
 
 QUESTIONS = ["1 + 2", "3 * 4 - 5", "7 - 2 + 9", "12 + 30 * 2", "8 * 3", "40 - 17", "5 + 5 + 5", "9 * 9 - 1",
              "2 + 3 * 4", "11 - 1", "6 * 7", "25 + 25"]
