@@ -9,7 +9,7 @@ Paper -> this file, top to bottom:
     packed attention (Fig. 1a)                           packed_attention_mask
     loss L_block + lambda * L_AR (Fig. 1a)               d3d_loss, sample_anchors, rows_loss; offline_tau (validation)
     where d_1 comes from (ours: the causal head)         with_first_token (training), draft_rows (decoding)
-    fixed-size KV caches, fixed-shape passes              KVCache, Caches, causal_pass (compiled from outside: fast.py)
+    fixed-size KV caches, fixed-shape passes             KVCache, Caches, causal_pass, prefill (fast.py compiles)
     drafting / verification / acceptance                 draft_block, verify_block, accept_draft
     target-only and synchronous decoding                 generate(mode="target" | "sync"), _decode_sync
     concurrent requests (Table 2): ragged batches        generate([prompts]), _decode_batch_sync, _RaggedCache
@@ -31,10 +31,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import importlib.util
 import json
 import math
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -157,14 +159,24 @@ class Drafter(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, dtype=None, device=None, attn_implementation: str = "sdpa") -> "Drafter":
-        from transformers import AutoModelForCausalLM
         if not os.path.isdir(path):
             raise FileNotFoundError(f"no drafter folder at {path!r}: run python train.py, or save a d3d.make_drafter()")
         if not os.path.isfile(os.path.join(path, CONFIG_NAME)):
             raise FileNotFoundError(f"{path!r} lacks {CONFIG_NAME}: a plain model, not a D3D drafter; see make_drafter")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
-        drafter = cls(model, D3DConfig.load(path))
-        return drafter.to(device) if device is not None else drafter
+        return cls(load_causal_lm(path, dtype, device, attn_implementation=attn_implementation), D3DConfig.load(path))
+
+
+def load_causal_lm(path: str, dtype=None, device=None, **kwargs) -> nn.Module:
+    """AutoModelForCausalLM.from_pretrained in `dtype` on `device`. On a GPU with `accelerate` installed the weights
+    go straight there (device_map); without it they pass through host memory first (an 8B model in bf16: 16 GB)."""
+    from transformers import AutoModelForCausalLM
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device, **kwargs)
+    if device.type != "cpu":
+        warnings.warn(f"loading {path} through host memory first (pip install accelerate loads it straight to "
+                      f"{device})")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device)
 
 
 def make_drafter(model: nn.Module, mask_token_id: int | None = None, *, tokenizer, layers: list[int] | None = None,
@@ -291,7 +303,14 @@ def with_first_token(block: torch.Tensor, anchor: torch.Tensor, first_token: str
     return torch.cat([anchor.unsqueeze(-2), block[..., 1:, :]], -2)
 
 
-LOGITS_PER_CHUNK = 2**25  # fp32 logits alive at once in the loss: 128 MiB (Qwen3's 151,936 tokens: 220 rows)
+LOGITS_PER_CHUNK = {"cpu": 2**25, "cuda": 2**28}  # fp32 logits alive at once in the loss: 128 MiB on a CPU, 1 GiB
+# on a GPU (Qwen3's 151,936 tokens: 220 or 1,766 rows; every chunk recasts the tied head and sums its gradient)
+
+
+def loss_chunk_rows(vocab_size: int, device: torch.device | str) -> int:
+    """Rows of logits the loss makes at once on this kind of device."""
+    kind = torch.device(device).type
+    return max(1, LOGITS_PER_CHUNK.get(kind, LOGITS_PER_CHUNK["cpu"]) // vocab_size)
 
 
 def rows_loss(drafter: Drafter, hidden: torch.Tensor, labels: torch.Tensor, *, teacher: Drafter | None = None,
@@ -305,7 +324,7 @@ def rows_loss(drafter: Drafter, hidden: torch.Tensor, labels: torch.Tensor, *, t
         with torch.no_grad():
             q = adjusted_teacher(teacher.logits(t_h), y, beta)
         return -(q * log_p.clamp(min=-1e4)).sum(-1), log_p.argmax(-1)  # MASK: q = 0, log_p = -inf; keep 0*-inf out
-    chunk = max(1, LOGITS_PER_CHUNK // drafter.d3d_config.target_vocab_size)
+    chunk = loss_chunk_rows(drafter.d3d_config.target_vocab_size, hidden.device)
     losses, argmax = [hidden[:0].sum(-1)], [labels[:0]]  # (0,), in the graph: a batch without a labelled row
     for rows in (slice(start, start + chunk) for start in range(0, len(hidden), chunk)):
         t_h = teacher_hidden[rows] if teacher is not None else None
@@ -359,6 +378,18 @@ def d3d_loss(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
         block_acc = correct.sum((0, 1)) / counts.sum((0, 1)).clamp(min=1)
     loss = loss_block + ar_weight * loss_ar
     return loss, {"loss_block": loss_block.detach(), "loss_ar": loss_ar.detach(), "block_acc": block_acc}
+
+
+def finite_step(optimizer: torch.optim.Optimizer, params, max_norm: float) -> bool:
+    """Clip the gradients to max_norm and step, unless their norm is not finite: then drop them and skip the step
+    (one NaN or Inf would reach the weights and both AdamW moments). Returns whether it stepped. The norm is the same
+    on every rank (gradients are reduced before it), so every rank decides alike. One host read."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    stepped = bool(torch.isfinite(norm))
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return stepped
 
 
 @torch.no_grad()
@@ -418,7 +449,26 @@ class KVCache:
                              "larger (generate's caches=, decode.py --max-len)")
         mask = F.pad(mask, (0, self.max_len - self.length - q))
         self.length += q
-        return (self.step if fixed else self.forward)(ids, positions, mask)
+        try:
+            return (self.step if fixed else self.forward)(ids, positions, mask)
+        except RuntimeError as error:  # a forward that drops its cache meets a mask wider than its own keys
+            if not self.hf.layers[0].is_initialized:
+                self.check([-1, -1])
+            raise error
+
+    def written(self, device) -> torch.Tensor:
+        """The cache's own length in its first and last layer (2,), left on the device for the round's one read."""
+        layers = (self.hf.layers[0], self.hf.layers[-1])
+        return torch.stack([layer.cumulative_length.to(device) if layer.is_initialized
+                            else torch.tensor(-1, device=device) for layer in layers])
+
+    def check(self, written: list[int]) -> None:
+        """A pass that ignored its cache (a model whose forward drops cache=) would decode wrong tokens without an
+        error; its cache's own length then differs from the host's."""
+        if any(n != self.length for n in written):
+            raise RuntimeError(f"{type(self.model).__name__}'s KV cache holds {written} tokens (first, last layer) "
+                               f"where {self.length} were written: its forward ignored the cache= it was given "
+                               "(transformers outside the versions in requirements.txt?)")
 
     def rewind(self, length: int) -> None:
         """Keep the first `length` tokens (the next pass overwrites the rest)."""
@@ -444,11 +494,37 @@ def cache_len(prompt_len: int, max_new_tokens: int, block_size: int = 1, coverag
     return prompt_len + max_new_tokens + widest
 
 
-def causal_pass(cache: KVCache, ids: torch.Tensor, position_offset: int = 0, fixed: bool = True) -> torch.Tensor:
+def read_round(values: list[torch.Tensor], *caches: KVCache) -> list[int]:
+    """The round's one host read: `values` (0-d or 1-d integer tensors), flattened into one list, and each cache's
+    own length, checked against the host's (KVCache.check)."""
+    device = values[0].device
+    read = torch.cat([v.view(-1) for v in values] + [c.written(device) for c in caches]).tolist()
+    for i, cache in enumerate(caches):
+        cache.check(read[len(read) - 2 * (len(caches) - i):][:2])
+    return read[: len(read) - 2 * len(caches)]
+
+
+def causal_pass(cache: KVCache, ids: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
     """A plain causal pass over ids (1, q) after what the cache holds; position_offset: prompt tokens the cache
     skipped (selective prefill), so positions run that far ahead of the slots."""
     mask, positions = packed_attention_mask(ids.shape[1], ids.new_zeros(0), 1, past_len=cache.length)
-    return cache.run(ids, positions + position_offset, mask, fixed=fixed)
+    return cache.run(ids, positions + position_offset, mask)
+
+
+PREFILL_CHUNK = 512  # tokens a prefill pass reads: its mask is chunk x cache length, never prompt x prompt (32k: 1 GiB)
+
+
+def prefill(cache: KVCache, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal passes over a prompt, ids (1, n) at positions (1, n) (default: from the cache's length on), that write
+    it into the cache PREFILL_CHUNK tokens at a time, eagerly (any length). Returns the last pass's output: its last
+    row is the last token's."""
+    if positions is None:
+        positions = torch.arange(cache.length, cache.length + ids.shape[1], device=ids.device)[None]
+    for start in range(0, ids.shape[1], PREFILL_CHUNK):
+        chunk = ids[:, start: start + PREFILL_CHUNK]
+        mask, _ = packed_attention_mask(chunk.shape[1], ids.new_zeros(0), 1, past_len=cache.length)
+        out = cache.run(chunk, positions[:, start: start + PREFILL_CHUNK], mask, fixed=False)
+    return out
 
 
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -536,6 +612,22 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def _mark(device: torch.device):
+    """A point in a round: on CUDA an event on the current stream (read once the decode is over, so marking never
+    makes the host wait for the device mid-round), else the host clock. _settle adds up the phases marked."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _settle(times: dict) -> None:
+    """Add the phases marked as (key, start, end) to times[key]; after the round's read, so every event is done."""
+    for key, start, end in times.pop("marks", []):
+        times[key] += start.elapsed_time(end) / 1e3 if isinstance(start, torch.cuda.Event) else end - start
+
+
 def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
@@ -590,11 +682,10 @@ def _prefill(caches: Caches, input_ids, selection, max_new_tokens, eos_token_id,
     if run.drafter_cache is not None and selection is None:
         run.drafter_cache.rewind(0)
     if not out.done:
-        mask, _ = packed_attention_mask(ids.shape[1], ids.new_zeros(0), 1)
-        logits = run.target_cache.run(ids, positions, mask, fixed=False)[-1]
-        out.commit([int(pick_tokens(logits, temperature, generator)[0])])
+        logits = prefill(run.target_cache, ids, positions)[-1]
+        out.commit(read_round([pick_tokens(logits, temperature, generator)[0]], run.target_cache))
         if run.drafter_cache is not None and selection is None:
-            causal_pass(run.drafter_cache, input_ids, fixed=False)
+            prefill(run.drafter_cache, input_ids)
         run.times["prefill"] = _clock(device) - run.times["start"]
     return run
 
@@ -626,7 +717,7 @@ def _decode_target(run: _Decoding, temperature, generator) -> None:
     while not out.done:
         logits = causal_pass(run.target_cache, token, run.offset)[-1]
         token = pick_tokens(logits, temperature, generator)[0].view(1, 1)
-        out.commit(token[0].tolist())  # the step's one host read
+        out.commit(read_round([token], run.target_cache))  # the step's one host read
 
 
 def _decode_sync(drafter, run: _Decoding, block_size, temperature, generator) -> None:
@@ -635,18 +726,19 @@ def _decode_sync(drafter, run: _Decoding, block_size, temperature, generator) ->
     padded to B + 1 tokens, in its next pass)."""
     out, times, device = run.out, run.times, run.device
     while not out.done:
-        t0 = _clock(device)
+        t0 = _mark(device)
         new_tokens = torch.tensor([out.tokens[run.drafter_cache.length:]], device=device)
         draft_logits = draft_block(drafter, run.drafter_cache, new_tokens, block_size, width=block_size + 1)
         draft, q_draft = pick_tokens(draft_logits, temperature, generator)
-        t1 = _clock(device)
+        t1 = _mark(device)
         p_logits = verify_block(run.target_cache, new_tokens[0, -1], draft, run.offset)
         num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator)
-        num_accepted, next_token, *tokens = torch.cat([num_accepted[None], next_token[None], draft]).tolist()
-        out.commit_round(tokens[:num_accepted], next_token)  # the round's one host read, above
+        num_accepted, next_token, *tokens = read_round([num_accepted, next_token, draft], run.target_cache,
+                                                       run.drafter_cache)  # the round's one host read
+        out.commit_round(tokens[:num_accepted], next_token)
         run.target_cache.rewind(len(out.tokens) - 1 - run.offset)  # keep x_0 .. x_n, d_1 .. d_a
-        times["draft"] += t1 - t0
-        times["verify"] += _clock(device) - t1
+        times.setdefault("marks", []).extend([("draft", t0, t1), ("verify", t1, _mark(device))])
+    _settle(times)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -687,6 +779,9 @@ class _RaggedCache:
     def commit(self, new_valid):
         """Record the columns the last pass appended (new_valid (b, q): what each row keeps); crop all-hole ones."""
         self.valid = torch.cat([self.valid, new_valid], 1)
+        if len(self.valid) and self.cache.get_seq_length() < self.valid.shape[1]:  # a host int here: KVCache.check
+            raise RuntimeError(f"a batch KV cache holds {self.cache.get_seq_length()} columns where "
+                               f"{self.valid.shape[1]} were written: the model's forward ignored the cache it was given")
         used = self.valid.any(0).nonzero()
         length = int(used[-1]) + 1 if len(used) else 0
         crop_cache(self.cache, length)
@@ -990,11 +1085,11 @@ def _decode_async(drafter, run: _Decoding, block_size, temperature, generator, c
         while not out.done:
             n = len(out.tokens) - 1
             if draft_logits is None:  # a fallback draft (a miss, or the first round): its pass reads x_n
-                t0 = _clock(device)
+                t0 = _mark(device)
                 draft_logits, length = draft_block(drafter, dc, torch.tensor([out.tokens[n:]], device=device),
                                                    block_size), block_size
                 dc.rewind(n)  # x_n again in the packed pass, whose causal stream always starts there
-                times["fallback_draft"] += _clock(device) - t0
+                times.setdefault("marks", []).append(("fallback_draft", t0, _mark(device)))
             # (a) plan and build, on the device; x_n is the round's one host-to-device copy
             draft, q_draft = pick_tokens(draft_logits, temperature, generator)  # (B,), padded if length < B
             last = torch.tensor(out.tokens[n:], device=device)  # (1,) x_n
@@ -1009,8 +1104,8 @@ def _decode_async(drafter, run: _Decoding, block_size, temperature, generator, c
             num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator, length)
             segment = prepared_segment(drafter, block_hidden, positions, candidates, num_accepted, next_token, length,
                                        temperature, generator)
-            num_accepted, next_token, segment, *tokens = torch.cat(
-                [num_accepted[None], next_token[None], segment[None], draft]).tolist()  # the round's one host read
+            num_accepted, next_token, segment, *tokens = read_round(
+                [num_accepted, next_token, segment, draft], tc, dc)  # the round's one host read
             pending.append(seconds)
             # (c) resolve: commit, rewind both caches, take the prepared block if the outcome was prepared
             out.commit_round(tokens[:num_accepted], next_token)
@@ -1024,13 +1119,13 @@ def _decode_async(drafter, run: _Decoding, block_size, temperature, generator, c
                 draft_logits, length = F.pad(draft_logits, (0, 0, 0, int(full))), block_size - int(full)
     finally:
         lane.close()
+    _settle(times)
     for seconds in pending:
         seconds = {key: t() if callable(t) else t for key, t in seconds.items()}
         for key in ("verify", "packed_draft", "verify_launch", "packed_launch"):
             times[key] += seconds.get(key, 0.0)
-        both = seconds.pop("both")  # what running the two side by side saved, measured: at most the shorter pass
-        times["overlap_saved"] += min(max(seconds["verify"] + seconds["packed_draft"] - both, 0.0),
-                                      seconds["verify"], seconds["packed_draft"])
+        # what running the two side by side saved, as measured: below zero where it cost time (not clamped)
+        times["overlap_saved"] += seconds["verify"] + seconds["packed_draft"] - seconds.pop("both")
     times["draft"] = times["packed_draft"] + times["fallback_draft"]
     return {"hit_rate": sum(hits) / max(1, sum(hits) + sum(misses)), "hits_per_position": hits,
             "misses_per_position": misses, **{f"time_{key}": times[key] for key in timed},
@@ -1167,14 +1262,23 @@ def remove_layer(drafter: Drafter, index: int) -> None:
     drafter.d3d_config.layer_ids = [layer for i, layer in enumerate(original) if i != index]
 
 
+def host_copy(module: nn.Module) -> nn.Module:
+    """A deep copy in host memory, made tensor by tensor (never a second whole copy on the device)."""
+    memo = {id(p): nn.Parameter(p.detach().to("cpu", copy=True), p.requires_grad) for p in module.parameters()}
+    memo.update({id(b): b.to("cpu", copy=True) for b in module.buffers()})
+    return copy.deepcopy(module, memo)
+
+
 def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: int | None = None,
                   tau_floor: float | None = None, recovery_steps: int = 100, lr: float = 5e-5, beta: float = 0.5,
-                  num_anchors: int = 32, seed: int = 0, log=print):
+                  num_anchors: int = 32, seed: int = 0, checkpointing: bool = False, log=print):
     """Greedy progressive pruning, in place: each iteration removes the layer whose removal costs least offline tau
     (every candidate scored by tau_without_each_layer; ties: least change in block loss), recovers for
     `recovery_steps` AdamW steps distilled from the fixed unpruned drafter and re-measures tau. Stops at
     `min_layers`, or at the first removal whose recovered tau falls below tau_floor x the unpruned tau (undone,
-    "kept": False). Returns one dict per iteration."""
+    "kept": False). Returns one dict per iteration. On the device: the drafter, its gradients and AdamW moments, and
+    the teacher; the copy kept to undo a removal waits in host memory. `checkpointing`: recompute each layer's
+    activations in recovery's backward instead of storing them (a GPU's memory at the paper's shapes)."""
     if min_layers is None and tau_floor is None:
         raise ValueError("give a stopping rule: min_layers (a target depth) or tau_floor (fraction of unpruned tau)")
     teacher = copy.deepcopy(drafter).eval().requires_grad_(False)  # the fixed, unpruned drafter
@@ -1200,21 +1304,27 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
                                         - base_loss)
             best = min(tied, key=change.get)
         score_seconds = time.perf_counter() - start
-        snapshot = copy.deepcopy(drafter) if tau_floor is not None else None
+        snapshot = host_copy(drafter) if tau_floor is not None else None
         remove_layer(drafter, best)
         if recovery_steps > 0:
             drafter.train()
+            if checkpointing:
+                drafter.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             params = [p for p in drafter.parameters() if p.requires_grad]
             optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+            skipped = 0
             for step in tqdm(range(recovery_steps), desc="recover", leave=False):
                 input_ids, loss_mask = train_batches[step % len(train_batches)]
                 loss = distill_loss(drafter, teacher, input_ids, loss_mask, beta=beta, num_anchors=num_anchors,
                                     generator=generator)
-                optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                optimizer.step()
+                skipped += not finite_step(optimizer, params, 1.0)
                 torch.clear_autocast_cache()  # under a caller's autocast, later passes must not read stale bf16 copies
+            if skipped:
+                log(f"recovery skipped {skipped} of {recovery_steps} steps: gradient norm not finite")
+            if checkpointing:
+                drafter.model.activation_checkpointing_disable()
+            del optimizer  # its moments, before the next scoring pass
             drafter.eval()
         tau_before = scores[best]  # without recovery, the same number as measuring the pruned drafter again
         tau_after = tau_before if recovery_steps <= 0 else validation_tau(drafter, val_batches,
@@ -1229,7 +1339,7 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
         table.append(row)
         if tau_floor is not None and tau_after < tau_floor * tau0:  # below the floor: undo this removal and stop
             row["kept"] = False
-            drafter.model, drafter.d3d_config = snapshot.model, snapshot.d3d_config
+            drafter.model, drafter.d3d_config = snapshot.model.to(teacher.device), snapshot.d3d_config
             log(f"tau {tau_after:.3f} < {tau_floor} x {tau0:.3f}: removal undone, stopping")
             break
     drafter.eval()
@@ -1255,7 +1365,7 @@ def select_chunks(drafter: Drafter, input_ids: torch.Tensor, *, keep_ratio: floa
     cache = cache if cache is not None else KVCache(drafter, length)
     cache.rewind(0)
     if length > window:  # the bulk of the prompt with the fast attention path
-        causal_pass(cache, input_ids[:, : length - window], fixed=False)
+        prefill(cache, input_ids[:, : length - window])
     mask, positions = packed_attention_mask(window, input_ids.new_zeros(0), 1, past_len=cache.length)
     attn_implementation = drafter.model.config._attn_implementation
     drafter.model.set_attn_implementation("eager")  # only eager attention returns the attention weights

@@ -113,8 +113,7 @@ def load(target, drafter, modes, device, dtype, attn, threads=None):
     tok = transformers.AutoTokenizer.from_pretrained(target)
     if draft_model is not None:
         d3d.check_tokenizer(draft_model, tok)  # before loading a large target for nothing
-    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=dtype, attn_implementation=attn)
-    model = model.to(device).eval()
+    model = d3d.load_causal_lm(target, dtype, device, attn_implementation=attn).eval()
     if device.type == "cpu" and not threads and sum(p.numel() for p in model.parameters()) < 20_000_000:
         torch.set_num_threads(1)  # a tiny model's passes are too short to split between threads (the toy: ~2x faster)
     eos = getattr(model.generation_config, "eos_token_id", None)
@@ -449,7 +448,8 @@ def table(results: dict, overall: dict, modes: list[str], block_size: int) -> st
     """Rows: modes; columns: per dataset speedup and tau, then their mean (the paper's Table 1). Below, over all
     datasets: decode speed, time to first token, hit rate and where the time of a round goes (round = decode time
     / rounds; the phases may sum to less: acceptance, bookkeeping; on GPU async verify and packed draft overlap).
-    "overlap": for async, what running verify and the packed pass side by side saved, measured, in ms per round (and
+    "overlap": for async, what running verify and the packed pass side by side saved, measured, in ms per round
+    (below zero where it cost time; and
     on CUDA, where launching a pass takes well under its device time, the speedup perfect overlap would give: an
     estimate, labelled so)."""
     names = list(results) + ["Avg."]

@@ -42,6 +42,8 @@ try:
 except ImportError:
     resource = None
 
+MAX_SKIPPED_IN_A_ROW = 5  # steps in a row with a non-finite gradient before training stops: the run has diverged
+
 TOY_DIR = "runs/toy"  # the built-in toy (toy.py): target, prompts and the target's answers, shared by all toy runs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -99,8 +101,9 @@ def read_prompts(path: str, field: str) -> list[list[dict]]:
 
 
 def load_target(path: str, device, dtype=None):
-    """The frozen target, in eval mode (a function of its own so tests can count the calls)."""
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    """The frozen target, in eval mode, loaded straight to the device in `dtype` (a function of its own so tests can
+    count the calls)."""
+    return d3d.load_causal_lm(path, dtype, device).eval()
 
 
 def _read_cache(paths: list[str]) -> dict[int, tuple[list[int], list[int]]]:
@@ -298,12 +301,14 @@ def save_checkpoint(out: str, step: int, training_state: dict, optimizer_state: 
         os.replace(path + ".tmp", path)
 
 
-def load_checkpoint(out: str, device) -> tuple[dict, dict | None]:
-    """(training state, AdamW state dict or None) from save_checkpoint's pieces; ({}, None) if there are none."""
+def load_checkpoint(out: str) -> tuple[dict, dict | None]:
+    """(training state, AdamW state dict or None) from save_checkpoint's pieces; ({}, None) if there are none. Read
+    into host memory: the model's and the optimizer's load_state_dict copy each tensor to its parameter's device,
+    and AdamW's step counts stay on the CPU, where its (not capturable) update reads them."""
     path = os.path.join(out, "checkpoint.pt")
     if not os.path.exists(path):
         return {}, None
-    saved = torch.load(path, map_location=device, weights_only=False)
+    saved = torch.load(path, map_location="cpu", weights_only=False)
     if "piece" not in saved:
         raise ValueError(f"{path} is not a checkpoint of this train.py: move it away or rerun with --no-resume")
     state, step = saved["piece"], saved["step"]
@@ -313,7 +318,7 @@ def load_checkpoint(out: str, device) -> tuple[dict, dict | None]:
         if not os.path.exists(piece_path):
             print(f"[train] {piece_path} is missing: resuming with fresh AdamW moments")
             return {**state, "step": step}, None
-        piece = torch.load(piece_path, map_location=device, weights_only=False)
+        piece = torch.load(piece_path, map_location="cpu", weights_only=False)
         if piece["step"] != step:
             print(f"[train] AdamW {key} is from step {piece['step']}, the weights from step {step} (a save was cut "
                   "short): resuming with it")
@@ -393,8 +398,8 @@ def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, bat
     if world > 1:  # PyTorch's own DDP: gradients all-reduced in backward
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
 
-    start_step = 0
-    state, optimizer_state = load_checkpoint(out, device) if resume else ({}, None)
+    start_step, skipped, skipped_in_a_row = 0, 0, 0  # steps dropped for a non-finite gradient (d3d.finite_step)
+    state, optimizer_state = load_checkpoint(out) if resume else ({}, None)
     if state:
         drafter.load_state_dict(state["model"])
         if optimizer_state is not None:
@@ -402,7 +407,7 @@ def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, bat
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         random.setstate(state["python_rng"])
-        start_step = state["step"]
+        start_step, skipped = state["step"], state.get("skipped", 0)
         if rank == 0:
             print(f"[train] resumed from {os.path.join(out, 'checkpoint.pt')} at step {start_step}")
 
@@ -422,8 +427,10 @@ def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, bat
     def evaluate(done: int) -> float:
         tau = evaluate_tau(drafter, val, block_size=block_size, num_anchors=val_anchors, pad_id=pad_id,
                            max_len=max_len, autocast=autocast)
-        history.append({"step": done, "loss": loss_ema and round(loss_ema, 4), "offline_tau": round(tau, 3)})
-        tqdm.write(f"[train] step {done}: loss {loss_ema or float('nan'):.3f}, offline tau (B={block_size}) {tau:.3f}")
+        history.append({"step": done, "loss": loss_ema and round(loss_ema, 4), "offline_tau": round(tau, 3),
+                        "skipped": skipped})
+        tqdm.write(f"[train] step {done}: loss {loss_ema or float('nan'):.3f}, offline tau (B={block_size}) {tau:.3f}"
+                   f"{f', {skipped} steps skipped (non-finite gradient)' if skipped else ''}")
         return tau
 
     drafter.train()
@@ -439,26 +446,34 @@ def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, bat
                     loss, metrics = model(input_ids, loss_mask, num_anchors=num_anchors, block_size=block_size,
                                           ar_weight=ar_weight, decay_gamma=decay_gamma, generator=anchors_rng)
                 (loss / grad_accum).backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
-        bar.set_postfix(loss=f"{loss_ema:.3f}", block=f"{metrics['loss_block']:.2f}", ar=f"{metrics['loss_ar']:.2f}",
-                        block_acc=f"{metrics['block_acc'].mean():.3f}", acc1=f"{metrics['block_acc'][0]:.2f}",
+        stepped = d3d.finite_step(optimizer, drafter.parameters(), grad_clip)  # a NaN or Inf never reaches AdamW
+        scheduler.step()  # on a skipped step too: the rate stays a function of the step number, as a resume assumes
+        skipped_in_a_row = 0 if stepped else skipped_in_a_row + 1
+        skipped += not stepped
+        if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+            raise RuntimeError(f"step {step + 1}: {skipped_in_a_row} steps in a row had a non-finite gradient "
+                               f"({skipped} skipped in all); training has diverged. Lower --lr, use --dtype float32, "
+                               "or check the data for empty or corrupt answers")
+        if stepped:  # a NaN loss would stay in the running mean for good
+            loss_ema = loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * loss.item()
+        bar.set_postfix(loss=f"{loss_ema or float('nan'):.3f}", block=f"{metrics['loss_block']:.2f}",
+                        ar=f"{metrics['loss_ar']:.2f}", block_acc=f"{metrics['block_acc'].mean():.3f}",
+                        acc1=f"{metrics['block_acc'][0]:.2f}",
                         tok_per_s=f"{num_tokens * world / (time.perf_counter() - step_start):.0f}",
-                        peak_gib=f"{peak_memory_gib(device, reset=True):.2f}")  # CUDA: this step's; CPU: the run's
+                        peak_gib=f"{peak_memory_gib(device, reset=True):.2f}",  # CUDA: this step's; CPU: the run's
+                        skipped=skipped)
         done = step + 1
         if rank == 0 and val and done % eval_every == 0 and done < steps:
             evaluate(done)
         if rank == 0 and (done % save_every == 0 or done == steps):
             save_checkpoint(out, done, {"model": drafter.state_dict(), "scheduler": scheduler.state_dict(),
-                                        "rng": torch.get_rng_state(), "python_rng": random.getstate()},
-                            optimizer.state_dict())
+                                        "rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                                        "skipped": skipped}, optimizer.state_dict())
     bar.close()
     if rank == 0 and val:  # also when a rerun finds the run finished: evaluates with the new --num-val, ...
         tau = evaluate(steps)
-    return {"offline_tau": tau, "history": history, "train_seconds": round(time.perf_counter() - start, 1)}
+    return {"offline_tau": tau, "history": history, "skipped_steps": skipped,
+            "train_seconds": round(time.perf_counter() - start, 1)}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -581,7 +596,7 @@ def main(**overrides) -> dict:
                             ar_weight=args.ar_weight, decay_gamma=args.decay_gamma, first_token=args.first_token,
                             random_init=args.random_init).to(device)
     if args.gradient_checkpointing:
-        drafter.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        drafter.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if rank == 0:
         params = sum(p.numel() for p in drafter.parameters())
         init = f"{args.drafter_init or args.target}{' (random weights)' if args.random_init else ''}"
@@ -654,9 +669,12 @@ def parse_prune_args(argv=None) -> argparse.Namespace:
     g.add_argument("--compare-prompts", type=int, default=8, help="held-out prompts decoded with the unpruned and "
                    "the pruned drafter against the target, for the speedup (default: 8; 0 = skip)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens per compared answer (default: 128)")
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="float32",
-                   help="bfloat16 autocast for scoring and recovery, or float32 (default: float32; auto: bfloat16 "
-                        "where native)")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
+                   help="bfloat16 autocast for scoring and recovery (fp32 master weights), or float32 (default: auto "
+                        "on CUDA = bfloat16 where native; float32 on a CPU)")
+    g.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, help="recompute each layer's "
+                   "activations in the backward of recovery steps: less memory, ~30 %% more compute (default: on "
+                   "with CUDA, off on a CPU)")
     g.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     g.add_argument("--seed", type=int, default=0, help="anchors and batch order (default: 0)")
     return ap.parse_args(argv)
@@ -740,12 +758,36 @@ def compare_drafters(target, drafters: dict, prompts, *, max_new_tokens: int, eo
                     "tau": sum(taus[label]) / len(taus[label])} for label, _, _ in runs[1:]}
 
 
-def prune_main(*, drafter, out, min_layers, tau_floor, recovery_steps, lr, beta, batch_size, num_val, val_anchors,
-               compare_prompts, max_new_tokens, dtype="float32", device, seed) -> dict:
-    import copy
+def prune_memory_estimate(num_params: int, hidden: int, layers: int, batch: int, seq_len: int, vocab: int,
+                          checkpointing: bool, device_type: str) -> dict[str, float]:
+    """GiB at the peak of a recovery step of `prune`, per part and "total". seq_len: tokens of one packed sequence
+    (answer + K x B MASKs). The drafter is fp32 (weights, gradients, two AdamW moments) and so is its teacher copy;
+    the snapshot that --tau-floor undoes to stays on the CPU and is not counted. Activations: ~26 x hidden values
+    per token and layer saved for backward (norm inputs and outputs, q/k/v before and after RoPE, attention input
+    and output, the gated MLP's four intermediate-size tensors), bf16 under CUDA's autocast and fp32 on a CPU; with
+    checkpointing, each layer's fp32 input plus one layer recomputed. The loss keeps ~4 chunks of fp32 logits
+    (student, log-probs, their gradient, adjusted teacher) of loss_chunk_rows rows. Attention scores are not
+    counted: SDPA does not store them. A rough guide, not a bound."""
+    tokens, act_bytes = batch * seq_len, 2 if device_type == "cuda" else 4
+    layer_activations = tokens * hidden * 26 * act_bytes
+    if checkpointing:
+        activations = layers * tokens * hidden * 4 + layer_activations
+    else:
+        activations = layers * layer_activations
+    parts = {"weights": 4 * num_params, "gradients": 4 * num_params, "adamw_moments": 8 * num_params,
+             "teacher": 4 * num_params, "activations": activations,
+             "logits": 4 * d3d.loss_chunk_rows(vocab, device_type) * vocab * 4}
+    gib = {name: size / 2**30 for name, size in parts.items()}
+    return {**gib, "total": sum(gib.values())}
 
+
+def prune_main(*, drafter, out, min_layers, tau_floor, recovery_steps, lr, beta, batch_size, num_val, val_anchors,
+               compare_prompts, max_new_tokens, dtype=None, gradient_checkpointing=None, device, seed) -> dict:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = out or drafter.rstrip("/") + "-pruned"
+    if dtype is None:  # a GPU prunes in bf16 autocast like training; a CPU keeps exact fp32 (bf16 is slow on most)
+        dtype = "auto" if device.type == "cuda" else "float32"
+    checkpointing = device.type == "cuda" if gradient_checkpointing is None else gradient_checkpointing
     recipe, tokenizer, model, train, val, pad_id = load_trained(drafter, device)
     max_len = recipe["max_len"]
     val_batches = [tuple(t.to(device) for t in collate(val[s: s + batch_size], pad_id, max_len))
@@ -753,25 +795,39 @@ def prune_main(*, drafter, out, min_layers, tau_floor, recovery_steps, lr, beta,
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
     train_batches = [tuple(t.to(device) for t in collate([train[i] for i in order[s: s + batch_size]], pad_id, max_len))
                      for s in range(0, len(order) - batch_size + 1, batch_size)]
-    unpruned = copy.deepcopy(model)
+    # the unpruned drafter for the final comparison waits in host memory: on the device it would sit beside the
+    # teacher copy prune_drafter makes
+    unpruned = d3d.host_copy(model) if compare_prompts else None
     print(f"[prune] {drafter}: {model.model.config.num_hidden_layers} layers; {len(val_batches)} validation and "
           f"{len(train_batches)} recovery batches of {batch_size}")
     bf16 = resolve_dtype(dtype, device) == torch.bfloat16
+    config = model.model.config.get_text_config()
+    seq_len = max((ids.shape[1] for ids, _ in train_batches), default=0) + val_anchors * model.d3d_config.block_size
+    estimate = prune_memory_estimate(sum(p.numel() for p in model.parameters()), config.hidden_size,
+                                     max(config.num_hidden_layers - 1, 1),  # recovery follows the first removal
+                                     batch_size, seq_len, model.d3d_config.target_vocab_size, checkpointing,
+                                     device.type)
+    print(f"[prune] estimated peak of a recovery step: {estimate['total']:.1f} GiB = " + ", ".join(
+        f"{name} {gib:.1f}" for name, gib in estimate.items() if name != "total") +
+        f" (activation checkpointing {'on' if checkpointing else 'off'}; the snapshot --tau-floor undoes to is "
+        "kept on the CPU, not counted)")
     # no cast cache: each use of a weight (the head, on the blocks and on the causal stream) casts anew, so its recovery
     # gradient sums in fp32, not in one cached bf16 copy
     with torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False) if bf16 else contextlib.nullcontext():
         table = d3d.prune_drafter(model, val_batches, train_batches, min_layers=min_layers, tau_floor=tau_floor,
                                   recovery_steps=recovery_steps, lr=lr, beta=beta, num_anchors=val_anchors, seed=seed,
-                                  log=lambda msg: tqdm.write(f"[prune] {msg}"))
+                                  checkpointing=checkpointing, log=lambda msg: tqdm.write(f"[prune] {msg}"))
     result = {"table": table, "drafter": os.path.abspath(drafter), "recovery_steps": recovery_steps, "beta": beta,
               "lr": lr, "dtype": "bfloat16" if bf16 else "float32", "num_val": min(num_val, len(val)),
-              "val_anchors": val_anchors, "layer_ids": model.d3d_config.layer_ids}
+              "val_anchors": val_anchors, "layer_ids": model.d3d_config.layer_ids, "checkpointing": checkpointing,
+              "peak_memory_estimate_gib": round(estimate["total"], 2),
+              "peak_memory_gib": round(peak_memory_gib(device), 2)}
     if compare_prompts:
-        target = AutoModelForCausalLM.from_pretrained(recipe["target"], dtype=torch.float32).to(device).eval()
+        target = d3d.load_causal_lm(recipe["target"], torch.float32, device).eval()
         prompts = [torch.tensor([p], device=device) for p, _ in val[:compare_prompts]]
         eos = getattr(target.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
-        result["decode"] = compare_drafters(target, {"unpruned": unpruned.eval(), "pruned": model.eval()}, prompts,
-                                            max_new_tokens=max_new_tokens, eos=eos)
+        drafters = {"unpruned": unpruned.to(device).eval(), "pruned": model.eval()}
+        result["decode"] = compare_drafters(target, drafters, prompts, max_new_tokens=max_new_tokens, eos=eos)
     model.save_pretrained(out, tokenizer=tokenizer)
     with open(os.path.join(out, "train_args.json"), "w") as f:
         json.dump({**recipe, "pruned_from": os.path.abspath(drafter), "layer_ids": model.d3d_config.layer_ids}, f,
@@ -789,6 +845,8 @@ def prune_main(*, drafter, out, min_layers, tau_floor, recovery_steps, lr, beta,
               f"{row['seconds']:>9.0f}" + ("  (undone: below the floor)" if not row["kept"] else ""))
     for label, r in result.get("decode", {}).items():
         print(f"[decode] {label:<16} speedup {r['speedup']:.2f}x over target-only, tau {r['tau']:.2f}")
+    print(f"[done] peak memory {result['peak_memory_gib']:.2f} GiB "
+          f"({'GPU allocated' if device.type == 'cuda' else 'RSS'}; estimated {estimate['total']:.2f})")
     print(f"[done] pruned drafter ({model.model.config.num_hidden_layers} layers, original ids "
           f"{model.d3d_config.layer_ids}): {os.path.abspath(out)}; table: {os.path.join(out, 'prune_table.json')}")
     return result

@@ -4,6 +4,7 @@ import copy
 import json
 import os
 import socket
+import warnings
 
 import pytest
 import torch
@@ -157,6 +158,63 @@ def test_resume_continues_at_the_right_step(setup, tmp_path, monkeypatch, capsys
         assert torch.equal(a, b), name  # the same data, anchors and optimizer state as one uninterrupted run
 
 
+def _nan_loss_at(monkeypatch, bad_steps):
+    """Make d3d_loss NaN (hence every gradient) at the given 1-based calls; one call per training step here."""
+    real_loss, calls = d3d.d3d_loss, []
+
+    def loss(*a, **k):
+        calls.append(1)
+        value, metrics = real_loss(*a, **k)
+        return (value * float("nan") if len(calls) in bad_steps else value), metrics
+
+    monkeypatch.setattr(d3d, "d3d_loss", loss)
+
+
+def test_a_non_finite_step_is_skipped_and_training_goes_on(setup, tmp_path, monkeypatch):
+    _nan_loss_at(monkeypatch, {2})
+    out = tmp_path / "d"
+    result = _run(setup, out, steps=4, drafter_layers="2")
+    assert result["skipped_steps"] == 1 and result["history"][-1]["skipped"] == 1
+    assert all(torch.isfinite(p).all() for p in result["drafter"].parameters())
+    saved = torch.load(out / "checkpoint.pt", weights_only=False)["piece"]
+    assert {int(s) for s in saved["adam_steps"].values()} == {3}  # steps 1, 3 and 4 reached AdamW, step 2 did not
+    for key in ("exp_avg", "exp_avg_sq"):
+        moments = torch.load(out / f"optimizer-{key}.pt", weights_only=False)["piece"]
+        assert all(torch.isfinite(m).all() for m in moments.values()), key
+    assert json.loads((out / "train_args.json").read_text())["skipped_steps"] == 1
+
+
+def test_non_finite_steps_in_a_row_stop_training(setup, tmp_path, monkeypatch):
+    _nan_loss_at(monkeypatch, set(range(3, 100)))
+    with pytest.raises(RuntimeError, match=f"step {2 + train.MAX_SKIPPED_IN_A_ROW}: {train.MAX_SKIPPED_IN_A_ROW} "
+                                           "steps in a row.*--lr.*float32.*data"):
+        _run(setup, tmp_path / "d", steps=2 + train.MAX_SKIPPED_IN_A_ROW + 2, drafter_layers="2")
+
+
+def test_resume_reads_through_the_cpu_and_keeps_adam_step_counts(setup, tmp_path, monkeypatch):
+    """A checkpoint is read into host memory; load_state_dict places the tensors, and AdamW's step counts stay CPU
+    tensors with their values (a step count on the GPU would make AdamW's update sync or fail)."""
+    out = tmp_path / "d"
+    _run(setup, out, steps=2, drafter_layers="2")
+    saved = torch.load(out / "checkpoint.pt", weights_only=False)["piece"]["adam_steps"]
+    real_load, real_restore, places, restored = torch.load, torch.optim.AdamW.load_state_dict, [], []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: places.append(k.get("map_location")) or real_load(*a, **k))
+    monkeypatch.setattr(torch.optim.AdamW, "load_state_dict",
+                        lambda self, state: restored.append(self) or real_restore(self, state))
+    _run(setup, out, steps=2, drafter_layers="2")  # finished: resumes at step 2 and only evaluates
+    assert places == ["cpu"] * 3  # checkpoint.pt and the two moments
+    steps = [state["step"] for state in restored[0].state.values()]
+    assert len(steps) == len(saved) and all(s.device.type == "cpu" for s in steps)
+    assert [s.item() for s in steps] == [s.item() for s in saved.values()] == [2.0] * len(saved)
+
+
+def test_activation_checkpointing_uses_the_current_transformers_api(setup, tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the deprecated gradient_checkpointing_enable warns
+        result = _run(setup, tmp_path / "d", steps=1, drafter_layers="2", gradient_checkpointing=True)
+    assert result["drafter"].model.is_activation_checkpointing
+
+
 def test_checkpoint_pieces_are_replaced_one_at_a_time_and_resume_after_a_cut_save(setup, tmp_path, monkeypatch,
                                                                                      capsys):
     """Weights (checkpoint.pt) and each AdamW moment (optimizer-KEY.pt) are separate pieces, each renamed over its
@@ -238,9 +296,11 @@ def test_prune_command_removes_layers_and_keeps_decoding_lossless(setup, tmp_pat
     table and the pruned folder are written, and the pruned drafter still decodes exactly like the target."""
     _run(setup, tmp_path / "drafter", steps=2, drafter_layers="3")
     argv = ["--drafter", str(tmp_path / "drafter"), "--min-layers", "1", "--recovery-steps", "1", "--batch-size",
-            "4", "--num-val", "3", "--val-anchors", "4", "--compare-prompts", "2", "--max-new-tokens", "8"]
+            "4", "--num-val", "3", "--val-anchors", "4", "--compare-prompts", "2", "--max-new-tokens", "8",
+            "--gradient-checkpointing"]
     result = train.prune_main(**vars(train.parse_prune_args(argv)))
     assert [row["layers"] for row in result["table"]] == [3, 2, 1]
+    assert result["checkpointing"] and result["dtype"] == "float32"  # the flag, and a CPU's default dtype
     assert set(result["decode"]) == {"unpruned sync", "unpruned async", "pruned sync", "pruned async"}
     pruned = d3d.Drafter.from_pretrained(str(tmp_path / "drafter-pruned"))
     assert pruned.model.config.num_hidden_layers == 1 and len(pruned.d3d_config.layer_ids) == 1
@@ -250,7 +310,8 @@ def test_prune_command_removes_layers_and_keeps_decoding_lossless(setup, tmp_pat
     expected, _ = d3d.generate(target, None, ids, max_new_tokens=12, mode="target")
     for mode in ("sync", "async"):
         assert d3d.generate(target, pruned, ids, max_new_tokens=12, mode=mode)[0].tolist() == expected.tolist()
-    assert "removed" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "removed" in printed and "estimated peak of a recovery step" in printed
     with pytest.raises(SystemExit):
         train.parse_prune_args(["--bogus"])
 
@@ -313,3 +374,15 @@ def test_dtype_auto_picks_bf16_only_where_native(monkeypatch):
         assert train.resolve_dtype("bfloat16", cpu) == torch.bfloat16  # asked for: honoured, with the cost
     with pytest.raises(ValueError, match="unknown dtype"):
         train.resolve_dtype("float8", cpu)
+
+
+def test_prune_memory_estimate_fits_the_qwen3_drafter_on_one_80gb_gpu():
+    """Qwen3-1.7B as a drafter (28 layers, hidden 2,048, vocab 151,936, 2.03e9 parameters), recovery on 27 layers
+    after the first removal: batch 8 of 1,024 answer tokens + K 16 x B 16 MASKs, bf16 autocast on CUDA."""
+    shapes = dict(num_params=2.03e9, hidden=2048, layers=27, batch=8, seq_len=1024 + 16 * 16, vocab=151936,
+                  device_type="cuda")
+    on, off = (train.prune_memory_estimate(**shapes, checkpointing=c) for c in (True, False))
+    assert on["total"] < 80 and on["activations"] < off["activations"]
+    assert on["total"] == pytest.approx(sum(v for k, v in on.items() if k != "total"))
+    assert on["weights"] + on["gradients"] + on["adamw_moments"] + on["teacher"] == pytest.approx(20 * 2.03e9 / 2**30)
+    assert on["logits"] == pytest.approx(4 * (2**28 // 151936) * 151936 * 4 / 2**30)  # 4 chunks of ~1 GiB
