@@ -781,7 +781,8 @@ class _RaggedCache:
         self.valid = torch.cat([self.valid, new_valid], 1)
         if len(self.valid) and self.cache.get_seq_length() < self.valid.shape[1]:  # a host int here: KVCache.check
             raise RuntimeError(f"a batch KV cache holds {self.cache.get_seq_length()} columns where "
-                               f"{self.valid.shape[1]} were written: the model's forward ignored the cache it was given")
+                               f"{self.valid.shape[1]} were written: the model's forward ignored the cache it was "
+                               "given")
         used = self.valid.any(0).nonzero()
         length = int(used[-1]) + 1 if len(used) else 0
         crop_cache(self.cache, length)

@@ -806,7 +806,7 @@ def prefill_bench(models, path: str, docs: list[str], mode: str, keep_ratios: li
 
 
 def default_setting(device: str, compiled: bool) -> tuple[str, str]:
-    """The mode the demo uses without --mode, and why: a rule written from measurements (README, "Speed"), not a
+    """The mode the demo uses without --mode, and why: a rule written from measurements (RESULTS.md, "Speed"), not a
     calibration at run time."""
     if device.startswith("cuda") and compiled:
         return "async", ("compiled passes leave the host idle while the GPU works, so the packed pass can run beside "
@@ -815,12 +815,12 @@ def default_setting(device: str, compiled: bool) -> tuple[str, str]:
         return "sync", ("eager passes on a GPU are bound by kernel launches from one Python thread: a second stream "
                         "has nothing to overlap, so the packed pass would only add work (add --compile)")
     return "sync", ("on a CPU a pass costs in proportion to its tokens, so async's packed pass costs more than the "
-                    "draft a hit saves (README, Speed)")
+                    "draft a hit saves (RESULTS.md, Speed)")
 
 
 def default_lanes(model: torch.nn.Module, compiled: bool) -> int:
     """async's lanes without --lanes: on CUDA a second stream when compiled; on a CPU a second thread for a model of
-    20M parameters or more (a tiny model's passes hold the GIL: measured slower, README, Speed)."""
+    20M parameters or more (a tiny model's passes hold the GIL: measured slower, RESULTS.md, Speed)."""
     if next(model.parameters()).device.type == "cuda":
         return 2 if compiled else 1
     return 2 if sum(p.numel() for p in model.parameters()) >= 20_000_000 else 1

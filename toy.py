@@ -26,8 +26,9 @@ of 30 to 80 characters (44 on average).
 
 Command line: ``python toy.py --out runs/toy [--seed 0] [--steps 1000] [--threads 1]``.
 
-The target trains for a fixed number of steps (TRAIN_STEPS) from fixed seeds, so every machine builds the same
-target, up to floating-point rounding, and the numbers in README hold anywhere.
+The target trains for a fixed number of steps (TRAIN_STEPS) from fixed seeds. Float order differs between CPUs,
+and training stopped this early lets small differences grow: another machine builds a toy whose answers and tau
+can differ from the ones RESULTS.md and LAB.md were measured with.
 
 On a CPU shared with other busy processes, training with as many torch threads as cores can be many times
 slower than with one thread (threads wait on each other); pass ``num_threads=1`` / ``--threads 1`` there.
@@ -351,7 +352,7 @@ def build_toy(out_dir: str, *, seed: int = 0, num_train_prompts: int = 2000, num
         wanted = {"seed": seed, "train_steps": train_steps}
         if {k: recipe.get(k) for k in wanted} != wanted:
             print(f"[toy] WARNING: reusing {paths['target']}, built with {recipe or 'unknown settings'}, not "
-                  f"{wanted}: its numbers differ from README's. Delete {out_dir} to rebuild it.")
+                  f"{wanted}: its numbers differ from RESULTS.md's. Delete {out_dir} to rebuild it.")
         else:
             print(f"[toy] target already there: {paths['target']}")
         return paths
