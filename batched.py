@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d3d import (Drafter, _Output, _clock, _mean, accept_draft, additive_mask, draft_rows, packed_attention_mask,
-                 pick_tokens)
+from d3d import (Drafter, _Output, _clock, _mean, accept_draft, additive_mask, draft_rows, ignored_cache,
+                 packed_attention_mask, pick_tokens)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -50,9 +50,7 @@ class RaggedCache:
         """Record the columns the last pass appended (new_valid (b, q): what each row keeps); crop all-hole ones."""
         self.valid = torch.cat([self.valid, new_valid], 1)
         if len(self.valid) and self.cache.get_seq_length() < self.valid.shape[1]:  # a host int here: KVCache.check
-            raise RuntimeError(f"a batch KV cache holds {self.cache.get_seq_length()} columns where "
-                               f"{self.valid.shape[1]} were written: the model's forward ignored the cache it was "
-                               "given")
+            raise ignored_cache("a batch KV cache", f"{self.cache.get_seq_length()} columns", self.valid.shape[1])
         used = self.valid.any(0).nonzero()
         length = int(used[-1]) + 1 if len(used) else 0
         crop_cache(self.cache, length)

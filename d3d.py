@@ -8,6 +8,7 @@ Paper -> this file, top to bottom:
     standalone drafter from any HF causal LM             make_drafter, Drafter, keep_layers
     packed attention (Fig. 1a)                           packed_attention_mask
     loss L_block + lambda * L_AR (Fig. 1a)               d3d_loss, sample_anchors, rows_loss; offline_tau (validation)
+      a training step that skips non-finite gradients    finite_step
     where d_1 comes from (ours: the causal head)         with_first_token (training), draft_rows (decoding)
     fixed-size KV caches, fixed-shape passes             KVCache, Caches, causal_pass, prefill (fast.py compiles)
     drafting / verification / acceptance                 draft_block, verify_block, accept_draft
@@ -466,9 +467,8 @@ class KVCache:
         """A pass that ignored its cache (a model whose forward drops cache=) would decode wrong tokens without an
         error; its cache's own length then differs from the host's."""
         if any(n != self.length for n in written):
-            raise RuntimeError(f"{type(self.model).__name__}'s KV cache holds {written} tokens (first, last layer) "
-                               f"where {self.length} were written: its forward ignored the cache= it was given "
-                               "(transformers outside the versions in requirements.txt?)")
+            raise ignored_cache(f"{type(self.model).__name__}'s KV cache", f"{written} tokens (first, last layer)",
+                                self.length)
 
     def rewind(self, length: int) -> None:
         """Keep the first `length` tokens (the next pass overwrites the rest)."""
@@ -494,14 +494,21 @@ def cache_len(prompt_len: int, max_new_tokens: int, block_size: int = 1, coverag
     return prompt_len + max_new_tokens + widest
 
 
+def ignored_cache(cache: str, holds: str, written: int) -> RuntimeError:
+    """The error for a cache that holds other than what was written into it: the model's forward ignored it."""
+    return RuntimeError(f"{cache} holds {holds} where {written} were written: the model's forward ignored the cache "
+                        "it was given (transformers outside the versions in requirements.txt?)")
+
+
 def read_round(values: list[torch.Tensor], *caches: KVCache) -> list[int]:
     """The round's one host read: `values` (0-d or 1-d integer tensors), flattened into one list, and each cache's
     own length, checked against the host's (KVCache.check)."""
     device = values[0].device
     read = torch.cat([v.view(-1) for v in values] + [c.written(device) for c in caches]).tolist()
+    n = len(read) - 2 * len(caches)
     for i, cache in enumerate(caches):
-        cache.check(read[len(read) - 2 * (len(caches) - i):][:2])
-    return read[: len(read) - 2 * len(caches)]
+        cache.check(read[n + 2 * i: n + 2 * i + 2])
+    return read[:n]
 
 
 def causal_pass(cache: KVCache, ids: torch.Tensor, position_offset: int = 0) -> torch.Tensor:

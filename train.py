@@ -553,7 +553,7 @@ def main(**overrides) -> dict:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if args.target is None and args.dtype == "auto":
-        args.dtype = "float32"  # the toy's tiny models: same numbers on every machine, bf16 would buy nothing
+        args.dtype = "float32"  # the toy's tiny models: bf16 would buy nothing and round more
     bf16 = resolve_dtype(args.dtype, device) == torch.bfloat16
     torch.manual_seed(args.seed)
     if args.threads or args.target is None:
