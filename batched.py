@@ -7,14 +7,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d3d import (Drafter, _Output, _clock, _mean, accept_draft, additive_mask, draft_rows, ignored_cache,
-                 packed_attention_mask, pick_tokens)
+from d3d import Drafter, accept_draft, draft_rows, packed_attention_mask, pick_tokens
+from runtime import Clock, Output, additive_mask, ignored_cache
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Batched decoding: concurrent requests, each advancing by its own accepted length (the paper's Table 2)
 # A ragged batch keeps a growing DynamicCache: rows leave when they finish (batch_select_indices, which a static
 # layer lacks) and a static layer writes every row at one shared position, where each row here has its own.
+
+
+def check_request(prompts, mode: str, keep_ratio) -> None:
+    """A clear error for a batch generate cannot decode."""
+    if not prompts or any(not torch.is_tensor(p) or p.dim() != 1 or len(p) == 0 for p in prompts):
+        raise ValueError("a batch of prompts must be a non-empty list of 1-D id tensors (prompt_len,), none empty")
+    if mode == "async" or keep_ratio is not None:
+        raise ValueError("a batch decodes in modes 'target' and 'sync' without keep_ratio (batched async is not "
+                         "built: each row would need its own branch plan): decode such prompts one at a time")
 
 
 def new_cache(model: nn.Module):
@@ -87,8 +96,8 @@ def draft_batch(drafter: Drafter, ragged: RaggedCache, new_tokens: list[list[int
     inner, relative = packed_attention_mask(m, last, block_size)  # (1, 1, q, q), (1, q)
     positions, mask = ragged.inputs(F.pad(new_valid, (0, block_size), value=True), relative, inner[0, 0])
     masks = torch.full((b, block_size), drafter.d3d_config.mask_token_id, device=device)
-    rows = draft_rows(drafter, last, last + 1, block_size)[0]  # (B,) shared: the blocks line up
-    logits = drafter(torch.cat([ids, masks], 1), positions, mask, past_key_values=ragged.cache, logits_to_keep=rows)
+    rows = draft_rows(last, last + 1, block_size, drafter.d3d_config.first_token)[0]  # (B,) shared by all rows
+    logits = drafter.logits(drafter.hidden_states(torch.cat([ids, masks], 1), positions, mask, ragged.cache)[:, rows])
     crop_cache(ragged.cache, ragged.valid.shape[1] + m)
     ragged.commit(new_valid)
     return logits
@@ -97,16 +106,16 @@ def draft_batch(drafter: Drafter, ragged: RaggedCache, new_tokens: list[list[int
 def prefill(target, prompts, max_new_tokens, eos_token_id, temperature, generator):
     """_prefill for a batch: the target prefills the left-padded prompts and gives every row its first token."""
     device = prompts[0].device
-    outs = [_Output(p.tolist(), max_new_tokens, eos_token_id) for p in prompts]
+    outs = [Output(p.tolist(), max_new_tokens, eos_token_id) for p in prompts]
     cache = RaggedCache(target, len(outs), device)
-    times = {"start": _clock(device), "prefill": 0.0, "draft": 0.0, "verify": 0.0, "rounds": 0, "done": {}}
+    times = {"clock": Clock(device), "rounds": 0, "done": {}}
     if max_new_tokens > 0:
-        ids, new_valid = left_pad([out.tokens for out in outs], device)
-        logits = target_pass(target, cache, ids, new_valid, logits_to_keep=1)[:, -1]  # (b, V)
-        cache.commit(new_valid)
-        for out, token in zip(outs, pick_tokens(logits, temperature, generator)[0].tolist()):
-            out.commit([token])
-        times["prefill"] = _clock(device) - times["start"]
+        with times["clock"].span("prefill"):
+            ids, new_valid = left_pad([out.tokens for out in outs], device)
+            logits = target_pass(target, cache, ids, new_valid, logits_to_keep=1)[:, -1]  # (b, V)
+            cache.commit(new_valid)
+            for out, token in zip(outs, pick_tokens(logits, temperature, generator)[0].tolist()):
+                out.commit([token])
     return outs, cache, times
 
 
@@ -114,23 +123,28 @@ def drop_finished(outs, active: list[int], caches, times) -> list[int]:
     """Finished rows leave the batch and every cache. active: indices into outs, in batch order. Returns those left."""
     keep = [i for i, row in enumerate(active) if not outs[row].done]
     if len(keep) < len(active):
-        times["done"].update({row: _clock(caches[0].valid.device) - times["start"] for row in active
-                              if outs[row].done})
+        clock = times["clock"]
+        times["done"].update({row: clock.now() - clock.start for row in active if outs[row].done})
         for cache in caches:
             cache.keep_rows(torch.tensor(keep, dtype=torch.long, device=cache.valid.device))
     return [active[i] for i in keep]
 
 
+def _mean(values) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
 def finish(outs, times, device) -> tuple[list[torch.Tensor], dict]:
-    total = _clock(device) - times["start"]
+    seconds = times["clock"].totals()
+    total = seconds["total"]
     rows = [{"tau": _mean(out.accept_lengths), "accept_lengths": out.accept_lengths,
              "num_rounds": len(out.accept_lengths), "num_new_tokens": len(out.tokens) - out.prompt_len,
              "time_done": times["done"].get(i, total)} for i, out in enumerate(outs)]
     num_new = sum(row["num_new_tokens"] for row in rows)
     return [torch.tensor(out.tokens, device=device) for out in outs], {
         "rows": rows, "num_rounds": times["rounds"], "num_new_tokens": num_new,
-        "tau": _mean([n for out in outs for n in out.accept_lengths]), "time_prefill": times["prefill"],
-        "time_draft": times["draft"], "time_verify": times["verify"], "time_total": total,
+        "tau": _mean([n for out in outs for n in out.accept_lengths]), "time_prefill": seconds.get("prefill", 0.0),
+        "time_draft": seconds.get("draft", 0.0), "time_verify": seconds.get("verify", 0.0), "time_total": total,
         "tokens_per_s": num_new / total}  # throughput: new tokens of all rows / wall time
 
 
@@ -140,14 +154,13 @@ def decode_target(target, prompts, max_new_tokens, temperature, eos_token_id, ge
     outs, cache, times = prefill(target, prompts, max_new_tokens, eos_token_id, temperature, generator)
     active = drop_finished(outs, list(range(len(outs))), [cache], times)
     while active:
-        t0 = _clock(device)
-        ids = torch.tensor([outs[row].tokens[-1:] for row in active], device=device)  # (b, 1)
-        new_valid = torch.ones_like(ids, dtype=torch.bool)
-        logits = target_pass(target, cache, ids, new_valid, logits_to_keep=1)[:, -1]  # (b, V)
-        cache.commit(new_valid)
-        for row, token in zip(active, pick_tokens(logits, temperature, generator)[0].tolist()):
-            outs[row].commit([token])
-        times["verify"] += _clock(device) - t0
+        with times["clock"].span("verify"):
+            ids = torch.tensor([outs[row].tokens[-1:] for row in active], device=device)  # (b, 1)
+            new_valid = torch.ones_like(ids, dtype=torch.bool)
+            logits = target_pass(target, cache, ids, new_valid, logits_to_keep=1)[:, -1]  # (b, V)
+            cache.commit(new_valid)
+            for row, token in zip(active, pick_tokens(logits, temperature, generator)[0].tolist()):
+                outs[row].commit([token])
         times["rounds"] += 1
         active = drop_finished(outs, active, [cache], times)
     return finish(outs, times, device)
@@ -161,14 +174,14 @@ def decode_sync(target, drafter, prompts, max_new_tokens, block_size, temperatur
     caches = [target_cache, drafter_cache]
     active = drop_finished(outs, list(range(len(outs))), caches, times)
     while active:
-        t0 = _clock(device)
-        new_tokens = [outs[row].tokens[seen:] for row, seen in zip(active, drafter_cache.valid.sum(1).tolist())]
-        draft, q_draft = pick_tokens(draft_batch(drafter, drafter_cache, new_tokens, block_size), temperature,
-                                     generator)  # (b, B), (b, B, V) or None
-        t1 = _clock(device)
-        last = torch.tensor([outs[row].tokens[-1:] for row in active], device=device)  # (b, 1): each row's x_n
-        ids = torch.cat([last, draft], 1)  # (b, B+1)
-        p_logits = target_pass(target, target_cache, ids, torch.ones_like(ids, dtype=torch.bool))  # (b, B+1, V)
+        with times["clock"].span("draft"):
+            new_tokens = [outs[row].tokens[seen:] for row, seen in zip(active, drafter_cache.valid.sum(1).tolist())]
+            draft, q_draft = pick_tokens(draft_batch(drafter, drafter_cache, new_tokens, block_size), temperature,
+                                         generator)  # (b, B), (b, B, V) or None
+        with times["clock"].span("verify"):
+            last = torch.tensor([outs[row].tokens[-1:] for row in active], device=device)  # (b, 1): each row's x_n
+            ids = torch.cat([last, draft], 1)  # (b, B+1)
+            p_logits = target_pass(target, target_cache, ids, torch.ones_like(ids, dtype=torch.bool))  # (b, B+1, V)
         kept = torch.zeros_like(ids, dtype=torch.bool)  # (b, B+1): x_n, d_1 .. d_a stay; the rejected tail is a hole
         accepted = torch.stack([torch.stack(accept_draft(p_logits[i], draft[i], None if q_draft is None else q_draft[i],
                                                          temperature, generator)) for i in range(len(active))])
@@ -177,8 +190,6 @@ def decode_sync(target, drafter, prompts, max_new_tokens, block_size, temperatur
             outs[row].commit_round(tokens[:num_accepted], next_token)
             kept[i, : num_accepted + 1] = True
         target_cache.commit(kept)
-        times["draft"] += t1 - t0
-        times["verify"] += _clock(device) - t1
         times["rounds"] += 1
         active = drop_finished(outs, active, caches, times)
     return finish(outs, times, device)

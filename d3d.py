@@ -7,19 +7,18 @@ Paper -> this file, top to bottom:
     config (block size, MASK, K, lambda, gamma)          D3DConfig
     standalone drafter from any HF causal LM             make_drafter, Drafter, keep_layers
     packed attention (Fig. 1a)                           packed_attention_mask
-    loss L_block + lambda * L_AR (Fig. 1a)               d3d_loss, sample_anchors, rows_loss; offline_tau (validation)
-      a training step that skips non-finite gradients    finite_step
-    where d_1 comes from (ours: the causal head)         with_first_token (training), draft_rows (decoding)
-    fixed-size KV caches, fixed-shape passes             KVCache, Caches, causal_pass, prefill (fast.py compiles)
+    loss L_block + lambda * L_AR (Fig. 1a)               d3d_loss, sample_anchors, cross_entropy; offline_tau
+    where d_1 is read (ours: the causal head)            draft_rows (one rule for validation and decoding)
     drafting / verification / acceptance                 draft_block, verify_block, accept_draft
     target-only and synchronous decoding                 generate(mode="target" | "sync"), _decode_sync
-    concurrent requests (Table 2): ragged batches        generate([prompts]) -> batched.py (beside this file)
     asynchronous decoding (Fig. 1c): one packed pass     generate(mode="async"), _decode_async, plan_branches,
       drafts for likely outcomes during verification       build_branch_pass, prepared_segment, _Lanes (a second
                                                            CUDA stream, or a CPU thread)
-    progressive layer pruning with recovery (Fig. 1b)    prune_drafter, distill_loss, adjusted_teacher,
-      every candidate from one recorded pass               tau_without_each_layer
+    progressive layer pruning with recovery (Fig. 1b)    prune_drafter, tau_without_each_layer, distill_loss,
+                                                           adjusted_teacher
     selective prefilling (appendix, Fig. 5)              select_chunks, generate(keep_ratio=...)
+Beside it: runtime.py (fixed-size KV caches, the round's one host read, the clock, loss logits in chunks), batched.py
+(concurrent requests, Table 2: generate([prompts])), fast.py (compiled passes; pruning's scorer from one pass).
 
 Shapes: b batch, L clean tokens, K anchors (blocks), B block size, V vocabulary, q packed query length, past tokens
 already in a KV cache. "ours" marks a reading where the paper is silent (README.md, "Departures and readings", gives
@@ -31,19 +30,19 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
-import importlib.util
 import json
 import math
 import os
 import time
-import warnings
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
+
+from runtime import (Caches, Clock, KVCache, Output, additive_mask, attention_pass, cache_len, causal_pass, finite_step,
+                     host_copy, in_logit_chunks, load_causal_lm, prefill, read_round, tokenizer_fingerprint)
 
 
 MASK_TOKEN = "<|MASK|>"
@@ -63,16 +62,16 @@ class D3DConfig:
     ar_weight: float = 1.0  # lambda: weight of the auxiliary autoregressive loss (Table 3: 1.0 is best)
     decay_gamma: float | None = None  # gamma: block position weights exp(-(i-1)/gamma); None = uniform
     target_vocab_size: int = 0  # rows of the target's output layer; drafter logits are cut to this size
-    tokenizer_hash: str = ""  # fingerprint of the tokenizer the drafter was made for (check_tokenizer)
+    tokenizer_hash: str = ""  # fingerprint of the tokenizer the drafter was made for (runtime.check_tokenizer)
     layer_ids: list[int] | None = None  # which layers of the initial checkpoint the drafter kept
-    first_token: str = "ar"  # who drafts d_1: "ar", the causal stream's next-token head at x_n; "block", MASK 1
+    first_token: str = "causal"  # where d_1 is read (draft_rows): "causal", the next-token head at x_n; "mask", MASK 1
 
     def __post_init__(self):
         for name in ("block_size", "num_anchors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.first_token not in ("ar", "block"):
-            raise ValueError(f"first_token must be 'ar' or 'block', got {self.first_token!r}")
+        if self.first_token not in ("causal", "mask"):
+            raise ValueError(f"first_token must be 'causal' or 'mask', got {self.first_token!r}")
 
     def save(self, path: str) -> None:
         with open(os.path.join(path, CONFIG_NAME), "w") as f:
@@ -86,12 +85,6 @@ class D3DConfig:
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The standalone drafter
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """A short hash of the token -> id table: two tokenizers with the same fingerprint split text identically."""
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 def keep_layers(model: nn.Module, layer_ids: list[int]) -> nn.Module:
@@ -111,15 +104,8 @@ def keep_layers(model: nn.Module, layer_ids: list[int]) -> nn.Module:
     return model
 
 
-def additive_mask(mask: torch.Tensor, model: nn.Module) -> torch.Tensor:
-    """Bool mask (True = may attend) as HF's additive float mask, in attention's dtype (autocast's or the model's)."""
-    kind = mask.device.type
-    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else next(model.parameters()).dtype
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-
-
 class Drafter(nn.Module):
-    """An HF causal LM plus its D3DConfig; `forward` gives float logits over the target's vocabulary, MASK excluded."""
+    """An HF causal LM plus its D3DConfig: `hidden_states` of a packed pass, `logits` over the target's vocabulary."""
 
     def __init__(self, model: nn.Module, config: D3DConfig):
         super().__init__()
@@ -137,19 +123,14 @@ class Drafter(nn.Module):
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float logits over the target's vocabulary, MASK excluded."""
         logits = self.model.get_output_embeddings()(hidden)[..., : self.d3d_config.target_vocab_size].float()
         if self.d3d_config.mask_token_id < logits.shape[-1]:
             logits[..., self.d3d_config.mask_token_id] = float("-inf")  # MASK can never be drafted
         return logits
 
-    def forward(self, input_ids, position_ids, attention_mask, past_key_values=None, logits_to_keep=None):
-        """Logits (b, n, V) at rows `logits_to_keep`: (n,) shared by the batch, (b, n) per sequence, None = all q."""
-        hidden = self.hidden_states(input_ids, position_ids, attention_mask, past_key_values)
-        if logits_to_keep is not None and logits_to_keep.dim() == 2:
-            hidden = hidden.gather(1, logits_to_keep[..., None].expand(-1, -1, hidden.shape[-1]))
-        elif logits_to_keep is not None:
-            hidden = hidden[:, logits_to_keep]
-        return self.logits(hidden)
+    def forward(self, input_ids, position_ids, attention_mask, past_key_values=None) -> torch.Tensor:
+        return self.logits(self.hidden_states(input_ids, position_ids, attention_mask, past_key_values))
 
     def save_pretrained(self, path: str, tokenizer=None) -> None:
         os.makedirs(path, exist_ok=True)
@@ -165,19 +146,6 @@ class Drafter(nn.Module):
         if not os.path.isfile(os.path.join(path, CONFIG_NAME)):
             raise FileNotFoundError(f"{path!r} lacks {CONFIG_NAME}: a plain model, not a D3D drafter; see make_drafter")
         return cls(load_causal_lm(path, dtype, device, attn_implementation=attn_implementation), D3DConfig.load(path))
-
-
-def load_causal_lm(path: str, dtype=None, device=None, **kwargs) -> nn.Module:
-    """AutoModelForCausalLM.from_pretrained in `dtype` on `device`. On a GPU with `accelerate` installed the weights
-    go straight there (device_map); without it they pass through host memory first (an 8B model in bf16: 16 GB)."""
-    from transformers import AutoModelForCausalLM
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device, **kwargs)
-    if device.type != "cpu":
-        warnings.warn(f"loading {path} through host memory first (pip install accelerate loads it straight to "
-                      f"{device})")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device)
 
 
 def make_drafter(model: nn.Module, mask_token_id: int | None = None, *, tokenizer, layers: list[int] | None = None,
@@ -208,14 +176,6 @@ def make_drafter(model: nn.Module, mask_token_id: int | None = None, *, tokenize
     return Drafter(model, D3DConfig(mask_token_id=mask_token_id, target_vocab_size=target_vocab_size,
                                     tokenizer_hash=tokenizer_fingerprint(tokenizer),
                                     layer_ids=list(layers) if layers is not None else None, **config))
-
-
-def check_tokenizer(drafter: Drafter, tokenizer) -> None:
-    """Raise if the drafter was made for another tokenizer than `tokenizer` (the target's)."""
-    expected = drafter.d3d_config.tokenizer_hash
-    if expected and expected != tokenizer_fingerprint(tokenizer):
-        raise ValueError("the drafter was made for a different tokenizer than the target's: its drafts would be "
-                         "other tokens. Train a drafter for this target (python train.py --target ...)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -297,46 +257,24 @@ def _packed_inputs(drafter, input_ids, anchors, block_size):
     return torch.cat([input_ids, masks], 1), positions, mask
 
 
-def with_first_token(block: torch.Tensor, anchor: torch.Tensor, first_token: str) -> torch.Tensor:
-    """The rows (..., B, D) that draft a block: its own, with row 1 (d_1) from the token it hangs off if "ar" (ours)."""
-    if first_token == "block":
-        return block
-    return torch.cat([anchor.unsqueeze(-2), block[..., 1:, :]], -2)
+def draft_rows(anchor: torch.Tensor, mask_start: torch.Tensor, block_size: int, first_token: str) -> torch.Tensor:
+    """Where a block's draft d_1 .. d_B is read, one rule for validation and decoding: rows (..., B) of a packed pass,
+    its B MASK rows from `mask_start` on, except d_1 when first_token is "causal" (ours): then d_1 is the causal
+    stream's next-token prediction at `anchor`, the token the block hangs off (the head L_AR trains). "mask": MASK 1.
+    anchor, mask_start: row indices (...), broadcast together."""
+    anchor, mask_start = torch.broadcast_tensors(anchor, mask_start)
+    rows = mask_start[..., None] + torch.arange(block_size, device=mask_start.device)
+    if first_token == "causal":
+        rows[..., 0] = anchor
+    return rows
 
 
-LOGITS_PER_CHUNK = {"cpu": 2**25, "cuda": 2**28}  # fp32 logits alive at once in the loss: 128 MiB on a CPU, 1 GiB
-# on a GPU (Qwen3's 151,936 tokens: 220 or 1,766 rows; every chunk recasts the tied head and sums its gradient)
-
-
-def loss_chunk_rows(vocab_size: int, device: torch.device | str) -> int:
-    """Rows of logits the loss makes at once on this kind of device."""
-    kind = torch.device(device).type
-    return max(1, LOGITS_PER_CHUNK.get(kind, LOGITS_PER_CHUNK["cpu"]) // vocab_size)
-
-
-def rows_loss(drafter: Drafter, hidden: torch.Tensor, labels: torch.Tensor, *, teacher: Drafter | None = None,
-              teacher_hidden: torch.Tensor | None = None, beta: float = 0.5):
-    """Cross-entropy at `hidden` (N, H) against `labels` (N,), or the adjusted teacher at `teacher_hidden` (N, H):
-    (loss (N,), argmax (N,)). Logits are made in chunks, recomputed in backward: a batch's would take tens of GB."""
-    def chunk_loss(h, y, t_h):
+def cross_entropy(drafter: Drafter, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row cross-entropy of the drafter's logits at `hidden` (N, H) against `labels` (N,), and its argmax (N,)."""
+    def chunk(h, y):
         log_p = torch.log_softmax(drafter.logits(h), -1)  # (n, V), float32
-        if teacher is None:
-            return -log_p.gather(-1, y[:, None])[:, 0], log_p.argmax(-1)
-        with torch.no_grad():
-            q = adjusted_teacher(teacher.logits(t_h), y, beta)
-        return -(q * log_p.clamp(min=-1e4)).sum(-1), log_p.argmax(-1)  # MASK: q = 0, log_p = -inf; keep 0*-inf out
-    chunk = loss_chunk_rows(drafter.d3d_config.target_vocab_size, hidden.device)
-    losses, argmax = [hidden[:0].sum(-1)], [labels[:0]]  # (0,), in the graph: a batch without a labelled row
-    for rows in (slice(start, start + chunk) for start in range(0, len(hidden), chunk)):
-        t_h = teacher_hidden[rows] if teacher is not None else None
-        if torch.is_grad_enabled() and hidden.requires_grad:  # recompute the logits in backward instead of storing
-            loss, top = torch.utils.checkpoint.checkpoint(chunk_loss, hidden[rows], labels[rows], t_h,
-                                                          use_reentrant=False)
-        else:
-            loss, top = chunk_loss(hidden[rows], labels[rows], t_h)
-        losses.append(loss)
-        argmax.append(top)
-    return torch.cat(losses), torch.cat(argmax)
+        return -log_p.gather(-1, y[:, None])[:, 0], log_p.argmax(-1)
+    return in_logit_chunks(drafter.d3d_config.target_vocab_size, chunk, hidden, labels)
 
 
 def _block_labels(input_ids, loss_mask, anchors, valid, block_size):
@@ -365,13 +303,13 @@ def d3d_loss(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)  # (b, K, B)
     steps = torch.arange(block_size, device=input_ids.device)
     weights = torch.exp(-steps / decay_gamma) if decay_gamma else torch.ones(block_size, device=input_ids.device)
-    token_loss, predicted = rows_loss(drafter, block_hidden[counts], labels[counts])  # block rows with a label
+    token_loss, predicted = cross_entropy(drafter, block_hidden[counts], labels[counts])  # labelled block rows
     w = (counts * weights)[counts]
     loss_block = (token_loss * w).sum() / w.sum().clamp(min=1e-8)
     loss_ar = torch.zeros((), device=input_ids.device)
     if ar_weight > 0:
         has_label = loss_mask[:, 1:].bool()  # causal row j predicts x_{j+1}: response tokens only
-        ar_tok, _ = rows_loss(drafter, causal_hidden[:, :-1][has_label], input_ids[:, 1:][has_label])
+        ar_tok, _ = cross_entropy(drafter, causal_hidden[:, :-1][has_label], input_ids[:, 1:][has_label])
         loss_ar = ar_tok.sum() / has_label.sum().clamp(min=1)
     with torch.no_grad():
         correct = torch.zeros_like(counts)
@@ -379,18 +317,6 @@ def d3d_loss(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
         block_acc = correct.sum((0, 1)) / counts.sum((0, 1)).clamp(min=1)
     loss = loss_block + ar_weight * loss_ar
     return loss, {"loss_block": loss_block.detach(), "loss_ar": loss_ar.detach(), "block_acc": block_acc}
-
-
-def finite_step(optimizer: torch.optim.Optimizer, params, max_norm: float) -> bool:
-    """Clip the gradients to max_norm and step, unless their norm is not finite: then drop them and skip the step
-    (one NaN or Inf would reach the weights and both AdamW moments). Returns whether it stepped. The norm is the same
-    on every rank (gradients are reduced before it), so every rank decides alike. One host read."""
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    stepped = bool(torch.isfinite(norm))
-    if stepped:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return stepped
 
 
 @torch.no_grad()
@@ -404,134 +330,21 @@ def offline_tau(drafter: Drafter, input_ids, loss_mask, *, num_anchors: int = 32
     return _tau_at(drafter, input_ids, loss_mask, anchors, valid, block_size, first_token)
 
 
-def _tau_at(drafter, input_ids, loss_mask, anchors, valid, block_size, first_token=None) -> torch.Tensor:
+def _tau_at(drafter, input_ids, loss_mask, anchors, valid, block_size, first_token=None):
     """offline_tau at given anchors (b, K) and their validity (b, K)."""
-    causal_hidden, block_hidden = _packed_hidden(drafter, input_ids, anchors, block_size)
-    anchor_hidden = causal_hidden.gather(1, anchors[..., None].expand(-1, -1, causal_hidden.shape[-1]))  # (b, K, H)
-    rows = with_first_token(block_hidden, anchor_hidden, first_token or drafter.d3d_config.first_token)[valid]
+    length, num_anchors = input_ids.shape[1], anchors.shape[1]
+    hidden = drafter.hidden_states(*_packed_inputs(drafter, input_ids, anchors, block_size))  # (b, L + K*B, H)
+    mask_starts = length + block_size * torch.arange(num_anchors, device=anchors.device)
+    rows = draft_rows(anchors, mask_starts, block_size, first_token or drafter.d3d_config.first_token)  # (b, K, B)
+    rows = hidden.gather(1, rows.flatten(1)[..., None].expand(-1, -1, hidden.shape[-1])).unflatten(1, rows.shape[1:])
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
-    _, draft = rows_loss(drafter, rows.flatten(0, 1), labels[valid].flatten())  # chunked argmax
+    draft, = in_logit_chunks(drafter.d3d_config.target_vocab_size, lambda h: (drafter.logits(h).argmax(-1),), rows[valid].flatten(0, 1))
     hit = (draft.view_as(labels[valid]) == labels[valid]) & counts[valid]  # (num_valid, B), past the end: a miss
     return (hit.long().cumprod(-1).sum(-1) + 1).float()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Drafting, verification and acceptance
-
-
-class KVCache:
-    """A model's KV cache of fixed size (an HF StaticCache), made once and reused for every request, so that shapes
-    and addresses never change (what compiled passes and CUDA graphs need). A pass writes its q tokens at the cache's
-    own position; `rewind` moves that position back (a rejected draft, a packed pass's branches) without touching the
-    tensors. The length is kept on the host: the StaticCache's own is a device tensor, and reading it would wait for
-    the device. `step` runs the fixed-shape passes: the fast path (fast.py) swaps in a compiled one."""
-
-    def __init__(self, model: nn.Module, max_len: int):
-        from transformers import StaticCache
-        config = model.model.config if isinstance(model, Drafter) else model.config
-        self.model, self.max_len, self.length = model, max_len, 0
-        self.hf = StaticCache(config=config, max_cache_len=max_len)
-        self.step = self.forward
-
-    def forward(self, ids, positions, mask) -> torch.Tensor:
-        """ids, positions (1, q); mask (1, 1, q, max_len) bool over the cache's slots. A drafter: its last hidden
-        states (q, H); a target: float logits (q, V)."""
-        if isinstance(self.model, Drafter):
-            return self.model.hidden_states(ids, positions, mask, self.hf)[0]
-        return self.model(input_ids=ids, position_ids=positions, attention_mask=additive_mask(mask, self.model),
-                          cache=self.hf, use_cache=True).logits[0].float()
-
-    def run(self, ids, positions, mask, *, fixed: bool = True) -> torch.Tensor:
-        """A pass over ids (1, q) written at slots length .. length+q-1; mask (1, 1, q, length+q) is widened to all
-        slots (no query sees past its pass). fixed=False (a prefill: any length) always runs eagerly."""
-        q = ids.shape[1]
-        if self.length + q > self.max_len:  # refused before the write: an overflowing write moves the position first
-            raise ValueError(f"KV cache full: {self.length} + {q} tokens > max_len {self.max_len}; make the cache "
-                             "larger (generate's caches=, decode.py --max-len)")
-        mask = F.pad(mask, (0, self.max_len - self.length - q))
-        self.length += q
-        try:
-            return (self.step if fixed else self.forward)(ids, positions, mask)
-        except RuntimeError as error:  # a forward that drops its cache meets a mask wider than its own keys
-            if not self.hf.layers[0].is_initialized:
-                self.check([-1, -1])
-            raise error
-
-    def written(self, device) -> torch.Tensor:
-        """The cache's own length in its first and last layer (2,), left on the device for the round's one read."""
-        layers = (self.hf.layers[0], self.hf.layers[-1])
-        return torch.stack([layer.cumulative_length.to(device) if layer.is_initialized
-                            else torch.tensor(-1, device=device) for layer in layers])
-
-    def check(self, written: list[int]) -> None:
-        """A pass that ignored its cache (a model whose forward drops cache=) would decode wrong tokens without an
-        error; its cache's own length then differs from the host's."""
-        if any(n != self.length for n in written):
-            raise ignored_cache(f"{type(self.model).__name__}'s KV cache", f"{written} tokens (first, last layer)",
-                                self.length)
-
-    def rewind(self, length: int) -> None:
-        """Keep the first `length` tokens (the next pass overwrites the rest)."""
-        if length < self.length:
-            self.hf.crop(length - self.length)
-            self.length = length
-
-
-@dataclass
-class Caches:
-    """The target's and the drafter's KVCache, kept across requests (decode.py makes one pair per run)."""
-    target: KVCache
-    drafter: KVCache | None
-
-    @classmethod
-    def make(cls, target: nn.Module, drafter: Drafter | None, max_len: int) -> "Caches":
-        return cls(KVCache(target, max_len), KVCache(drafter, max_len) if drafter is not None else None)
-
-
-def cache_len(prompt_len: int, max_new_tokens: int, block_size: int = 1, coverage: int = 0, fanout: int = 0) -> int:
-    """Slots a request needs: its tokens plus the widest pass written past them (async: the packed pass)."""
-    widest = max(2 * block_size + 1, 1 + block_size + (min(coverage, block_size) * fanout + 1) * (1 + block_size))
-    return prompt_len + max_new_tokens + widest
-
-
-def ignored_cache(cache: str, holds: str, written: int) -> RuntimeError:
-    """The error for a cache that holds other than what was written into it: the model's forward ignored it."""
-    return RuntimeError(f"{cache} holds {holds} where {written} were written: the model's forward ignored the cache "
-                        "it was given (transformers outside the versions in requirements.txt?)")
-
-
-def read_round(values: list[torch.Tensor], *caches: KVCache) -> list[int]:
-    """The round's one host read: `values` (0-d or 1-d integer tensors), flattened into one list, and each cache's
-    own length, checked against the host's (KVCache.check)."""
-    device = values[0].device
-    read = torch.cat([v.view(-1) for v in values] + [c.written(device) for c in caches]).tolist()
-    n = len(read) - 2 * len(caches)
-    for i, cache in enumerate(caches):
-        cache.check(read[n + 2 * i: n + 2 * i + 2])
-    return read[:n]
-
-
-def causal_pass(cache: KVCache, ids: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
-    """A plain causal pass over ids (1, q) after what the cache holds; position_offset: prompt tokens the cache
-    skipped (selective prefill), so positions run that far ahead of the slots."""
-    mask, positions = packed_attention_mask(ids.shape[1], ids.new_zeros(0), 1, past_len=cache.length)
-    return cache.run(ids, positions + position_offset, mask)
-
-
-PREFILL_CHUNK = 512  # tokens a prefill pass reads: its mask is chunk x cache length, never prompt x prompt (32k: 1 GiB)
-
-
-def prefill(cache: KVCache, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal passes over a prompt, ids (1, n) at positions (1, n) (default: from the cache's length on), that write
-    it into the cache PREFILL_CHUNK tokens at a time, eagerly (any length). Returns the last pass's output: its last
-    row is the last token's."""
-    if positions is None:
-        positions = torch.arange(cache.length, cache.length + ids.shape[1], device=ids.device)[None]
-    for start in range(0, ids.shape[1], PREFILL_CHUNK):
-        chunk = ids[:, start: start + PREFILL_CHUNK]
-        mask, _ = packed_attention_mask(chunk.shape[1], ids.new_zeros(0), 1, past_len=cache.length)
-        out = cache.run(chunk, positions[:, start: start + PREFILL_CHUNK], mask, fixed=False)
-    return out
 
 
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -549,14 +362,6 @@ def pick_tokens(logits: torch.Tensor, temperature: float, generator=None):
     return _sample(probs, generator), probs
 
 
-def draft_rows(drafter: Drafter, anchor_rows: torch.Tensor, block_starts: torch.Tensor, block_size: int):
-    """Rows (S, B) of a packed pass that draft each block: its MASK rows, d_1 from `anchor_rows` if first_token "ar"."""
-    rows = block_starts[:, None] + torch.arange(block_size, device=block_starts.device)
-    if drafter.d3d_config.first_token == "ar":
-        rows[:, 0] = anchor_rows
-    return rows
-
-
 @torch.no_grad()
 def draft_block(drafter: Drafter, cache: KVCache, new_tokens: torch.Tensor, block_size: int,
                 width: int | None = None) -> torch.Tensor:
@@ -570,14 +375,15 @@ def draft_block(drafter: Drafter, cache: KVCache, new_tokens: torch.Tensor, bloc
     masks = torch.full((1, block_size), drafter.d3d_config.mask_token_id, device=device)
     hidden = cache.run(torch.cat([F.pad(new_tokens, (0, width - m)), masks], 1), positions, mask)  # (width + B, H)
     cache.rewind(start + m)
-    return drafter.logits(hidden[draft_rows(drafter, last, last.new_full((1,), width), block_size)[0]])
+    return drafter.logits(hidden[draft_rows(last, last.new_full((1,), width), block_size,
+                                            drafter.d3d_config.first_token)[0]])
 
 
 @torch.no_grad()
-def verify_block(cache: KVCache, last_token: torch.Tensor, draft: torch.Tensor, position_offset: int = 0):
+def verify_block(cache: KVCache, last_token: torch.Tensor, draft: torch.Tensor):
     """One target pass on [x_n, d_1 .. d_B] (cache holds x_0 .. x_{n-1}). Returns logits (B+1, V): row i is the
     target's distribution for the token after x_n, d_1 .. d_i."""
-    return causal_pass(cache, torch.cat([last_token.view(1), draft])[None], position_offset)
+    return causal_pass(cache, torch.cat([last_token.view(1), draft])[None])
 
 
 def _at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -613,139 +419,49 @@ def accept_draft(p_logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Ten
 # Decoding loops: target-only (the reference) and synchronous speculative decoding
 
 
-def _clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-def _mark(device: torch.device):
-    """A point in a round: on CUDA an event on the current stream (read once the decode is over, so marking never
-    makes the host wait for the device mid-round), else the host clock. _settle adds up the phases marked."""
-    if device.type != "cuda":
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-def _settle(times: dict) -> None:
-    """Add the phases marked as (key, start, end) to times[key]; after the round's read, so every event is done."""
-    for key, start, end in times.pop("marks", []):
-        times[key] += start.elapsed_time(end) / 1e3 if isinstance(start, torch.cuda.Event) else end - start
-
-
-def _mean(values) -> float:
-    return sum(values) / len(values) if values else float("nan")
-
-
-class _Output:
-    """Committed tokens of one sequence, with the stop rules (EOS kept, max_new_tokens) and the round statistics."""
-
-    def __init__(self, prompt: list[int], max_new_tokens: int, eos_token_id):
-        self.tokens, self.prompt_len, self.max_new_tokens = list(prompt), len(prompt), max_new_tokens
-        eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
-        self.eos = {int(e) for e in eos if e is not None}
-        self.done = max_new_tokens <= 0
-        self.accept_lengths: list[int] = []  # per speculative round: tokens committed (accepted + 1)
-
-    def commit(self, new: list[int]) -> list[int]:
-        """Append tokens, cut at the first EOS (kept) or at max_new_tokens. Returns what was committed."""
-        new = new[: self.prompt_len + self.max_new_tokens - len(self.tokens)]
-        for i, t in enumerate(new):
-            if t in self.eos:
-                new = new[: i + 1]
-                break
-        self.tokens.extend(new)
-        self.done = len(self.tokens) - self.prompt_len >= self.max_new_tokens or (bool(new) and new[-1] in self.eos)
-        return new
-
-    def commit_round(self, accepted: list[int], next_token: int) -> None:
-        self.accept_lengths.append(len(self.commit(accepted + [next_token])))
-
-
-@dataclass
-class _Decoding:
-    """One sequence being decoded: its tokens, both KV caches and the time split."""
-    out: _Output
-    target_cache: KVCache
-    drafter_cache: KVCache | None
-    offset: int  # prompt tokens the target's cache skipped (selective prefill): positions run this far ahead of it
-    times: dict
-    device: torch.device
-
-
-def _prefill(caches: Caches, input_ids, selection, max_new_tokens, eos_token_id, temperature, generator):
+def _prefill(caches: Caches, input_ids, selection, out: Output, clock: Clock, temperature, generator) -> None:
     """The target prefills the prompt (or the chunks selective prefill kept) and produces the first token itself;
     the drafter reads the prompt (selective prefill: it already has), so that its first draft starts at x_n."""
-    device = input_ids.device
-    out = _Output(input_ids[0].tolist(), max_new_tokens, eos_token_id)
-    ids, positions = input_ids, torch.arange(input_ids.shape[1], device=device)[None]
+    ids, positions = input_ids, torch.arange(input_ids.shape[1], device=input_ids.device)[None]
     if selection is not None:
         ids, positions = selection["kept_ids"], selection["kept_positions"]
-    run = _Decoding(out, caches.target, caches.drafter, input_ids.shape[1] - ids.shape[1],
-                    {"start": _clock(device), "prefill": 0.0, "draft": 0.0, "verify": 0.0}, device)
-    run.target_cache.rewind(0)
-    if run.drafter_cache is not None and selection is None:
-        run.drafter_cache.rewind(0)
-    if not out.done:
-        logits = prefill(run.target_cache, ids, positions)[-1]
-        out.commit(read_round([pick_tokens(logits, temperature, generator)[0]], run.target_cache))
-        if run.drafter_cache is not None and selection is None:
-            prefill(run.drafter_cache, input_ids)
-        run.times["prefill"] = _clock(device) - run.times["start"]
-    return run
+    caches.target.reset(skipped=input_ids.shape[1] - ids.shape[1])
+    if caches.drafter is not None and selection is None:
+        caches.drafter.reset()
+    if out.done:
+        return
+    with clock.span("prefill"):
+        logits = prefill(caches.target, ids, positions)[-1]
+        out.commit(read_round([pick_tokens(logits, temperature, generator)[0]], caches.target))
+        if caches.drafter is not None and selection is None:
+            prefill(caches.drafter, input_ids)
 
 
-def _finish(run: _Decoding, selection) -> tuple[torch.Tensor, dict]:
-    """Output ids (1, prompt + new) and the stats of a single-sequence decode."""
-    out, times = run.out, run.times
-    prefill, total = times["prefill"], _clock(run.device) - times["start"]
-    if selection is not None:  # the drafter's scoring pass is part of the time to first token
-        prefill, total = prefill + selection["time_scoring"], total + selection["time_scoring"]
-    num_new, decode_time = len(out.tokens) - out.prompt_len, total - prefill
-    stats = {"tau": _mean(out.accept_lengths), "accept_lengths": out.accept_lengths,
-             "num_rounds": len(out.accept_lengths), "num_new_tokens": num_new,
-             "time_prefill": prefill,  # time to first token (the target's prefill and the drafter's)
-             "time_draft": times["draft"], "time_verify": times["verify"], "time_total": total,
-             # decode speed excludes prefill (the paper's protocol); the first token comes from prefill
-             "tokens_per_s": (num_new - 1) / decode_time if num_new > 1 and decode_time > 0 else float("nan")}
-    if selection is not None:
-        stats.update({key: selection[key] for key in ("num_chunks", "chunks_kept", "time_scoring")},
-                     prompt_tokens_prefilled=selection["kept_ids"].shape[1],
-                     time_target_prefill=prefill - selection["time_scoring"])
-    return torch.tensor([out.tokens], device=run.device), stats
-
-
-def _decode_target(run: _Decoding, temperature, generator) -> None:
+def _decode_target(out: Output, caches: Caches, clock: Clock, temperature, generator) -> None:
     """Plain autoregressive decoding with the target alone: the reference output and the speedup baseline."""
-    out = run.out
-    token = torch.tensor([out.tokens[-1:]], device=run.device)  # (1, 1)
+    token = torch.tensor([out.tokens[-1:]], device=caches.target.device)  # (1, 1)
     while not out.done:
-        logits = causal_pass(run.target_cache, token, run.offset)[-1]
+        logits = causal_pass(caches.target, token)[-1]
         token = pick_tokens(logits, temperature, generator)[0].view(1, 1)
-        out.commit(read_round([token], run.target_cache))  # the step's one host read
+        out.commit(read_round([token], caches.target))  # the step's one host read
 
 
-def _decode_sync(drafter, run: _Decoding, block_size, temperature, generator) -> None:
+def _decode_sync(drafter, out: Output, caches: Caches, clock: Clock, block_size, temperature, generator) -> None:
     """Draft a block, verify it, commit, repeat. At the top of a round (committed x_0 .. x_n): target cache =
     x_0 .. x_{n-1} (x_n goes with the draft); drafter cache = x_0 .. x_{d-1}, n - B <= d <= n (it reads the rest,
     padded to B + 1 tokens, in its next pass)."""
-    out, times, device = run.out, run.times, run.device
+    tc, dc = caches.target, caches.drafter
     while not out.done:
-        t0 = _mark(device)
-        new_tokens = torch.tensor([out.tokens[run.drafter_cache.length:]], device=device)
-        draft_logits = draft_block(drafter, run.drafter_cache, new_tokens, block_size, width=block_size + 1)
-        draft, q_draft = pick_tokens(draft_logits, temperature, generator)
-        t1 = _mark(device)
-        p_logits = verify_block(run.target_cache, new_tokens[0, -1], draft, run.offset)
-        num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator)
-        num_accepted, next_token, *tokens = read_round([num_accepted, next_token, draft], run.target_cache,
-                                                       run.drafter_cache)  # the round's one host read
+        with clock.span("draft"):
+            new_tokens = torch.tensor([out.tokens[dc.length:]], device=dc.device)
+            draft_logits = draft_block(drafter, dc, new_tokens, block_size, width=block_size + 1)
+            draft, q_draft = pick_tokens(draft_logits, temperature, generator)
+        with clock.span("verify"):
+            p_logits = verify_block(tc, new_tokens[0, -1], draft)
+            num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator)
+        num_accepted, next_token, *tokens = read_round([num_accepted, next_token, draft], tc, dc)  # the one read
         out.commit_round(tokens[:num_accepted], next_token)
-        run.target_cache.rewind(len(out.tokens) - 1 - run.offset)  # keep x_0 .. x_n, d_1 .. d_a
-        times.setdefault("marks", []).extend([("draft", t0, t1), ("verify", t1, _mark(device))])
-    _settle(times)
+        tc.rewind(len(out.tokens) - 1)  # keep x_0 .. x_n, d_1 .. d_a
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -765,30 +481,26 @@ def plan_branches(draft_logits: torch.Tensor, draft: torch.Tensor, coverage: int
     coverage, fanout = min(coverage, block_size), min(fanout, vocab - 1)
     if cover == "first":
         positions = torch.arange(1, coverage + 1, device=draft.device)
-    elif cover == "likely":
+    else:  # "likely"
         c = torch.softmax(draft_logits, -1).gather(1, draft[:, None])[:, 0]  # (B,) drafter's confidence in d_k
         reach = torch.cat([torch.ones_like(c[:1]), torch.cumprod(c, 0)[:-1]])  # prod_{j<k} c_j
         positions = torch.topk(reach * (1 - c), coverage).indices.sort().values + 1
-    else:
-        raise ValueError(f"cover must be 'first' or 'likely', got {cover!r}")
     others = draft_logits.scatter(-1, draft[:, None], float("-inf"))  # d_k is never its own alternative
     return positions, others.topk(fanout, dim=-1).indices[positions - 1]  # (C,), (C, F)
 
 
-def build_branch_pass(drafter: Drafter, new_tokens, draft, positions, candidates, *, past_len: int, block_size: int,
+def build_branch_pass(drafter: Drafter, last_token, draft, positions, candidates, *, past_len: int, block_size: int,
                       length: int | None = None):
     """Input of the packed pass that drafts the next block for each planned outcome of verifying `draft` (B,).
 
-    Causal stream: new_tokens (m,), the tokens the drafter has not read, ending with x_n (m = 0: x_n is cached), then
-    d_1 .. d_B (the accepted drafts get their KV here). Then C x F segments [t, MASK x B], t at position n+k off
-    d_{k-1} (d_0 = x_n): "d_k rejected, the target said t"; last [d_L, MASK x B] off d_{L-1}, guessing the bonus
-    token and on (L = `length`, the real draft tokens; default B). With first_token "ar" a segment's first token
-    drafts d'_1 (MASK 1: a placeholder). Example with m = 1, B = L = 3, C = 2, F = 1, B = 2; the cache x_0 .. x_{n-1}
-    is visible to all:
+    Causal stream: x_n (`last_token`, (1,); the cache holds x_0 .. x_{n-1}), then d_1 .. d_B (the accepted drafts get
+    their KV here). Then C x F segments [t, MASK x B], t at position n+k off d_{k-1} (d_0 = x_n): "d_k rejected, the
+    target said t"; last [d_L, MASK x B] off d_{L-1}, guessing the bonus token and on (L = `length`, the real draft
+    tokens; default B). Example with B = L = 3, C = 2, F = 1, blocks of 2 MASKs shown; the cache is visible to all:
 
                      x_n d_1 d_2 d_3 | t1 m m | t2 m m | d_3 m m
         x_n (n)      x               |        |        |
-        d_1 (n+1)    x   x           |        |        |               causal stream: new tokens, then the draft
+        d_1 (n+1)    x   x           |        |        |               causal stream: x_n, then the draft
         d_2 (n+2)    x   x   x       |        |        |
         d_3 (n+3)    x   x   x   x   |        |        |
         t1  (n+1)    x               | x      |        |               branch (1, t1): d_1 rejected, target said t1;
@@ -801,20 +513,19 @@ def build_branch_pass(drafter: Drafter, new_tokens, draft, positions, candidates
         m   (n+4)    x   x   x       |        |        | x   x x       bonus x_{n+4}, then x_{n+5}
         m   (n+5)    x   x   x       |        |        | x   x x
 
-    Built without waiting for the device; its shape depends on m, B, C and F only. Returns input ids (1, q), position
-    ids (1, q), mask (1, 1, q, past+q) and the rows (S, B) drafting each segment's block, in the order of
+    Built without waiting for the device; its shape depends on B, C and F only. Returns input ids (1, q), position
+    ids (1, q), mask (1, 1, q, past+q) and the rows (S, B) drafting each segment's block (draft_rows), in the order of
     candidates.flatten(), then full acceptance."""
-    num_new, fanout = new_tokens.shape[0], candidates.shape[1]
+    fanout = candidates.shape[1]
     length = draft.shape[0] if length is None else length
-    hang_on = torch.cat([positions[:, None].expand(-1, fanout).flatten(), positions.new_full((1,), length)]) - 1
-    anchors = num_new - 1 + hang_on  # causal index of d_{k-1} (d_0 = x_n; -1 if x_n is in the cache)
+    anchors = torch.cat([positions[:, None].expand(-1, fanout).flatten(), positions.new_full((1,), length)]) - 1
     segments = torch.full((len(anchors), 1 + block_size), drafter.d3d_config.mask_token_id, device=draft.device)
     segments[:, 0] = torch.cat([candidates.flatten(), draft[length - 1: length]])
-    num_causal = num_new + draft.shape[0]
-    ids = torch.cat([new_tokens, draft, segments.flatten()])[None]
+    num_causal = 1 + draft.shape[0]
+    ids = torch.cat([last_token, draft, segments.flatten()])[None]
     mask, position_ids = packed_attention_mask(num_causal, anchors, block_size, prefix_len=1, past_len=past_len)
-    block_starts = num_causal + 1 + (1 + block_size) * torch.arange(len(anchors), device=draft.device)
-    return ids, position_ids, mask, draft_rows(drafter, block_starts - 1, block_starts, block_size)
+    mask_starts = num_causal + 1 + (1 + block_size) * torch.arange(len(anchors), device=draft.device)
+    return ids, position_ids, mask, draft_rows(mask_starts - 1, mask_starts, block_size, drafter.d3d_config.first_token)
 
 
 def prepared_segment(drafter: Drafter, block_hidden, positions, candidates, num_accepted, next_token, length: int,
@@ -832,20 +543,16 @@ def prepared_segment(drafter: Drafter, block_hidden, positions, candidates, num_
 
 
 class _Lanes:
-    """The second lane the packed pass runs in while the target verifies: a CUDA stream (verify gets a stream of
-    higher priority), or on a CPU a worker thread (two lanes share the cores: each gets half of torch's threads).
-    lanes=1: one after the other. `both(verify, packed)` runs the two and returns both results and their times:
-    each pass in its lane, the two together, and (CUDA) the host time spent launching each: device times come from
-    events and are read later, once the host has waited anyway (callables); on a CPU all are the host clock."""
+    """Runs verification and the packed pass side by side (lanes=2): on CUDA in two streams (verify's of higher
+    priority), on a CPU the packed pass in a worker thread (the two share the cores: each gets half of torch's
+    threads); lanes=1: one after the other. The clock gets each pass's time and the two together's ("both")."""
 
     def __init__(self, device: torch.device, lanes: int):
-        self.device, self.lanes, self.pool = device, lanes, None
-        if device.type == "cuda":  # lanes=1: both on the main stream, one after the other, timed the same way
+        self.streams, self.pool = device.type == "cuda" and lanes > 1, None
+        if self.streams:
             self.main = torch.cuda.current_stream(device)
-            self.verify_stream, self.draft_stream = self.main, self.main
-            if lanes > 1:
-                self.verify_stream = torch.cuda.Stream(device, priority=-1)  # the critical path goes first
-                self.draft_stream = torch.cuda.Stream(device)
+            self.verify_stream = torch.cuda.Stream(device, priority=-1)  # the critical path goes first
+            self.draft_stream = torch.cuda.Stream(device)
         elif lanes > 1:
             from concurrent.futures import ThreadPoolExecutor
             self.pool, self.threads = ThreadPoolExecutor(1), torch.get_num_threads()
@@ -856,93 +563,67 @@ class _Lanes:
             self.pool.shutdown()
             torch.set_num_threads(self.threads)
 
-    def both(self, verify, packed):
-        if self.device.type == "cuda":
-            return self._streams(verify, packed)
-        start = time.perf_counter()
-        if self.pool is not None:  # the packed pass in the worker thread, verify here; kernels release the GIL
-            future = self.pool.submit(_timed, packed)
-            p_logits, verify_s = _timed(verify)
-            block_hidden, packed_s = future.result()
-        else:
-            p_logits, verify_s = _timed(verify)
-            block_hidden, packed_s = _timed(packed)
-        return p_logits, block_hidden, {"verify": verify_s, "packed_draft": packed_s,
-                                        "both": time.perf_counter() - start}
-
-    def _streams(self, verify, packed):
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
-        events[0].record(self.main)
-        self.verify_stream.wait_stream(self.main)  # both read what the main stream made: the draft, the packed input
-        self.draft_stream.wait_stream(self.main)
-        with torch.cuda.stream(self.verify_stream):
-            events[1].record()
-            p_logits, verify_launch = _timed(verify)  # host time: the pass is queued, not done
-            events[2].record()
-        with torch.cuda.stream(self.draft_stream):
-            events[3].record()
-            block_hidden, packed_launch = _timed(packed)
-            events[4].record()
-        self.main.wait_stream(self.verify_stream)  # join: p_logits and block_hidden are read on the main stream
-        self.main.wait_stream(self.draft_stream)
-        p_logits.record_stream(self.main)  # made on side streams: the allocator must not reuse them early
-        block_hidden.record_stream(self.main)
-        events[5].record(self.main)
-        seconds = lambda a, b: lambda: events[a].elapsed_time(events[b]) / 1e3  # noqa: E731 (read after a wait)
-        return p_logits, block_hidden, {"verify": seconds(1, 2), "packed_draft": seconds(3, 4), "both": seconds(0, 5),
-                                        "verify_launch": verify_launch, "packed_launch": packed_launch}
+    def both(self, verify, packed, clock: Clock):
+        with clock.span("both"):
+            if not self.streams:  # a worker thread (kernels release the GIL), or one pass after the other
+                future = self.pool.submit(_in_span, clock, "packed_draft", packed) if self.pool else None
+                p_logits = _in_span(clock, "verify", verify)
+                return p_logits, future.result() if future else _in_span(clock, "packed_draft", packed)
+            self.verify_stream.wait_stream(self.main)  # both read what the main stream made: the draft, the input
+            self.draft_stream.wait_stream(self.main)
+            with torch.cuda.stream(self.verify_stream):
+                p_logits = _in_span(clock, "verify", verify)
+            with torch.cuda.stream(self.draft_stream):
+                block_hidden = _in_span(clock, "packed_draft", packed)
+            for stream, result in ((self.verify_stream, p_logits), (self.draft_stream, block_hidden)):
+                self.main.wait_stream(stream)  # join: both are read on the main stream
+                result.record_stream(self.main)  # made on a side stream: the allocator must not reuse it early
+            return p_logits, block_hidden
 
 
 @torch.no_grad()  # also in a worker thread, where the caller's no_grad does not reach
-def _timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - start
+def _in_span(clock: Clock, key: str, fn):
+    with clock.span(key):
+        return fn()
 
 
-def _decode_async(drafter, run: _Decoding, block_size, temperature, generator, coverage, fanout, cover,
-                  lanes: int) -> dict:
+def _decode_async(drafter, out: Output, caches: Caches, clock: Clock, block_size, temperature, generator, coverage,
+                  fanout, cover, lanes: int) -> dict:
     """While the target verifies [x_n, d_1 .. d_B], one packed drafter pass prepares the next draft for the likely
     outcomes. Each round: (a) plan and build the packed pass; (b) verify while it runs; (c) commit the accepted prefix
     and the target's token c; a prepared outcome's block is the next draft (a hit), else the drafter drafts it (a
     miss: fallback draft). At the top of a round the drafter's cache holds x_0 .. x_{n-1}, so every packed pass has
     one shape. After a full-acceptance hit the next draft has B-1 real tokens, padded to B (a pad is never accepted).
-    Returns the async stats."""
-    out, times, device, dc, tc = run.out, run.times, run.device, run.drafter_cache, run.target_cache
-    timed = ("packed_draft", "fallback_draft", "overlap_saved", "verify_launch", "packed_launch")
-    times.update(dict.fromkeys(timed, 0.0))
-    hits, misses = [0] * (block_size + 1), [0] * (block_size + 1)  # index k-1: rejection at k; index B: full accept
-    lane, pending = _Lanes(device, lanes), []  # pending: CUDA timings, read once the host has waited anyway
+    Returns hits and misses per outcome (index k-1: rejection at k; index B: full acceptance)."""
+    tc, dc = caches.target, caches.drafter
+    hits, misses = [0] * (block_size + 1), [0] * (block_size + 1)
+    lane = _Lanes(dc.device, lanes)
     draft_logits, length = None, block_size  # the next draft (None: not prepared) and its real tokens
     try:
         while not out.done:
             n = len(out.tokens) - 1
+            last = torch.tensor(out.tokens[n:], device=dc.device)  # (1,) x_n: the round's one host-to-device copy
             if draft_logits is None:  # a fallback draft (a miss, or the first round): its pass reads x_n
-                t0 = _mark(device)
-                draft_logits, length = draft_block(drafter, dc, torch.tensor([out.tokens[n:]], device=device),
-                                                   block_size), block_size
-                dc.rewind(n)  # x_n again in the packed pass, whose causal stream always starts there
-                times.setdefault("marks", []).append(("fallback_draft", t0, _mark(device)))
-            # (a) plan and build, on the device; x_n is the round's one host-to-device copy
+                with clock.span("fallback_draft"):
+                    draft_logits, length = draft_block(drafter, dc, last[None], block_size), block_size
+                    dc.rewind(n)  # x_n again in the packed pass, whose causal stream always starts there
+            # (a) plan and build, on the device
             draft, q_draft = pick_tokens(draft_logits, temperature, generator)  # (B,), padded if length < B
-            last = torch.tensor(out.tokens[n:], device=device)  # (1,) x_n
             positions, candidates = plan_branches(draft_logits, draft, coverage, fanout, cover)
             ids, position_ids, mask, block_rows = build_branch_pass(drafter, last, draft, positions, candidates,
                                                                     past_len=dc.length, block_size=block_size,
                                                                     length=length)
             # (b) verify while the packed pass prepares the next draft
-            p_logits, block_hidden, seconds = lane.both(
-                lambda: verify_block(tc, last, draft, run.offset),
-                lambda: dc.run(ids, position_ids, mask)[block_rows])  # (S, B, H)
+            p_logits, block_hidden = lane.both(lambda: verify_block(tc, last, draft),
+                                               lambda: dc.run(ids, position_ids, mask)[block_rows], clock)  # (S, B, H)
             num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator, length)
             segment = prepared_segment(drafter, block_hidden, positions, candidates, num_accepted, next_token, length,
                                        temperature, generator)
             num_accepted, next_token, segment, *tokens = read_round(
                 [num_accepted, next_token, segment, draft], tc, dc)  # the round's one host read
-            pending.append(seconds)
             # (c) resolve: commit, rewind both caches, take the prepared block if the outcome was prepared
             out.commit_round(tokens[:num_accepted], next_token)
-            tc.rewind(len(out.tokens) - 1 - run.offset)
+            tc.rewind(len(out.tokens) - 1)
             dc.rewind(n + 1 + num_accepted)  # keep x_0 .. x_n, d_1 .. d_a; drop rejected drafts and branches
             (hits if segment >= 0 else misses)[block_size if num_accepted == length else num_accepted] += 1
             draft_logits = None
@@ -952,17 +633,8 @@ def _decode_async(drafter, run: _Decoding, block_size, temperature, generator, c
                 draft_logits, length = F.pad(draft_logits, (0, 0, 0, int(full))), block_size - int(full)
     finally:
         lane.close()
-    _settle(times)
-    for seconds in pending:
-        seconds = {key: t() if callable(t) else t for key, t in seconds.items()}
-        for key in ("verify", "packed_draft", "verify_launch", "packed_launch"):
-            times[key] += seconds.get(key, 0.0)
-        # what running the two side by side saved, as measured: below zero where it cost time (not clamped)
-        times["overlap_saved"] += seconds["verify"] + seconds["packed_draft"] - seconds.pop("both")
-    times["draft"] = times["packed_draft"] + times["fallback_draft"]
-    return {"hit_rate": sum(hits) / max(1, sum(hits) + sum(misses)), "hits_per_position": hits,
-            "misses_per_position": misses, **{f"time_{key}": times[key] for key in timed},
-            "coverage": coverage, "fanout": fanout, "cover": cover, "lanes": lanes}
+    return {"hits_per_position": hits, "misses_per_position": misses, "coverage": coverage, "fanout": fanout,
+            "cover": cover, "lanes": lanes}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -987,10 +659,16 @@ def distill_loss(student: Drafter, teacher: Drafter, input_ids, loss_mask, *, be
         t_causal, t_block = _packed_hidden(teacher, input_ids, anchors, block_size)
     s_causal, s_block = _packed_hidden(student, input_ids, anchors, block_size)
     has_label = loss_mask[:, 1:].bool()
+
+    def chunk(h, y, t_h):
+        with torch.no_grad():
+            q = adjusted_teacher(teacher.logits(t_h), y, beta)
+        log_p = torch.log_softmax(student.logits(h), -1).clamp(min=-1e4)  # MASK: q = 0, log_p = -inf; keep 0*-inf out
+        return (-(q * log_p).sum(-1),)
     loss = torch.zeros((), device=input_ids.device)
     for s, t, y, where in ((s_block, t_block, labels, counts),
                            (s_causal[:, :-1], t_causal[:, :-1], input_ids[:, 1:], has_label)):
-        token_loss, _ = rows_loss(student, s[where], y[where], teacher=teacher, teacher_hidden=t[where], beta=beta)
+        token_loss, = in_logit_chunks(student.d3d_config.target_vocab_size, chunk, s[where], y[where], t[where])
         loss = loss + token_loss.sum() / where.sum().clamp(min=1)
     return loss
 
@@ -1010,82 +688,27 @@ def validation_tau(drafter: Drafter, batches, *, num_anchors: int = 32, seed: in
 
 
 @contextlib.contextmanager
-def _only_layers(drafter: Drafter, layer_ids: list[int]):
-    """Keep only decoder layers `layer_ids` (none: straight to the final norm) for the duration; yields the decoder."""
+def _without_layer(drafter: Drafter, index: int):
+    """Leave decoder layer `index` out for the duration (to score it without copying the model)."""
     decoder, config = drafter.model.get_decoder(), drafter.model.config
     layers, layer_types = decoder.layers, getattr(config, "layer_types", None)
-    if layer_ids:
-        keep_layers(drafter.model, layer_ids)
-    else:  # keep_layers keeps at least one layer
-        decoder.layers, config.num_hidden_layers = nn.ModuleList(), 0
-        if layer_types is not None:
-            config.layer_types = []
+    keep_layers(drafter.model, [i for i in range(len(layers)) if i != index])
     try:
-        yield decoder
-    finally:  # every layer back, numbered 0..n-1 again by keep_layers
-        decoder.layers = layers
-        if layer_types is not None:
-            config.layer_types = layer_types
+        yield
+    finally:  # every layer back, numbered 0..n-1 again
+        decoder.layers, config.layer_types = layers, layer_types
         keep_layers(drafter.model, list(range(len(layers))))
-
-
-def _without_layer(drafter: Drafter, index: int):
-    """Drop decoder layer `index` for the duration (to score it without copying the model)."""
-    return _only_layers(drafter, [i for i in range(len(drafter.model.get_decoder().layers)) if i != index])
-
-
-@contextlib.contextmanager
-def _recording_layer_inputs(drafter: Drafter):
-    """Record the hidden states entering each decoder layer during the passes inside: a list, layer by layer."""
-    entering = []
-
-    def record(_, args, kwargs):
-        entering.append(args[0] if args else kwargs["hidden_states"])
-    handles = [layer.register_forward_pre_hook(record, with_kwargs=True)
-               for layer in drafter.model.get_decoder().layers]
-    try:
-        yield entering
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-@contextlib.contextmanager
-def _resumed_at(drafter: Drafter, start: int, hidden: torch.Tensor):
-    """Run only layers start.. (and the final norm) on `hidden` instead of the embedded input, for the duration."""
-    with _only_layers(drafter, list(range(start, len(drafter.model.get_decoder().layers)))) as decoder:
-        first = decoder.layers[0] if len(decoder.layers) else decoder.norm
-
-        def swap_input(_, args, kwargs):
-            return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
-        handle = first.register_forward_pre_hook(swap_input, with_kwargs=True)
-        try:
-            yield
-        finally:
-            handle.remove()
 
 
 @torch.no_grad()
 def tau_without_each_layer(drafter: Drafter, batches, *, num_anchors: int = 32, seed: int = 0) -> dict[int, float]:
-    """{i: offline tau of the drafter without layer i}: the numbers validation_tau gives under _without_layer(i), same
-    anchors and same operations, at less cost. Per batch, one full pass records what enters each layer; the drafter
-    without layer i then resumes from what entered layer i and runs layers i+1.. only. A greedy step over n layers
-    costs n(n-1)/2 layer passes instead of 2n(n-1) (validation_tau also makes a second pass for the block loss)."""
-    num_layers = len(drafter.model.get_decoder().layers)
-    block_size = drafter.d3d_config.block_size
-    generator = torch.Generator().manual_seed(seed)  # as validation_tau: one generator through the batches
-    taus = {i: [] for i in range(num_layers)}
-    bar = tqdm(total=len(batches) * num_layers, desc=f"score {num_layers} layers", leave=False)
-    for input_ids, loss_mask in batches:
-        anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
-        with _recording_layer_inputs(drafter) as entering:
-            drafter.hidden_states(*_packed_inputs(drafter, input_ids, anchors, block_size))
-        for i in range(num_layers):
-            with _resumed_at(drafter, i + 1, entering[i]):
-                taus[i].append(_tau_at(drafter, input_ids, loss_mask, anchors, valid, block_size))
-            bar.update()
-    bar.close()
-    return {i: torch.cat(t).mean().item() for i, t in taus.items()}
+    """{i: offline tau of the drafter without decoder layer i}, each from validation_tau on the same anchors.
+    fast.tau_without_each_layer gives the same numbers from one recorded pass per batch, at a fraction of the cost."""
+    scores = {}
+    for i in tqdm(range(len(drafter.model.get_decoder().layers)), desc="score layers", leave=False):
+        with _without_layer(drafter, i):
+            scores[i] = validation_tau(drafter, batches, num_anchors=num_anchors, seed=seed)[0]
+    return scores
 
 
 def remove_layer(drafter: Drafter, index: int) -> None:
@@ -1095,19 +718,12 @@ def remove_layer(drafter: Drafter, index: int) -> None:
     drafter.d3d_config.layer_ids = [layer for i, layer in enumerate(original) if i != index]
 
 
-def host_copy(module: nn.Module) -> nn.Module:
-    """A deep copy in host memory, made tensor by tensor (never a second whole copy on the device)."""
-    memo = {id(p): nn.Parameter(p.detach().to("cpu", copy=True), p.requires_grad) for p in module.parameters()}
-    memo.update({id(b): b.to("cpu", copy=True) for b in module.buffers()})
-    return copy.deepcopy(module, memo)
-
-
 def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: int | None = None,
                   tau_floor: float | None = None, recovery_steps: int = 100, lr: float = 5e-5, beta: float = 0.5,
-                  num_anchors: int = 32, seed: int = 0, checkpointing: bool = False, log=print):
+                  num_anchors: int = 32, seed: int = 0, checkpointing: bool = False, score=None, log=print):
     """Greedy progressive pruning, in place: each iteration removes the layer whose removal costs least offline tau
-    (every candidate scored by tau_without_each_layer; ties: least change in block loss), recovers for
-    `recovery_steps` AdamW steps distilled from the fixed unpruned drafter and re-measures tau. Stops at
+    (candidates scored by `score`: tau_without_each_layer, or fast.py's, which is quicker; ties: least change in block
+    loss), recovers for `recovery_steps` AdamW steps distilled from the fixed unpruned drafter, re-measures tau. Stops at
     `min_layers`, or at the first removal whose recovered tau falls below tau_floor x the unpruned tau (undone,
     "kept": False). Returns one dict per iteration. On the device: the drafter, its gradients and AdamW moments, and
     the teacher; the copy kept to undo a removal waits in host memory. `checkpointing`: recompute each layer's
@@ -1125,7 +741,7 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
         start = time.perf_counter()
         drafter.eval()
         original = drafter.d3d_config.layer_ids or list(range(len(drafter.model.get_decoder().layers)))
-        scores = tau_without_each_layer(drafter, val_batches, num_anchors=num_anchors, seed=seed)
+        scores = (score or tau_without_each_layer)(drafter, val_batches, num_anchors=num_anchors, seed=seed)
         best = max(scores, key=scores.get)
         tied = [i for i in scores if scores[i] == scores[best]]
         if len(tied) > 1:  # ties (common for weak drafters) go to the smallest change in block loss
@@ -1189,28 +805,17 @@ def select_chunks(drafter: Drafter, input_ids: torch.Tensor, *, keep_ratio: floa
     """The drafter reads the whole prompt into its cache (`cache`, else a new one) and picks the chunks the target
     prefills: the first, the last, then the best by score (ours: attention from the last `query_window` prompt tokens,
     mean over layers, heads and queries) up to ceil(keep_ratio * num_chunks), at their own positions. Returns kept_ids
-    (1, k), kept_positions (1, k), drafter_cache (full prompt), chunk_scores, kept_chunks, num_chunks, chunks_kept,
-    time_scoring."""
+    (1, k), kept_positions (1, k), drafter_cache (full prompt), chunk_scores, kept_chunks, num_chunks, chunks_kept."""
     if not 0 < keep_ratio <= 1 or chunk_size < 1:
         raise ValueError(f"need keep_ratio in (0, 1] and chunk_size >= 1, got {keep_ratio}, {chunk_size}")
     device, length = input_ids.device, input_ids.shape[1]
-    start, window = _clock(device), min(query_window, length)
+    window = min(query_window, length)
     cache = cache if cache is not None else KVCache(drafter, length)
     cache.rewind(0)
     if length > window:  # the bulk of the prompt with the fast attention path
         prefill(cache, input_ids[:, : length - window])
-    mask, positions = packed_attention_mask(window, input_ids.new_zeros(0), 1, past_len=cache.length)
-    attn_implementation = drafter.model.config._attn_implementation
-    drafter.model.set_attn_implementation("eager")  # only eager attention returns the attention weights
-    try:
-        out = drafter.model.get_decoder()(input_ids=input_ids[:, length - window:], position_ids=positions,
-                                          attention_mask=additive_mask(F.pad(mask, (0, cache.max_len - length)),
-                                                                       drafter.model),
-                                          cache=cache.hf, use_cache=True, output_attentions=True)
-        cache.length = length
-    finally:
-        drafter.model.set_attn_implementation(attn_implementation)
-    attention = torch.stack([a[0].float() for a in out.attentions]).mean((0, 1, 2))[:length]  # (L,) over the prompt
+    attentions = attention_pass(cache, input_ids[:, length - window:])  # (layers, heads, window, length) each
+    attention = torch.stack(attentions).mean((0, 1, 2))[:length]  # (L,): attention each prompt token receives
     num_chunks = math.ceil(length / chunk_size)
     scores = torch.zeros(num_chunks, device=device).index_add_(
         0, torch.arange(length, device=device) // chunk_size, attention)
@@ -1221,8 +826,7 @@ def select_chunks(drafter: Drafter, input_ids: torch.Tensor, *, keep_ratio: floa
     positions = torch.cat([torch.arange(c * chunk_size, min((c + 1) * chunk_size, length), device=device)
                            for c in kept])
     return {"kept_ids": input_ids[:, positions], "kept_positions": positions[None], "drafter_cache": cache,
-            "chunk_scores": scores.tolist(), "kept_chunks": kept, "num_chunks": num_chunks, "chunks_kept": len(kept),
-            "time_scoring": _clock(device) - start}
+            "chunk_scores": scores.tolist(), "kept_chunks": kept, "num_chunks": num_chunks, "chunks_kept": len(kept)}
 
 
 MODES = ("target", "sync", "async")
@@ -1240,11 +844,11 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
     `cover`, in a second lane if lanes=2 (CUDA: a stream; CPU: a thread). Greedy (temperature 0) gives exactly the
     target's tokens; sampling is lossless, reproducible with `generator`. keep_ratio (lossy): the target prefills only
     the chunks select_chunks keeps. caches: KV caches of fixed size to reuse (Caches.make; default: new ones sized to
-    the request). stats: tau, accept_lengths, num_rounds, num_new_tokens, time_{prefill, draft, verify, total},
-    tokens_per_s; async adds hit_rate, {hits, misses}_per_position, coverage, fanout, cover, lanes,
-    time_{packed_draft, fallback_draft, overlap_saved, verify_launch, packed_launch} (launch: host time queuing a pass
-    on CUDA; 0 elsewhere); keep_ratio adds num_chunks, chunks_kept, time_scoring,
-    prompt_tokens_prefilled, time_target_prefill. A list of 1-D prompts (modes "target", "sync") decodes as a ragged
+    the request). stats: tau, accept_lengths, num_rounds, num_new_tokens, time_{prefill, total}; sync adds
+    time_{draft, verify}; async {hits, misses}_per_position, coverage, fanout, cover, lanes, time_{draft, verify,
+    fallback_draft, packed_draft, both} (both: verify and the packed pass together; on CUDA also time_*_launch, the host
+    time queuing them); keep_ratio num_chunks, chunks_kept, time_scoring, prompt_tokens_prefilled,
+    time_target_prefill. A list of 1-D prompts (modes "target", "sync") decodes as a ragged
     batch, each row as it would alone: returns (list of 1-D outputs, stats), the same totals plus stats["rows"] (per
     request tau, accept_lengths, num_rounds, num_new_tokens, time_done)."""
     block_size, coverage, fanout = _check_request(target, drafter, input_ids, max_new_tokens, mode, block_size,
@@ -1257,39 +861,53 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
                                    eos_token_id, generator)
     use_drafter = drafter if mode != "target" or keep_ratio is not None else None
     need = cache_len(input_ids.shape[1], max_new_tokens, block_size or 1, coverage * (mode == "async"), fanout)
-    caches = caches if caches is not None else Caches.make(target, use_drafter, need)
-    if need > caches.target.max_len or (use_drafter is not None and need > caches.drafter.max_len):
-        raise ValueError(f"this request needs KV caches of {need} slots (prompt {input_ids.shape[1]} + "
-                         f"max_new_tokens {max_new_tokens} + the widest pass), the caches have {caches.target.max_len}:"
-                         " make them larger (Caches.make(..., max_len), decode.py --max-len)")
-    if caches.target.model is not target or (use_drafter is not None and caches.drafter.model is not drafter):
-        raise ValueError("caches were made for other models: Caches.make(target, drafter, max_len)")
+    caches = Caches.make(target, use_drafter, need) if caches is None else caches.check(target, use_drafter, need)
+    out, clock = Output(input_ids[0].tolist(), max_new_tokens, eos_token_id), Clock(input_ids.device)
     selection = None  # selective prefill: what the target prefills; the drafter's cache holds the full prompt
     if keep_ratio is not None:
-        selection = select_chunks(drafter, input_ids, keep_ratio=keep_ratio, chunk_size=chunk_size,
-                                  cache=caches.drafter)
-    run = _prefill(caches, input_ids, selection, max_new_tokens, eos_token_id, temperature, generator)
-    async_stats = {}
+        with clock.span("scoring"):
+            selection = select_chunks(drafter, input_ids, keep_ratio=keep_ratio, chunk_size=chunk_size,
+                                      cache=caches.drafter)
+    _prefill(caches, input_ids, selection, out, clock, temperature, generator)
+    stats = {}
     if mode == "target":
-        _decode_target(run, temperature, generator)
+        _decode_target(out, caches, clock, temperature, generator)
     elif mode == "sync":
-        _decode_sync(drafter, run, block_size, temperature, generator)
+        _decode_sync(drafter, out, caches, clock, block_size, temperature, generator)
     else:
-        async_stats = _decode_async(drafter, run, block_size, temperature, generator, coverage, fanout, cover, lanes)
-    output_ids, stats = _finish(run, selection)
-    return output_ids, {**stats, **async_stats}
+        stats = _decode_async(drafter, out, caches, clock, block_size, temperature, generator, coverage, fanout,
+                              cover, lanes)
+    stats.update(_stats(out, clock.totals(), mode, selection))
+    return torch.tensor([out.tokens], device=input_ids.device), stats
+
+
+def _stats(out: Output, seconds: dict, mode: str, selection) -> dict:
+    """A single-sequence decode's stats from its output and its clock's seconds per phase."""
+    phases = {"target": (), "sync": ("draft", "verify"), "async": ("fallback_draft", "packed_draft", "verify", "both")}
+    stats = {"tau": sum(out.accept_lengths) / len(out.accept_lengths) if out.accept_lengths else float("nan"),
+             "accept_lengths": out.accept_lengths, "num_rounds": len(out.accept_lengths),
+             "num_new_tokens": len(out.tokens) - out.prompt_len, "time_total": seconds["total"],
+             # time to first token: the target's prefill, the drafter's, and selective prefill's scoring
+             "time_prefill": seconds.get("prefill", 0.0) + seconds.get("scoring", 0.0),
+             **{f"time_{key}": seconds.get(key, 0.0) for key in phases[mode]},
+             **{f"time_{key}": value for key, value in seconds.items() if key.endswith("_launch")}}
+    if mode == "async":
+        stats["time_draft"] = stats["time_fallback_draft"] + stats["time_packed_draft"]
+    if selection is not None:
+        stats.update({key: selection[key] for key in ("num_chunks", "chunks_kept")},
+                     prompt_tokens_prefilled=selection["kept_ids"].shape[1], time_scoring=seconds["scoring"],
+                     time_target_prefill=seconds.get("prefill", 0.0))
+    return stats
 
 
 def _check_request(target, drafter, input_ids, max_new_tokens, mode, block_size, temperature, coverage, fanout, cover,
                    keep_ratio, lanes) -> tuple[int | None, int, int]:
     """generate's input checks: a clear error for each bad input. Returns block_size, coverage, fanout resolved."""
     batch = isinstance(input_ids, (list, tuple))
-    if batch and (not input_ids or any(not torch.is_tensor(p) or p.dim() != 1 or len(p) == 0 for p in input_ids)):
-        raise ValueError("a batch of prompts must be a non-empty list of 1-D id tensors (prompt_len,), none empty")
-    if batch and (mode == "async" or keep_ratio is not None):
-        raise ValueError("a batch decodes in modes 'target' and 'sync' without keep_ratio (batched async is not "
-                         "built: each row would need its own branch plan): decode such prompts one at a time")
-    if not batch and (input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0):
+    if batch:
+        import batched
+        batched.check_request(input_ids, mode, keep_ratio)
+    elif input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must have shape (1, prompt_len) (batch 1, not empty: at least one token) or be a "
                          f"list of 1-D prompts, got {tuple(input_ids.shape)}")
     if max_new_tokens < 0 or temperature < 0:

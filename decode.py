@@ -41,13 +41,14 @@ import transformers
 from tqdm.auto import tqdm
 
 import d3d
+import runtime
 import train
 
 TOY_DRAFTER, TOY_TARGET, TOY_PROMPTS = "runs/toy/drafter", "runs/toy/target", "runs/toy/prompts-test.jsonl"
 PROMPT_FIELDS = ("question", "prompt", "turns")  # GSM8K-, HumanEval-, MT-Bench-style files (first turn only)
 COLOURS, RESET = {"draft": "\033[32m", "target": "\033[33m"}, "\033[0m"
 TIME_KEYS = ("time_draft", "time_verify", "time_packed_draft", "time_fallback_draft", "time_overlap_saved",
-             "time_verify_launch", "time_packed_launch")
+             "time_verify_launch", "time_packed_draft_launch")
 # transformers' own greedy decoding, benchmarked next to D3D (off unless named in --modes): plain generate, assisted
 # generation with the drafter's model as a token-by-token assistant, prompt lookup
 BASELINES = ("hf", "hf-assisted", "hf-lookup")
@@ -112,7 +113,7 @@ def load(target, drafter, modes, device, dtype, attn, threads=None):
         target = recipe.get("target", TOY_TARGET)
     tok = transformers.AutoTokenizer.from_pretrained(target)
     if draft_model is not None:
-        d3d.check_tokenizer(draft_model, tok)  # before loading a large target for nothing
+        runtime.check_tokenizer(draft_model, tok)  # before loading a large target for nothing
     model = d3d.load_causal_lm(target, dtype, device, attn_implementation=attn).eval()
     if device.type == "cpu" and not threads and sum(p.numel() for p in model.parameters()) < 20_000_000:
         torch.set_num_threads(1)  # a tiny model's passes are too short to split between threads (the toy: ~2x faster)
@@ -188,6 +189,8 @@ def decode_prompt(models, ids, modes, opts, max_new_tokens=None) -> dict[str, di
         records[spec] = {**stats, "new_tokens": out[0, ids.shape[1]:].tolist(),
                          "decode_time": stats["time_total"] - stats["time_prefill"],  # the first token is prefill's
                          "decode_tokens": max(stats["num_new_tokens"] - 1, 0)}
+        if "time_both" in stats:  # what running verification and the packed pass side by side saved (< 0: cost)
+            records[spec]["time_overlap_saved"] = stats["time_verify"] + stats["time_packed_draft"] - stats["time_both"]
     return records
 
 
@@ -327,9 +330,9 @@ def hf_decode(models, ids: torch.Tensor, mode: str, opts: dict, max_new_tokens: 
     rounds = _Rounds() if mode != "hf" else None  # plain generate: one token per pass, no streamer in its loop
     times = []
     for n in sorted({1, max(max_new_tokens, 1)}):
-        start = d3d._clock(ids.device)
+        clock = d3d.Clock(ids.device)
         out = target.generate(ids, max_new_tokens=n, streamer=rounds if n > 1 else None, **kwargs)
-        times.append(d3d._clock(ids.device) - start)
+        times.append(clock.now() - clock.start)
     new = out[0, ids.shape[1]:].tolist()[:max_new_tokens]
     accept = rounds.sizes[2:] if rounds is not None else []  # [prompt, first pass, the rounds after]
     decode_time = times[-1] - times[0]
@@ -427,7 +430,7 @@ def summarise(records: list[dict], baseline: list[dict]) -> dict:
                             if k in records[0]}}
     if rounds:  # the whole round, to compare with its phases
         out["ms_per_round"]["round"] = 1000 * sum(r["decode_time"] for r in records) / rounds
-    launch = sum(r.get("time_verify_launch", 0) + r.get("time_packed_launch", 0) for r in records)
+    launch = sum(r.get("time_verify_launch", 0) + r.get("time_packed_draft_launch", 0) for r in records)
     device = sum(r.get("time_verify", 0) + r.get("time_packed_draft", 0) for r in records)
     if "time_packed_draft" in records[0] and 0 < launch < 0.5 * device:  # an estimate, only where it can hold:
         # on CUDA, with passes whose launch takes well under their device time, a round of perfect overlap would

@@ -1,7 +1,7 @@
 """Train a D3D drafter on answers written by the target itself (paper "Drafter training", Fig. 1a).
 
     python train.py                                   # built-in toy on CPU, no download: runs/toy/{target,drafter}
-    python train.py --seed 1 --ar-weight 0 --first-token block --out runs/lab/lam0   # a toy ablation (LAB.md)
+    python train.py --seed 1 --ar-weight 0 --first-token mask --out runs/lab/lam0   # a toy ablation (LAB.md)
     python train.py --target PATH --prompts train.jsonl --val-prompts test.jsonl --drafter-layers 8 ...
     torchrun --nproc_per_node=N train.py ...          # DistributedDataParallel; data sharded by rank
     python train.py prune --drafter runs/toy/drafter --min-layers 1     # progressive layer pruning (Fig. 1b)
@@ -36,6 +36,8 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import d3d
+import fast
+import runtime
 
 try:
     import resource  # peak RSS on Linux and macOS; Windows has no such module
@@ -194,7 +196,7 @@ def load_data(target: str, tokenizer, prompts: str, *, prompt_field: str = "ques
     prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]  # the template has the specials
     # the cache belongs to one target and one generation setting; the prompts are checked line by line
     key = json.dumps([os.path.abspath(target) if os.path.exists(target) else target,
-                      d3d.tokenizer_fingerprint(tokenizer), max_new_tokens])
+                      runtime.tokenizer_fingerprint(tokenizer), max_new_tokens])
     name = os.path.splitext(os.path.basename(prompts))[0]
     cache = os.path.join(cache_dir, f"answers-{name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}.jsonl")
     os.makedirs(cache_dir, exist_ok=True)
@@ -246,7 +248,7 @@ def build_drafter(drafter_init: str, tokenizer, *, target_vocab_size: int, layer
         init_tokenizer = AutoTokenizer.from_pretrained(drafter_init)
     except (OSError, ValueError):  # no tokenizer saved with it: make_drafter still checks the vocabulary size
         init_tokenizer = None
-    if init_tokenizer is not None and d3d.tokenizer_fingerprint(init_tokenizer) != d3d.tokenizer_fingerprint(tokenizer):
+    if init_tokenizer is not None and runtime.tokenizer_fingerprint(init_tokenizer) != runtime.tokenizer_fingerprint(tokenizer):
         raise ValueError(f"--drafter-init {drafter_init} uses a different tokenizer than the target: its token ids "
                          "mean other text. Initialise the drafter from a checkpoint of the target's family")
     if random_init:
@@ -347,7 +349,7 @@ def evaluate_tau(drafter, examples, *, block_size: int, num_anchors: int = 32, b
                  per_block: bool = False):
     """Mean offline tau (accepted + 1) over blocks drafted at `num_anchors` sampled points per held-out answer (with
     per_block: the tau of every block, a tensor); d_1 from where the drafter's config says (first_token overrides:
-    "ar" or "block")."""
+    "causal" or "mask")."""
     generator = torch.Generator().manual_seed(seed)  # the same anchors at every evaluation
     was_training, taus = drafter.training, []
     drafter.eval()
@@ -506,8 +508,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--ar-weight", type=float, default=1.0, help="lambda, weight of the AR loss (default: 1.0)")
     g.add_argument("--decay-gamma", type=float, help="gamma, block position weights exp(-(i-1)/gamma) "
                                                      "(default: off, uniform)")
-    g.add_argument("--first-token", choices=["ar", "block"], default="ar", help="who drafts d_1 when decoding: "
-                   "'ar', the causal next-token head that lambda trains; 'block', MASK 1 (default: ar)")
+    g.add_argument("--first-token", choices=["causal", "mask"], default="causal", help="where d_1 is read: "
+                   "'causal', the causal next-token head that lambda trains; 'mask', MASK 1 (default: causal)")
     g.add_argument("--random-init", action="store_true", help="same architecture as --drafter-init, random weights "
                    "(the paper's Fig. 2; default: its pretrained weights)")
     g = ap.add_argument_group("optimisation")
@@ -602,9 +604,9 @@ def main(**overrides) -> dict:
         init = f"{args.drafter_init or args.target}{' (random weights)' if args.random_init else ''}"
         print(f"[drafter] {init}, layers {drafter.d3d_config.layer_ids or 'all'}, "
               f"{params / 1e6:.1f}M parameters; {len(train)} training and {len(val)} held-out answers")
-        if args.ar_weight == 0 and args.first_token == "ar":
+        if args.ar_weight == 0 and args.first_token == "causal":
             print("[drafter] note: --ar-weight 0 trains no next-token head, yet d_1 comes from it (--first-token "
-                  "ar); --first-token block drafts d_1 from MASK 1, which the block loss does train")
+                  "causal); --first-token mask drafts d_1 from MASK 1, which the block loss does train")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     result = train_drafter(drafter, train, val, out=args.out, steps=args.steps, batch_size=args.batch_size,
                            grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
@@ -619,7 +621,7 @@ def main(**overrides) -> dict:
         drafter.model.to(torch.bfloat16)
     if rank == 0:
         # the same held-out blocks with d_1 drafted by MASK 1 instead of the causal next-token head, or the reverse
-        other = "block" if drafter.d3d_config.first_token == "ar" else "ar"
+        other = "mask" if drafter.d3d_config.first_token == "causal" else "causal"
         autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
         result[f"offline_tau_first_token_{other}"] = evaluate_tau(
             drafter, val, block_size=args.block_size, num_anchors=args.val_anchors, pad_id=pad_id,
@@ -633,8 +635,8 @@ def main(**overrides) -> dict:
         with open(os.path.join(args.out, "train_args.json"), "w") as f:
             json.dump(record, f, indent=2)
         print(f"[done] offline tau (B={args.block_size}) on {len(val)} held-out answers: {result['offline_tau']:.3f} "
-              f"(d_1 from {'the causal next-token head' if other == 'block' else 'MASK 1'}; "
-              f"{result[f'offline_tau_first_token_{other}']:.3f} from {'MASK 1' if other == 'block' else 'the head'}); "
+              f"(d_1 from {'the causal next-token head' if other == 'mask' else 'MASK 1'}; "
+              f"{result[f'offline_tau_first_token_{other}']:.3f} from {'MASK 1' if other == 'mask' else 'the head'}); "
               f"training {result['train_seconds']:.0f} s; peak memory {peak:.2f} GiB "
               f"({'GPU allocated' if device.type == 'cuda' else 'RSS'})")
         print(f"[done] target: {target}\n[done] answer caches: {data_dir}\n[done] drafter (+ train_args.json; "
@@ -705,7 +707,7 @@ def load_trained(drafter: str, device):
 
 def eval_main(argv=None) -> dict:
     """python train.py eval --drafter FOLDER: offline tau on the held-out answers the drafter was trained with,
-    with d_1 drafted by the causal next-token head ("ar") and by MASK 1 ("block")."""
+    with d_1 drafted by the causal next-token head ("causal") and by MASK 1 ("mask")."""
     ap = argparse.ArgumentParser(prog="train.py eval", description=eval_main.__doc__.split(":", 1)[1].strip())
     ap.add_argument("--drafter", default="runs/toy/drafter", help="trained drafter folder (default: runs/toy/drafter)")
     ap.add_argument("--num-val", type=int, help="held-out answers (default: as in training)")
@@ -723,17 +725,17 @@ def eval_main(argv=None) -> dict:
     block_size = drafter.d3d_config.block_size
     taus = {first: evaluate_tau(drafter, val, block_size=block_size, pad_id=pad_id, max_len=recipe["max_len"],
                                 num_anchors=args.val_anchors or recipe["val_anchors"], autocast=autocast,
-                                first_token=first, per_block=True) for first in ("ar", "block")}
+                                first_token=first, per_block=True) for first in ("causal", "mask")}
     result = {first: t.mean().item() for first, t in taus.items()}
     curves = {first: acceptance_curve(t, block_size) for first, t in taus.items()}
     print(f"[eval] {args.drafter}: offline tau (B={block_size}) on {len(val)} held-out answers "
-          f"({len(taus['ar'])} blocks): {result['ar']:.3f} with d_1 from the causal next-token head, "
-          f"{result['block']:.3f} from MASK 1 (this drafter uses {drafter.d3d_config.first_token!r})")
+          f"({len(taus['causal'])} blocks): {result['causal']:.3f} with d_1 from the causal next-token head, "
+          f"{result['mask']:.3f} from MASK 1 (this drafter uses {drafter.d3d_config.first_token!r})")
     print("[eval] share of blocks with d_1 .. d_i all accepted, and d_i accepted given d_1 .. d_(i-1) were:")
     print(f"{'i':>4}{'head: all':>11}{'given':>7}{'MASK 1: all':>13}{'given':>7}")
     for i in range(block_size):
         row = "".join(f"{curves[f][i]:{w}.3f}{curves[f][i] / max(curves[f][i - 1] if i else 1.0, 1e-9):7.2f}"
-                      for f, w in (("ar", 11), ("block", 13)))
+                      for f, w in (("causal", 11), ("mask", 13)))
         print(f"{i + 1:>4}{row}")
     return {**result, "curve": curves}
 
@@ -776,7 +778,7 @@ def prune_memory_estimate(num_params: int, hidden: int, layers: int, batch: int,
         activations = layers * layer_activations
     parts = {"weights": 4 * num_params, "gradients": 4 * num_params, "adamw_moments": 8 * num_params,
              "teacher": 4 * num_params, "activations": activations,
-             "logits": 4 * d3d.loss_chunk_rows(vocab, device_type) * vocab * 4}
+             "logits": 4 * runtime.loss_chunk_rows(vocab, device_type) * vocab * 4}
     gib = {name: size / 2**30 for name, size in parts.items()}
     return {**gib, "total": sum(gib.values())}
 
@@ -816,7 +818,8 @@ def prune_main(*, drafter, out, min_layers, tau_floor, recovery_steps, lr, beta,
     with torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False) if bf16 else contextlib.nullcontext():
         table = d3d.prune_drafter(model, val_batches, train_batches, min_layers=min_layers, tau_floor=tau_floor,
                                   recovery_steps=recovery_steps, lr=lr, beta=beta, num_anchors=val_anchors, seed=seed,
-                                  checkpointing=checkpointing, log=lambda msg: tqdm.write(f"[prune] {msg}"))
+                                  checkpointing=checkpointing, score=fast.tau_without_each_layer,
+                                  log=lambda msg: tqdm.write(f"[prune] {msg}"))
     result = {"table": table, "drafter": os.path.abspath(drafter), "recovery_steps": recovery_steps, "beta": beta,
               "lr": lr, "dtype": "bfloat16" if bf16 else "float32", "num_val": min(num_val, len(val)),
               "val_anchors": val_anchors, "layer_ids": model.d3d_config.layer_ids, "checkpointing": checkpointing,

@@ -377,13 +377,13 @@ def test_perfect_overlap_estimate_counts_the_real_overlap_once_and_only_where_la
     base = {"decode_time": 20.0, "decode_tokens": 10, "num_rounds": 1, "tau": 1.0, "time_prefill": 0.0,
             "accept_lengths": [1], "num_new_tokens": 11}
     run = {**base, "decode_time": 8.0, "time_verify": 5.0, "time_packed_draft": 4.0, "time_overlap_saved": 2.0,
-           "time_draft": 4.0, "time_fallback_draft": 0.0, "time_verify_launch": 1.0, "time_packed_launch": 1.0}
+           "time_draft": 4.0, "time_fallback_draft": 0.0, "time_verify_launch": 1.0, "time_packed_draft_launch": 1.0}
     summary = decode.summarise([run], [base])
     assert summary["speedup_if_overlapped_estimate"] == pytest.approx(20.0 / (8.0 + 2.0 - 4.0))
     assert summary["ms_per_round"]["overlap_saved"] == pytest.approx(2000.0)
-    launch_bound = {**run, "time_verify_launch": 4.5, "time_packed_launch": 3.5}
+    launch_bound = {**run, "time_verify_launch": 4.5, "time_packed_draft_launch": 3.5}
     assert "speedup_if_overlapped_estimate" not in decode.summarise([launch_bound], [base])
-    cpu = {**run, "time_verify_launch": 0.0, "time_packed_launch": 0.0}
+    cpu = {**run, "time_verify_launch": 0.0, "time_packed_draft_launch": 0.0}
     assert "speedup_if_overlapped_estimate" not in decode.summarise([cpu], [base])
 
 

@@ -128,9 +128,9 @@ def test_training_lowers_loss_and_saves_a_lossless_drafter(setup, tmp_path):
     assert torch.equal(out_ids, ref) and stats["tau"] > 1.0
     # `train.py eval` measures the saved drafter on the same held-out blocks as the end of training, both ways
     taus = train.eval_main(["--drafter", str(out)])
-    assert taus["ar"] == pytest.approx(record["offline_tau"])
-    assert taus["block"] == pytest.approx(record["offline_tau_first_token_block"])
-    for first in ("ar", "block"):  # the acceptance curve: falls with the position, sums to the mean accepted length
+    assert taus["causal"] == pytest.approx(record["offline_tau"])
+    assert taus["mask"] == pytest.approx(record["offline_tau_first_token_mask"])
+    for first in ("causal", "mask"):  # the acceptance curve: falls with the position, sums to the mean accepted length
         curve = taus["curve"][first]
         assert len(curve) == 4 and all(a >= b for a, b in zip(curve, curve[1:]))
         assert 1 + sum(curve) == pytest.approx(taus[first])
@@ -337,7 +337,7 @@ def test_random_init_keeps_the_architecture_and_first_token_is_recorded(setup):
     pretrained = train.build_drafter(setup["target"], tok, target_vocab_size=vocab, layers="2")
     torch.manual_seed(1)
     random_a = train.build_drafter(setup["target"], tok, target_vocab_size=vocab, layers="2", random_init=True,
-                                   first_token="block")
+                                   first_token="mask")
     torch.manual_seed(1)
     random_b = train.build_drafter(setup["target"], tok, target_vocab_size=vocab, layers="2", random_init=True)
     shapes = lambda d: {k: v.shape for k, v in d.state_dict().items()}
@@ -345,7 +345,7 @@ def test_random_init_keeps_the_architecture_and_first_token_is_recorded(setup):
     weight = "model.model.layers.0.mlp.up_proj.weight"
     assert not torch.equal(random_a.state_dict()[weight], pretrained.state_dict()[weight])
     assert torch.equal(random_a.state_dict()[weight], random_b.state_dict()[weight])  # seeded
-    assert random_a.d3d_config.first_token == "block" and pretrained.d3d_config.first_token == "ar"
+    assert random_a.d3d_config.first_token == "mask" and pretrained.d3d_config.first_token == "causal"
 
 
 def test_every_toy_run_shares_one_toy_wherever_out_goes(monkeypatch, tmp_path):

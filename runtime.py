@@ -1,0 +1,333 @@
+"""What d3d.py's decoding runs on, none of it the method: fixed-size KV caches with the length kept on the host, the
+round's one host read (which also checks that every pass wrote its cache), chunked prefill, the clock that times the
+phases without waiting for the device, the committed tokens and their stop rules; and loading, a guarded optimizer
+step and a host copy of a model, which training and pruning share."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import importlib.util
+import json
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Fixed-size KV caches
+
+
+def additive_mask(mask: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    """Bool mask (True = may attend) as HF's additive float mask, in attention's dtype (autocast's or the model's)."""
+    kind = mask.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else next(model.parameters()).dtype
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+class KVCache:
+    """A model's KV cache of fixed size (an HF StaticCache), made once and reused for every request, so that shapes
+    and addresses never change (what compiled passes and CUDA graphs need). A pass writes its q tokens at the cache's
+    own slot; `rewind` moves back (a rejected draft, a packed pass's branches) without touching the tensors. The
+    length is kept on the host: the StaticCache's own is a device tensor, and reading it would wait for the device.
+    `skipped`: prompt tokens selective prefill left out of the target's cache, so positions run that far ahead of the
+    slots. `step` runs the fixed-shape passes: the fast path (fast.py) swaps in a compiled one."""
+
+    def __init__(self, model: nn.Module, max_len: int):
+        from transformers import StaticCache
+        self.drafter = hasattr(model, "d3d_config")  # a d3d.Drafter: passes return hidden states, not logits
+        config = model.model.config if self.drafter else model.config
+        self.model, self.max_len, self.length, self.skipped = model, max_len, 0, 0
+        self.device = next(model.parameters()).device
+        self.hf = StaticCache(config=config, max_cache_len=max_len)
+        self.step = self.forward
+
+    def forward(self, ids, positions, mask) -> torch.Tensor:
+        """ids, positions (1, q); mask (1, 1, q, max_len) bool over the cache's slots. A drafter: its last hidden
+        states (q, H); a target: float logits (q, V)."""
+        if self.drafter:
+            return self.model.hidden_states(ids, positions, mask, self.hf)[0]
+        return self.model(input_ids=ids, position_ids=positions, attention_mask=additive_mask(mask, self.model),
+                          cache=self.hf, use_cache=True).logits[0].float()
+
+    def run(self, ids, positions, mask, *, fixed: bool = True) -> torch.Tensor:
+        """A pass over ids (1, q) written at slots length .. length+q-1; mask (1, 1, q, length+q) is widened to all
+        slots (no query sees past its pass). fixed=False (a prefill: any length) always runs eagerly."""
+        q = ids.shape[1]
+        if self.length + q > self.max_len:  # refused before the write: an overflowing write moves the position first
+            raise ValueError(f"KV cache full: {self.length} + {q} tokens > max_len {self.max_len}; make the cache "
+                             "larger (generate's caches=, decode.py --max-len)")
+        mask = F.pad(mask, (0, self.max_len - self.length - q))
+        self.length += q
+        try:
+            return (self.step if fixed else self.forward)(ids, positions, mask)
+        except RuntimeError as error:  # a forward that drops its cache meets a mask wider than its own keys
+            if not self.hf.layers[0].is_initialized:
+                self.check([-1, -1])
+            raise error
+
+    def written(self, device) -> torch.Tensor:
+        """The cache's own length in its first and last layer (2,), left on the device for the round's one read."""
+        layers = (self.hf.layers[0], self.hf.layers[-1])
+        return torch.stack([layer.cumulative_length.to(device) if layer.is_initialized
+                            else torch.tensor(-1, device=device) for layer in layers])
+
+    def check(self, written: list[int]) -> None:
+        """A pass that ignored its cache (a model whose forward drops cache=) would decode wrong tokens without an
+        error; its cache's own length then differs from the host's."""
+        if any(n != self.length for n in written):
+            raise ignored_cache(f"{type(self.model).__name__}'s KV cache", f"{written} tokens (first, last layer)",
+                                self.length)
+
+    def rewind(self, length: int) -> None:
+        """Keep the sequence's first `length` tokens (slots: length - skipped); the next pass overwrites the rest."""
+        if length - self.skipped < self.length:
+            self.hf.crop(length - self.skipped - self.length)
+            self.length = length - self.skipped
+
+    def reset(self, skipped: int = 0) -> None:
+        """Empty, for a new request whose first `skipped` prompt tokens the cache will not hold."""
+        self.rewind(self.skipped)
+        self.skipped = skipped
+
+
+@dataclass
+class Caches:
+    """The target's and the drafter's KVCache, kept across requests (decode.py makes one pair per run)."""
+    target: KVCache
+    drafter: KVCache | None
+
+    @classmethod
+    def make(cls, target: nn.Module, drafter: nn.Module | None, max_len: int) -> "Caches":
+        return cls(KVCache(target, max_len), KVCache(drafter, max_len) if drafter is not None else None)
+
+    def check(self, target: nn.Module, drafter: nn.Module | None, need: int) -> "Caches":
+        """These caches, if they belong to these models and hold `need` slots; else a clear error."""
+        if self.target.model is not target or (drafter is not None and self.drafter.model is not drafter):
+            raise ValueError("caches were made for other models: Caches.make(target, drafter, max_len)")
+        if need > self.target.max_len or (drafter is not None and need > self.drafter.max_len):
+            raise ValueError(f"this request needs KV caches of {need} slots (prompt + max_new_tokens + the widest "
+                             f"pass), the caches have {self.target.max_len}: make them larger (Caches.make(..., "
+                             "max_len), decode.py --max-len)")
+        return self
+
+
+def cache_len(prompt_len: int, max_new_tokens: int, block_size: int = 1, coverage: int = 0, fanout: int = 0) -> int:
+    """Slots a request needs: its tokens plus the widest pass written past them (async: the packed pass)."""
+    widest = max(2 * block_size + 1, 1 + block_size + (min(coverage, block_size) * fanout + 1) * (1 + block_size))
+    return prompt_len + max_new_tokens + widest
+
+
+def ignored_cache(cache: str, holds: str, written: int) -> RuntimeError:
+    """The error for a cache that holds other than what was written into it: the model's forward ignored it."""
+    return RuntimeError(f"{cache} holds {holds} where {written} were written: the model's forward ignored the cache "
+                        "it was given (transformers outside the versions in requirements.txt?)")
+
+
+def read_round(values: list[torch.Tensor], *caches: KVCache) -> list[int]:
+    """The round's one host read: `values` (0-d or 1-d integer tensors), flattened into one list, and each cache's
+    own length, checked against the host's (KVCache.check)."""
+    device = values[0].device
+    read = torch.cat([v.view(-1) for v in values] + [c.written(device) for c in caches]).tolist()
+    n = len(read) - 2 * len(caches)
+    for i, cache in enumerate(caches):
+        cache.check(read[n + 2 * i: n + 2 * i + 2])
+    return read[:n]
+
+
+def causal_mask(q: int, past_len: int, device) -> torch.Tensor:
+    """(1, 1, q, past_len + q) bool: q new tokens see the past and each other causally."""
+    return torch.ones(q, past_len + q, dtype=torch.bool, device=device).tril(past_len)[None, None]
+
+
+def causal_pass(cache: KVCache, ids: torch.Tensor) -> torch.Tensor:
+    """A plain causal pass over ids (1, q) after what the cache holds."""
+    positions = torch.arange(ids.shape[1], device=ids.device)[None] + cache.length + cache.skipped
+    return cache.run(ids, positions, causal_mask(ids.shape[1], cache.length, ids.device))
+
+
+PREFILL_CHUNK = 512  # tokens a prefill pass reads: its mask is chunk x cache length, never prompt x prompt (32k: 1 GiB)
+
+
+def prefill(cache: KVCache, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal passes over a prompt, ids (1, n) at positions (1, n) (default: after what the cache holds), that write
+    it into the cache PREFILL_CHUNK tokens at a time, eagerly (any length). Returns the last pass's output: its last
+    row is the last token's."""
+    if positions is None:
+        positions = torch.arange(ids.shape[1], device=ids.device)[None] + cache.length + cache.skipped
+    for start in range(0, ids.shape[1], PREFILL_CHUNK):
+        chunk = ids[:, start: start + PREFILL_CHUNK]
+        mask = causal_mask(chunk.shape[1], cache.length, ids.device)
+        out = cache.run(chunk, positions[:, start: start + PREFILL_CHUNK], mask, fixed=False)
+    return out
+
+
+def attention_pass(cache: KVCache, ids: torch.Tensor) -> list[torch.Tensor]:
+    """A causal pass over ids (1, q) after what the cache holds, with eager attention (the only kind that returns its
+    weights): each layer's attention weights (heads, q, cache length + q), float."""
+    model, q = cache.model.model, ids.shape[1]  # a d3d.Drafter's HF model
+    positions = torch.arange(cache.length, cache.length + q, device=ids.device)[None]
+    mask = F.pad(causal_mask(q, cache.length, ids.device), (0, cache.max_len - cache.length - q))
+    attn_implementation = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        out = model.get_decoder()(input_ids=ids, position_ids=positions, attention_mask=additive_mask(mask, model),
+                                  cache=cache.hf, use_cache=True, output_attentions=True)
+        cache.length += q
+    finally:
+        model.set_attn_implementation(attn_implementation)
+    return [a[0, :, :, : cache.length].float() for a in out.attentions]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Decoding bookkeeping: the clock and the committed tokens
+
+
+class Clock:
+    """Where a decode's time goes, kept out of the loops' way: `with clock.span(key):` adds the time inside to `key`.
+    On CUDA a span is two events on the current stream, read once the decode is over (timing never makes the host wait
+    mid-round), and the host time spent queuing the work is kept too (key + "_launch"); elsewhere, the host clock."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda, self.spans, self.host = device, device.type == "cuda", [], {}
+        self.start = self.now()
+
+    def now(self) -> float:
+        """The host clock once the device is done with what was queued."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @contextlib.contextmanager
+    def span(self, key: str):
+        start, host = self._mark(), time.perf_counter()
+        yield
+        self.spans.append((key, start, self._mark()))  # a list append: safe from a worker thread too
+        if self.cuda:
+            self.host[key + "_launch"] = self.host.get(key + "_launch", 0.0) + time.perf_counter() - host
+
+    def totals(self) -> dict:
+        """Seconds per key, and "total" since the clock started."""
+        seconds = {**self.host, "total": self.now() - self.start}
+        for key, start, end in self.spans:
+            seconds[key] = seconds.get(key, 0.0) + (start.elapsed_time(end) / 1e3 if self.cuda else end - start)
+        return seconds
+
+
+class Output:
+    """Committed tokens of one sequence, with the stop rules (EOS kept, max_new_tokens) and the tokens per round."""
+
+    def __init__(self, prompt: list[int], max_new_tokens: int, eos_token_id):
+        self.tokens, self.prompt_len, self.max_new_tokens = list(prompt), len(prompt), max_new_tokens
+        eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
+        self.eos = {int(e) for e in eos if e is not None}
+        self.done = max_new_tokens <= 0
+        self.accept_lengths: list[int] = []  # per speculative round: tokens committed (accepted + 1)
+
+    def commit(self, new: list[int]) -> list[int]:
+        """Append tokens, cut at the first EOS (kept) or at max_new_tokens. Returns what was committed."""
+        new = new[: self.prompt_len + self.max_new_tokens - len(self.tokens)]
+        for i, t in enumerate(new):
+            if t in self.eos:
+                new = new[: i + 1]
+                break
+        self.tokens.extend(new)
+        self.done = len(self.tokens) - self.prompt_len >= self.max_new_tokens or (bool(new) and new[-1] in self.eos)
+        return new
+
+    def commit_round(self, accepted: list[int], next_token: int) -> None:
+        self.accept_lengths.append(len(self.commit(accepted + [next_token])))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Loss logits in chunks
+
+
+LOGITS_PER_CHUNK = {"cpu": 2**25, "cuda": 2**28}  # fp32 logits alive at once in the loss: 128 MiB on a CPU, 1 GiB
+# on a GPU (Qwen3's 151,936 tokens: 220 or 1,766 rows; every chunk recasts the tied head and sums its gradient)
+
+
+def loss_chunk_rows(vocab_size: int, device: torch.device | str) -> int:
+    """Rows of logits the loss makes at once on this kind of device."""
+    kind = torch.device(device).type
+    return max(1, LOGITS_PER_CHUNK.get(kind, LOGITS_PER_CHUNK["cpu"]) // vocab_size)
+
+
+def in_logit_chunks(vocab_size: int, fn, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """fn(*chunk) over `rows` ((N, ...) each) a few rows at a time, outputs concatenated: fn makes logits over
+    `vocab_size` tokens, and a batch's would take tens of GB at once. Under autograd each chunk's logits are
+    recomputed in backward, not kept."""
+    size = loss_chunk_rows(vocab_size, rows[0].device)
+    outputs = []
+    for start in range(0, len(rows[0]) or 1, size):  # an empty batch still runs once: its loss stays in the graph
+        chunk = [r[start: start + size] for r in rows]
+        if torch.is_grad_enabled() and rows[0].requires_grad:
+            outputs.append(torch.utils.checkpoint.checkpoint(fn, *chunk, use_reentrant=False))
+        else:
+            outputs.append(fn(*chunk))
+    return tuple(torch.cat(parts) for parts in zip(*outputs))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The tokenizer a drafter was made for
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of the token -> id table: two tokenizers with the same fingerprint split text identically."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def check_tokenizer(drafter, tokenizer) -> None:
+    """Raise if the drafter was made for another tokenizer than `tokenizer` (the target's)."""
+    expected = drafter.d3d_config.tokenizer_hash
+    if expected and expected != tokenizer_fingerprint(tokenizer):
+        raise ValueError("the drafter was made for a different tokenizer than the target's: its drafts would be "
+                         "other tokens. Train a drafter for this target (python train.py --target ...)")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Loading, a guarded training step, a host copy (train.py and pruning)
+
+
+def load_causal_lm(path: str, dtype=None, device=None, **kwargs) -> nn.Module:
+    """AutoModelForCausalLM.from_pretrained in `dtype` on `device`. On a GPU with `accelerate` installed the weights
+    go straight there (device_map); without it they pass through host memory first (an 8B model in bf16: 16 GB)."""
+    from transformers import AutoModelForCausalLM
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device, **kwargs)
+    if device.type != "cpu":
+        warnings.warn(f"loading {path} through host memory first (pip install accelerate loads it straight to "
+                      f"{device})")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device)
+
+
+def finite_step(optimizer: torch.optim.Optimizer, params, max_norm: float) -> bool:
+    """Clip the gradients to max_norm and step, unless their norm is not finite: then drop them and skip the step
+    (one NaN or Inf would reach the weights and both AdamW moments). Returns whether it stepped. The norm is the same
+    on every rank (gradients are reduced before it), so every rank decides alike. One host read."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    stepped = bool(torch.isfinite(norm))
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return stepped
+
+
+def host_copy(module: nn.Module) -> nn.Module:
+    """A deep copy in host memory, made tensor by tensor (never a second whole copy on the device)."""
+    memo = {id(p): nn.Parameter(p.detach().to("cpu", copy=True), p.requires_grad) for p in module.parameters()}
+    memo.update({id(b): b.to("cpu", copy=True) for b in module.buffers()})
+    return copy.deepcopy(module, memo)
