@@ -62,7 +62,7 @@ class D3DConfig:
     ar_weight: float = 1.0  # lambda: weight of the auxiliary autoregressive loss (Table 3: 1.0 is best)
     decay_gamma: float | None = None  # gamma: block position weights exp(-(i-1)/gamma); None = uniform
     target_vocab_size: int = 0  # rows of the target's output layer; drafter logits are cut to this size
-    tokenizer_hash: str = ""  # fingerprint of the tokenizer the drafter was made for (runtime.check_tokenizer)
+    tokenizer_hash: str = ""  # fingerprint of the tokenizer the drafter was made for (check_tokenizer)
     layer_ids: list[int] | None = None  # which layers of the initial checkpoint the drafter kept
     first_token: str = "causal"  # where d_1 is read (draft_rows): "causal", the next-token head at x_n; "mask", MASK 1
 
@@ -176,6 +176,14 @@ def make_drafter(model: nn.Module, mask_token_id: int | None = None, *, tokenize
     return Drafter(model, D3DConfig(mask_token_id=mask_token_id, target_vocab_size=target_vocab_size,
                                     tokenizer_hash=tokenizer_fingerprint(tokenizer),
                                     layer_ids=list(layers) if layers is not None else None, **config))
+
+
+def check_tokenizer(drafter: Drafter, tokenizer) -> None:
+    """Raise if the drafter was made for another tokenizer than `tokenizer` (the target's)."""
+    expected = drafter.d3d_config.tokenizer_hash
+    if expected and expected != tokenizer_fingerprint(tokenizer):
+        raise ValueError("the drafter was made for a different tokenizer than the target's: its drafts would be "
+                         "other tokens. Train a drafter for this target (python train.py --target ...)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -338,7 +346,8 @@ def _tau_at(drafter, input_ids, loss_mask, anchors, valid, block_size, first_tok
     rows = draft_rows(anchors, mask_starts, block_size, first_token or drafter.d3d_config.first_token)  # (b, K, B)
     rows = hidden.gather(1, rows.flatten(1)[..., None].expand(-1, -1, hidden.shape[-1])).unflatten(1, rows.shape[1:])
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
-    draft, = in_logit_chunks(drafter.d3d_config.target_vocab_size, lambda h: (drafter.logits(h).argmax(-1),), rows[valid].flatten(0, 1))
+    draft, = in_logit_chunks(drafter.d3d_config.target_vocab_size, lambda h: (drafter.logits(h).argmax(-1),),
+                             rows[valid].flatten(0, 1))  # the draft, a few rows of logits at a time
     hit = (draft.view_as(labels[valid]) == labels[valid]) & counts[valid]  # (num_valid, B), past the end: a miss
     return (hit.long().cumprod(-1).sum(-1) + 1).float()
 
@@ -723,8 +732,8 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
                   num_anchors: int = 32, seed: int = 0, checkpointing: bool = False, score=None, log=print):
     """Greedy progressive pruning, in place: each iteration removes the layer whose removal costs least offline tau
     (candidates scored by `score`: tau_without_each_layer, or fast.py's, which is quicker; ties: least change in block
-    loss), recovers for `recovery_steps` AdamW steps distilled from the fixed unpruned drafter, re-measures tau. Stops at
-    `min_layers`, or at the first removal whose recovered tau falls below tau_floor x the unpruned tau (undone,
+    loss), recovers for `recovery_steps` AdamW steps distilled from the fixed unpruned drafter, re-measures tau. Stops
+    at `min_layers`, or at the first removal whose recovered tau falls below tau_floor x the unpruned tau (undone,
     "kept": False). Returns one dict per iteration. On the device: the drafter, its gradients and AdamW moments, and
     the teacher; the copy kept to undo a removal waits in host memory. `checkpointing`: recompute each layer's
     activations in recovery's backward instead of storing them (a GPU's memory at the paper's shapes)."""

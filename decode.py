@@ -41,7 +41,6 @@ import transformers
 from tqdm.auto import tqdm
 
 import d3d
-import runtime
 import train
 
 TOY_DRAFTER, TOY_TARGET, TOY_PROMPTS = "runs/toy/drafter", "runs/toy/target", "runs/toy/prompts-test.jsonl"
@@ -113,7 +112,7 @@ def load(target, drafter, modes, device, dtype, attn, threads=None):
         target = recipe.get("target", TOY_TARGET)
     tok = transformers.AutoTokenizer.from_pretrained(target)
     if draft_model is not None:
-        runtime.check_tokenizer(draft_model, tok)  # before loading a large target for nothing
+        d3d.check_tokenizer(draft_model, tok)  # before loading a large target for nothing
     model = d3d.load_causal_lm(target, dtype, device, attn_implementation=attn).eval()
     if device.type == "cpu" and not threads and sum(p.numel() for p in model.parameters()) < 20_000_000:
         torch.set_num_threads(1)  # a tiny model's passes are too short to split between threads (the toy: ~2x faster)

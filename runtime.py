@@ -280,21 +280,13 @@ def in_logit_chunks(vocab_size: int, fn, *rows: torch.Tensor) -> tuple[torch.Ten
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The tokenizer a drafter was made for
+# The tokenizer a drafter was made for (d3d.check_tokenizer compares)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """A short hash of the token -> id table: two tokenizers with the same fingerprint split text identically."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
-
-
-def check_tokenizer(drafter, tokenizer) -> None:
-    """Raise if the drafter was made for another tokenizer than `tokenizer` (the target's)."""
-    expected = drafter.d3d_config.tokenizer_hash
-    if expected and expected != tokenizer_fingerprint(tokenizer):
-        raise ValueError("the drafter was made for a different tokenizer than the target's: its drafts would be "
-                         "other tokens. Train a drafter for this target (python train.py --target ...)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -290,7 +290,7 @@ def test_chunked_distillation_equals_one_chunk(tok, monkeypatch):
 
 def test_loss_chunks_are_sized_by_device():
     assert runtime.loss_chunk_rows(151_936, "cpu") == 220  # 128 MiB of fp32 logits
-    assert runtime.loss_chunk_rows(151_936, torch.device("cuda", 1)) == 1766  # 1 GiB: a GPU without the CPU's chunk count
+    assert runtime.loss_chunk_rows(151_936, torch.device("cuda", 1)) == 1766  # 1 GiB on a GPU, whatever its index
     assert runtime.loss_chunk_rows(10**9, "cuda") == 1
 
 
@@ -1202,8 +1202,8 @@ def test_bad_inputs_raise_clear_errors(tok, target, tmp_path):
     with pytest.raises(ValueError, match="text token"):  # MASK would collide with text
         d3d.make_drafter(tiny_qwen3(), 17, tokenizer=tok)
     with pytest.raises(ValueError, match="different tokenizer"):
-        runtime.check_tokenizer(drafter, make_tokenizer(prefix="w"))
-    runtime.check_tokenizer(drafter, tok)  # the right one passes
+        d3d.check_tokenizer(drafter, make_tokenizer(prefix="w"))
+    d3d.check_tokenizer(drafter, tok)  # the right one passes
     with pytest.raises(FileNotFoundError, match="no drafter folder"):
         d3d.Drafter.from_pretrained(str(tmp_path / "missing"))
     target.save_pretrained(str(tmp_path / "plain"))

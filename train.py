@@ -196,7 +196,7 @@ def load_data(target: str, tokenizer, prompts: str, *, prompt_field: str = "ques
     prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]  # the template has the specials
     # the cache belongs to one target and one generation setting; the prompts are checked line by line
     key = json.dumps([os.path.abspath(target) if os.path.exists(target) else target,
-                      runtime.tokenizer_fingerprint(tokenizer), max_new_tokens])
+                      d3d.tokenizer_fingerprint(tokenizer), max_new_tokens])
     name = os.path.splitext(os.path.basename(prompts))[0]
     cache = os.path.join(cache_dir, f"answers-{name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}.jsonl")
     os.makedirs(cache_dir, exist_ok=True)
@@ -248,7 +248,7 @@ def build_drafter(drafter_init: str, tokenizer, *, target_vocab_size: int, layer
         init_tokenizer = AutoTokenizer.from_pretrained(drafter_init)
     except (OSError, ValueError):  # no tokenizer saved with it: make_drafter still checks the vocabulary size
         init_tokenizer = None
-    if init_tokenizer is not None and runtime.tokenizer_fingerprint(init_tokenizer) != runtime.tokenizer_fingerprint(tokenizer):
+    if init_tokenizer is not None and d3d.tokenizer_fingerprint(init_tokenizer) != d3d.tokenizer_fingerprint(tokenizer):
         raise ValueError(f"--drafter-init {drafter_init} uses a different tokenizer than the target: its token ids "
                          "mean other text. Initialise the drafter from a checkpoint of the target's family")
     if random_init:
@@ -566,7 +566,7 @@ def main(**overrides) -> dict:
         import toy
 
         # one toy for every run, wherever --out puts the drafter: the same target and the same cached answers
-        paths = toy.build_toy(TOY_DIR, num_threads=1) if rank == 0 else None  # tiny model: 1 thread is fastest
+        paths = toy.build_toy(TOY_DIR, num_threads=1) if rank == 0 else None  # one thread: robust on a busy CPU
         if world > 1:
             dist.barrier()
         paths = paths or toy.build_toy(TOY_DIR, num_threads=1)

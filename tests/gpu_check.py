@@ -71,7 +71,8 @@ def measure(target, drafter, prompt, mode, lanes, caches, new_tokens, repeats=3)
     ms = lambda key: 1000 * sum(r.get(key, 0.0) for r in runs) / rounds  # noqa: E731
     return {"round": ms("time_total") - ms("time_prefill"), "draft": ms("time_draft"), "verify": ms("time_verify"),
             "packed": ms("time_packed_draft"), "verify_launch": ms("time_verify_launch"),
-            "packed_launch": ms("time_packed_draft_launch"), "overlap": ms("time_verify") + ms("time_packed_draft") - ms("time_both")}
+            "packed_launch": ms("time_packed_draft_launch"),
+            "overlap": ms("time_verify") + ms("time_packed_draft") - ms("time_both")}
 
 
 def main(tiny: bool, layers: int, new_tokens: int, skip_tests: bool):

@@ -155,6 +155,8 @@ def test_build_toy_writes_files(built):
     assert len(train_q) == 40 and len(test_q) == 8 and not train_q & test_q
     assert os.path.isfile(os.path.join(paths["target"], "config.json"))
     assert not os.path.exists(paths["target"] + ".tmp")
+    recipe = json.load(open(os.path.join(paths["target"], toy.RECIPE)))  # how it was built, and how well it answers
+    assert recipe["train_steps"] == 3 and recipe["threads"] == 1 and 0 <= recipe["test_exact_match"] <= 1
 
 
 def test_prompt_sets_deterministic_and_disjoint():
@@ -218,3 +220,17 @@ def test_training_is_deterministic_with_seed():
                    warmup=1, device="cpu")
         weights.append(model.model.embed_tokens.weight.detach().clone())
     assert torch.equal(weights[0], weights[1])
+
+
+def test_training_batches_are_fresh_problems_of_like_length():
+    """Batches come in pools sorted by length (little padding), none of them a held-out question, in shuffled order."""
+    tok, rng = toy.make_tokenizer(), random.Random(0)
+    held_out = {toy.make_problem(random.Random(1))[0]}
+    batches = toy._batches(tok, rng, held_out, 16, "cpu")
+    pool = [next(batches) for _ in range(2 * toy.POOL_BATCHES)]
+    padding = sum(int((b["attention_mask"] == 0).sum()) for b in pool) / sum(b["attention_mask"].numel() for b in pool)
+    assert padding < 0.05  # random batches of 16 pad about a fifth of their tokens
+    widths = [b["input_ids"].shape[1] for b in pool[: toy.POOL_BATCHES]]
+    assert widths != sorted(widths)  # the batches of a pool come shuffled, not shortest first
+    texts = {tok.decode(row, skip_special_tokens=True) for b in pool for row in b["input_ids"].tolist()}
+    assert not any(text.startswith(next(iter(held_out)) + "\n") for text in texts)
