@@ -19,14 +19,13 @@ The task, e.g. question ``7 * 6 + 8 - 5`` and answer::
     50 - 5 = 45
     #### 45
 
-2 to 4 operations; any ``*`` (by 2..9) comes first, so the usual precedence and left to right agree; one
-operation per line, each line starting with the previous result; first number 1..50, + and - operands
-1..9 (so that a tiny model learns some of the sums); no intermediate value below 0 or above 999; answers
-of 30 to 80 characters (44 on average).
+2 to 4 operations, one per line, each line starting with the previous result; at most one ``*``, and it comes first
+(a times table: 2..12 by 2..9), so the usual precedence and left to right agree; otherwise the first number is 1..50;
++ and - operands 1..9; no intermediate value below 0 or above 999; answers of 30 to 80 characters (43 on average).
 
-Command line: ``python toy.py --out runs/toy [--seed 0] [--steps 4000] [--threads N]``.
+Command line: ``python toy.py --out runs/toy [--seed 0] [--steps 3000] [--threads N]``.
 
-The target trains from fixed seeds until it solves its own problems (TRAIN_STEPS = 4000 steps of 16 problems; it
+The target trains from fixed seeds until it solves its own problems (TRAIN_STEPS = 3000 steps of 16 problems; it
 prints and records in target/toy.json its exact-match rate on the 200 held-out prompts). Float order differs between
 CPUs and thread counts, so no two machines build bit-equal toys; trained to convergence, toys from different float
 orders answer alike, and the drafters trained on their answers reach about the same tau (RESULTS.md, "The toy under
@@ -53,10 +52,11 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 # ----------------------------------------------------------------------------------------------- task
 
 MIN_OPS, MAX_OPS = 2, 4
-FIRST_RANGE = (1, 50)  # the first number
+FIRST_RANGE = (1, 50)  # the first number, when the first operation is + or -
+TIMES_RANGE = (2, 12)  # the first number, when the first operation is *: a times table
 ADD_RANGE = (1, 9)  # operands of + and -
 MUL_RANGE = (2, 9)  # right operand of *
-P_MUL = 0.4  # chance that the next operation is * while all operations so far are *
+P_MUL = 0.4  # chance that the first operation is * (no other may be)
 MAX_VALUE = 999  # no intermediate value above this (and none below 0)
 MIN_ANSWER_CHARS, MAX_ANSWER_CHARS = 30, 80
 
@@ -78,14 +78,12 @@ def _solve(nums: list[int], ops: list[str]) -> list[tuple[int, str, int, int]] |
 def make_problem(rng: random.Random) -> tuple[str, str]:
     """One random problem: (question, reference step-by-step answer). Deterministic given the rng state.
 
-    Multiplications only lead the expression ("7 * 3 * 2 + 5 - 4"), so the steps go left to right and each
-    line starts with the previous result: easy for a tiny model to follow, and still ordinary arithmetic."""
+    A multiplication only leads the expression ("7 * 3 + 5 - 4"), so the steps go left to right and each line starts
+    with the previous result: easy for a tiny model to follow, and still ordinary arithmetic."""
     while True:
-        ops: list[str] = []
-        for _ in range(rng.randint(MIN_OPS, MAX_OPS)):
-            leading = all(op == "*" for op in ops)
-            ops.append("*" if leading and rng.random() < P_MUL else rng.choice("+-"))
-        nums = [rng.randint(*FIRST_RANGE)]
+        ops = ["*" if rng.random() < P_MUL else rng.choice("+-")]
+        ops += [rng.choice("+-") for _ in range(rng.randint(MIN_OPS, MAX_OPS) - 1)]
+        nums = [rng.randint(*(TIMES_RANGE if ops[0] == "*" else FIRST_RANGE))]
         nums += [rng.randint(*(MUL_RANGE if op == "*" else ADD_RANGE)) for op in ops]
         steps = _solve(nums, ops)
         if steps is None:
@@ -326,7 +324,7 @@ def evaluate(model, tok, rows: list[dict]) -> dict:
 
 # -------------------------------------------------------------------------------------------- API
 
-TRAIN_STEPS = 4000  # the toy target's optimizer steps: enough to solve its own problems (see the module docstring)
+TRAIN_STEPS = 3000  # the toy target's optimizer steps: enough to solve its own problems (>= 90 % of held-out prompts)
 BATCH_SIZE, LR, WARMUP, DECAY_SHARE = 16, 5e-3, 30, 0.3
 POOL_BATCHES = 8  # batches drawn at once and sorted by length (little padding)
 RECIPE = "toy.json"  # written into the target folder: how it was built

@@ -69,6 +69,9 @@ def test_problems_shape_and_determinism():
     assert min(lengths) >= 30 and max(lengths) <= 80
     assert {q.count(" ") // 2 for q, _ in probs} == {2, 3, 4}
     assert any("*" in q for q, _ in probs) and any("-" in q for q, _ in probs)
+    for q, _ in probs:  # at most one multiplication, first, from a times table
+        tokens = q.split(" ")
+        assert "*" not in tokens[3:] and ("*" != tokens[1] or 2 <= int(tokens[0]) <= 12), q
 
 
 # ----------------------------------------------------------------------------------------- tokenizer
