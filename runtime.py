@@ -1,7 +1,8 @@
-"""What d3d.py's decoding runs on, none of it the method: fixed-size KV caches with the length kept on the host, the
-round's one host read (which also checks that every pass wrote its cache), chunked prefill, the clock that times the
-phases without waiting for the device, the committed tokens and their stop rules; and loading, a guarded optimizer
-step and a host copy of a model, which training and pruning share."""
+"""What d3d.py runs on, none of it the method: fixed-size KV caches with their length kept on the host, the round's
+one host read (which also checks that every pass wrote its cache), chunked prefill, a pass that returns attention
+weights (selective prefill's score), the clock that times the phases without waiting for the device, the committed
+tokens and their stop rules, loss logits made a few rows at a time, the tokenizer's fingerprint; and loading, a guarded
+optimizer step and a host copy of a model, which training and pruning share."""
 from __future__ import annotations
 
 import contextlib
