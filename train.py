@@ -678,14 +678,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "device does it natively: CUDA, or a CPU with AVX512-BF16/AMX; else float32)")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer's activations in "
                    "backward: less memory (SmolLM2, K 64, batch 2, 1,024 tokens: 3.2 -> 2.2 GiB), ~30 %% more compute")
-    g.add_argument("--fsdp", action="store_true", help=(
-        "shard fp32 weights, gradients and AdamW moments over the processes (FSDP2, per decoder\n"
-        "layer and root; bf16 by FSDP's mixed precision: layers gathered in bf16, gradients reduced\n"
-        "in fp32). Use it when 16 bytes a parameter do not fit one GPU (the Qwen3-8B drafter:\n"
-        "RESULTS.md, FSDP memory); else plain torchrun (DDP) is simpler and faster. Checkpoints:\n"
-        "OUT/checkpoint-fsdp, one file a process, resumed by any number of processes (with another\n"
-        "number the data order follows the new sharding). Without torchrun: FSDP on one process\n"
-        "(default: off)"))
+    g.add_argument("--fsdp", action="store_true", help="shard fp32 weights, gradients and AdamW moments over the "
+                   "processes (FSDP2, per decoder layer and root; bf16 by FSDP's mixed precision: layers gathered in "
+                   "bf16, gradients reduced in fp32). Use it when 16 bytes a parameter do not fit one GPU (the "
+                   "Qwen3-8B drafter: RESULTS.md, FSDP memory); else plain torchrun (DDP) is simpler and faster. "
+                   "Checkpoints: OUT/checkpoint-fsdp, one file a process, resumed by any number of processes (with "
+                   "another number the data order follows the new sharding). Without torchrun: FSDP on one process "
+                   "(default: off)")
     g = ap.add_argument_group("evaluation and output")
     g.add_argument("--out", default="runs/toy/drafter", help="drafter folder (default: runs/toy/drafter)")
     g.add_argument("--eval-every", type=int, default=100, help="offline tau every N steps (default: 100)")
