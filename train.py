@@ -4,6 +4,7 @@
     python train.py --seed 1 --ar-weight 0 --first-token mask --out runs/lab/lam0   # a toy ablation (LAB.md)
     python train.py --target PATH --prompts train.jsonl --val-prompts test.jsonl --drafter-layers 8 ...
     torchrun --nproc_per_node=N train.py ...          # DistributedDataParallel; data sharded by rank
+    torchrun --nproc_per_node=N train.py ... --fsdp   # FSDP2: weights, gradients, AdamW sharded (a drafter > 1 GPU)
     python train.py prune --drafter runs/toy/drafter --min-layers 1     # progressive layer pruning (Fig. 1b)
     python train.py eval --drafter runs/toy/drafter                     # offline tau on the held-out answers
 
@@ -20,18 +21,26 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import copy
+import functools
 import glob
 import hashlib
 import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 import warnings
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import distribute_tensor
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -265,16 +274,34 @@ def build_drafter(drafter_init: str, tokenizer, *, target_vocab_size: int, layer
     return drafter
 
 
-def freeze_embeddings(drafter: d3d.Drafter) -> torch.nn.Parameter:
-    """Freeze the input embeddings and the output layer, except the MASK row (a new token must learn its vector)."""
+def freeze_embeddings(drafter: d3d.Drafter, hook: bool = True) -> tuple[torch.nn.Parameter, torch.Tensor]:
+    """Freeze the input embeddings and the output layer, except the MASK row (a new token must learn its vector).
+    Returns the embedding weight and its row mask (1 = trains); with `hook`, a gradient hook applies the mask. Under
+    FSDP no autograd hook can: fully_shard replaces the parameter (a hook registered before is dropped) and writes
+    the reduced gradient of the sharded one straight into .grad (a hook on it never fires), so sharded training
+    calls it with hook=False before fully_shard, then freeze_sharded_rows on the sharded parameter."""
     weight = drafter.model.get_input_embeddings().weight
     keep = torch.zeros(weight.shape[0], 1, device=weight.device)
     keep[drafter.d3d_config.mask_token_id] = 1.0
-    weight.register_hook(lambda grad: grad * keep.to(grad.dtype))
+    if hook:
+        weight.register_hook(lambda grad: grad * keep.to(grad.dtype))
     head = drafter.model.get_output_embeddings().weight
     if head is not weight:  # untied output layer: frozen whole (its MASK row is never used)
         head.requires_grad_(False)
-    return weight
+    return weight, keep
+
+
+def freeze_sharded_rows(weight: torch.nn.Parameter, keep: torch.Tensor) -> None:
+    """freeze_embeddings' row mask on a sharded (FSDP2, DTensor) embedding, registered after fully_shard on the
+    sharded parameter: FSDP2 runs its post-accumulate-grad hooks itself once the reduced gradient shard is in .grad
+    (a plain tensor hook on it never fires: autograd only sees the gathered copy). The mask is cut the way the
+    weight is (torch.chunk of dim 0: rank r holds rows r*ceil(V/N) on), so each rank zeroes its own frozen rows;
+    AdamW then moves them not at all (zero moments, no weight decay in their group), as with the hook."""
+    local = distribute_tensor(keep, weight.device_mesh, weight.placements, src_data_rank=None).to_local()
+    if local.shape[0] != weight.to_local().shape[0]:
+        raise RuntimeError(f"frozen-row mask has {local.shape[0]} rows, the local shard {weight.to_local().shape[0]}:"
+                           " FSDP sharded the embedding another way")
+    weight.register_post_accumulate_grad_hook(lambda param: param.grad.to_local().mul_(local.to(param.grad.dtype)))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -330,6 +357,96 @@ def load_checkpoint(out: str) -> tuple[dict, dict | None]:
     return {**state, "step": step}, {"state": per_param, "param_groups": state["param_groups"]}
 
 
+SHARDED_CHECKPOINT = "checkpoint-fsdp"  # under --fsdp: a torch.distributed.checkpoint folder, one file per process
+
+
+def save_sharded_checkpoint(out: str, step: int, model: torch.nn.Module, optimizer, training_state: dict) -> None:
+    """--fsdp's checkpoint, by every process together: torch.distributed.checkpoint (DCP) writes the weights and
+    AdamW state, each process its own shards, into out/checkpoint-fsdp.tmp, with train_state.pt (step, schedule,
+    skipped steps, every rank's RNG, world size); once all is written, rank 0 renames the folder over the last one
+    (the disk of two checkpoints at the peak of a save, unlike the piecewise checkpoint.pt). DCP stores each tensor
+    with its global shape, so any number of processes can load it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = os.path.join(out, SHARDED_CHECKPOINT)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    rngs = [None] * world
+    dist.all_gather_object(rngs, (torch.get_rng_state(), random.getstate()))
+    if rank == 0:
+        shutil.rmtree(path + ".tmp", ignore_errors=True)  # a save cut short
+        os.makedirs(out, exist_ok=True)
+    dist.barrier()
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path + ".tmp")
+    if rank == 0:
+        torch.save({**training_state, "step": step, "world": world, "rngs": rngs},
+                   os.path.join(path + ".tmp", "train_state.pt"))
+        if os.path.exists(path):  # a kill between the two renames leaves .old whole: load_sharded_checkpoint reads it
+            shutil.rmtree(path + ".old", ignore_errors=True)
+            os.replace(path, path + ".old")
+        os.replace(path + ".tmp", path)
+        shutil.rmtree(path + ".old", ignore_errors=True)
+    dist.barrier()
+
+
+def load_sharded_checkpoint(out: str, model: torch.nn.Module, optimizer) -> dict:
+    """Load save_sharded_checkpoint's folder into the sharded model and optimizer, by every process together; the
+    training state ({} if there is no checkpoint). With the world size it was saved with, each rank takes back its
+    own RNG; with another, rank 0's (the data order then follows the new sharding of the data, train[rank::world])."""
+    path = os.path.join(out, SHARDED_CHECKPOINT)
+    if not os.path.exists(os.path.join(path, "train_state.pt")) and os.path.exists(path + ".old"):
+        path += ".old"
+    if not os.path.exists(os.path.join(path, "train_state.pt")):
+        if os.path.exists(os.path.join(out, "checkpoint.pt")):
+            raise ValueError(f"{out} holds a checkpoint of a run without --fsdp (checkpoint.pt): resume it without "
+                             "--fsdp, or start afresh with --no-resume")
+        return {}
+    state = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu", weights_only=False)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    saved = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(saved, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch_rng, python_rng = state["rngs"][rank if world == state["world"] else 0]
+    return {**state, "rng": torch_rng, "python_rng": python_rng, "path": path}
+
+
+def shard_model(model: torch.nn.Module, decoder_layers, bf16: bool) -> None:
+    """FSDP2 (fully_shard) on each decoder layer, then on the root (embeddings, final norm, head): each process keeps
+    1/N of the fp32 weights, gradients and AdamW moments, and a layer is all-gathered only for its forward and
+    backward. bf16 by FSDP2's MixedPrecisionPolicy rather than autocast: the all-gather moves and holds bf16 copies
+    (half the traffic and the memory of an unsharded layer) and each matmul reads them as they are, where autocast
+    would gather fp32 and cast at every op; gradients are reduced in fp32 into the fp32 master shards."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
+        MixedPrecisionPolicy()
+    for layer in decoder_layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+def gather_drafter(model: torch.nn.Module, drafter: d3d.Drafter) -> d3d.Drafter | None:
+    """The sharded drafter gathered once into host memory (every process takes part): an ordinary d3d.Drafter on
+    rank 0, None elsewhere. Built on the meta device and filled with the gathered weights, so the host holds one
+    copy; the buffers not in the state dict (rotary frequencies) are copied from the sharded model, which keeps them
+    whole."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    full = {key.removeprefix("drafter."): value for key, value in full.items()}
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(drafter.model.config, dtype=torch.float32)
+    plain = d3d.Drafter(hf_model, copy.deepcopy(drafter.d3d_config))
+    missing, unexpected = plain.load_state_dict(full, strict=False, assign=True)
+    if unexpected or set(missing) - {"model.lm_head.weight"}:
+        raise RuntimeError(f"gathered drafter: missing {missing}, unexpected {unexpected}")
+    if missing:  # tied output layer: the gathered state holds the embedding once
+        plain.model.lm_head.weight = plain.model.get_input_embeddings().weight
+    persistent = set(plain.state_dict())
+    for name, buffer in drafter.named_buffers():
+        if name not in persistent:
+            module_name, _, leaf = name.rpartition(".")
+            setattr(plain.get_submodule(module_name), leaf, buffer.detach().to("cpu", copy=True))
+    return plain.train(drafter.training)
+
+
 def peak_memory_gib(device, reset: bool = False) -> float:
     """Peak memory so far: CUDA, allocated by PyTorch (since the last reset); CPU, the process's peak RSS."""
     if device.type == "cuda":
@@ -346,19 +463,23 @@ def peak_memory_gib(device, reset: bool = False) -> float:
 @torch.no_grad()
 def evaluate_tau(drafter, examples, *, block_size: int, num_anchors: int = 32, batch_size: int = 8, pad_id: int,
                  max_len: int = 1024, autocast=contextlib.nullcontext, seed: int = 0, first_token=None,
-                 per_block: bool = False):
+                 per_block: bool = False, sharded: torch.nn.Module | None = None):
     """Mean offline tau (accepted + 1) over blocks drafted at `num_anchors` sampled points per held-out answer (with
     per_block: the tau of every block, a tensor); d_1 from where the drafter's config says (first_token overrides:
-    "causal" or "mask")."""
+    "causal" or "mask"). `sharded`: the FSDP root (a TrainingLoss) around `drafter`; every pass goes through its
+    forward, which gathers the weights, so every process must evaluate, on the same examples."""
     generator = torch.Generator().manual_seed(seed)  # the same anchors at every evaluation
     was_training, taus = drafter.training, []
     drafter.eval()
     for s in tqdm(range(0, len(examples), batch_size), desc=f"offline tau B={block_size}", leave=False):
         input_ids, loss_mask = collate(examples[s: s + batch_size], pad_id, max_len)
         with autocast():
-            taus.append(d3d.offline_tau(drafter, input_ids.to(drafter.device), loss_mask.to(drafter.device),
-                                        num_anchors=num_anchors, block_size=block_size, first_token=first_token,
-                                        generator=generator))
+            run = functools.partial(d3d.offline_tau, drafter) if sharded is None else \
+                functools.partial(sharded, fn=d3d.offline_tau)
+            taus.append(run(input_ids.to(drafter.device), loss_mask.to(drafter.device), num_anchors=num_anchors,
+                            block_size=block_size, first_token=first_token, generator=generator))
+    if sharded is not None:
+        sharded.reshard()  # the root stays gathered after a forward that no backward follows
     drafter.train(was_training)
     return torch.cat(taus) if per_block else torch.cat(taus).mean().item()
 
@@ -370,48 +491,69 @@ def acceptance_curve(taus: torch.Tensor, block_size: int) -> list[float]:
 
 class TrainingLoss(torch.nn.Module):
     """d3d.d3d_loss as a module's forward. DDP prepares its gradient all-reduce in the forward of the module it
-    wraps; d3d_loss calls the drafter's hidden_states and projects the labelled rows itself, so DDP wraps this."""
+    wraps, and FSDP gathers its root's weights there; d3d_loss calls the drafter's hidden_states and projects the
+    labelled rows itself, so DDP and FSDP wrap this. `fn` runs another function of the drafter the same way (FSDP:
+    evaluation)."""
 
     def __init__(self, drafter: d3d.Drafter):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, input_ids, loss_mask, **settings):
-        return d3d.d3d_loss(self.drafter, input_ids, loss_mask, **settings)
+    def forward(self, input_ids, loss_mask, fn=None, **settings):
+        return (fn or d3d.d3d_loss)(self.drafter, input_ids, loss_mask, **settings)
 
 
 def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, batch_size: int, grad_accum: int,
                   lr: float, warmup: int, weight_decay: float, grad_clip: float, freeze: bool, pad_id: int,
                   max_len: int, num_anchors: int, block_size: int, ar_weight: float, decay_gamma: float | None,
                   eval_every: int, val_anchors: int, save_every: int, seed: int, bf16: bool, resume: bool = True,
-                  rank: int = 0, world: int = 1) -> dict:
+                  rank: int = 0, world: int = 1, fsdp: bool = False) -> dict:
     """AdamW (warmup then cosine to 10 %) on d3d_loss; `batch_size` sequences per micro-batch and rank, `grad_accum`
-    micro-batches per step. Checkpoints every `save_every` steps (save_checkpoint); resumes from them if present."""
+    micro-batches per step. Checkpoints every `save_every` steps (save_checkpoint; with `fsdp`,
+    save_sharded_checkpoint); resumes from them if present. With `fsdp` (a process group must be up) the drafter is
+    sharded in place and returned as "sharded" (its FSDP root) with the result; every process evaluates and saves."""
     device = drafter.device
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
-    frozen = freeze_embeddings(drafter) if freeze else None
+    # FSDP casts to bf16 itself (shard_model); DDP and one process autocast around fp32 weights
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 and not fsdp else \
+        contextlib.nullcontext
+    frozen, keep = freeze_embeddings(drafter, hook=not fsdp) if freeze else (None, None)
+    model = TrainingLoss(drafter)
+    if fsdp:
+        shard_model(model, drafter.model.get_decoder().layers, bf16)
+        if freeze:  # fully_shard replaced the parameter, dropping the hooks of the old one
+            frozen = drafter.model.get_input_embeddings().weight
+            freeze_sharded_rows(frozen, keep)
+    elif world > 1:  # PyTorch's own DDP: gradients all-reduced in backward
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     decayed = [p for p in drafter.parameters() if p.requires_grad and p is not frozen]
     groups = [{"params": decayed, "weight_decay": weight_decay}] + ([{"params": [frozen], "weight_decay": 0.0}]
                                                                     if frozen is not None else [])
     optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
     schedule = lambda s: min(1.0, (s + 1) / max(warmup, 1)) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s / steps, 1))))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    model = TrainingLoss(drafter)
-    if world > 1:  # PyTorch's own DDP: gradients all-reduced in backward
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
 
     start_step, skipped, skipped_in_a_row = 0, 0, 0  # steps dropped for a non-finite gradient (d3d.finite_step)
-    state, optimizer_state = load_checkpoint(out) if resume else ({}, None)
+    if fsdp:
+        state = load_sharded_checkpoint(out, model, optimizer) if resume else {}
+    else:
+        if resume and not os.path.exists(os.path.join(out, "checkpoint.pt")) and \
+                os.path.isdir(os.path.join(out, SHARDED_CHECKPOINT)):
+            raise ValueError(f"{out} holds a checkpoint of an --fsdp run ({SHARDED_CHECKPOINT}): resume it with "
+                             "--fsdp (any number of processes), or start afresh with --no-resume")
+        state, optimizer_state = load_checkpoint(out) if resume else ({}, None)
+        if state:
+            drafter.load_state_dict(state["model"])
+            if optimizer_state is not None:
+                optimizer.load_state_dict(optimizer_state)
     if state:
-        drafter.load_state_dict(state["model"])
-        if optimizer_state is not None:
-            optimizer.load_state_dict(optimizer_state)
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         random.setstate(state["python_rng"])
         start_step, skipped = state["step"], state.get("skipped", 0)
         if rank == 0:
-            print(f"[train] resumed from {os.path.join(out, 'checkpoint.pt')} at step {start_step}")
+            saved_by = f" (saved by {state['world']} processes, resumed by {world})" if fsdp else ""
+            print(f"[train] resumed from {state.get('path') or os.path.join(out, 'checkpoint.pt')} at step "
+                  f"{start_step}{saved_by}")
 
     shard = train[rank::world]  # each rank its own sequences
     per_epoch = math.ceil(len(shard) / batch_size)
@@ -428,11 +570,12 @@ def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, bat
 
     def evaluate(done: int) -> float:
         tau = evaluate_tau(drafter, val, block_size=block_size, num_anchors=val_anchors, pad_id=pad_id,
-                           max_len=max_len, autocast=autocast)
+                           max_len=max_len, autocast=autocast, sharded=model if fsdp else None)
         history.append({"step": done, "loss": loss_ema and round(loss_ema, 4), "offline_tau": round(tau, 3),
                         "skipped": skipped})
-        tqdm.write(f"[train] step {done}: loss {loss_ema or float('nan'):.3f}, offline tau (B={block_size}) {tau:.3f}"
-                   f"{f', {skipped} steps skipped (non-finite gradient)' if skipped else ''}")
+        if rank == 0:
+            tqdm.write(f"[train] step {done}: loss {loss_ema or float('nan'):.3f}, offline tau (B={block_size}) "
+                       f"{tau:.3f}{f', {skipped} steps skipped (non-finite gradient)' if skipped else ''}")
         return tau
 
     drafter.train()
@@ -443,12 +586,16 @@ def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, bat
             input_ids, loss_mask = micro_batch(step * grad_accum + a)
             num_tokens += int((input_ids != pad_id).sum())
             last = a == grad_accum - 1
-            with (model.no_sync() if world > 1 and not last else contextlib.nullcontext()):  # sync once per step
+            # DDP: all-reduce once per step. FSDP reduce-scatters every micro-batch: skipping it would keep whole
+            # unsharded gradients between micro-batches, the memory sharding saves
+            with (model.no_sync() if world > 1 and not fsdp and not last else contextlib.nullcontext()):
                 with autocast():
                     loss, metrics = model(input_ids, loss_mask, num_anchors=num_anchors, block_size=block_size,
                                           ar_weight=ar_weight, decay_gamma=decay_gamma, generator=anchors_rng)
                 (loss / grad_accum).backward()
-        stepped = d3d.finite_step(optimizer, drafter.parameters(), grad_clip)  # a NaN or Inf never reaches AdamW
+        # a NaN or Inf never reaches AdamW. FSDP: clip_grad_norm_ of DTensor gradients returns a replicated DTensor,
+        # the norm over all shards, so every rank reads the same value and decides alike
+        stepped = d3d.finite_step(optimizer, drafter.parameters(), grad_clip)
         scheduler.step()  # on a skipped step too: the rate stays a function of the step number, as a resume assumes
         skipped_in_a_row = 0 if stepped else skipped_in_a_row + 1
         skipped += not stepped
@@ -465,17 +612,20 @@ def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, bat
                         peak_gib=f"{peak_memory_gib(device, reset=True):.2f}",  # CUDA: this step's; CPU: the run's
                         skipped=skipped)
         done = step + 1
-        if rank == 0 and val and done % eval_every == 0 and done < steps:
+        if (rank == 0 or fsdp) and val and done % eval_every == 0 and done < steps:  # FSDP: every rank's pass
             evaluate(done)
-        if rank == 0 and (done % save_every == 0 or done == steps):
+        if fsdp and (done % save_every == 0 or done == steps):
+            save_sharded_checkpoint(out, done, model, optimizer, {"scheduler": scheduler.state_dict(),
+                                                                 "skipped": skipped})
+        elif rank == 0 and (done % save_every == 0 or done == steps):
             save_checkpoint(out, done, {"model": drafter.state_dict(), "scheduler": scheduler.state_dict(),
                                         "rng": torch.get_rng_state(), "python_rng": random.getstate(),
                                         "skipped": skipped}, optimizer.state_dict())
     bar.close()
-    if rank == 0 and val:  # also when a rerun finds the run finished: evaluates with the new --num-val, ...
+    if (rank == 0 or fsdp) and val:  # also when a rerun finds the run finished: evaluates with the new --num-val, ...
         tau = evaluate(steps)
     return {"offline_tau": tau, "history": history, "skipped_steps": skipped,
-            "train_seconds": round(time.perf_counter() - start, 1)}
+            "train_seconds": round(time.perf_counter() - start, 1), **({"sharded": model} if fsdp else {})}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -528,6 +678,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "device does it natively: CUDA, or a CPU with AVX512-BF16/AMX; else float32)")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer's activations in "
                    "backward: less memory (SmolLM2, K 64, batch 2, 1,024 tokens: 3.2 -> 2.2 GiB), ~30 %% more compute")
+    g.add_argument("--fsdp", action="store_true", help="shard fp32 weights, gradients and AdamW moments over the "
+                   "processes (FSDP2, per decoder layer and root; bf16 by FSDP's mixed precision: layers gathered in "
+                   "bf16, gradients reduced in fp32). Use it when 16 bytes a parameter do not fit one GPU (the "
+                   "Qwen3-8B drafter: RESULTS.md, FSDP memory); else plain torchrun (DDP) is simpler and faster. "
+                   "Checkpoints: OUT/checkpoint-fsdp, one file a process, resumed by any number of processes (with "
+                   "another number the data order follows the new sharding). Without torchrun: FSDP on one process "
+                   "(default: off)")
     g = ap.add_argument_group("evaluation and output")
     g.add_argument("--out", default="runs/toy/drafter", help="drafter folder (default: runs/toy/drafter)")
     g.add_argument("--eval-every", type=int, default=100, help="offline tau every N steps (default: 100)")
@@ -554,6 +711,9 @@ def main(**overrides) -> dict:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    elif args.fsdp:  # one process without torchrun: FSDP over a group of one (resumes a sharded checkpoint, too)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
     if args.target is None and args.dtype == "auto":
         args.dtype = "float32"  # the toy's tiny models: bf16 would buy nothing and round more
     bf16 = resolve_dtype(args.dtype, device) == torch.bfloat16
@@ -614,24 +774,29 @@ def main(**overrides) -> dict:
                            max_len=args.max_len, num_anchors=args.num_anchors, block_size=args.block_size,
                            ar_weight=args.ar_weight, decay_gamma=args.decay_gamma, eval_every=args.eval_every,
                            val_anchors=args.val_anchors, save_every=args.save_every, seed=args.seed, bf16=bf16,
-                           resume=args.resume, rank=rank, world=world)
+                           resume=args.resume, rank=rank, world=world, fsdp=args.fsdp)
 
     peak = peak_memory_gib(device)
-    if bf16:  # the final drafter in the dtype it was trained in (the fp32 master weights stay in checkpoint.pt)
-        drafter.model.to(torch.bfloat16)
+    # the same held-out blocks with d_1 drafted by MASK 1 instead of the causal next-token head, or the reverse
+    other = "mask" if drafter.d3d_config.first_token == "causal" else "causal"
+    evaluation = dict(block_size=args.block_size, num_anchors=args.val_anchors, pad_id=pad_id, max_len=args.max_len,
+                      first_token=other)
+    sharded = result.pop("sharded", None)
+    if sharded is not None:  # every rank evaluates the sharded drafter, then all gather it once, onto rank 0's host
+        result[f"offline_tau_first_token_{other}"] = evaluate_tau(drafter, val, sharded=sharded, **evaluation)
+        drafter = gather_drafter(sharded, drafter) or drafter  # ranks > 0 keep their shards
+    if bf16 and (rank == 0 or sharded is None):  # the final drafter in the dtype it was trained in (the fp32 master
+        drafter.model.to(torch.bfloat16)  # weights stay in the checkpoint)
     if rank == 0:
-        # the same held-out blocks with d_1 drafted by MASK 1 instead of the causal next-token head, or the reverse
-        other = "mask" if drafter.d3d_config.first_token == "causal" else "causal"
-        autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
-        result[f"offline_tau_first_token_{other}"] = evaluate_tau(
-            drafter, val, block_size=args.block_size, num_anchors=args.val_anchors, pad_id=pad_id,
-            max_len=args.max_len, autocast=autocast, first_token=other)
+        if sharded is None:
+            autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+            result[f"offline_tau_first_token_{other}"] = evaluate_tau(drafter, val, autocast=autocast, **evaluation)
         drafter.save_pretrained(args.out, tokenizer=tokenizer)
         target = os.path.abspath(args.target) if os.path.exists(args.target) else args.target
         record = {**vars(args), "target": target, "val_prompts": val_prompts, "layer_ids": drafter.d3d_config.layer_ids,
                   **result,
                   "peak_memory_gib": round(peak, 2), "device": str(device), "world_size": world,
-                  "compute_dtype": "bfloat16" if bf16 else "float32"}
+                  "compute_dtype": "bfloat16" if bf16 else "float32", "fsdp": args.fsdp}
         with open(os.path.join(args.out, "train_args.json"), "w") as f:
             json.dump(record, f, indent=2)
         print(f"[done] offline tau (B={args.block_size}) on {len(val)} held-out answers: {result['offline_tau']:.3f} "
@@ -639,9 +804,10 @@ def main(**overrides) -> dict:
               f"{result[f'offline_tau_first_token_{other}']:.3f} from {'MASK 1' if other == 'mask' else 'the head'}); "
               f"training {result['train_seconds']:.0f} s; peak memory {peak:.2f} GiB "
               f"({'GPU allocated' if device.type == 'cuda' else 'RSS'})")
+        kept = f"{SHARDED_CHECKPOINT}/ resumes" if args.fsdp else "checkpoint.pt and optimizer-*.pt resume"
         print(f"[done] target: {target}\n[done] answer caches: {data_dir}\n[done] drafter (+ train_args.json; "
-              f"checkpoint.pt and optimizer-*.pt resume or extend the run): {os.path.abspath(args.out)}")
-    if world > 1:
+              f"{kept} or extend the run): {os.path.abspath(args.out)}")
+    if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     return {**result, "drafter": drafter, "out": args.out}
@@ -779,6 +945,27 @@ def prune_memory_estimate(num_params: int, hidden: int, layers: int, batch: int,
     parts = {"weights": 4 * num_params, "gradients": 4 * num_params, "adamw_moments": 8 * num_params,
              "teacher": 4 * num_params, "activations": activations,
              "logits": 4 * runtime.loss_chunk_rows(vocab, device_type) * vocab * 4}
+    gib = {name: size / 2**30 for name, size in parts.items()}
+    return {**gib, "total": sum(gib.values())}
+
+
+def fsdp_memory_estimate(num_params: float, root_params: float, layer_params: float, hidden: int, layers: int,
+                         batch: int, seq_len: int, vocab: int, world: int, checkpointing: bool = True) -> dict:
+    """GiB per GPU at the peak of a `train.py --fsdp` step on CUDA in bf16, per part and "total", on `world` GPUs.
+    Sharded (/world): fp32 weights (4 bytes a parameter), fp32 gradients (4), AdamW's two fp32 moments (8).
+    Gathered whole, in bf16: the root (embeddings and head, `root_params`), gathered for the whole forward and
+    backward, and two layers (the one computing and the next, prefetched). Gradients whole before their
+    reduce-scatter: the root's in bf16 plus its fp32 copy for the reduction (a layer's, far smaller, is left out).
+    Activations and logits as in prune_memory_estimate, bf16, except that each checkpointed layer input is bf16 too
+    (FSDP's mixed precision keeps the residual stream in bf16). seq_len: tokens of one packed sequence (answer +
+    K x B MASKs). A rough guide, not a bound: fragmentation, the CUDA context and NCCL buffers come on top."""
+    tokens = batch * seq_len
+    layer_activations = tokens * hidden * 26 * 2
+    activations = layers * tokens * hidden * 2 + layer_activations if checkpointing else layers * layer_activations
+    parts = {"weights": 4 * num_params / world, "gradients": 4 * num_params / world,
+             "adamw_moments": 8 * num_params / world, "gathered_weights": 2 * (root_params + 2 * layer_params),
+             "gathered_gradients": (2 + 4) * root_params, "activations": activations,
+             "logits": 4 * runtime.loss_chunk_rows(vocab, "cuda") * vocab * 4}
     gib = {name: size / 2**30 for name, size in parts.items()}
     return {**gib, "total": sum(gib.values())}
 
