@@ -28,8 +28,8 @@ Command line: ``python toy.py --out runs/toy [--seed 0] [--steps 3000] [--thread
 The target trains from fixed seeds until it solves its own problems (TRAIN_STEPS = 3000 steps of 16 problems; it
 prints and records in target/toy.json its exact-match rate on the 200 held-out prompts). Float order differs between
 CPUs and thread counts, so no two machines build bit-equal toys; trained to convergence, toys from different float
-orders answer alike, and the drafters trained on their answers reach about the same tau (RESULTS.md, "The toy under
-other float orders", shows by how much).
+orders answer alike, but a drafter cut from their layers can reach another tau (RESULTS.md, "The toy under another
+float order").
 
 On a CPU shared with other busy processes, training with as many torch threads as cores can be many times
 slower than with one thread (threads wait on each other); pass ``num_threads=1`` / ``--threads 1`` there.
