@@ -471,11 +471,12 @@ def evaluate_tau(drafter, examples, *, block_size: int, num_anchors: int = 32, b
     generator = torch.Generator().manual_seed(seed)  # the same anchors at every evaluation
     was_training, taus = drafter.training, []
     drafter.eval()
+    # under FSDP every pass goes through the root's forward, which gathers the weights
+    run = functools.partial(sharded, fn=d3d.offline_tau) if sharded is not None else \
+        functools.partial(d3d.offline_tau, drafter)
     for s in tqdm(range(0, len(examples), batch_size), desc=f"offline tau B={block_size}", leave=False):
         input_ids, loss_mask = collate(examples[s: s + batch_size], pad_id, max_len)
         with autocast():
-            run = functools.partial(d3d.offline_tau, drafter) if sharded is None else \
-                functools.partial(sharded, fn=d3d.offline_tau)
             taus.append(run(input_ids.to(drafter.device), loss_mask.to(drafter.device), num_anchors=num_anchors,
                             block_size=block_size, first_token=first_token, generator=generator))
     if sharded is not None:
