@@ -17,8 +17,9 @@ Paper -> this file, top to bottom:
     progressive layer pruning with recovery (Fig. 1b)    prune_drafter, tau_without_each_layer, distill_loss,
                                                            adjusted_teacher
     selective prefilling (appendix, Fig. 5)              select_chunks, generate(keep_ratio=...)
-Beside it: runtime.py (fixed-size KV caches, the round's one host read, the clock, loss logits in chunks), batched.py
-(concurrent requests, Table 2: generate([prompts])), fast.py (compiled passes; pruning's scorer from one pass).
+Beside it: runtime.py (fixed-size KV caches, the round's one host read, the clock, input checks, loss logits in
+chunks), batched.py (concurrent requests, Table 2: generate([prompts])), fast.py (compiled passes; pruning's scorer
+from one pass).
 
 Shapes: b batch, L clean tokens, K anchors (blocks), B block size, V vocabulary, q packed query length, past tokens
 already in a KV cache. "ours" marks a reading where the paper is silent (README.md, "Departures and readings", gives
@@ -41,8 +42,9 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from runtime import (Caches, Clock, KVCache, Output, additive_mask, attention_pass, cache_len, causal_pass, finite_step,
-                     host_copy, in_logit_chunks, load_causal_lm, prefill, read_round, tokenizer_fingerprint)
+from runtime import (Caches, Clock, KVCache, Output, additive_mask, attention_pass, cache_len, causal_pass,
+                     check_request, finite_step, host_copy, in_logit_chunks, load_causal_lm, prefill, read_round,
+                     tokenizer_fingerprint)
 
 
 MASK_TOKEN = "<|MASK|>"
@@ -838,6 +840,7 @@ def select_chunks(drafter: Drafter, input_ids: torch.Tensor, *, keep_ratio: floa
             "chunk_scores": scores.tolist(), "kept_chunks": kept, "num_chunks": num_chunks, "chunks_kept": len(kept)}
 
 
+
 MODES = ("target", "sync", "async")
 
 
@@ -857,11 +860,14 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
     time_{draft, verify}; async {hits, misses}_per_position, coverage, fanout, cover, lanes, time_{draft, verify,
     fallback_draft, packed_draft, both} (both: verify and the packed pass together; on CUDA also time_*_launch, the host
     time queuing them); keep_ratio num_chunks, chunks_kept, time_scoring, prompt_tokens_prefilled,
-    time_target_prefill. A list of 1-D prompts (modes "target", "sync") decodes as a ragged
-    batch, each row as it would alone: returns (list of 1-D outputs, stats), the same totals plus stats["rows"] (per
-    request tau, accept_lengths, num_rounds, num_new_tokens, time_done)."""
-    block_size, coverage, fanout = _check_request(target, drafter, input_ids, max_new_tokens, mode, block_size,
-                                                  temperature, coverage, fanout, cover, keep_ratio, lanes)
+    time_target_prefill. A list of 1-D prompts (modes "target", "sync") decodes as a ragged batch, each row as it would
+    alone: returns (list of 1-D outputs, stats), the same totals plus stats["rows"] (per request tau, accept_lengths,
+    num_rounds, num_new_tokens, time_done)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
+    block_size = check_request(target, drafter, input_ids, max_new_tokens, mode, block_size, temperature, coverage,
+                               fanout, cover, keep_ratio, lanes)  # a clear error for each bad input (runtime.py)
+    coverage, fanout = (d if v is None else v for v, d in zip((coverage, fanout), default_budget(block_size or 1)))
     if isinstance(input_ids, (list, tuple)):  # concurrent requests: batched.py
         import batched
         if mode == "target":
@@ -886,58 +892,5 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
     else:
         stats = _decode_async(drafter, out, caches, clock, block_size, temperature, generator, coverage, fanout,
                               cover, lanes)
-    stats.update(_stats(out, clock.totals(), mode, selection))
+    stats.update(out.stats(clock.totals(), mode, selection))
     return torch.tensor([out.tokens], device=input_ids.device), stats
-
-
-def _stats(out: Output, seconds: dict, mode: str, selection) -> dict:
-    """A single-sequence decode's stats from its output and its clock's seconds per phase."""
-    phases = {"target": (), "sync": ("draft", "verify"), "async": ("fallback_draft", "packed_draft", "verify", "both")}
-    stats = {"tau": sum(out.accept_lengths) / len(out.accept_lengths) if out.accept_lengths else float("nan"),
-             "accept_lengths": out.accept_lengths, "num_rounds": len(out.accept_lengths),
-             "num_new_tokens": len(out.tokens) - out.prompt_len, "time_total": seconds["total"],
-             # time to first token: the target's prefill, the drafter's, and selective prefill's scoring
-             "time_prefill": seconds.get("prefill", 0.0) + seconds.get("scoring", 0.0),
-             **{f"time_{key}": seconds.get(key, 0.0) for key in phases[mode]},
-             **{f"time_{key}": value for key, value in seconds.items() if key.endswith("_launch")}}
-    if mode == "async":
-        stats["time_draft"] = stats["time_fallback_draft"] + stats["time_packed_draft"]
-    if selection is not None:
-        stats.update({key: selection[key] for key in ("num_chunks", "chunks_kept")},
-                     prompt_tokens_prefilled=selection["kept_ids"].shape[1], time_scoring=seconds["scoring"],
-                     time_target_prefill=seconds.get("prefill", 0.0))
-    return stats
-
-
-def _check_request(target, drafter, input_ids, max_new_tokens, mode, block_size, temperature, coverage, fanout, cover,
-                   keep_ratio, lanes) -> tuple[int | None, int, int]:
-    """generate's input checks: a clear error for each bad input. Returns block_size, coverage, fanout resolved."""
-    batch = isinstance(input_ids, (list, tuple))
-    if batch:
-        import batched
-        batched.check_request(input_ids, mode, keep_ratio)
-    elif input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must have shape (1, prompt_len) (batch 1, not empty: at least one token) or be a "
-                         f"list of 1-D prompts, got {tuple(input_ids.shape)}")
-    if max_new_tokens < 0 or temperature < 0:
-        raise ValueError(f"need max_new_tokens >= 0 and temperature >= 0, got {max_new_tokens}, {temperature}")
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
-    if lanes not in (1, 2):
-        raise ValueError(f"lanes must be 1 (one pass after the other) or 2 (a second stream or thread), got {lanes}")
-    if drafter is None and (mode != "target" or keep_ratio is not None):
-        raise ValueError(f"mode {mode!r} needs a drafter" + (" (it scores the prompt chunks)" if keep_ratio else ""))
-    if drafter is not None:
-        target_rows = target.get_output_embeddings().weight.shape[0]
-        if drafter.d3d_config.target_vocab_size != target_rows:
-            raise ValueError(f"the drafter was made for a target vocabulary of {drafter.d3d_config.target_vocab_size}"
-                             f" tokens, this target has {target_rows}: use a drafter made with the target's tokenizer")
-        block_size = drafter.d3d_config.block_size if block_size is None else block_size
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-    default_coverage, default_fanout = default_budget(block_size or 1)
-    coverage = default_coverage if coverage is None else coverage
-    fanout = default_fanout if fanout is None else fanout
-    if coverage < 0 or fanout < 0 or cover not in ("first", "likely"):
-        raise ValueError(f"need coverage, fanout >= 0, cover 'first' or 'likely'; got {coverage}, {fanout}, {cover!r}")
-    return block_size, coverage, fanout

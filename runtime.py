@@ -1,8 +1,9 @@
 """What d3d.py runs on, none of it the method: fixed-size KV caches with their length kept on the host, the round's
 one host read (which also checks that every pass wrote its cache), chunked prefill, a pass that returns attention
 weights (selective prefill's score), the clock that times the phases without waiting for the device, the committed
-tokens and their stop rules, loss logits made a few rows at a time, the tokenizer's fingerprint; and loading, a guarded
-optimizer step and a host copy of a model, which training and pruning share."""
+tokens with their stop rules and a decode's stats, generate's input checks, loss logits made a few rows at a time,
+the tokenizer's fingerprint; and loading, a guarded optimizer step and a host copy of a model, which training and
+pruning share."""
 from __future__ import annotations
 
 import contextlib
@@ -249,6 +250,58 @@ class Output:
 
     def commit_round(self, accepted: list[int], next_token: int) -> None:
         self.accept_lengths.append(len(self.commit(accepted + [next_token])))
+
+    def stats(self, seconds: dict, mode: str, selection) -> dict:
+        """A single-sequence decode's stats, from its clock's seconds per phase (Clock.totals)."""
+        phases = {"target": (), "sync": ("draft", "verify"),
+                  "async": ("fallback_draft", "packed_draft", "verify", "both")}
+        stats = {"tau": sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else float("nan"),
+                 "accept_lengths": self.accept_lengths, "num_rounds": len(self.accept_lengths),
+                 "num_new_tokens": len(self.tokens) - self.prompt_len, "time_total": seconds["total"],
+                 # time to first token: the target's prefill, the drafter's, and selective prefill's scoring
+                 "time_prefill": seconds.get("prefill", 0.0) + seconds.get("scoring", 0.0),
+                 **{f"time_{key}": seconds.get(key, 0.0) for key in phases[mode]},
+                 **{f"time_{key}": value for key, value in seconds.items() if key.endswith("_launch")}}
+        if mode == "async":
+            stats["time_draft"] = stats["time_fallback_draft"] + stats["time_packed_draft"]
+        if selection is not None:
+            stats.update({key: selection[key] for key in ("num_chunks", "chunks_kept")},
+                         prompt_tokens_prefilled=selection["kept_ids"].shape[1], time_scoring=seconds["scoring"],
+                         time_target_prefill=seconds.get("prefill", 0.0))
+        return stats
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# generate's input checks
+
+
+def check_request(target, drafter, input_ids, max_new_tokens, mode, block_size, temperature, coverage, fanout, cover,
+                  keep_ratio, lanes) -> int | None:
+    """d3d.generate's input checks: a clear error for each bad input. Returns the block size (default: the
+    drafter's; None without a drafter)."""
+    if isinstance(input_ids, (list, tuple)):
+        import batched
+        batched.check_request(input_ids, mode, keep_ratio)
+    elif input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must have shape (1, prompt_len) (batch 1, not empty: at least one token) or be a "
+                         f"list of 1-D prompts, got {tuple(input_ids.shape)}")
+    if max_new_tokens < 0 or temperature < 0:
+        raise ValueError(f"need max_new_tokens >= 0 and temperature >= 0, got {max_new_tokens}, {temperature}")
+    if lanes not in (1, 2):
+        raise ValueError(f"lanes must be 1 (one pass after the other) or 2 (a second stream or thread), got {lanes}")
+    if drafter is None and (mode != "target" or keep_ratio is not None):
+        raise ValueError(f"mode {mode!r} needs a drafter" + (" (it scores the prompt chunks)" if keep_ratio else ""))
+    if drafter is not None:
+        target_rows = target.get_output_embeddings().weight.shape[0]
+        if drafter.d3d_config.target_vocab_size != target_rows:
+            raise ValueError(f"the drafter was made for a target vocabulary of {drafter.d3d_config.target_vocab_size}"
+                             f" tokens, this target has {target_rows}: use a drafter made with the target's tokenizer")
+        block_size = drafter.d3d_config.block_size if block_size is None else block_size
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if (coverage or 0) < 0 or (fanout or 0) < 0 or cover not in ("first", "likely"):
+        raise ValueError(f"need coverage, fanout >= 0, cover 'first' or 'likely'; got {coverage}, {fanout}, {cover!r}")
+    return block_size
 
 
 # ----------------------------------------------------------------------------------------------------------------------
