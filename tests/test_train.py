@@ -364,6 +364,16 @@ def test_every_toy_run_shares_one_toy_wherever_out_goes(monkeypatch, tmp_path):
     assert built == [train.TOY_DIR]
 
 
+def test_the_toy_drafter_is_the_targets_first_two_layers(setup, monkeypatch, tmp_path):
+    """The toy's default cut is a prefix of the target: a cut with a gap (layers 0 and 3) reaches another tau on a toy
+    built under another float order (RESULTS.md)."""
+    monkeypatch.setattr(train, "TOY_DIR", str(tmp_path / "toy"))
+    monkeypatch.setattr(toy, "build_toy", lambda out_dir, **kw: {"target": setup["target"], "train": setup["prompts"],
+                                                                 "test": setup["prompts"]})
+    result = train.main(out=str(tmp_path / "toy" / "drafter"), steps=1, **FAST)
+    assert result["drafter"].d3d_config.layer_ids == [0, 1]
+
+
 def test_dtype_auto_picks_bf16_only_where_native(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(train, "native_bf16", lambda device: True)
