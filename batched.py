@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from d3d import Drafter, accept_draft, draft_rows, packed_attention_mask, pick_tokens
-from runtime import Clock, Output, additive_mask, ignored_cache
+from runtime import Clock, Output, additive_mask, ignored_cache, mean
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -130,20 +130,14 @@ def drop_finished(outs, active: list[int], caches, times) -> list[int]:
     return [active[i] for i in keep]
 
 
-def _mean(values) -> float:
-    return sum(values) / len(values) if values else float("nan")
-
-
 def finish(outs, times, device) -> tuple[list[torch.Tensor], dict]:
     seconds = times["clock"].totals()
     total = seconds["total"]
-    rows = [{"tau": _mean(out.accept_lengths), "accept_lengths": out.accept_lengths,
-             "num_rounds": len(out.accept_lengths), "num_new_tokens": len(out.tokens) - out.prompt_len,
-             "time_done": times["done"].get(i, total)} for i, out in enumerate(outs)]
+    rows = [{**out.summary(), "time_done": times["done"].get(i, total)} for i, out in enumerate(outs)]
     num_new = sum(row["num_new_tokens"] for row in rows)
     return [torch.tensor(out.tokens, device=device) for out in outs], {
         "rows": rows, "num_rounds": times["rounds"], "num_new_tokens": num_new,
-        "tau": _mean([n for out in outs for n in out.accept_lengths]), "time_prefill": seconds.get("prefill", 0.0),
+        "tau": mean([n for out in outs for n in out.accept_lengths]), "time_prefill": seconds.get("prefill", 0.0),
         "time_draft": seconds.get("draft", 0.0), "time_verify": seconds.get("verify", 0.0), "time_total": total,
         "tokens_per_s": num_new / total}  # throughput: new tokens of all rows / wall time
 

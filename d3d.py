@@ -699,13 +699,17 @@ def validation_tau(drafter: Drafter, batches, *, num_anchors: int = 32, seed: in
 
 
 @contextlib.contextmanager
-def _without_layer(drafter: Drafter, index: int):
-    """Leave decoder layer `index` out for the duration (to score it without copying the model)."""
+def _only_layers(drafter: Drafter, layer_ids: list[int]):
+    """Keep only decoder layers `layer_ids` (none: straight to the final norm) for the duration; yields the decoder."""
     decoder, config = drafter.model.get_decoder(), drafter.model.config
     layers, layer_types = decoder.layers, getattr(config, "layer_types", None)
-    keep_layers(drafter.model, [i for i in range(len(layers)) if i != index])
+    if layer_ids:
+        keep_layers(drafter.model, layer_ids)
+    else:  # keep_layers keeps at least one layer
+        decoder.layers, config.num_hidden_layers = nn.ModuleList(), 0
+        config.layer_types = None if layer_types is None else []
     try:
-        yield
+        yield decoder
     finally:  # every layer back, numbered 0..n-1 again
         decoder.layers, config.layer_types = layers, layer_types
         keep_layers(drafter.model, list(range(len(layers))))
@@ -715,9 +719,9 @@ def _without_layer(drafter: Drafter, index: int):
 def tau_without_each_layer(drafter: Drafter, batches, *, num_anchors: int = 32, seed: int = 0) -> dict[int, float]:
     """{i: offline tau of the drafter without decoder layer i}, each from validation_tau on the same anchors.
     fast.tau_without_each_layer gives the same numbers from one recorded pass per batch, at a fraction of the cost."""
-    scores = {}
-    for i in tqdm(range(len(drafter.model.get_decoder().layers)), desc="score layers", leave=False):
-        with _without_layer(drafter, i):
+    scores, num_layers = {}, len(drafter.model.get_decoder().layers)
+    for i in tqdm(range(num_layers), desc="score layers", leave=False):
+        with _only_layers(drafter, [j for j in range(num_layers) if j != i]):
             scores[i] = validation_tau(drafter, batches, num_anchors=num_anchors, seed=seed)[0]
     return scores
 
@@ -759,7 +763,7 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
             _, base_loss = validation_tau(drafter, val_batches, num_anchors=num_anchors, seed=seed)
             change = {}
             for index in tied:
-                with _without_layer(drafter, index):
+                with _only_layers(drafter, [i for i in range(len(original)) if i != index]):
                     change[index] = abs(validation_tau(drafter, val_batches, num_anchors=num_anchors, seed=seed)[1]
                                         - base_loss)
             best = min(tied, key=change.get)

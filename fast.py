@@ -21,7 +21,6 @@ import contextlib
 import time
 
 import torch
-from torch import nn
 from tqdm.auto import tqdm
 
 import d3d
@@ -75,29 +74,9 @@ def _recording_layer_inputs(drafter: d3d.Drafter):
 
 
 @contextlib.contextmanager
-def _only_layers(drafter: d3d.Drafter, layer_ids: list[int]):
-    """Keep only decoder layers `layer_ids` (none: straight to the final norm) for the duration; yields the decoder."""
-    decoder, config = drafter.model.get_decoder(), drafter.model.config
-    layers, layer_types = decoder.layers, getattr(config, "layer_types", None)
-    if layer_ids:
-        d3d.keep_layers(drafter.model, layer_ids)
-    else:  # keep_layers keeps at least one layer
-        decoder.layers, config.num_hidden_layers = nn.ModuleList(), 0
-        if layer_types is not None:
-            config.layer_types = []
-    try:
-        yield decoder
-    finally:  # every layer back, numbered 0..n-1 again by keep_layers
-        decoder.layers = layers
-        if layer_types is not None:
-            config.layer_types = layer_types
-        d3d.keep_layers(drafter.model, list(range(len(layers))))
-
-
-@contextlib.contextmanager
 def _resumed_at(drafter: d3d.Drafter, start: int, hidden: torch.Tensor):
     """Run only layers start.. (and the final norm) on `hidden` instead of the embedded input, for the duration."""
-    with _only_layers(drafter, list(range(start, len(drafter.model.get_decoder().layers)))) as decoder:
+    with d3d._only_layers(drafter, list(range(start, len(drafter.model.get_decoder().layers)))) as decoder:
         first = decoder.layers[0] if len(decoder.layers) else decoder.norm
 
         def swap_input(_, args, kwargs):

@@ -72,6 +72,10 @@ class KVCache:
                 self.check([-1, -1])
             raise error
 
+    def positions(self, q: int, device) -> torch.Tensor:
+        """(1, q) positions of the next q tokens: after what the cache holds and the prompt tokens it skipped."""
+        return torch.arange(q, device=device)[None] + self.length + self.skipped
+
     def written(self, device) -> torch.Tensor:
         """The cache's own length in its first and last layer (2,), left on the device for the round's one read."""
         layers = (self.hf.layers[0], self.hf.layers[-1])
@@ -148,8 +152,8 @@ def causal_mask(q: int, past_len: int, device) -> torch.Tensor:
 
 def causal_pass(cache: KVCache, ids: torch.Tensor) -> torch.Tensor:
     """A plain causal pass over ids (1, q) after what the cache holds."""
-    positions = torch.arange(ids.shape[1], device=ids.device)[None] + cache.length + cache.skipped
-    return cache.run(ids, positions, causal_mask(ids.shape[1], cache.length, ids.device))
+    q = ids.shape[1]
+    return cache.run(ids, cache.positions(q, ids.device), causal_mask(q, cache.length, ids.device))
 
 
 PREFILL_CHUNK = 512  # tokens a prefill pass reads: its mask is chunk x cache length, never prompt x prompt (32k: 1 GiB)
@@ -160,7 +164,7 @@ def prefill(cache: KVCache, ids: torch.Tensor, positions: torch.Tensor | None = 
     it into the cache PREFILL_CHUNK tokens at a time, eagerly (any length). Returns the last pass's output: its last
     row is the last token's."""
     if positions is None:
-        positions = torch.arange(ids.shape[1], device=ids.device)[None] + cache.length + cache.skipped
+        positions = cache.positions(ids.shape[1], ids.device)
     for start in range(0, ids.shape[1], PREFILL_CHUNK):
         chunk = ids[:, start: start + PREFILL_CHUNK]
         mask = causal_mask(chunk.shape[1], cache.length, ids.device)
@@ -172,7 +176,7 @@ def attention_pass(cache: KVCache, ids: torch.Tensor) -> list[torch.Tensor]:
     """A causal pass over ids (1, q) after what the cache holds, with eager attention (the only kind that returns its
     weights): each layer's attention weights (heads, q, cache length + q), float."""
     model, q = cache.model.model, ids.shape[1]  # a d3d.Drafter's HF model
-    positions = torch.arange(cache.length, cache.length + q, device=ids.device)[None]
+    positions = cache.positions(q, ids.device)
     mask = F.pad(causal_mask(q, cache.length, ids.device), (0, cache.max_len - cache.length - q))
     attn_implementation = model.config._attn_implementation
     model.set_attn_implementation("eager")
@@ -227,6 +231,10 @@ class Clock:
         return seconds
 
 
+def mean(values) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
 class Output:
     """Committed tokens of one sequence, with the stop rules (EOS kept, max_new_tokens) and the tokens per round."""
 
@@ -251,13 +259,16 @@ class Output:
     def commit_round(self, accepted: list[int], next_token: int) -> None:
         self.accept_lengths.append(len(self.commit(accepted + [next_token])))
 
+    def summary(self) -> dict:
+        """tau (mean tokens committed per round), accept_lengths, num_rounds, num_new_tokens."""
+        return {"tau": mean(self.accept_lengths), "accept_lengths": self.accept_lengths,
+                "num_rounds": len(self.accept_lengths), "num_new_tokens": len(self.tokens) - self.prompt_len}
+
     def stats(self, seconds: dict, mode: str, selection) -> dict:
         """A single-sequence decode's stats, from its clock's seconds per phase (Clock.totals)."""
         phases = {"target": (), "sync": ("draft", "verify"),
                   "async": ("fallback_draft", "packed_draft", "verify", "both")}
-        stats = {"tau": sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else float("nan"),
-                 "accept_lengths": self.accept_lengths, "num_rounds": len(self.accept_lengths),
-                 "num_new_tokens": len(self.tokens) - self.prompt_len, "time_total": seconds["total"],
+        stats = {**self.summary(), "time_total": seconds["total"],
                  # time to first token: the target's prefill, the drafter's, and selective prefill's scoring
                  "time_prefill": seconds.get("prefill", 0.0) + seconds.get("scoring", 0.0),
                  **{f"time_{key}": seconds.get(key, 0.0) for key in phases[mode]},
