@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 import d3d
 import train
-from test_train import FAST, _run, setup  # noqa: F401 (setup is a fixture)
+from test_train import FAST, _run, setup, spoiled_loss  # noqa: F401 (setup is a fixture)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,19 +22,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _nan_at(calls_to_spoil):
-    """d3d.d3d_loss made NaN at the given 1-based calls of this process (one call per step here)."""
-    real_loss, calls = d3d.d3d_loss, []
-
-    def loss(*a, **k):
-        calls.append(1)
-        value, metrics = real_loss(*a, **k)
-        return (value * float("nan") if len(calls) in calls_to_spoil else value), metrics
-
-    d3d.d3d_loss = loss
-    return real_loss
 
 
 def _worker(rank, world, paths, runs, port):
@@ -56,7 +43,7 @@ def _worker(rank, world, paths, runs, port):
 
             d3d.d3d_loss = crash
         if run.get("nan_at"):
-            _nan_at(run["nan_at"])
+            d3d.d3d_loss = spoiled_loss(run["nan_at"])
         try:
             result = train.main(target=paths["target"], prompts=paths["prompts"], out=run["out"],
                                 **{**FAST, **run["kw"]})

@@ -158,16 +158,19 @@ def test_resume_continues_at_the_right_step(setup, tmp_path, monkeypatch, capsys
         assert torch.equal(a, b), name  # the same data, anchors and optimizer state as one uninterrupted run
 
 
-def _nan_loss_at(monkeypatch, bad_steps):
-    """Make d3d_loss NaN (hence every gradient) at the given 1-based calls; one call per training step here."""
+def spoiled_loss(bad_calls):
+    """d3d.d3d_loss made NaN (hence every gradient) at the given 1-based calls; one call per training step here."""
     real_loss, calls = d3d.d3d_loss, []
 
     def loss(*a, **k):
         calls.append(1)
         value, metrics = real_loss(*a, **k)
-        return (value * float("nan") if len(calls) in bad_steps else value), metrics
+        return (value * float("nan") if len(calls) in bad_calls else value), metrics
+    return loss
 
-    monkeypatch.setattr(d3d, "d3d_loss", loss)
+
+def _nan_loss_at(monkeypatch, bad_steps):
+    monkeypatch.setattr(d3d, "d3d_loss", spoiled_loss(bad_steps))
 
 
 def test_a_non_finite_step_is_skipped_and_training_goes_on(setup, tmp_path, monkeypatch):
