@@ -42,9 +42,9 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from runtime import (Caches, Clock, KVCache, Output, additive_mask, attention_pass, cache_len, causal_pass,
-                     check_request, finite_step, host_copy, in_logit_chunks, load_causal_lm, prefill, read_round,
-                     tokenizer_fingerprint)
+from runtime import (Caches, Clock, KVCache, Output, additive_mask, async_lanes, attention_pass, cache_len,
+                     causal_pass, check_request, finite_step, host_copy, in_logit_chunks, load_causal_lm, prefill,
+                     read_round, tokenizer_fingerprint)
 
 
 MASK_TOKEN = "<|MASK|>"
@@ -566,7 +566,7 @@ class _Lanes:
             self.draft_stream = torch.cuda.Stream(device)
         elif lanes > 1:
             from concurrent.futures import ThreadPoolExecutor
-            self.pool, self.threads = ThreadPoolExecutor(1), torch.get_num_threads()
+            self.pool, self.threads = ThreadPoolExecutor(1, "packed-pass"), torch.get_num_threads()
             torch.set_num_threads(max(1, self.threads // 2))
 
     def close(self):
@@ -853,24 +853,26 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
              mode: str = "sync", block_size: int | None = None, temperature: float = 0.0, eos_token_id=None,
              generator: torch.Generator | None = None, coverage: int | None = None, fanout: int | None = None,
              cover: str = "first", keep_ratio: float | None = None, chunk_size: int = 64, caches: Caches | None = None,
-             lanes: int = 1):
+             lanes: int | None = None, trace: bool = False):
     """Decode input_ids (1, prompt_len) until EOS (kept) or max_new_tokens. Returns (output_ids (1, prompt + new),
     stats). mode "target": the target alone (drafter may be None); "sync": speculative decoding with D3D drafts;
     "async": the drafter drafts during verification for `coverage` x `fanout` outcomes (default_budget(B)) picked by
-    `cover`, in a second lane if lanes=2 (CUDA: a stream; CPU: a thread). Greedy (temperature 0) gives exactly the
-    target's tokens; sampling is lossless, reproducible with `generator`. keep_ratio (lossy): the target prefills only
-    the chunks select_chunks keeps. caches: KV caches of fixed size to reuse (Caches.make; default: new ones sized to
-    the request). stats: tau, accept_lengths, num_rounds, num_new_tokens, time_{prefill, total}; sync adds
-    time_{draft, verify}; async {hits, misses}_per_position, coverage, fanout, cover, lanes, time_{draft, verify,
-    fallback_draft, packed_draft, both} (both: verify and the packed pass together; on CUDA also time_*_launch, the host
-    time queuing them); keep_ratio num_chunks, chunks_kept, time_scoring, prompt_tokens_prefilled,
-    time_target_prefill. A list of 1-D prompts (modes "target", "sync") decodes as a ragged batch, each row as it would
+    `cover`, beside the verification in a second lane if lanes=2 (CUDA: a stream; CPU: a thread), after it if lanes=1
+    (None: runtime.async_lanes picks; two lanes with compiled passes on CUDA are refused). Greedy (temperature 0)
+    gives exactly the target's tokens; sampling is lossless, reproducible with `generator`. keep_ratio (lossy): the
+    target prefills only the chunks select_chunks keeps. caches: KV caches of fixed size to reuse (Caches.make;
+    default: new ones sized to the request). stats: tau, accept_lengths, num_rounds, num_new_tokens,
+    time_{prefill, total}; sync adds time_{draft, verify}; async {hits, misses}_per_position, coverage, fanout, cover,
+    lanes, time_{draft, verify, fallback_draft, packed_draft, both} (both: verify and the packed pass together; on CUDA
+    also time_*_launch, the host time queuing them); keep_ratio num_chunks, chunks_kept, time_scoring,
+    prompt_tokens_prefilled, time_target_prefill; trace=True adds "trace", the phases as a Chrome trace, a track a
+    lane (Clock.trace). A list of 1-D prompts (modes "target", "sync") decodes as a ragged batch, each row as it would
     alone: returns (list of 1-D outputs, stats), the same totals plus stats["rows"] (per request tau, accept_lengths,
     num_rounds, num_new_tokens, time_done)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
     block_size = check_request(target, drafter, input_ids, max_new_tokens, mode, block_size, temperature, coverage,
-                               fanout, cover, keep_ratio, lanes)  # a clear error for each bad input (runtime.py)
+                               fanout, cover, keep_ratio)  # a clear error for each bad input (runtime.py)
     coverage, fanout = (d if v is None else v for v, d in zip((coverage, fanout), default_budget(block_size or 1)))
     if isinstance(input_ids, (list, tuple)):  # concurrent requests: batched.py
         import batched
@@ -881,6 +883,8 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
     use_drafter = drafter if mode != "target" or keep_ratio is not None else None
     need = cache_len(input_ids.shape[1], max_new_tokens, block_size or 1, coverage * (mode == "async"), fanout)
     caches = Caches.make(target, use_drafter, need) if caches is None else caches.check(target, use_drafter, need)
+    lanes = async_lanes(input_ids.device.type, caches.compiled and mode == "async", lanes,
+                        sum(p.numel() for p in target.parameters()))  # the rule decode.py follows too (runtime.py)
     out, clock = Output(input_ids[0].tolist(), max_new_tokens, eos_token_id), Clock(input_ids.device)
     selection = None  # selective prefill: what the target prefills; the drafter's cache holds the full prompt
     if keep_ratio is not None:
@@ -896,5 +900,5 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
     else:
         stats = _decode_async(drafter, out, caches, clock, block_size, temperature, generator, coverage, fanout,
                               cover, lanes)
-    stats.update(out.stats(clock.totals(), mode, selection))
+    stats.update(out.stats(clock.totals(), mode, selection), **({"trace": clock.trace()} if trace else {}))
     return torch.tensor([out.tokens], device=input_ids.device), stats

@@ -8,7 +8,10 @@
 Answers are coloured by origin: green = draft tokens the target accepted, yellow = the target's own token that
 closes every round (the first token comes from the target's prefill). Then a table of target-only decoding and each
 mode on the same prompts (speed, speedup, tau, hit rate, same tokens) and the acceptance histogram. Without --mode:
-async on CUDA, sync elsewhere, each shown beside the other.
+sync, shown beside async. On one GPU at batch 1 async is estimated to lose to sync with a drafter as deep as the
+target: both passes are bound by memory bandwidth, so running them at once saves little and each miss adds a draft;
+it can pay with a shallow drafter, or with the drafter on a device of its own (README, "Async on one GPU": measure it
+with --bench FILE --modes sync async). --trace PATH draws one decode's passes on a timeline, a track per lane.
 --sampling-check N (with --temperature): N sampled answers by target-only and by --mode, compared per position.
 Benchmark (the paper's protocol): batch 1, greedy unless --temperature, a warm-up, then per prompt target-only
 decoding and each speculative mode, in the same run. speedup = target-only time per output token / speculative
@@ -41,6 +44,7 @@ import transformers
 from tqdm.auto import tqdm
 
 import d3d
+import runtime
 import train
 
 TOY_DRAFTER, TOY_TARGET, TOY_PROMPTS = "runs/toy/drafter", "runs/toy/target", "runs/toy/prompts-test.jsonl"
@@ -177,12 +181,14 @@ def decode_prompt(models, ids, modes, opts, max_new_tokens=None) -> dict[str, di
         kwargs = generate_kwargs(mode, opts, eos, max_new_tokens, ids.device)
         compiled = overrides.pop("compiled", False) or opts.get("compile")
         kwargs["caches"] = opts.get("compiled_caches" if compiled else "caches")  # the run's KV caches (prepare)
-        lanes = overrides.pop("lanes", opts.get("lanes") or 1)
+        lanes = overrides.pop("lanes", opts.get("lanes"))  # None: generate's rule (runtime.async_lanes)
         if mode == "async":  # branch budget C x F and which positions (plan_branches); unset = d3d's defaults
             kwargs.update({k: opts[k] for k in ("coverage", "fanout", "cover") if opts[k] is not None}, **overrides)
             kwargs["lanes"] = lanes
         if opts.get("keep_ratio") is not None:  # selective prefilling (lossy, off by default)
             kwargs.update(keep_ratio=opts["keep_ratio"], chunk_size=opts["chunk_size"])
+        if opts.get("trace"):  # the phases as a Chrome trace (write_trace)
+            kwargs["trace"] = True
         use_drafter = mode != "target" or opts.get("keep_ratio") is not None
         out, stats = d3d.generate(target, drafter if use_drafter else None, ids, **kwargs)
         records[spec] = {**stats, "new_tokens": out[0, ids.shape[1]:].tolist(),
@@ -227,6 +233,22 @@ def prepare(models, opts: dict, all_ids: list[torch.Tensor], modes: list[str]) -
                                                     [mode], block_size=opts["block_size"], **settings)
         print(f"compiled the fixed-shape passes of {', '.join(compiled)} in {opts['compile_seconds']:.1f} s "
               "(not counted in any time below)")
+
+
+def write_trace(models, ids: torch.Tensor, mode: str, opts: dict, path: str) -> dict:
+    """One prompt decoded once more in `mode` (after the run: its passes are warm), its phases written to `path` as a
+    Chrome trace: draft, verify, packed_draft, fallback_draft, both and prefill spans, a track for each CUDA stream
+    or host thread they ran on. Returns the trace."""
+    record = decode_prompt(models, ids, [mode], {**opts, "trace": True})[mode]
+    trace = record["trace"]
+    trace["otherData"] = {"mode": mode, **{k: record[k] for k in ("lanes", "tau", "num_rounds") if k in record}}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(trace, f)
+    tracks = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"]
+    print(f"wrote {path}: {mode}, {record['num_rounds']} rounds, {len(trace['traceEvents']) - len(tracks) - 1} spans "
+          f"on {len(tracks)} track(s) ({', '.join(tracks)}); open it in ui.perfetto.dev or chrome://tracing")
+    return trace
 
 
 def first_difference(reference: list[int], other: list[int]) -> int | None:
@@ -429,15 +451,6 @@ def summarise(records: list[dict], baseline: list[dict]) -> dict:
                             if k in records[0]}}
     if rounds:  # the whole round, to compare with its phases
         out["ms_per_round"]["round"] = 1000 * sum(r["decode_time"] for r in records) / rounds
-    launch = sum(r.get("time_verify_launch", 0) + r.get("time_packed_draft_launch", 0) for r in records)
-    device = sum(r.get("time_verify", 0) + r.get("time_packed_draft", 0) for r in records)
-    if "time_packed_draft" in records[0] and 0 < launch < 0.5 * device:  # an estimate, only where it can hold:
-        # on CUDA, with passes whose launch takes well under their device time, a round of perfect overlap would
-        # take the longer pass only; elsewhere (a CPU's lanes share its cores, eager GPU passes are launch-bound) no
-        overlapped = sum(r["decode_time"] + r["time_overlap_saved"] - min(r["time_verify"], r["time_packed_draft"])
-                         for r in records)
-        tokens = sum(r["decode_tokens"] for r in records)
-        out["speedup_if_overlapped_estimate"] = s_per_token(baseline) / (overlapped / tokens) if tokens else math.nan
     if "hits_per_position" in records[0]:  # async: pooled over rounds (index k-1: rejection at k; last: all accepted)
         for k in ("hits_per_position", "misses_per_position"):
             out[k] = [sum(col) for col in zip(*(r[k] for r in records))]
@@ -451,9 +464,7 @@ def table(results: dict, overall: dict, modes: list[str], block_size: int) -> st
     datasets: decode speed, time to first token, hit rate and where the time of a round goes (round = decode time
     / rounds; the phases may sum to less: acceptance, bookkeeping; on GPU async verify and packed draft overlap).
     "overlap": for async, what running verify and the packed pass side by side saved, measured, in ms per round
-    (below zero where it cost time; and
-    on CUDA, where launching a pass takes well under its device time, the speedup perfect overlap would give: an
-    estimate, labelled so)."""
+    (below zero where it cost time)."""
     names = list(results) + ["Avg."]
     lines = [" " * 26 + "".join(f"{n[:17]:<18}" for n in names), f"{'Method':<26}" + "Speedup  τ       " * len(names)]
     for mode in modes:
@@ -485,8 +496,6 @@ def table(results: dict, overall: dict, modes: list[str], block_size: int) -> st
         o = overall[mode]
         per_round = [f"{o['ms_per_round'][p]:.2f}" if p in o["ms_per_round"] else "-" for p in phases]
         overlap = f"{o['ms_per_round']['overlap_saved']:.2f}" if "overlap_saved" in o["ms_per_round"] else "-"
-        if "speedup_if_overlapped_estimate" in o:
-            overlap += f" (est. {o['speedup_if_overlapped_estimate']:.2f}× if all)"
         lines.append(f"{mode:<22}{o['tokens_per_s']:8.1f}{1000 * o['ttft_s']:9.1f}"
                      f"{format(o['hit_rate'], '.0%') if 'hit_rate' in o else '-':>9}{overlap:>11}   "
                      + (" / ".join(per_round) if mode.split("+")[0] != "target" else "-"))
@@ -572,9 +581,10 @@ def interactive(models, prompts: list[str], mode: str, opts: dict, thinking: boo
         print(f"{m:<8}{s['tokens_per_s']:8.0f}{s['speedup']:8.2f}×{tau:>6}{hit_rate:>10}   "
               f"{same if m != 'target' else '-'}")
     if "async" in modes:
-        print(f"async: the packed pass ran {'beside' if opts.get('lanes') == 2 else 'after'} the verification "
-              f"({opts.get('lanes') or 1} lane{'s' * (opts.get('lanes') == 2)}); its hit rate is how often the next "
-              "draft was ready when the verification ended")
+        lanes = records["async"][0]["lanes"]
+        print(f"async: the packed pass ran {'beside' if lanes == 2 else 'after'} the verification ({lanes} "
+              f"lane{'s' * (lanes == 2)}); its hit rate is how often the next draft was ready when the verification "
+              "ended")
     if mode != "target":
         print(f"{mode}: acceptance histogram (tokens committed per round, 1 .. {block_size + 1}):\n" +
               histogram([n for r in records[mode] for n in r["accept_lengths"]]))
@@ -807,32 +817,11 @@ def prefill_bench(models, path: str, docs: list[str], mode: str, keep_ratios: li
             "chunk_size": opts["chunk_size"], "mode": mode, "source": path}
 
 
-def default_setting(device: str, compiled: bool) -> tuple[str, str]:
-    """The mode the demo uses without --mode, and why: a rule written from measurements (RESULTS.md, "Speed"), not a
-    calibration at run time."""
-    if device.startswith("cuda") and compiled:
-        return "async", ("compiled passes leave the host idle while the GPU works, so the packed pass can run beside "
-                         "verification on a second stream (an estimate until a GPU run measures it)")
-    if device.startswith("cuda"):
-        return "sync", ("eager passes on a GPU are bound by kernel launches from one Python thread: a second stream "
-                        "has nothing to overlap, so the packed pass would only add work (add --compile)")
-    return "sync", ("on a CPU a pass costs in proportion to its tokens, so async's packed pass costs more than the "
-                    "draft a hit saves (RESULTS.md, Speed)")
-
-
-def default_lanes(model: torch.nn.Module, compiled: bool) -> int:
-    """async's lanes without --lanes: on CUDA a second stream when compiled; on a CPU a second thread for a model of
-    20M parameters or more (a tiny model's passes hold the GIL: measured slower, RESULTS.md, Speed)."""
-    if next(model.parameters()).device.type == "cuda":
-        return 2 if compiled else 1
-    return 2 if sum(p.numel() for p in model.parameters()) >= 20_000_000 else 1
-
-
 def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_field, max_samples, thinking, mode,
          block_size, temperature, max_new_tokens, coverage, fanout, cover, seed, bench_files, modes, out, no_color,
          keep_ratio=None, chunk_size=64, prefill_bench_file=None, keep_ratios=(1.0, 0.3, 0.2, 0.1), num_docs=12,
          concurrency=None, tie_tolerance=None, threads=None, sampling_check_samples=None, compile=False, max_len=None,
-         lanes=None):
+         lanes=None, trace=None):
     args = dict(locals())  # recorded in the benchmark JSON
     if threads:
         torch.set_num_threads(threads)
@@ -840,15 +829,19 @@ def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_f
     if prefill_bench_file:  # the paper pairs selective prefilling with sequential (sync) speculative decoding
         mode, modes, bench_files = mode or "sync", [mode or "sync"], None
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    compare = []  # the demo without --mode: the fastest mode on this device, beside the other one and the target
+    compare = []  # the demo without --mode: the rule's mode on this device, beside the other one and the target
     if mode is None and not bench_files and not prefill_bench_file and not sampling_check_samples:
-        mode, why = default_setting(device, compile)
+        mode, why = runtime.default_mode(torch.device(device).type)
         compare = [m for m in speculative if m != mode]
         print(f"mode {mode}: {why}")
     mode = mode or speculative[-1]
     modes = [m for m in modes or speculative if m != "target"]  # target-only always runs: it is the baseline
-    for m in [mode] + modes:
-        parse_mode(m)  # raises on an unknown mode or a bad async:C,F
+    lanes = lanes or (1 if bench_files else None)  # a benchmark names +2lanes itself; else the rule (runtime.py)
+    for m in dict.fromkeys([mode, *compare] + modes):
+        spec, flags = parse_mode(m)  # raises on an unknown mode or a bad async:C,F
+        if spec == "async":  # two compiled lanes on CUDA are refused: before anything loads
+            runtime.async_lanes(torch.device(device).type, compile or flags.get("compiled", False),
+                                flags.get("lanes", lanes))
     baselines = [m for m in modes if m in BASELINES]
     if mode in BASELINES and not bench_files:
         raise ValueError(f"{mode} is a benchmark baseline: run it with --bench FILE.jsonl --modes {mode}")
@@ -861,6 +854,9 @@ def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_f
         raise ValueError(f"--concurrency takes sizes >= 1 and goes with --bench, got {concurrency}")
     if sampling_check_samples is not None and (not temperature or sampling_check_samples < 2 or bench_files):
         raise ValueError("--sampling-check N (N >= 2) samples answers: give it --temperature > 0, without --bench")
+    if trace and (prefill_bench_file or sampling_check_samples or concurrency):
+        raise ValueError("--trace goes with the demo or with --bench (Table 1), not with --prefill-bench, "
+                         "--sampling-check or --concurrency")
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"--max-samples must be >= 1, got {max_samples}")
     if prompt is not None and "-" in prompt:  # `--prompt -`: one prompt per non-empty line of stdin
@@ -879,7 +875,6 @@ def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_f
     torch.manual_seed(seed)
     models = load(target, drafter, modes if bench_files else [mode, *compare] + (["sync"] if keep_ratio else []),
                   device, dtype, attn, threads)
-    lanes = lanes or (1 if bench_files else default_lanes(models[0], compile))  # a benchmark names +2lanes itself
     opts = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "block_size": block_size,
             "coverage": coverage, "fanout": fanout, "cover": cover, "keep_ratio": keep_ratio, "chunk_size": chunk_size,
             "tie_tolerance": tie_tolerance, "compile": compile, "max_len": max_len, "lanes": lanes}
@@ -890,11 +885,16 @@ def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_f
         result = sampling_check(models, prompt[0], mode, opts, thinking, sampling_check_samples)
     elif not bench_files:
         colour = not no_color and sys.stdout.isatty() and "NO_COLOR" not in os.environ
-        return interactive(models, prompt, mode, opts, thinking, colour, compare)
+        summary = interactive(models, prompt, mode, opts, thinking, colour, compare)
+        if trace:
+            write_trace(models, encode(models[2], prompt[0], thinking, models[0].device), mode, opts, trace)
+        return summary
     elif concurrency:
         result = concurrency_bench(models, files, modes, list(concurrency), opts, thinking)
     else:
         result = bench(models, files, modes, opts, thinking)
+        if trace:  # the first prompt of the first file, in the first mode named
+            write_trace(models, encode(models[2], files[0][2][0], thinking, models[0].device), modes[0], opts, trace)
     command = "python " + shlex.join(sys.argv) if sys.argv[0].endswith("decode.py") else None  # None: called in-process
     result["env"] = {**models[4], "torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version(), "command": command, "args": args}
@@ -927,8 +927,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-samples", type=int, help="prompts per file (default: 3 interactive, all with --bench)")
     g.add_argument("--thinking", action="store_true", help="Qwen3 chat template with thinking on (default: off)")
     g = p.add_argument_group("decoding")
-    g.add_argument("--mode", help=f"one of {', '.join(available_modes())} (default: async on CUDA, sync elsewhere, "
-                                  "each shown beside the other and the target)")
+    g.add_argument("--mode", help=f"one of {', '.join(available_modes())} (default: sync on every device, shown beside "
+                                  "async and the target; runtime.default_mode says why)")
     g.add_argument("--block-size", type=int, help="B, draft tokens per round (default: the drafter's)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer at most (default: 128)")
@@ -936,10 +936,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fanout", type=int, help="async: F, candidate tokens per covered position (default: d3d's)")
     g.add_argument("--lanes", type=int, choices=[1, 2], help="async: 2 runs the packed pass beside verification (CUDA: "
                    "a second stream; CPU: a second thread, each lane with half of --threads), 1 one after the other "
-                   "(default: 1 with --bench, where a mode ending in +2lanes names the other; else a rule: CUDA, 2 "
-                   "when compiled; CPU, 2 for a target of 20M parameters or more)")
+                   "(default: 1 with --bench, where a mode ending in +2lanes names the other; else "
+                   "runtime.async_lanes: 1 on CUDA, 2 on a CPU for a target of 20M parameters or more). With --compile "
+                   "on CUDA, 2 is "
+                   "refused: the compiled passes' CUDA graphs share one memory pool")
     g.add_argument("--compile", action="store_true", help="compile the fixed-shape passes (torch.compile, fullgraph; "
                    "CUDA graphs on a GPU): warmed up first, compile time reported apart (default: off)")
+    g.add_argument("--trace", metavar="PATH", help="after the run, decode the first prompt once more in --mode (with "
+                   "--bench: the first of --modes) and write its phases (draft, verify, packed_draft, ...) as a "
+                   "Chrome trace, a track for each CUDA stream or host thread: open it in ui.perfetto.dev")
     g.add_argument("--max-len", type=int, help="KV cache slots per model, kept for the whole run (default: the longest "
                    "prompt + --max-new-tokens + the widest pass)")
     g.add_argument("--cover", choices=["first", "likely"],

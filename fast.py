@@ -40,6 +40,7 @@ def compile_passes(caches: d3d.Caches, mode: str | None = None, backend: str = "
                                  mode=mode or ("reduce-overhead" if cuda and backend == "inductor" else None))
         # a CUDA graph's outputs live in its pool and the next replay overwrites them: hand out a copy
         cache.step = (lambda *args, _f=compiled: _f(*args).clone()) if cuda else compiled
+        cache.compiled = True  # runtime.async_lanes refuses two lanes of compiled passes on CUDA
 
 
 def warm_up(target, drafter, caches: d3d.Caches, prompt: torch.Tensor, modes, **settings) -> float:

@@ -2,8 +2,8 @@
 one host read (which also checks that every pass wrote its cache), chunked prefill, a pass that returns attention
 weights (selective prefill's score), the clock that times the phases without waiting for the device, the committed
 tokens with their stop rules and a decode's stats, generate's input checks, loss logits made a few rows at a time,
-the tokenizer's fingerprint; and loading, a guarded optimizer step and a host copy of a model, which training and
-pruning share."""
+the tokenizer's fingerprint; which mode and how many lanes run when none are named (one rule for d3d.generate and
+decode.py); and loading, a guarded optimizer step and a host copy of a model, which training and pruning share."""
 from __future__ import annotations
 
 import contextlib
@@ -11,6 +11,7 @@ import copy
 import hashlib
 import importlib.util
 import json
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ class KVCache:
     own slot; `rewind` moves back (a rejected draft, a packed pass's branches) without touching the tensors. The
     length is kept on the host: the StaticCache's own is a device tensor, and reading it would wait for the device.
     `skipped`: prompt tokens selective prefill left out of the target's cache, so positions run that far ahead of the
-    slots. `step` runs the fixed-shape passes: the fast path (fast.py) swaps in a compiled one."""
+    slots. `step` runs the fixed-shape passes: the fast path (fast.py) swaps in a compiled one and sets `compiled`."""
 
     def __init__(self, model: nn.Module, max_len: int):
         from transformers import StaticCache
@@ -46,7 +47,7 @@ class KVCache:
         self.model, self.max_len, self.length, self.skipped = model, max_len, 0, 0
         self.device = next(model.parameters()).device
         self.hf = StaticCache(config=config, max_cache_len=max_len)
-        self.step = self.forward
+        self.step, self.compiled = self.forward, False
 
     def forward(self, ids, positions, mask) -> torch.Tensor:
         """ids, positions (1, q); mask (1, 1, q, max_len) bool over the cache's slots. A drafter: its last hidden
@@ -110,6 +111,11 @@ class Caches:
     @classmethod
     def make(cls, target: nn.Module, drafter: nn.Module | None, max_len: int) -> "Caches":
         return cls(KVCache(target, max_len), KVCache(drafter, max_len) if drafter is not None else None)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether either model's fixed-shape passes are compiled (fast.compile_passes)."""
+        return self.target.compiled or (self.drafter is not None and self.drafter.compiled)
 
     def check(self, target: nn.Module, drafter: nn.Module | None, need: int) -> "Caches":
         """These caches, if they belong to these models and hold `need` slots; else a clear error."""
@@ -196,11 +202,13 @@ def attention_pass(cache: KVCache, ids: torch.Tensor) -> list[torch.Tensor]:
 class Clock:
     """Where a decode's time goes, kept out of the loops' way: `with clock.span(key):` adds the time inside to `key`.
     On CUDA a span is two events on the current stream, read once the decode is over (timing never makes the host wait
-    mid-round), and the host time spent queuing the work is kept too (key + "_launch"); elsewhere, the host clock."""
+    mid-round), and the host time spent queuing the work is kept too (key + "_launch"); elsewhere, the host clock.
+    Each span remembers its lane (the CUDA stream, or the host thread, it ran on): `trace` draws the lanes as tracks."""
 
     def __init__(self, device: torch.device):
         self.device, self.cuda, self.spans, self.host = device, device.type == "cuda", [], {}
         self.start = self.now()
+        self.zero = self._mark()  # where a trace's time starts
 
     def now(self) -> float:
         """The host clock once the device is done with what was queued."""
@@ -215,20 +223,41 @@ class Clock:
         event.record()
         return event
 
+    def _lane(self) -> str:
+        if self.cuda:
+            return f"CUDA stream {torch.cuda.current_stream(self.device).stream_id}"
+        return f"thread {threading.current_thread().name}"
+
     @contextlib.contextmanager
     def span(self, key: str):
-        start, host = self._mark(), time.perf_counter()
+        start, host, lane = self._mark(), time.perf_counter(), self._lane()
         yield
-        self.spans.append((key, start, self._mark()))  # a list append: safe from a worker thread too
+        self.spans.append((key, start, self._mark(), lane))  # a list append: safe from a worker thread too
         if self.cuda:
             self.host[key + "_launch"] = self.host.get(key + "_launch", 0.0) + time.perf_counter() - host
+
+    def _seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
 
     def totals(self) -> dict:
         """Seconds per key, and "total" since the clock started."""
         seconds = {**self.host, "total": self.now() - self.start}
-        for key, start, end in self.spans:
-            seconds[key] = seconds.get(key, 0.0) + (start.elapsed_time(end) / 1e3 if self.cuda else end - start)
+        for key, start, end, _ in self.spans:
+            seconds[key] = seconds.get(key, 0.0) + self._seconds(start, end)
         return seconds
+
+    def trace(self) -> dict:
+        """The spans as a Chrome trace (open in ui.perfetto.dev or chrome://tracing): one track per lane, each span
+        named by its key, times in microseconds from the clock's start. Read after the decode (totals waits)."""
+        self.now()
+        lanes = list(dict.fromkeys(lane for *_, lane in self.spans))
+        events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"d3d decode on {self.device}"}}]
+        events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": lane}}
+                   for i, lane in enumerate(lanes)]
+        for key, start, end, lane in self.spans:
+            events.append({"name": key, "ph": "X", "pid": 0, "tid": lanes.index(lane),
+                           "ts": 1e6 * self._seconds(self.zero, start), "dur": 1e6 * self._seconds(start, end)})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 def mean(values) -> float:
@@ -287,7 +316,7 @@ class Output:
 
 
 def check_request(target, drafter, input_ids, max_new_tokens, mode, block_size, temperature, coverage, fanout, cover,
-                  keep_ratio, lanes) -> int | None:
+                  keep_ratio) -> int | None:
     """d3d.generate's input checks: a clear error for each bad input. Returns the block size (default: the
     drafter's; None without a drafter)."""
     if isinstance(input_ids, (list, tuple)):
@@ -298,8 +327,6 @@ def check_request(target, drafter, input_ids, max_new_tokens, mode, block_size, 
                          f"list of 1-D prompts, got {tuple(input_ids.shape)}")
     if max_new_tokens < 0 or temperature < 0:
         raise ValueError(f"need max_new_tokens >= 0 and temperature >= 0, got {max_new_tokens}, {temperature}")
-    if lanes not in (1, 2):
-        raise ValueError(f"lanes must be 1 (one pass after the other) or 2 (a second stream or thread), got {lanes}")
     if drafter is None and (mode != "target" or keep_ratio is not None):
         raise ValueError(f"mode {mode!r} needs a drafter" + (" (it scores the prompt chunks)" if keep_ratio else ""))
     if drafter is not None:
@@ -313,6 +340,60 @@ def check_request(target, drafter, input_ids, max_new_tokens, mode, block_size, 
     if (coverage or 0) < 0 or (fanout or 0) < 0 or cover not in ("first", "likely"):
         raise ValueError(f"need coverage, fanout >= 0, cover 'first' or 'likely'; got {coverage}, {fanout}, {cover!r}")
     return block_size
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Which mode, and how many lanes, where the caller names none: one rule for d3d.generate and decode.py
+
+
+TWO_LANES_MIN_PARAMS = 20_000_000  # a CPU's second thread pays from this target size on (a tiny model's passes hold
+# the GIL: two threads were measured slower, RESULTS.md, "Speed")
+
+
+def default_mode(device_type: str) -> tuple[str, str]:
+    """The speculative mode a run uses where none is named, and why: sync on every device until a measured run shows
+    async faster there (d3d.generate's default is sync too)."""
+    if device_type == "cuda":
+        return "sync", ("at batch 1 both the verification and the drafter's passes are bound by memory bandwidth: an "
+                        "async round streams both models' weights through the same memory at once, so overlap saves "
+                        "little and every miss adds a whole draft (an estimate until a GPU measures it: README, "
+                        "'Async on one GPU'; compare with --bench FILE --modes sync async)")
+    return "sync", ("on a CPU a pass costs in proportion to its tokens, so async's packed pass costs more than the "
+                    "draft a hit saves (RESULTS.md, Speed)")
+
+
+_compiled_lanes_on_cuda = False  # lifted only by unproven_compiled_lanes()
+
+
+def async_lanes(device_type: str, compiled: bool, lanes: int | None = None, num_params: int = 0) -> int:
+    """How many lanes async decoding runs in: 1, the packed pass after the verification; 2, beside it (CUDA: a second
+    stream; CPU: a second thread). lanes=None picks: 2 on a CPU for a target of TWO_LANES_MIN_PARAMS or more, else 1
+    (on CUDA, eager passes are bound by kernel launches from one Python thread, so a second stream has nothing to
+    overlap). Refused with a clear error: two lanes with compiled passes on CUDA. torch.compile's CUDA graphs keep one
+    memory pool per device, and a graph reuses the blocks an earlier one freed; replayed at once on two streams, the
+    verification and the packed pass may overwrite each other's activations, and nothing would raise."""
+    if lanes is None:
+        lanes = 2 if device_type == "cpu" and num_params >= TWO_LANES_MIN_PARAMS else 1
+    if lanes not in (1, 2):
+        raise ValueError(f"lanes must be 1 (one pass after the other) or 2 (a second stream or thread), got {lanes}")
+    if lanes == 2 and compiled and device_type == "cuda" and not _compiled_lanes_on_cuda:
+        raise ValueError("two lanes with compiled passes on CUDA are refused: their CUDA graphs share one memory pool, "
+                         "so verification and the packed pass replayed at once on two streams may overwrite each "
+                         "other's activations without an error. Use one lane (lanes=1; decode.py --lanes 1, or a mode "
+                         "without +2lanes) or eager passes (no --compile, no +compiled)")
+    return lanes
+
+
+@contextlib.contextmanager
+def unproven_compiled_lanes():
+    """Inside, async_lanes allows two lanes with compiled passes on CUDA: for tests/gpu_check.py alone, which compares
+    their tokens with one lane's."""
+    global _compiled_lanes_on_cuda
+    _compiled_lanes_on_cuda = True
+    try:
+        yield
+    finally:
+        _compiled_lanes_on_cuda = False
 
 
 # ----------------------------------------------------------------------------------------------------------------------
