@@ -226,9 +226,11 @@ def prepare(models, opts: dict, all_ids: list[torch.Tensor], modes: list[str]) -
         opts["compiled_caches"] = d3d.Caches.make(target, use_drafter, opts.get("max_len") or need)
         fast.compile_passes(opts["compiled_caches"])
         opts["compile_seconds"] = 0.0
-        for spec in dict.fromkeys(m.split("+")[0] for m in compiled if parse_mode(m)[0] not in BASELINES):
+        for spec in dict.fromkeys(m.replace("+compiled", "") for m in compiled if parse_mode(m)[0] not in BASELINES):
             mode, overrides = parse_mode(spec)  # each shape it uses (an async budget sets the packed pass's)
             settings = {k: opts[k] for k in ("coverage", "fanout", "cover") if opts[k] is not None} | overrides
+            if mode == "async":  # a CPU's two lanes run with half the threads each, which dynamo's guards see
+                settings.setdefault("lanes", opts.get("lanes"))
             opts["compile_seconds"] += fast.warm_up(target, use_drafter, opts["compiled_caches"], all_ids[0][:, :8],
                                                     [mode], block_size=opts["block_size"], **settings)
         print(f"compiled the fixed-shape passes of {', '.join(compiled)} in {opts['compile_seconds']:.1f} s "

@@ -128,6 +128,30 @@ def test_two_compiled_lanes_on_cuda_are_refused_before_anything_loads(setting):
             cli(*missing, *argv)
 
 
+def test_compiled_two_lanes_are_warmed_up_with_the_threads_each_lane_runs_with(setting, monkeypatch):
+    """On a CPU each of two lanes runs with half of torch's threads, and dynamo's guards see the thread count: the
+    warm-up decodes async in the lanes the benchmark uses (+2lanes, or --lanes 2 with --compile), so no pass compiles
+    again while it is timed (a recompile raises here)."""
+    import fast
+    compile_passes, prepare = fast.compile_passes, decode.prepare
+    monkeypatch.setattr(fast, "compile_passes", lambda caches: compile_passes(caches, backend="eager"))
+
+    def prepare_then_no_recompiles(*args):
+        torch._dynamo.config.error_on_recompile = False  # the warm-up compiles
+        prepare(*args)
+        torch._dynamo.config.error_on_recompile = True
+    monkeypatch.setattr(decode, "prepare", prepare_then_no_recompiles)
+    try:
+        for argv in (["--modes", "async+compiled+2lanes"], ["--modes", "async", "--compile", "--lanes", 2]):
+            torch._dynamo.reset()
+            result = cli("--bench", setting / "gsm.jsonl", "--threads", 2, "--out", "", *argv, *models_args(setting))
+            assert result["mismatches"]["count"] == 0
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+        torch._dynamo.reset()
+        torch.set_num_threads(1)
+
+
 def test_trace_puts_each_lane_on_its_own_track(setting, tmp_path, capsys):
     """--trace PATH: the first prompt decoded once more, its phases as a Chrome trace read back here: with two lanes
     on a CPU, the verification on the main thread's track, the packed pass on the worker's, rounds in order."""
