@@ -174,7 +174,7 @@ def build(shape: dict, device, dtype, seed: int, layers: int | None = None, init
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return Qwen3ForCausalLM(config).to(dtype).eval()
+            return Qwen3ForCausalLM(config).eval()  # rotary frequencies stay fp32, as from_pretrained keeps them
     finally:
         torch.set_default_dtype(default)
 
