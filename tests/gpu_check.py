@@ -346,6 +346,8 @@ def step_passes(report: Report, tiny: bool, device: str | None, out: str) -> Non
     device, cuda, dtype = setting(tiny, device)
     block_size, shapes, (past, slots) = B_FULL, pass_shapes(B_FULL), PAST[tiny]
     repeats = 5 if tiny else 20
+    if not cuda:
+        torch.set_num_threads(1)  # toy passes: threads would only wait on each other (and on other jobs)
     if tiny:
         models = {"target (toy, 6 layers)": build(TOY, device, dtype, 0, 6),
                   "drafter (toy, 4 layers)": build(TOY, device, dtype, 1, 4),
