@@ -1,15 +1,19 @@
 """train.py --fsdp (FSDP2) on CPU: two gloo processes spawned by torch.multiprocessing, tiny models from configs (the
 setup of test_train.py), and one run of train.py --fsdp under torchrun from the command line."""
+import contextlib
+import itertools
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 import d3d
 import train
@@ -24,9 +28,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _tensors(model):
+    return itertools.chain(model.named_parameters(), model.named_buffers())
+
+
+@contextlib.contextmanager
+def _probe(out, rank):
+    """Record in OUT/probe-rankR.pt which weights and buffers were on the meta device when train.shard_model began,
+    rank 0's values of them then, and every rank's whole values once sharded (DTensor.full_tensor: all ranks gather
+    them together)."""
+    record, real_shard = {}, train.shard_model
+
+    def shard(model, *a, **k):
+        record["meta"] = {name: t.is_meta for name, t in _tensors(model)}
+        record["loaded"] = {name: t.detach().clone() for name, t in _tensors(model)} if rank == 0 else {}
+        real_shard(model, *a, **k)
+        record["sharded"] = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+                             for name, t in _tensors(model)}
+
+    with mock.patch.object(train, "shard_model", shard):
+        yield
+    torch.save(record, os.path.join(out, f"probe-rank{rank}.pt"))
+
+
 def _worker(rank, world, paths, runs, port):
-    """Run train.main once per entry of `runs` ({"out", "kw", "crash_at", "nan_at", "copy_to"}) in this process of a
-    world of `world`; rank 0 saves the returned drafter's weights as OUT/final.pt."""
+    """Run train.main once per entry of `runs` ({"out", "kw", "crash_at", "nan_at", "copy_to", "probe"}) in this
+    process of a world of `world`; rank 0 saves the returned drafter's weights as OUT/final.pt."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     torch.set_num_threads(1)
     for n, run in enumerate(runs):
@@ -45,8 +72,9 @@ def _worker(rank, world, paths, runs, port):
         if run.get("nan_at"):
             d3d.d3d_loss = spoiled_loss(run["nan_at"])
         try:
-            result = train.main(target=paths["target"], prompts=paths["prompts"], out=run["out"],
-                                **{**FAST, **run["kw"]})
+            with _probe(run["out"], rank) if run.get("probe") else contextlib.nullcontext():
+                result = train.main(target=paths["target"], prompts=paths["prompts"], out=run["out"],
+                                    **{**FAST, **run["kw"]})
         except KeyboardInterrupt:
             torch.distributed.destroy_process_group()
             if rank == 0 and run.get("copy_to"):
@@ -89,6 +117,22 @@ def test_fsdp_ends_with_the_weights_of_ddp(setup, tmp_path):
     assert record["fsdp"] and record["world_size"] == 2 and record["offline_tau_first_token_mask"] > 0
     assert os.path.exists(tmp_path / "fsdp" / train.SHARDED_CHECKPOINT / ".metadata")
     assert not os.path.exists(tmp_path / "fsdp" / "checkpoint.pt")
+
+
+def test_fsdp_reads_the_weights_on_rank_0_only_and_broadcasts_them(setup, tmp_path):
+    """Under --fsdp on 2 processes rank 1 builds the drafter on the meta device (no weights read: host memory for
+    one copy a node) and, once sharded, holds rank 0's weights and the buffers outside the state dict (rotary
+    frequencies, computed on rank 0), as rank 0 does."""
+    out = str(tmp_path / "d")
+    _spawn(setup, [{"out": out, "probe": True, "kw": dict(steps=1, drafter_layers="2", fsdp=True)}])
+    probes = [torch.load(os.path.join(out, f"probe-rank{rank}.pt")) for rank in range(2)]
+    assert not any(probes[0]["meta"].values()) and all(probes[1]["meta"].values())
+    loaded = probes[0]["loaded"]
+    assert any(name.endswith("rotary_emb.inv_freq") for name in loaded)
+    for rank, probe in enumerate(probes):
+        assert probe["sharded"].keys() == loaded.keys(), rank
+        for name, value in loaded.items():
+            assert torch.equal(probe["sharded"][name], value), (rank, name)
 
 
 def test_fsdp_resumes_exactly_and_with_another_number_of_processes(setup, tmp_path, capsys):
