@@ -22,6 +22,7 @@ import argparse
 import collections
 import contextlib
 import copy
+import datetime
 import functools
 import glob
 import hashlib
@@ -717,6 +718,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "Checkpoints: OUT/checkpoint-fsdp, one file a process, resumed by any number of processes (with "
                    "another number the data order follows the new sharding). Without torchrun: FSDP on one process "
                    "(default: off)")
+    # rank 0 works alone while the others wait in a collective: it reads the whole checkpoint before the first
+    # broadcast, and at the end writes the gathered drafter. At 8B that is 16 GB read into 33 GB of fp32 and 16 GB
+    # of bf16 written: minutes on a local disk, ~30 min at 10 MB/s on a slow network disk. NCCL's own default (10
+    # min) would kill a healthy run there; 60 min still ends a hung one within the hour
+    g.add_argument("--dist-timeout", type=float, default=60.0, metavar="MINUTES", help="how long a process waits "
+                   "for the others in a collective before the run fails (torchrun and --fsdp; default: 60, for "
+                   "rank 0 reading and writing an 8B drafter alone while the others wait)")
     g = ap.add_argument_group("evaluation and output")
     g.add_argument("--out", default="runs/toy/drafter", help="drafter folder (default: runs/toy/drafter)")
     g.add_argument("--eval-every", type=int, default=100, help="offline tau every N steps (default: 100)")
@@ -738,14 +746,14 @@ def main(**overrides) -> dict:
     args = argparse.Namespace(**{**defaults, **overrides})
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    backend, timeout = "nccl" if device.type == "cuda" else "gloo", datetime.timedelta(minutes=args.dist_timeout)
     if world > 1:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend, timeout=timeout)
     elif args.fsdp:  # one process without torchrun: FSDP over a group of one (resumes a sharded checkpoint, too)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     if args.target is None and args.dtype == "auto":
         args.dtype = "float32"  # the toy's tiny models: bf16 would buy nothing and round more
     bf16 = resolve_dtype(args.dtype, device) == torch.bfloat16

@@ -1,6 +1,7 @@
 """train.py --fsdp (FSDP2) on CPU: two gloo processes spawned by torch.multiprocessing, tiny models from configs (the
 setup of test_train.py), and one run of train.py --fsdp under torchrun from the command line."""
 import contextlib
+import datetime
 import itertools
 import json
 import os
@@ -34,10 +35,14 @@ def _tensors(model):
 
 @contextlib.contextmanager
 def _probe(out, rank):
-    """Record in OUT/probe-rankR.pt which weights and buffers were on the meta device when train.shard_model began,
-    rank 0's values of them then, and every rank's whole values once sharded (DTensor.full_tensor: all ranks gather
-    them together)."""
-    record, real_shard = {}, train.shard_model
+    """Record in OUT/probe-rankR.pt the timeout (seconds) init_process_group was given, which weights and buffers
+    were on the meta device when train.shard_model began, rank 0's values of them then, and every rank's whole
+    values once sharded (DTensor.full_tensor: all ranks gather them together)."""
+    record, real_init, real_shard = {}, torch.distributed.init_process_group, train.shard_model
+
+    def init(*a, **k):
+        record["timeout"] = k["timeout"].total_seconds()
+        return real_init(*a, **k)
 
     def shard(model, *a, **k):
         record["meta"] = {name: t.is_meta for name, t in _tensors(model)}
@@ -46,7 +51,8 @@ def _probe(out, rank):
         record["sharded"] = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
                              for name, t in _tensors(model)}
 
-    with mock.patch.object(train, "shard_model", shard):
+    with mock.patch.object(torch.distributed, "init_process_group", init), \
+            mock.patch.object(train, "shard_model", shard):
         yield
     torch.save(record, os.path.join(out, f"probe-rank{rank}.pt"))
 
@@ -120,19 +126,29 @@ def test_fsdp_ends_with_the_weights_of_ddp(setup, tmp_path):
 
 
 def test_fsdp_reads_the_weights_on_rank_0_only_and_broadcasts_them(setup, tmp_path):
-    """Under --fsdp on 2 processes rank 1 builds the drafter on the meta device (no weights read: host memory for
-    one copy a node) and, once sharded, holds rank 0's weights and the buffers outside the state dict (rotary
-    frequencies, computed on rank 0), as rank 0 does."""
+    """Under --fsdp on 2 processes rank 1 builds the drafter on the meta device (no weights read: one host copy, not
+    one a process) and, once sharded, holds rank 0's weights and the buffers outside the state dict (rotary
+    frequencies, computed on rank 0), as rank 0 does; both process groups have --dist-timeout."""
     out = str(tmp_path / "d")
-    _spawn(setup, [{"out": out, "probe": True, "kw": dict(steps=1, drafter_layers="2", fsdp=True)}])
+    _spawn(setup, [{"out": out, "probe": True, "kw": dict(steps=1, drafter_layers="2", fsdp=True, dist_timeout=7)}])
     probes = [torch.load(os.path.join(out, f"probe-rank{rank}.pt")) for rank in range(2)]
     assert not any(probes[0]["meta"].values()) and all(probes[1]["meta"].values())
     loaded = probes[0]["loaded"]
     assert any(name.endswith("rotary_emb.inv_freq") for name in loaded)
     for rank, probe in enumerate(probes):
+        assert probe["timeout"] == 7 * 60, rank
         assert probe["sharded"].keys() == loaded.keys(), rank
         for name, value in loaded.items():
             assert torch.equal(probe["sharded"][name], value), (rank, name)
+
+
+def test_a_group_of_one_has_the_timeout_too(setup, tmp_path, monkeypatch):
+    """python train.py --fsdp without torchrun: its group of one waits --dist-timeout minutes too."""
+    made, real_init = [], torch.distributed.init_process_group
+    monkeypatch.setattr(torch.distributed, "init_process_group",
+                        lambda *a, **k: made.append(k["timeout"]) or real_init(*a, **k))
+    _run(setup, tmp_path / "d", steps=1, drafter_layers="2", fsdp=True, dist_timeout=2.5)
+    assert made == [datetime.timedelta(minutes=2.5)]
 
 
 def test_fsdp_resumes_exactly_and_with_another_number_of_processes(setup, tmp_path, capsys):
