@@ -320,7 +320,8 @@ def save_checkpoint(out: str, step: int, training_state: dict, optimizer_state: 
     optimizer-KEY.pt per AdamW moment (exp_avg, exp_avg_sq), each the size of the weights. Only one piece is doubled
     at a time, so a save needs the spare disk of one piece, never of a second checkpoint (a ~2B-parameter drafter:
     3 x 8 GB on disk, 32 GB at the peak of a save instead of 48). A kill between two renames leaves some moments one
-    save behind the weights; the resume says so and goes on with them."""
+    save behind the weights; the resume says so and goes on with them. Plain types only (tensors, numbers, strings,
+    containers of them): load_checkpoint reads with weights_only=True, which unpickles no other class."""
     os.makedirs(out, exist_ok=True)
     moments = collections.defaultdict(dict)  # key -> {parameter index: tensor}
     for index, per_param in optimizer_state["state"].items():
@@ -343,7 +344,7 @@ def load_checkpoint(out: str) -> tuple[dict, dict | None]:
     path = os.path.join(out, "checkpoint.pt")
     if not os.path.exists(path):
         return {}, None
-    saved = torch.load(path, map_location="cpu", weights_only=False)
+    saved = torch.load(path, map_location="cpu", weights_only=True)
     if "piece" not in saved:
         raise ValueError(f"{path} is not a checkpoint of this train.py: move it away or rerun with --no-resume")
     state, step = saved["piece"], saved["step"]
@@ -353,7 +354,7 @@ def load_checkpoint(out: str) -> tuple[dict, dict | None]:
         if not os.path.exists(piece_path):
             print(f"[train] {piece_path} is missing: resuming with fresh AdamW moments")
             return {**state, "step": step}, None
-        piece = torch.load(piece_path, map_location="cpu", weights_only=False)
+        piece = torch.load(piece_path, map_location="cpu", weights_only=True)
         if piece["step"] != step:
             print(f"[train] AdamW {key} is from step {piece['step']}, the weights from step {step} (a save was cut "
                   "short): resuming with it")
@@ -371,7 +372,8 @@ def save_sharded_checkpoint(out: str, step: int, model: torch.nn.Module, optimiz
     AdamW state, each process its own shards, into out/checkpoint-fsdp.tmp, with train_state.pt (step, schedule,
     skipped steps, every rank's RNG, world size); once all is written, rank 0 renames the folder over the last one
     (the disk of two checkpoints at the peak of a save, unlike the piecewise checkpoint.pt). DCP stores each tensor
-    with its global shape, so any number of processes can load it."""
+    with its global shape, so any number of processes can load it. train_state.pt holds plain types only, as
+    save_checkpoint's pieces."""
     rank, world = dist.get_rank(), dist.get_world_size()
     path = os.path.join(out, SHARDED_CHECKPOINT)
     model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -405,7 +407,7 @@ def load_sharded_checkpoint(out: str, model: torch.nn.Module, optimizer) -> dict
             raise ValueError(f"{out} holds a checkpoint of a run without --fsdp (checkpoint.pt): resume it without "
                              "--fsdp, or start afresh with --no-resume")
         return {}
-    state = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu", weights_only=False)
+    state = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu", weights_only=True)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     saved = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(saved, checkpoint_id=path)

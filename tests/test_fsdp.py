@@ -166,7 +166,10 @@ def test_fsdp_resumes_exactly_and_with_another_number_of_processes(setup, tmp_pa
     # the step-2 checkpoint, read without any process group: whole tensors (DCP stores them with global shapes)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     dcp_to_torch_save(str(tmp_path / "at2" / train.SHARDED_CHECKPOINT), str(tmp_path / "at2.pt"))
-    saved = torch.load(tmp_path / "at2.pt", weights_only=False)["model"]
+    saved = torch.load(tmp_path / "at2.pt", weights_only=True)["model"]
+    # what train.py itself writes beside DCP's files holds plain types only (resumes load it with weights_only)
+    state = torch.load(tmp_path / "at2" / train.SHARDED_CHECKPOINT / "train_state.pt", weights_only=True)
+    assert state["step"] == 2 and state["world"] == 2 and len(state["rngs"]) == 2
     one = train.main(target=setup["target"], prompts=setup["prompts"], out=str(tmp_path / "at2"),
                      **{**FAST, **kw, "steps": 2})  # finished at step 2: loads, evaluates, gathers
     assert "at step 2 (saved by 2 processes, resumed by 1)" in capsys.readouterr().out
@@ -175,7 +178,7 @@ def test_fsdp_resumes_exactly_and_with_another_number_of_processes(setup, tmp_pa
     train.main(target=setup["target"], prompts=setup["prompts"], out=str(tmp_path / "at2"), **{**FAST, **kw,
                                                                                                  "steps": 3})
     dcp_to_torch_save(str(tmp_path / "at2" / train.SHARDED_CHECKPOINT), str(tmp_path / "at3.pt"))
-    optimizer = torch.load(tmp_path / "at3.pt", weights_only=False)["optimizer"]
+    optimizer = torch.load(tmp_path / "at3.pt", weights_only=True)["optimizer"]
     counts = {float(s["step"]) for s in optimizer["state"].values()}
     assert counts == {3.0}  # AdamW's moments and step counts came back from the 2-process checkpoint
     with pytest.raises(ValueError, match="checkpoint of an --fsdp run.*--fsdp"):
