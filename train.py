@@ -22,6 +22,7 @@ import argparse
 import collections
 import contextlib
 import copy
+import datetime
 import functools
 import glob
 import hashlib
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 from tqdm.auto import tqdm
@@ -250,9 +251,11 @@ def select_layers(num_layers: int, spec) -> list[int] | None:
 
 
 def build_drafter(drafter_init: str, tokenizer, *, target_vocab_size: int, layers=None, random_init: bool = False,
-                  **config) -> d3d.Drafter:
+                  meta: bool = False, **config) -> d3d.Drafter:
     """d3d.make_drafter on `drafter_init` after checking that it speaks the target's tokenizer; with `random_init`,
-    its architecture with freshly initialised weights (from torch's current seed)."""
+    its architecture with freshly initialised weights (from torch's current seed). With `meta`, the same drafter
+    (names, shapes, layer cut, MASK row) on the meta device: no weights read, no memory (a rank > 0 under --fsdp,
+    which receives its shards from rank 0: shard_model)."""
     try:
         init_tokenizer = AutoTokenizer.from_pretrained(drafter_init)
     except (OSError, ValueError):  # no tokenizer saved with it: make_drafter still checks the vocabulary size
@@ -260,8 +263,9 @@ def build_drafter(drafter_init: str, tokenizer, *, target_vocab_size: int, layer
     if init_tokenizer is not None and d3d.tokenizer_fingerprint(init_tokenizer) != d3d.tokenizer_fingerprint(tokenizer):
         raise ValueError(f"--drafter-init {drafter_init} uses a different tokenizer than the target: its token ids "
                          "mean other text. Initialise the drafter from a checkpoint of the target's family")
-    if random_init:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(drafter_init), dtype=torch.float32)
+    if random_init or meta:
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(drafter_init), dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_pretrained(drafter_init, dtype=torch.float32)  # fp32 master weights
     layer_ids = select_layers(model.config.get_text_config().num_hidden_layers, layers)
@@ -274,14 +278,16 @@ def build_drafter(drafter_init: str, tokenizer, *, target_vocab_size: int, layer
     return drafter
 
 
-def freeze_embeddings(drafter: d3d.Drafter, hook: bool = True) -> tuple[torch.nn.Parameter, torch.Tensor]:
+def freeze_embeddings(drafter: d3d.Drafter, hook: bool = True,
+                      device=None) -> tuple[torch.nn.Parameter, torch.Tensor]:
     """Freeze the input embeddings and the output layer, except the MASK row (a new token must learn its vector).
     Returns the embedding weight and its row mask (1 = trains); with `hook`, a gradient hook applies the mask. Under
     FSDP no autograd hook can: fully_shard replaces the parameter (a hook registered before is dropped) and writes
     the reduced gradient of the sharded one straight into .grad (a hook on it never fires), so sharded training
-    calls it with hook=False before fully_shard, then freeze_sharded_rows on the sharded parameter."""
+    calls it with hook=False before fully_shard, then freeze_sharded_rows on the sharded parameter. The mask goes to
+    `device` (default the weight's; a drafter on the meta device has its weights elsewhere)."""
     weight = drafter.model.get_input_embeddings().weight
-    keep = torch.zeros(weight.shape[0], 1, device=weight.device)
+    keep = torch.zeros(weight.shape[0], 1, device=device or weight.device)
     keep[drafter.d3d_config.mask_token_id] = 1.0
     if hook:
         weight.register_hook(lambda grad: grad * keep.to(grad.dtype))
@@ -314,7 +320,8 @@ def save_checkpoint(out: str, step: int, training_state: dict, optimizer_state: 
     optimizer-KEY.pt per AdamW moment (exp_avg, exp_avg_sq), each the size of the weights. Only one piece is doubled
     at a time, so a save needs the spare disk of one piece, never of a second checkpoint (a ~2B-parameter drafter:
     3 x 8 GB on disk, 32 GB at the peak of a save instead of 48). A kill between two renames leaves some moments one
-    save behind the weights; the resume says so and goes on with them."""
+    save behind the weights; the resume says so and goes on with them. Plain types only (tensors, numbers, strings,
+    containers of them): load_checkpoint reads with weights_only=True, which unpickles no other class."""
     os.makedirs(out, exist_ok=True)
     moments = collections.defaultdict(dict)  # key -> {parameter index: tensor}
     for index, per_param in optimizer_state["state"].items():
@@ -337,7 +344,7 @@ def load_checkpoint(out: str) -> tuple[dict, dict | None]:
     path = os.path.join(out, "checkpoint.pt")
     if not os.path.exists(path):
         return {}, None
-    saved = torch.load(path, map_location="cpu", weights_only=False)
+    saved = torch.load(path, map_location="cpu", weights_only=True)
     if "piece" not in saved:
         raise ValueError(f"{path} is not a checkpoint of this train.py: move it away or rerun with --no-resume")
     state, step = saved["piece"], saved["step"]
@@ -347,7 +354,7 @@ def load_checkpoint(out: str) -> tuple[dict, dict | None]:
         if not os.path.exists(piece_path):
             print(f"[train] {piece_path} is missing: resuming with fresh AdamW moments")
             return {**state, "step": step}, None
-        piece = torch.load(piece_path, map_location="cpu", weights_only=False)
+        piece = torch.load(piece_path, map_location="cpu", weights_only=True)
         if piece["step"] != step:
             print(f"[train] AdamW {key} is from step {piece['step']}, the weights from step {step} (a save was cut "
                   "short): resuming with it")
@@ -365,7 +372,8 @@ def save_sharded_checkpoint(out: str, step: int, model: torch.nn.Module, optimiz
     AdamW state, each process its own shards, into out/checkpoint-fsdp.tmp, with train_state.pt (step, schedule,
     skipped steps, every rank's RNG, world size); once all is written, rank 0 renames the folder over the last one
     (the disk of two checkpoints at the peak of a save, unlike the piecewise checkpoint.pt). DCP stores each tensor
-    with its global shape, so any number of processes can load it."""
+    with its global shape, so any number of processes can load it. train_state.pt holds plain types only, as
+    save_checkpoint's pieces."""
     rank, world = dist.get_rank(), dist.get_world_size()
     path = os.path.join(out, SHARDED_CHECKPOINT)
     model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -399,7 +407,7 @@ def load_sharded_checkpoint(out: str, model: torch.nn.Module, optimizer) -> dict
             raise ValueError(f"{out} holds a checkpoint of a run without --fsdp (checkpoint.pt): resume it without "
                              "--fsdp, or start afresh with --no-resume")
         return {}
-    state = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu", weights_only=False)
+    state = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu", weights_only=True)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     saved = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(saved, checkpoint_id=path)
@@ -409,17 +417,41 @@ def load_sharded_checkpoint(out: str, model: torch.nn.Module, optimizer) -> dict
     return {**state, "rng": torch_rng, "python_rng": python_rng, "path": path}
 
 
-def shard_model(model: torch.nn.Module, decoder_layers, bf16: bool) -> None:
+def shard_model(model: torch.nn.Module, decoder_layers, bf16: bool, device: torch.device) -> None:
     """FSDP2 (fully_shard) on each decoder layer, then on the root (embeddings, final norm, head): each process keeps
     1/N of the fp32 weights, gradients and AdamW moments, and a layer is all-gathered only for its forward and
     backward. bf16 by FSDP2's MixedPrecisionPolicy rather than autocast: the all-gather moves and holds bf16 copies
     (half the traffic and the memory of an unsharded layer) and each matmul reads them as they are, where autocast
-    would gather fp32 and cast at every op; gradients are reduced in fp32 into the fp32 master shards."""
+    would gather fp32 and cast at every op; gradients are reduced in fp32 into the fp32 master shards.
+    On several processes only rank 0 holds the weights (ranks > 0 built the model on the meta device: one host copy,
+    not one a process); they reach every rank's shards on `device` by broadcast_from_rank0."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
         MixedPrecisionPolicy()
+    several = dist.get_world_size() > 1
+    full = model.state_dict() if several and dist.get_rank() == 0 else {}  # references to the weights, no copy
     for layer in decoder_layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
+    if several:
+        broadcast_from_rank0(model, full, device)
+
+
+def non_persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers a state dict leaves out (rotary frequencies), by name."""
+    return [(name, buffer) for name, buffer in module.named_buffers()
+            if name.rpartition(".")[2] in module.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set]
+
+
+def broadcast_from_rank0(model: torch.nn.Module, full: dict, device: torch.device) -> None:
+    """Rank 0's whole state dict `full` into every rank's shards of the sharded `model`, one tensor at a time (so no
+    rank but 0 ever holds more than one whole tensor); ranks > 0 first allocate their shards (empty) on `device` in
+    place of the meta tensors. The buffers outside the state dict follow whole from rank 0: to_empty leaves them
+    uninitialised on ranks > 0."""
+    if dist.get_rank() > 0:
+        model.to_empty(device=device)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for _, buffer in non_persistent_buffers(model):
+        dist.broadcast(buffer, src=0)
 
 
 def gather_drafter(model: torch.nn.Module, drafter: d3d.Drafter) -> d3d.Drafter | None:
@@ -439,11 +471,9 @@ def gather_drafter(model: torch.nn.Module, drafter: d3d.Drafter) -> d3d.Drafter 
         raise RuntimeError(f"gathered drafter: missing {missing}, unexpected {unexpected}")
     if missing:  # tied output layer: the gathered state holds the embedding once
         plain.model.lm_head.weight = plain.model.get_input_embeddings().weight
-    persistent = set(plain.state_dict())
-    for name, buffer in drafter.named_buffers():
-        if name not in persistent:
-            module_name, _, leaf = name.rpartition(".")
-            setattr(plain.get_submodule(module_name), leaf, buffer.detach().to("cpu", copy=True))
+    for name, buffer in non_persistent_buffers(drafter):
+        module_name, _, leaf = name.rpartition(".")
+        setattr(plain.get_submodule(module_name), leaf, buffer.detach().to("cpu", copy=True))
     return plain.train(drafter.training)
 
 
@@ -508,19 +538,21 @@ def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, bat
                   lr: float, warmup: int, weight_decay: float, grad_clip: float, freeze: bool, pad_id: int,
                   max_len: int, num_anchors: int, block_size: int, ar_weight: float, decay_gamma: float | None,
                   eval_every: int, val_anchors: int, save_every: int, seed: int, bf16: bool, resume: bool = True,
-                  rank: int = 0, world: int = 1, fsdp: bool = False) -> dict:
+                  rank: int = 0, world: int = 1, fsdp: bool = False, device: torch.device | None = None) -> dict:
     """AdamW (warmup then cosine to 10 %) on d3d_loss; `batch_size` sequences per micro-batch and rank, `grad_accum`
     micro-batches per step. Checkpoints every `save_every` steps (save_checkpoint; with `fsdp`,
     save_sharded_checkpoint); resumes from them if present. With `fsdp` (a process group must be up) the drafter is
-    sharded in place and returned as "sharded" (its FSDP root) with the result; every process evaluates and saves."""
-    device = drafter.device
+    sharded in place and returned as "sharded" (its FSDP root) with the result; every process evaluates and saves.
+    `device`: where to train, default the drafter's (a rank > 0 under `fsdp` holds it on the meta device until
+    shard_model fills its shards from rank 0)."""
+    device = device or drafter.device
     # FSDP casts to bf16 itself (shard_model); DDP and one process autocast around fp32 weights
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 and not fsdp else \
         contextlib.nullcontext
-    frozen, keep = freeze_embeddings(drafter, hook=not fsdp) if freeze else (None, None)
+    frozen, keep = freeze_embeddings(drafter, hook=not fsdp, device=device) if freeze else (None, None)
     model = TrainingLoss(drafter)
     if fsdp:
-        shard_model(model, drafter.model.get_decoder().layers, bf16)
+        shard_model(model, drafter.model.get_decoder().layers, bf16, device)
         if freeze:  # fully_shard replaced the parameter, dropping the hooks of the old one
             frozen = drafter.model.get_input_embeddings().weight
             freeze_sharded_rows(frozen, keep)
@@ -683,9 +715,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "processes (FSDP2, per decoder layer and root; bf16 by FSDP's mixed precision: layers gathered in "
                    "bf16, gradients reduced in fp32). Use it when 16 bytes a parameter do not fit one GPU (the "
                    "Qwen3-8B drafter: RESULTS.md, FSDP memory); else plain torchrun (DDP) is simpler and faster. "
+                   "Rank 0 alone reads the drafter's weights (one host copy, not one a process) and broadcasts "
+                   "them into the shards. "
                    "Checkpoints: OUT/checkpoint-fsdp, one file a process, resumed by any number of processes (with "
                    "another number the data order follows the new sharding). Without torchrun: FSDP on one process "
                    "(default: off)")
+    # rank 0 works alone while the others wait in a collective: it reads the whole checkpoint before the first
+    # broadcast, and at the end writes the gathered drafter. At 8B that is 16 GB read into 33 GB of fp32 and 16 GB
+    # of bf16 written: minutes on a local disk, ~30 min at 10 MB/s on a slow network disk. NCCL's own default (10
+    # min) would kill a healthy run there; 60 min still ends a hung one within the hour
+    g.add_argument("--dist-timeout", type=float, default=60.0, metavar="MINUTES", help="how long a process waits "
+                   "for the others in a collective before the run fails (torchrun and --fsdp; default: 60, for "
+                   "rank 0 reading and writing an 8B drafter alone while the others wait)")
     g = ap.add_argument_group("evaluation and output")
     g.add_argument("--out", default="runs/toy/drafter", help="drafter folder (default: runs/toy/drafter)")
     g.add_argument("--eval-every", type=int, default=100, help="offline tau every N steps (default: 100)")
@@ -707,14 +748,14 @@ def main(**overrides) -> dict:
     args = argparse.Namespace(**{**defaults, **overrides})
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    backend, timeout = "nccl" if device.type == "cuda" else "gloo", datetime.timedelta(minutes=args.dist_timeout)
     if world > 1:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend, timeout=timeout)
     elif args.fsdp:  # one process without torchrun: FSDP over a group of one (resumes a sharded checkpoint, too)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     if args.target is None and args.dtype == "auto":
         args.dtype = "float32"  # the toy's tiny models: bf16 would buy nothing and round more
     bf16 = resolve_dtype(args.dtype, device) == torch.bfloat16
@@ -756,10 +797,13 @@ def main(**overrides) -> dict:
         train, val = train[: len(train) - num_val], train[len(train) - num_val:]
 
     target_vocab_size = AutoConfig.from_pretrained(args.target).get_text_config().vocab_size
+    on_meta = args.fsdp and rank > 0  # FSDP: rank 0 alone reads the weights, the others get shards (shard_model)
     drafter = build_drafter(args.drafter_init or args.target, tokenizer, target_vocab_size=target_vocab_size,
                             layers=layers, block_size=args.block_size, num_anchors=args.num_anchors,
                             ar_weight=args.ar_weight, decay_gamma=args.decay_gamma, first_token=args.first_token,
-                            random_init=args.random_init).to(device)
+                            random_init=args.random_init, meta=on_meta)
+    if not on_meta:
+        drafter.to(device)
     if args.gradient_checkpointing:
         drafter.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if rank == 0:
@@ -777,7 +821,7 @@ def main(**overrides) -> dict:
                            max_len=args.max_len, num_anchors=args.num_anchors, block_size=args.block_size,
                            ar_weight=args.ar_weight, decay_gamma=args.decay_gamma, eval_every=args.eval_every,
                            val_anchors=args.val_anchors, save_every=args.save_every, seed=args.seed, bf16=bf16,
-                           resume=args.resume, rank=rank, world=world, fsdp=args.fsdp)
+                           resume=args.resume, rank=rank, world=world, fsdp=args.fsdp, device=device)
 
     peak = peak_memory_gib(device)
     # the same held-out blocks with d_1 drafted by MASK 1 instead of the causal next-token head, or the reverse

@@ -1,15 +1,20 @@
 """train.py --fsdp (FSDP2) on CPU: two gloo processes spawned by torch.multiprocessing, tiny models from configs (the
 setup of test_train.py), and one run of train.py --fsdp under torchrun from the command line."""
+import contextlib
+import datetime
+import itertools
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 import d3d
 import train
@@ -24,9 +29,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _tensors(model):
+    return itertools.chain(model.named_parameters(), model.named_buffers())
+
+
+@contextlib.contextmanager
+def _probe(out, rank):
+    """Record in OUT/probe-rankR.pt the timeout init_process_group was given (seconds), which weights and buffers
+    were on the meta device when train.shard_model began, rank 0's values of them then, and every rank's whole
+    values once sharded (DTensor.full_tensor: all ranks gather them together)."""
+    record, real_init, real_shard = {}, torch.distributed.init_process_group, train.shard_model
+
+    def init(*a, **k):
+        record["timeout"] = k["timeout"].total_seconds() if "timeout" in k else None  # None: the backend's
+        return real_init(*a, **k)
+
+    def shard(model, *a, **k):
+        record["meta"] = {name: t.is_meta for name, t in _tensors(model)}
+        record["loaded"] = {name: t.detach().clone() for name, t in _tensors(model)} if rank == 0 else {}
+        real_shard(model, *a, **k)
+        record["sharded"] = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+                             for name, t in _tensors(model)}
+
+    with mock.patch.object(torch.distributed, "init_process_group", init), \
+            mock.patch.object(train, "shard_model", shard):
+        yield
+    torch.save(record, os.path.join(out, f"probe-rank{rank}.pt"))
+
+
 def _worker(rank, world, paths, runs, port):
-    """Run train.main once per entry of `runs` ({"out", "kw", "crash_at", "nan_at", "copy_to"}) in this process of a
-    world of `world`; rank 0 saves the returned drafter's weights as OUT/final.pt."""
+    """Run train.main once per entry of `runs` ({"out", "kw", "crash_at", "nan_at", "copy_to", "probe"}) in this
+    process of a world of `world`; rank 0 saves the returned drafter's weights as OUT/final.pt."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     torch.set_num_threads(1)
     for n, run in enumerate(runs):
@@ -45,8 +78,9 @@ def _worker(rank, world, paths, runs, port):
         if run.get("nan_at"):
             d3d.d3d_loss = spoiled_loss(run["nan_at"])
         try:
-            result = train.main(target=paths["target"], prompts=paths["prompts"], out=run["out"],
-                                **{**FAST, **run["kw"]})
+            with _probe(run["out"], rank) if run.get("probe") else contextlib.nullcontext():
+                result = train.main(target=paths["target"], prompts=paths["prompts"], out=run["out"],
+                                    **{**FAST, **run["kw"]})
         except KeyboardInterrupt:
             torch.distributed.destroy_process_group()
             if rank == 0 and run.get("copy_to"):
@@ -91,6 +125,32 @@ def test_fsdp_ends_with_the_weights_of_ddp(setup, tmp_path):
     assert not os.path.exists(tmp_path / "fsdp" / "checkpoint.pt")
 
 
+def test_fsdp_reads_the_weights_on_rank_0_only_and_broadcasts_them(setup, tmp_path):
+    """Under --fsdp on 2 processes rank 1 builds the drafter on the meta device (no weights read: one host copy, not
+    one a process) and, once sharded, holds rank 0's weights and the buffers outside the state dict (rotary
+    frequencies, computed on rank 0), as rank 0 does; both process groups have --dist-timeout."""
+    out = str(tmp_path / "d")
+    _spawn(setup, [{"out": out, "probe": True, "kw": dict(steps=1, drafter_layers="2", fsdp=True, dist_timeout=7)}])
+    probes = [torch.load(os.path.join(out, f"probe-rank{rank}.pt")) for rank in range(2)]
+    assert not any(probes[0]["meta"].values()) and all(probes[1]["meta"].values())
+    loaded = probes[0]["loaded"]
+    assert any(name.endswith("rotary_emb.inv_freq") for name in loaded)
+    for rank, probe in enumerate(probes):
+        assert probe["timeout"] == 7 * 60, rank
+        assert probe["sharded"].keys() == loaded.keys(), rank
+        for name, value in loaded.items():
+            assert torch.equal(probe["sharded"][name], value), (rank, name)
+
+
+def test_a_group_of_one_has_the_timeout_too(setup, tmp_path, monkeypatch):
+    """python train.py --fsdp without torchrun: its group of one waits --dist-timeout minutes too."""
+    made, real_init = [], torch.distributed.init_process_group
+    monkeypatch.setattr(torch.distributed, "init_process_group",
+                        lambda *a, **k: made.append(k.get("timeout")) or real_init(*a, **k))
+    _run(setup, tmp_path / "d", steps=1, drafter_layers="2", fsdp=True, dist_timeout=2.5)
+    assert made == [datetime.timedelta(minutes=2.5)]
+
+
 def test_fsdp_resumes_exactly_and_with_another_number_of_processes(setup, tmp_path, capsys):
     """A 2-process run cut in step 3 resumes from its step-2 checkpoint and ends where the uncut run ends. The same
     step-2 checkpoint, copied, resumes in 1 process: the weights are the saved ones, AdamW counts on from 2."""
@@ -106,7 +166,10 @@ def test_fsdp_resumes_exactly_and_with_another_number_of_processes(setup, tmp_pa
     # the step-2 checkpoint, read without any process group: whole tensors (DCP stores them with global shapes)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     dcp_to_torch_save(str(tmp_path / "at2" / train.SHARDED_CHECKPOINT), str(tmp_path / "at2.pt"))
-    saved = torch.load(tmp_path / "at2.pt", weights_only=False)["model"]
+    saved = torch.load(tmp_path / "at2.pt", weights_only=True)["model"]
+    # what train.py itself writes beside DCP's files holds plain types only (resumes load it with weights_only)
+    state = torch.load(tmp_path / "at2" / train.SHARDED_CHECKPOINT / "train_state.pt", weights_only=True)
+    assert state["step"] == 2 and state["world"] == 2 and len(state["rngs"]) == 2
     one = train.main(target=setup["target"], prompts=setup["prompts"], out=str(tmp_path / "at2"),
                      **{**FAST, **kw, "steps": 2})  # finished at step 2: loads, evaluates, gathers
     assert "at step 2 (saved by 2 processes, resumed by 1)" in capsys.readouterr().out
@@ -115,7 +178,7 @@ def test_fsdp_resumes_exactly_and_with_another_number_of_processes(setup, tmp_pa
     train.main(target=setup["target"], prompts=setup["prompts"], out=str(tmp_path / "at2"), **{**FAST, **kw,
                                                                                                  "steps": 3})
     dcp_to_torch_save(str(tmp_path / "at2" / train.SHARDED_CHECKPOINT), str(tmp_path / "at3.pt"))
-    optimizer = torch.load(tmp_path / "at3.pt", weights_only=False)["optimizer"]
+    optimizer = torch.load(tmp_path / "at3.pt", weights_only=True)["optimizer"]
     counts = {float(s["step"]) for s in optimizer["state"].values()}
     assert counts == {3.0}  # AdamW's moments and step counts came back from the 2-process checkpoint
     with pytest.raises(ValueError, match="checkpoint of an --fsdp run.*--fsdp"):

@@ -150,12 +150,23 @@ def test_resume_continues_at_the_right_step(setup, tmp_path, monkeypatch, capsys
     with pytest.raises(KeyboardInterrupt):
         _run(setup, tmp_path / "b", steps=4, drafter_layers="2", save_every=2)
     monkeypatch.setattr(d3d, "d3d_loss", real_loss)
-    assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["step"] == 2
+    assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)["step"] == 2
     resumed = _run(setup, tmp_path / "b", steps=4, drafter_layers="2", save_every=2)["drafter"]
     assert "resumed from" in capsys.readouterr().out
-    assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["step"] == 4
+    assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)["step"] == 4
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name  # the same data, anchors and optimizer state as one uninterrupted run
+
+
+def test_checkpoint_pieces_hold_plain_types_only(setup, tmp_path):
+    """Every piece of a checkpoint loads with torch.load(weights_only=True), as a resume does: tensors, numbers,
+    strings and containers of them, no pickled class (which weights_only refuses to run)."""
+    out = tmp_path / "d"
+    _run(setup, out, steps=1, drafter_layers="2")
+    pieces = sorted(out.glob("*.pt"))
+    assert [p.name for p in pieces] == ["checkpoint.pt", "optimizer-exp_avg.pt", "optimizer-exp_avg_sq.pt"]
+    for piece in pieces:
+        assert torch.load(piece, weights_only=True)["step"] == 1, piece.name
 
 
 def spoiled_loss(bad_calls):
@@ -179,10 +190,10 @@ def test_a_non_finite_step_is_skipped_and_training_goes_on(setup, tmp_path, monk
     result = _run(setup, out, steps=4, drafter_layers="2")
     assert result["skipped_steps"] == 1 and result["history"][-1]["skipped"] == 1
     assert all(torch.isfinite(p).all() for p in result["drafter"].parameters())
-    saved = torch.load(out / "checkpoint.pt", weights_only=False)["piece"]
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)["piece"]
     assert {int(s) for s in saved["adam_steps"].values()} == {3}  # steps 1, 3 and 4 reached AdamW, step 2 did not
     for key in ("exp_avg", "exp_avg_sq"):
-        moments = torch.load(out / f"optimizer-{key}.pt", weights_only=False)["piece"]
+        moments = torch.load(out / f"optimizer-{key}.pt", weights_only=True)["piece"]
         assert all(torch.isfinite(m).all() for m in moments.values()), key
     assert json.loads((out / "train_args.json").read_text())["skipped_steps"] == 1
 
@@ -199,7 +210,7 @@ def test_resume_reads_through_the_cpu_and_keeps_adam_step_counts(setup, tmp_path
     tensors with their values (a step count on the GPU would make AdamW's update sync or fail)."""
     out = tmp_path / "d"
     _run(setup, out, steps=2, drafter_layers="2")
-    saved = torch.load(out / "checkpoint.pt", weights_only=False)["piece"]["adam_steps"]
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)["piece"]["adam_steps"]
     real_load, real_restore, places, restored = torch.load, torch.optim.AdamW.load_state_dict, [], []
     monkeypatch.setattr(torch, "load", lambda *a, **k: places.append(k.get("map_location")) or real_load(*a, **k))
     monkeypatch.setattr(torch.optim.AdamW, "load_state_dict",
@@ -237,11 +248,11 @@ def test_checkpoint_pieces_are_replaced_one_at_a_time_and_resume_after_a_cut_sav
     with pytest.raises(KeyboardInterrupt):
         _run(setup, out, steps=3, drafter_layers="2", save_every=1)
     monkeypatch.setattr(torch, "save", real_save)
-    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 3
-    assert torch.load(out / "optimizer-exp_avg_sq.pt", weights_only=False)["step"] == 2
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 3
+    assert torch.load(out / "optimizer-exp_avg_sq.pt", weights_only=True)["step"] == 2
     _run(setup, out, steps=4, drafter_layers="2", save_every=1)
     assert "AdamW exp_avg_sq is from step 2, the weights from step 3" in capsys.readouterr().out
-    assert torch.load(out / "optimizer-exp_avg_sq.pt", weights_only=False)["step"] == 4
+    assert torch.load(out / "optimizer-exp_avg_sq.pt", weights_only=True)["step"] == 4
 
 
 def test_bf16_training_saves_a_bf16_drafter(setup, tmp_path):
@@ -250,7 +261,7 @@ def test_bf16_training_saves_a_bf16_drafter(setup, tmp_path):
     saved = d3d.Drafter.from_pretrained(str(tmp_path / "d"))
     assert next(saved.parameters()).dtype == torch.bfloat16  # the training dtype, half the disk of fp32
     assert next(result["drafter"].parameters()).dtype == torch.bfloat16
-    master = torch.load(tmp_path / "d" / "checkpoint.pt", weights_only=False)["piece"]["model"]
+    master = torch.load(tmp_path / "d" / "checkpoint.pt", weights_only=True)["piece"]["model"]
     assert all(v.dtype == torch.float32 for v in master.values() if v.is_floating_point())  # resumes exactly
 
 
