@@ -1453,3 +1453,44 @@ def test_a_request_the_caches_cannot_hold_is_refused_up_front(tok, target):
     assert out.tolist() == d3d.generate(target, None, prompt, max_new_tokens=20, mode="target")[0].tolist()
     with pytest.raises(ValueError, match="KV cache full"):
         d3d.causal_pass(caches.target, torch.zeros(1, 41, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Regional compilation (fast.compile_passes(regional=True)): one compiled decoder layer serves every layer
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_regional_compilation_traces_each_layer_class_and_shape_once(tok, target, no_recompiles, monkeypatch,
+                                                                     per_layer):
+    """The fullgraph test above (every mode, new prompts without a recompile, outputs equal target-only) compiled
+    regionally, counting dynamo's graphs: one per pass width, shared by every layer of both models (one layer class).
+    per_layer: the compiled layer handed the whole StaticCache, whose list index is then a guarded constant, traces
+    one graph per layer and width (all inside the warm-up), and the count catches it."""
+    graphs, widths = [], set()
+    compile_passes = fast.compile_passes
+
+    def counting(graph, inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    def recorded(step):
+        return lambda ids, *args: (widths.add(ids.shape[1]), step(ids, *args))[1]
+
+    def regional(caches, backend):
+        compile_passes(caches, backend=counting, regional=True)
+        for cache in (caches.target, caches.drafter):
+            cache.step = recorded(cache.step)
+    monkeypatch.setattr(fast, "compile_passes", regional)
+    if per_layer:
+        monkeypatch.setattr(fast, "_OneLayer", lambda cache, index: cache)
+    test_every_pass_traces_as_one_graph_and_compiles_once(tok, target, no_recompiles, block_size=4)
+    assert len(widths) == 4  # target 1 and B + 1, drafter 2B + 1, 1 + B (the target's B + 1) and the packed pass
+    assert len(graphs) == len(widths) * (len(target.model.layers) if per_layer else 1)
+
+
+def test_regional_inductor_decoding_equals_eager(tok, target, no_recompiles, monkeypatch):
+    """The inductor test above (sync and async, greedy equal to target-only, sampled equal to eager with the same
+    seed, no recompile after the warm-up), with each layer compiled regionally."""
+    compile_passes = fast.compile_passes
+    monkeypatch.setattr(fast, "compile_passes", lambda caches: compile_passes(caches, regional=True))
+    test_inductor_compiled_decoding_equals_eager(tok, target, no_recompiles)
