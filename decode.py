@@ -224,7 +224,7 @@ def prepare(models, opts: dict, all_ids: list[torch.Tensor], modes: list[str]) -
     if compiled:
         import fast
         opts["compiled_caches"] = d3d.Caches.make(target, use_drafter, opts.get("max_len") or need)
-        fast.compile_passes(opts["compiled_caches"])
+        fast.compile_passes(opts["compiled_caches"], regional=opts.get("compile") == "regional")
         opts["compile_seconds"] = 0.0
         for spec in dict.fromkeys(m.replace("+compiled", "") for m in compiled if parse_mode(m)[0] not in BASELINES):
             mode, overrides = parse_mode(spec)  # each shape it uses (an async budget sets the packed pass's)
@@ -942,8 +942,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "runtime.async_lanes: 1 on CUDA, 2 on a CPU for a target of 20M parameters or more). With --compile "
                    "on CUDA, 2 is "
                    "refused: the compiled passes' CUDA graphs share one memory pool")
-    g.add_argument("--compile", action="store_true", help="compile the fixed-shape passes (torch.compile, fullgraph; "
-                   "CUDA graphs on a GPU): warmed up first, compile time reported apart (default: off)")
+    g.add_argument("--compile", nargs="?", const="whole", choices=["whole", "regional"], help="compile the "
+                   "fixed-shape passes (torch.compile, fullgraph): 'whole' (the flag alone) one graph per pass shape, "
+                   "CUDA graphs on a GPU; 'regional' one decoder layer compiled once and reused by every layer "
+                   "(compiles in a fraction of the time, runs slower: fast.compile_passes). Warmed up first, compile "
+                   "time reported apart; '+compiled' modes use it too (default: off; '+compiled': whole)")
     g.add_argument("--trace", metavar="PATH", help="after the run, decode the first prompt once more in --mode (with "
                    "--bench: the first of --modes) and write its phases (draft, verify, packed_draft, ...) as a "
                    "Chrome trace, a track for each CUDA stream or host thread: open it in ui.perfetto.dev")

@@ -38,9 +38,9 @@ def compile_passes(caches: d3d.Caches, mode: str | None = None, backend="inducto
     regional=True: one compiled decoder layer instead of one whole-model graph per shape. Each layer's call goes
     through one compiled function that takes the layer and its own cache layer as arguments (_OneLayer), so dynamo
     traces each (layer class, shape) once and every layer of both models reuses that code; embedding, mask, final
-    norm and head stay eager (compiled, they ran no faster on a CPU). At SmolLM2-135M's shapes (30 layers, B = 16)
-    on a 2-core CPU, a target + sync + async warm-up spent 72 s compiling instead of 622 s; decoding then ran about as
-    fast as eager, some 10% slower than whole-model graphs (a guard check per layer call). mode is passed as given
+    norm and head stay eager (compiled, they ran no faster on a CPU). Compile time no longer grows with depth, and
+    decoding runs about as fast as eager, slower than whole-model graphs (a guard check per layer call): RESULTS.md,
+    "Compile time", and `decode.py --compile regional`. mode is passed as given
     (default: none, also on CUDA): per-layer CUDA graphs would be one recording per layer and shape, each layer's
     output in a pool that the next replay overwrites. A GPU thus runs the layers' compiled kernels without CUDA
     graphs, launch-bound for small models; the whole-model path stays the one for decoding speed there (untested on a
@@ -52,6 +52,7 @@ def compile_passes(caches: d3d.Caches, mode: str | None = None, backend="inducto
     for cache in (caches.target, caches.drafter):
         if cache is None:
             continue
+        cache.compiled = True  # runtime.async_lanes refuses two lanes of compiled passes on CUDA
         if regional:
             cache.step = functools.partial(_regional_step, cache, layer_pass)
             continue
@@ -60,7 +61,6 @@ def compile_passes(caches: d3d.Caches, mode: str | None = None, backend="inducto
                                  mode=mode or ("reduce-overhead" if cuda and backend == "inductor" else None))
         # a CUDA graph's outputs live in its pool and the next replay overwrites them: hand out a copy
         cache.step = (lambda *args, _f=compiled: _f(*args).clone()) if cuda else compiled
-        cache.compiled = True  # runtime.async_lanes refuses two lanes of compiled passes on CUDA
 
 
 class _OneLayer:

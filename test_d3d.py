@@ -1408,7 +1408,9 @@ def test_generate_takes_lanes_from_the_rule_with_its_caches_compiled_or_not(tok,
     expected, _ = d3d.generate(target, None, prompt, max_new_tokens=12, mode="target")
     compiled = d3d.Caches.make(target, drafter, 64)
     fast.compile_passes(compiled, backend="eager")
-    assert compiled.compiled and not d3d.Caches.make(target, drafter, 64).compiled
+    regional = d3d.Caches.make(target, drafter, 64)
+    fast.compile_passes(regional, backend="eager", regional=True)
+    assert compiled.compiled and regional.compiled and not d3d.Caches.make(target, drafter, 64).compiled
     with pytest.raises(ValueError, match="refused"):
         d3d.generate(target, drafter, prompt, max_new_tokens=12, mode="async", lanes=2, caches=compiled)
     for caches, lanes, mode in ((compiled, None, "async"), (compiled, 1, "async"), (None, 2, "async"),

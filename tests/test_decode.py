@@ -134,7 +134,7 @@ def test_compiled_two_lanes_are_warmed_up_with_the_threads_each_lane_runs_with(s
     again while it is timed (a recompile raises here)."""
     import fast
     compile_passes, prepare = fast.compile_passes, decode.prepare
-    monkeypatch.setattr(fast, "compile_passes", lambda caches: compile_passes(caches, backend="eager"))
+    monkeypatch.setattr(fast, "compile_passes", lambda caches, **kw: compile_passes(caches, backend="eager", **kw))
 
     def prepare_then_no_recompiles(*args):
         torch._dynamo.config.error_on_recompile = False  # the warm-up compiles
@@ -150,6 +150,24 @@ def test_compiled_two_lanes_are_warmed_up_with_the_threads_each_lane_runs_with(s
         torch._dynamo.config.error_on_recompile = False
         torch._dynamo.reset()
         torch.set_num_threads(1)
+
+
+def test_compile_regional_compiles_one_layer_for_all(setting, monkeypatch):
+    """--compile regional: fast.compile_passes(regional=True), one decoder layer compiled and reused by every layer;
+    the flag alone, or a '+compiled' mode, the whole-model graphs. Output equals target-only either way."""
+    import fast
+    compile_passes, seen = fast.compile_passes, []
+
+    def record(caches, regional=False):
+        seen.append(regional)
+        compile_passes(caches, backend="eager", regional=regional)
+    monkeypatch.setattr(fast, "compile_passes", record)
+    for argv, regional in ((["--compile", "regional", "--modes", "sync", "async"], True),
+                           (["--compile", "--modes", "sync"], False), (["--modes", "sync+compiled"], False)):
+        torch._dynamo.reset()
+        result = cli("--bench", setting / "gsm.jsonl", "--out", "", *argv, *models_args(setting))
+        assert seen[-1] is regional and result["mismatches"]["count"] == 0
+    torch._dynamo.reset()
 
 
 def test_trace_puts_each_lane_on_its_own_track(setting, tmp_path, capsys):
