@@ -20,9 +20,10 @@ non-zero if any check failed or a step crashed or ran out of time. What to paste
     except at every 7th position (so rejection hits and full-acceptance hits happen; none of the latter fails):
     compile seconds per mode; after the warm-up a recompile is an error and no CUDA graph may be skipped; compiled
     decoding equals eager target-only or differs only at near-ties (decode.classify_divergence); two compiled lanes
-    against one (runtime.async_lanes refuses them; lifted here for this comparison only); the attention kernel each
-    pass shape uses; a trace of a few async rounds in two lanes (OUT_DIR/trace-async.json, the project's spans a track
-    per stream; OUT_DIR/profile-async.json, torch.profiler's, with the kernels where the profiler records them).
+    against one (runtime.async_lanes refuses them; lifted here for this comparison only); regional compilation
+    (fast.compile_passes(regional=True)) beside it: compile seconds, ms per token, equal to eager; the attention
+    kernel each pass shape uses; a trace of a few async rounds in two lanes (OUT_DIR/trace-async.json, the project's
+    spans a track per stream; OUT_DIR/profile-async.json, torch.profiler's, with the kernels where it records them).
 [4] if time is left: the CUDA tests of test_d3d.py under TORCH_CUDA_SANITIZER=1 (a tensor read on one stream while
     another writes it is an error).
 --tiny: the same steps at toy sizes; what needs CUDA (graphs, pools, streams, events, all of [2], [4]) is skipped,
@@ -533,8 +534,6 @@ def attention_ops(passes: dict) -> dict:
 def step_compiled(report: Report, tiny: bool, device: str | None, out: str) -> None:
     import torch
     import d3d
-    import decode
-    import fast
     import runtime
     from torch._dynamo.utils import counters
     device, cuda, dtype = setting(tiny, device)
@@ -546,52 +545,27 @@ def step_compiled(report: Report, tiny: bool, device: str | None, out: str) -> N
                .to(device) for n in (5, 17, 33)]
     reference_len = max(p.shape[1] for p in prompts) + max_new + 4 * block_size
     drafter = oracle_drafter(base, reference_len)
-    eager = {}  # target-only greedy tokens per prompt (the reference), and the oracle's script
-    for i, prompt in enumerate(prompts):
-        eager[i] = d3d.generate(target, None, prompt, max_new_tokens=reference_len - prompt.shape[1],
-                                mode="target")[0][0].tolist()
+    eager = [d3d.generate(target, None, prompt, max_new_tokens=reference_len - prompt.shape[1], mode="target")[0][0]
+             .tolist() for prompt in prompts]  # target-only greedy tokens: the reference, and the oracle's script
     backend = "eager" if tiny else "inductor"
     report.line(f"{device}, {dtype}, 2 layers each (target {target_shape['hidden_size']} wide, drafter "
                 f"{drafter_shape['hidden_size']}), B = {block_size}, {len(prompts)} prompts x {max_new} tokens, "
                 f"backend {backend}" + (", mode reduce-overhead (CUDA graphs)" if cuda else ""))
     need = runtime.cache_len(reference_len, max_new, block_size, *d3d.default_budget(block_size))
-    caches = d3d.Caches.make(target, drafter, need)
+    setup = (target, drafter, prompts, eager, max_new)
     torch._dynamo.reset()
     counters.clear()
-    fast.compile_passes(caches, backend=backend)
-    with report.guarded("compile and warm-up"):
-        drafter.reference.copy_(torch.tensor(eager[0], device=device))
-        for mode, lanes in (*((m, 1) for m in d3d.MODES), ("async", 2)):  # two lanes on a CPU: half the threads each,
-            graphs, start = counters["stats"]["unique_graphs"], time.perf_counter()  # which dynamo's guards see
-            with runtime.unproven_compiled_lanes() if lanes == 2 else contextlib.nullcontext():
-                fast.warm_up(target, drafter, caches, prompts[0], (mode,), lanes=lanes)
-            report.line(f"  compiled and warmed up {mode}{', 2 lanes' if lanes == 2 else ''}: "
-                        f"{counters['stats']['unique_graphs'] - graphs} new graph(s) in "
-                        f"{time.perf_counter() - start:.1f} s")
+    caches = compiled_caches(report, setup, need, backend, regional=False)
     torch._dynamo.config.error_on_recompile = True  # from here a recompile raises
     runs = {}
     with report.guarded("compiled decoding after the warm-up"):
-        for i, prompt in enumerate(prompts):
-            drafter.reference.copy_(torch.tensor(eager[i], device=device))
-            for label, mode, lanes in (("target", "target", 1), ("sync", "sync", 1), ("async, 1 lane", "async", 1),
-                                       ("async, 2 lanes", "async", 2)):
-                with runtime.unproven_compiled_lanes() if lanes == 2 else contextlib.nullcontext():
-                    tokens, stats = d3d.generate(target, drafter if mode != "target" else None, prompt, mode=mode,
-                                                 lanes=lanes, max_new_tokens=max_new, caches=caches)
-                runs.setdefault(label, []).append((tokens[0, prompt.shape[1]:].tolist(), stats))
+        runs = decode_each(setup, caches, (("target", "target", 1), ("sync", "sync", 1), ("async, 1 lane", "async", 1),
+                                           ("async, 2 lanes", "async", 2)))
         report.check("no recompile after the warm-up", True)
+    torch._dynamo.config.error_on_recompile = False
     skips = counters["inductor"].get("cudagraph_skips", 0)
     report.check("no CUDA graph skipped", skips == 0, f"{skips} skipped" if skips else "")
-    for label, decoded in runs.items():
-        classes = []
-        for i, (tokens, _) in enumerate(decoded):
-            reference = eager[i][prompts[i].shape[1]:][:max_new]
-            first = next((j for j, (a, b) in enumerate(zip(reference, tokens)) if a != b),
-                         None if len(tokens) == len(reference) else min(len(tokens), len(reference)))
-            classes.append("identical" if first is None else decode.classify_divergence(
-                target, prompts[i], reference, tokens, first)["class"])
-        report.check(f"compiled {label} equals eager target-only or differs at near-ties", "error" not in classes,
-                     ", ".join(f"{c} {classes.count(c)}" for c in ("identical", "near-tie", "error")))
+    check_against_eager(report, setup, runs, "compiled")
     if runs.get("async, 1 lane") and runs.get("async, 2 lanes"):
         hits = [sum(col) for col in zip(*(s["hits_per_position"] for _, s in runs["async, 1 lane"]))]
         misses = [sum(col) for col in zip(*(s["misses_per_position"] for _, s in runs["async, 1 lane"]))]
@@ -602,7 +576,13 @@ def step_compiled(report: Report, tiny: bool, device: str | None, out: str) -> N
         same = [a[0] == b[0] for a, b in zip(runs["async, 1 lane"], runs["async, 2 lanes"])]
         report.check("two compiled lanes decode the same tokens as one (lifted refusal)", all(same),
                      f"{sum(same)} of {len(same)} prompts" + ("" if all(same) else ": the refusal stays"))
-    torch._dynamo.config.error_on_recompile = False
+    with report.guarded("regional compilation"):  # fast.compile_passes(regional=True), timed beside the default
+        regional = decode_each(setup, compiled_caches(report, setup, need, backend, regional=True),
+                               (("target", "target", 1), ("sync", "sync", 1)))
+        check_against_eager(report, setup, regional, "regional")
+        for label in regional:
+            report.line(f"  {label}: ms per token, whole-model graphs {ms_per_token(runs.get(label, [])):.2f}, "
+                        f"regional {ms_per_token(regional[label]):.2f}")
     eager_caches = d3d.Caches.make(target, drafter, need)
     with torch.no_grad():
         for cache in (eager_caches.target, eager_caches.drafter):
@@ -613,6 +593,71 @@ def step_compiled(report: Report, tiny: bool, device: str | None, out: str) -> N
         for label, ops in attention_ops(passes).items():
             report.line(f"  attention in the {label} ({shapes[label]} tokens, eager): {', '.join(ops) or 'none seen'}")
     trace(report, target, drafter, prompts[0], eager[0], max_new, cuda, out)
+
+
+def compiled_caches(report: Report, setup, need: int, backend: str, regional: bool):
+    """New caches with their passes compiled (fast.compile_passes), every mode warmed up (async in two lanes too: on
+    a CPU each runs with half the threads, which dynamo's guards see); the seconds and graphs each mode took."""
+    import torch
+    import d3d
+    import fast
+    import runtime
+    from torch._dynamo.utils import counters
+    target, drafter, prompts, eager, _ = setup
+    caches = d3d.Caches.make(target, drafter, need)
+    fast.compile_passes(caches, backend=backend, regional=regional)
+    drafter.reference.copy_(torch.tensor(eager[0], device=prompts[0].device))
+    with report.guarded(f"{'regional' if regional else 'whole-model'} compile and warm-up"):
+        for mode, lanes in (*((m, 1) for m in d3d.MODES), ("async", 2)):
+            graphs, start = counters["stats"]["unique_graphs"], time.perf_counter()
+            with runtime.unproven_compiled_lanes() if lanes == 2 else contextlib.nullcontext():
+                fast.warm_up(target, drafter, caches, prompts[0], (mode,), lanes=lanes)
+            report.line(f"  {'regional' if regional else 'whole-model'}: compiled and warmed up {mode}"
+                        f"{', 2 lanes' if lanes == 2 else ''}: {counters['stats']['unique_graphs'] - graphs} new "
+                        f"graph(s) in {time.perf_counter() - start:.1f} s")
+    return caches
+
+
+def decode_each(setup, caches, settings) -> dict:
+    """{label: [(new tokens, stats) per prompt]} for each (label, mode, lanes) of `settings`, the oracle scripted
+    with each prompt's reference; two compiled lanes are let through (they are what this step compares)."""
+    import torch
+    import d3d
+    import runtime
+    target, drafter, prompts, eager, max_new = setup
+    runs = {}
+    for i, prompt in enumerate(prompts):
+        drafter.reference.copy_(torch.tensor(eager[i], device=prompt.device))
+        for label, mode, lanes in settings:
+            with runtime.unproven_compiled_lanes() if lanes == 2 else contextlib.nullcontext():
+                tokens, stats = d3d.generate(target, drafter if mode != "target" else None, prompt, mode=mode,
+                                             lanes=lanes, max_new_tokens=max_new, caches=caches)
+            runs.setdefault(label, []).append((tokens[0, prompt.shape[1]:].tolist(), stats))
+    return runs
+
+
+def check_against_eager(report: Report, setup, runs: dict, kind: str) -> None:
+    """Each label's outputs against eager target-only: identical, or the first difference a near-tie
+    (decode.classify_divergence); an error fails the check."""
+    import decode
+    target, _, prompts, eager, max_new = setup
+    for label, decoded in runs.items():
+        classes = []
+        for i, (tokens, _) in enumerate(decoded):
+            reference = eager[i][prompts[i].shape[1]:][:max_new]
+            first = next((j for j, (a, b) in enumerate(zip(reference, tokens)) if a != b),
+                         None if len(tokens) == len(reference) else min(len(tokens), len(reference)))
+            classes.append("identical" if first is None else decode.classify_divergence(
+                target, prompts[i], reference, tokens, first)["class"])
+        report.check(f"{kind} {label} equals eager target-only or differs at near-ties", "error" not in classes,
+                     ", ".join(f"{c} {classes.count(c)}" for c in ("identical", "near-tie", "error")))
+
+
+def ms_per_token(decoded: list) -> float:
+    """Decode time per token after the first (prefill excluded), over all prompts."""
+    seconds = sum(s["time_total"] - s["time_prefill"] for _, s in decoded)
+    tokens = sum(s["num_new_tokens"] - 1 for _, s in decoded)
+    return 1e3 * seconds / tokens if tokens else float("nan")
 
 
 def trace(report: Report, target, drafter, prompt, reference, max_new, cuda: bool, out: str) -> None:
