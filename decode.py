@@ -44,6 +44,7 @@ import transformers
 from tqdm.auto import tqdm
 
 import d3d
+import fast
 import runtime
 import train
 
@@ -222,7 +223,6 @@ def prepare(models, opts: dict, all_ids: list[torch.Tensor], modes: list[str]) -
     opts["caches"] = d3d.Caches.make(target, use_drafter, opts.get("max_len") or need)
     compiled = [m for m in modes if opts.get("compile") or parse_mode(m)[1].get("compiled")]
     if compiled:
-        import fast
         opts["compiled_caches"] = d3d.Caches.make(target, use_drafter, opts.get("max_len") or need)
         fast.compile_passes(opts["compiled_caches"], regional=opts.get("compile") == "regional")
         opts["compile_seconds"] = 0.0
