@@ -883,8 +883,9 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
     use_drafter = drafter if mode != "target" or keep_ratio is not None else None
     need = cache_len(input_ids.shape[1], max_new_tokens, block_size or 1, coverage * (mode == "async"), fanout)
     caches = Caches.make(target, use_drafter, need) if caches is None else caches.check(target, use_drafter, need)
-    lanes = async_lanes(input_ids.device.type, caches.compiled and mode == "async", lanes,
-                        sum(p.numel() for p in target.parameters()))  # the rule decode.py follows too (runtime.py)
+    # async's lanes by the rule decode.py follows too (runtime.py); the target's size matters only to its default
+    num_params = sum(p.numel() for p in target.parameters()) if mode == "async" and lanes is None else 0
+    lanes = async_lanes(input_ids.device.type, caches.compiled and mode == "async", lanes, num_params)
     out, clock = Output(input_ids[0].tolist(), max_new_tokens, eos_token_id), Clock(input_ids.device)
     selection = None  # selective prefill: what the target prefills; the drafter's cache holds the full prompt
     if keep_ratio is not None:
