@@ -1,9 +1,9 @@
 """Answer prompts with a D3D drafter, or benchmark it against target-only decoding (the paper's Table 1 protocol).
 
-    python decode.py                                     # the toy target and drafter that `python train.py` wrote
+    python decode.py                                     # the shipped toy target, the drafter `python train.py` wrote
     python decode.py --target Qwen/Qwen3-8B --drafter runs/qwen3-8b/drafter --prompt "What is 17 * 23?"
-    python decode.py --bench runs/toy/prompts-test.jsonl --max-samples 20 --out runs/bench.json
-    python decode.py --bench runs/toy/prompts-test.jsonl --max-samples 32 --modes sync --concurrency 1 4 8 16
+    python decode.py --bench toy-target/prompts-test.jsonl --max-samples 20 --out runs/bench.json
+    python decode.py --bench toy-target/prompts-test.jsonl --max-samples 32 --modes sync --concurrency 1 4 8 16
 
 Answers are coloured by origin: green = draft tokens the target accepted, yellow = the target's own token that
 closes every round (the first token comes from the target's prefill). Then a table of target-only decoding and each
@@ -46,9 +46,11 @@ from tqdm.auto import tqdm
 import d3d
 import fast
 import runtime
+import toy
 import train
 
-TOY_DRAFTER, TOY_TARGET, TOY_PROMPTS = "runs/toy/drafter", "runs/toy/target", "runs/toy/prompts-test.jsonl"
+TOY_DRAFTER, TOY_TARGET = "runs/toy/drafter", toy.SHIPPED  # the toy's default drafter, and its shipped target
+TOY_PROMPTS = os.path.join(toy.SHIPPED, toy.DATA_FILES["test"])
 PROMPT_FIELDS = ("question", "prompt", "turns")  # GSM8K-, HumanEval-, MT-Bench-style files (first turn only)
 COLOURS, RESET = {"draft": "\033[32m", "target": "\033[33m"}, "\033[0m"
 TIME_KEYS = ("time_draft", "time_verify", "time_packed_draft", "time_fallback_draft", "time_overlap_saved",
@@ -110,8 +112,8 @@ def load(target, drafter, modes, device, dtype, attn, threads=None):
     dtype = train.resolve_dtype(dtype, device)
     need_drafter = any(m != "target" for m in modes)
     if (need_drafter or target is None) and drafter == TOY_DRAFTER and not os.path.isdir(drafter):
-        raise FileNotFoundError(f"no drafter at {TOY_DRAFTER}: make the toy target and drafter with `python train.py` "
-                                "(about 5 min on 2 CPU cores), or pass --target and --drafter")
+        raise FileNotFoundError(f"no drafter at {TOY_DRAFTER}: train the toy's drafter with `python train.py` "
+                                "(about 2 min on 2 CPU cores), or pass --target and --drafter")
     draft_model = d3d.Drafter.from_pretrained(drafter, dtype, device, attn).eval() if need_drafter else None
     if target is None:  # the target the drafter was trained for
         target = recipe.get("target", TOY_TARGET)
@@ -868,8 +870,8 @@ def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_f
     if not bench_files and not prefill_bench_file and prompt is None:
         prompts_file = prompts_file or TOY_PROMPTS
         if prompts_file == TOY_PROMPTS and not os.path.isfile(prompts_file):
-            raise FileNotFoundError(f"no prompts at {TOY_PROMPTS}: make the toy setting with `python train.py` "
-                                    "(about 5 min on 2 CPU cores), or pass --prompt")
+            raise FileNotFoundError(f"no prompts at {TOY_PROMPTS}: `git checkout -- toy-target` restores the toy's "
+                                    "files, or pass --prompt")
         prompt = read_prompts(prompts_file, prompt_field, max_samples or 3)[1]
     files = [(path, *read_prompts(path, prompt_field, max_samples)) for path in bench_files or []]  # before loading
     if prefill_bench_file:

@@ -1,16 +1,19 @@
 """Built-in toy setting: a tiny target LM that learns step-by-step arithmetic.
 
-This is scaffolding, not the D3D method. It lets ``python train.py`` run end to end on a CPU in a few
-minutes: :func:`build_toy` generates a small procedural task, trains a tiny ``Qwen3ForCausalLM`` target on
-it from scratch, and writes
+This is scaffolding, not the D3D method. The repository ships one toy, built once, in ``toy-target/``, so that
+``python train.py`` starts at the drafter, and every machine trains it on the same target and the same answers:
 
-* ``out_dir/target/``            a normal Hugging Face folder (model + character-level tokenizer with a chat
-                                 template), loadable with ``AutoModelForCausalLM`` / ``AutoTokenizer``;
-* ``out_dir/prompts-train.jsonl`` prompts the drafter is later trained on (the target answers them);
-* ``out_dir/prompts-test.jsonl``  held-out prompts (disjoint from the train prompts).
+* the target: a normal Hugging Face folder (a 0.8M-parameter ``Qwen3ForCausalLM``, safetensors, and a
+  character-level tokenizer with a chat template), loadable with ``AutoModelForCausalLM`` / ``AutoTokenizer``;
+* ``prompts-train.jsonl`` / ``prompts-test.jsonl``: 2,000 training and 200 held-out prompts, disjoint;
+* ``answers-train.jsonl`` / ``answers-test.jsonl``: the target's own greedy answers to them, as token ids (the
+  answers file train.py reads: a header line, then ``{"i", "prompt", "response"}`` per prompt);
+* ``toy.json``: the recipe, the CPU capability and float-order settings it was built under, its held-out accuracy,
+  its fingerprint (sha256 of the weights, the tokenizer's fingerprint) and the sha256 of the four data files.
+  :func:`open_toy` checks every file against it.
 
 Each prompt line is ``{"question": "7 * 6 + 8 - 5", "reference_answer": "..."}``. The reference answer is
-the exact, correct solution; the drafter should learn from the *target's* answers, not from it.
+the exact, correct solution; the drafter learns from the *target's* answers, not from it.
 
 The task, e.g. question ``7 * 6 + 8 - 5`` and answer::
 
@@ -23,31 +26,34 @@ The task, e.g. question ``7 * 6 + 8 - 5`` and answer::
 (a times table: 2..12 by 2..9), so the usual precedence and left to right agree; otherwise the first number is 1..50;
 + and - operands 1..9; no intermediate value below 0 or above 999; answers of 30 to 80 characters (43 on average).
 
-Command line: ``python toy.py --out runs/toy [--seed 0] [--steps 3000] [--threads N]``.
+Command line: ``python toy.py [--out runs/toy-target] [--seed 0] [--steps 3000] [--threads 1]`` builds a toy of the
+same layout into ``runs/`` (never over ``toy-target/``) and says how its target compares with the repository's.
 
-The target trains from fixed seeds until it solves its own problems (TRAIN_STEPS = 3000 steps of 16 problems; it
-prints and records in target/toy.json its exact-match rate on the 200 held-out prompts). Float order differs between
-CPUs and thread counts, so no two machines build bit-equal toys; trained to convergence, toys from different float
-orders answer alike, but a drafter cut from their layers can reach another tau (RESULTS.md, "The toy under another
-float order").
+The target trains from fixed seeds until it solves its own problems (TRAIN_STEPS = 3000 steps of 16 problems). Float
+order differs between CPUs and thread counts, so no two machines build bit-equal targets from the same seeds: a
+rebuilt target may solve another share of its problems and answer near-ties otherwise, and a drafter cut from it
+reaches another tau. That is why the toy is shipped rather than rebuilt.
 
 On a CPU shared with other busy processes, training with as many torch threads as cores can be many times
-slower than with one thread (threads wait on each other); pass ``num_threads=1`` / ``--threads 1`` there.
+slower than with one thread (threads wait on each other); hence one thread by default.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
 import random
-import shutil
 import time
 
 import torch
 import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tqdm.auto import tqdm
+
+import runtime
 
 # ----------------------------------------------------------------------------------------------- task
 
@@ -255,8 +261,6 @@ def _train(model, tok, *, seed: int, exclude: set[str], train_steps: int, batch_
            device) -> tuple[int, float]:
     """AdamW with warmup, a constant rate, then a linear decay to 10 % over the last DECAY_SHARE of the steps. Returns
     (steps, last smoothed loss)."""
-    from tqdm.auto import tqdm
-
     rng = random.Random(f"toy-train-{seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     model.train()
@@ -283,26 +287,31 @@ def _train(model, tok, *, seed: int, exclude: set[str], train_steps: int, batch_
     return train_steps, ema
 
 
+# ----------------------------------------------------------------------------------------- answers
+
+MAX_NEW_TOKENS = 128  # every toy answer ends well before this (at most 80 characters and EOS)
+
+
 @torch.no_grad()
-def _generate_answers(model, tok, questions: list[str], *, max_new_tokens: int = 128,
-                      batch_size: int = 64) -> list[tuple[str, bool]]:
-    """Greedy answers (text, ended with eos), batched with left padding."""
-    out = []
-    old_side = tok.padding_side
-    tok.padding_side = "left"
-    try:
-        for i in range(0, len(questions), batch_size):
-            texts = [_prompt_text(tok, q) for q in questions[i : i + batch_size]]
-            enc = tok(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(model.device)
-            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-            for row in gen[:, enc["input_ids"].shape[1]:].tolist():
-                ended = tok.eos_token_id in row
-                if ended:
-                    row = row[: row.index(tok.eos_token_id)]
-                out.append((tok.decode(row, skip_special_tokens=True), ended))
-    finally:
-        tok.padding_side = old_side
+def answer_ids(model, tok, prompt_ids: list[list[int]], *, max_new_tokens: int = MAX_NEW_TOKENS,
+               batch_size: int = 64, desc: str = "target answers") -> list[list[int]]:
+    """The target's greedy response to each prompt, as token ids ending with EOS where it stopped. Batches of similar
+    lengths, left-padded, so that every prompt ends where its answer begins."""
+    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+    out: list[list[int]] = [[] for _ in prompt_ids]
+    for s in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch", dynamic_ncols=True):
+        idx = order[s: s + batch_size]
+        width = max(len(prompt_ids[i]) for i in idx)
+        ids = torch.full((len(idx), width), tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(idx):
+            ids[row, width - len(prompt_ids[i]):] = torch.tensor(prompt_ids[i])
+            mask[row, width - len(prompt_ids[i]):] = 1
+        gen = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
+        for i, row in zip(idx, gen[:, width:].tolist()):
+            out[i] = row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
     return out
 
 
@@ -311,15 +320,27 @@ def _final_number(answer: str) -> str | None:
     return last[5:].strip() if last.startswith("#### ") else None
 
 
-def evaluate(model, tok, rows: list[dict]) -> dict:
-    """Exact match of greedy answers against the reference, final-number match, and share ending with eos."""
-    answers = _generate_answers(model, tok, [r["question"] for r in rows])
+def score(tok, rows: list[dict], responses: list[list[int]]) -> dict:
+    """Exact match of the answers against the references, final-number match, and the share ending with EOS."""
+    texts = [tok.decode([t for t in r if t != tok.eos_token_id], skip_special_tokens=True) for r in responses]
     n = max(len(rows), 1)
-    exact = sum(a == r["reference_answer"] for (a, _), r in zip(answers, rows))
-    final = sum(_final_number(a) == _final_number(r["reference_answer"]) for (a, _), r in zip(answers, rows))
-    ended = sum(e for _, e in answers)
+    exact = sum(a == r["reference_answer"] for a, r in zip(texts, rows))
+    final = sum(_final_number(a) == _final_number(r["reference_answer"]) for a, r in zip(texts, rows))
+    ended = sum(tok.eos_token_id in r for r in responses)
     return {"n": len(rows), "exact_match": exact / n, "final_answer": final / n, "ends_with_eos": ended / n,
-            "answers": [a for a, _ in answers]}
+            "answers": texts}
+
+
+def evaluate(model, tok, rows: list[dict]) -> dict:
+    """Greedy answers to the rows' questions, scored against their reference answers (see `score`)."""
+    return score(tok, rows, answer_ids(model, tok, [_prompt_ids(tok, r["question"]) for r in rows]))
+
+
+def write_answers(path: str, header: dict, prompt_ids: list[list[int]], responses: list[list[int]]) -> None:
+    """An answers file, the format train.py reads and caches: a header line naming the target, the tokenizer's
+    fingerprint and the generation limit, then one line per prompt: {"i", "prompt", "response"} as token ids."""
+    rows = [header] + [{"i": i, "prompt": p, "response": r} for i, (p, r) in enumerate(zip(prompt_ids, responses))]
+    _write_jsonl(path, rows)
 
 
 # -------------------------------------------------------------------------------------------- API
@@ -327,31 +348,97 @@ def evaluate(model, tok, rows: list[dict]) -> dict:
 TRAIN_STEPS = 3000  # the toy target's optimizer steps: enough to solve its own problems (>= 90 % of held-out prompts)
 BATCH_SIZE, LR, WARMUP, DECAY_SHARE = 16, 5e-3, 30, 0.3
 POOL_BATCHES = 8  # batches drawn at once and sorted by length (little padding)
-RECIPE = "toy.json"  # written into the target folder: how it was built
+RECIPE = "toy.json"  # in every toy folder: how it was built, how well it answers, and the fingerprints of its files
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy-target")  # the toy in the repository
+DEFAULT_OUT = "runs/toy-target"  # where `python toy.py` builds one
+DATA_FILES = {"train": "prompts-train.jsonl", "test": "prompts-test.jsonl",
+              "train_answers": "answers-train.jsonl", "test_answers": "answers-test.jsonl"}
+FLOAT_ORDER_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 
 
-def _target_done(path: str) -> bool:
-    return all(os.path.exists(os.path.join(path, f)) for f in ("config.json", "model.safetensors", "tokenizer.json"))
+def toy_paths(folder: str) -> dict:
+    """{"target": the HF folder, "train"/"test": the prompt files, "train_answers"/"test_answers": the target's
+    answers to them}: all in one folder."""
+    folder = os.path.abspath(folder)
+    return {"target": folder, **{key: os.path.join(folder, name) for key, name in DATA_FILES.items()}}
 
 
-def build_toy(out_dir: str, *, seed: int = 0, num_train_prompts: int = 2000, num_test_prompts: int = 200,
-              train_steps: int = TRAIN_STEPS, device: str = "cpu", num_threads: int | None = None) -> dict:
-    """Writes out_dir/target/ (a normal HF folder: AutoModelForCausalLM.from_pretrained and
-    AutoTokenizer.from_pretrained both load it, with a chat template), out_dir/prompts-train.jsonl and
-    out_dir/prompts-test.jsonl (one JSON object per line with a "question" field). Skips the work that is
-    already there (rerun = instant). Returns {"target": path, "train": path, "test": path}. Prints where it
-    wrote what.
+def sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
-    The prompt files depend only on ``seed`` and the two counts; the target on ``seed`` and ``train_steps``
-    (recorded in target/toy.json). What exists is reused as is, and a target built with other settings is reused
-    with a warning: delete the folder to rebuild. ``num_threads``, if given, is torch's CPU thread count while
-    training and evaluating (restored afterwards).
-    """
+
+def fingerprint(folder: str, tok=None) -> dict:
+    """What identifies a toy target: the sha256 of its weights file and its tokenizer's fingerprint."""
+    tok = tok if tok is not None else transformers.AutoTokenizer.from_pretrained(folder)
+    return {"weights_sha256": sha256_file(os.path.join(folder, "model.safetensors")),
+            "tokenizer": runtime.tokenizer_fingerprint(tok)}
+
+
+def read_recipe(folder: str) -> dict:
+    path = os.path.join(folder, RECIPE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no toy at {folder} ({RECIPE} is missing): `python toy.py --out {folder}` builds one; "
+                                f"the repository's toy is {SHIPPED}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def open_toy(folder: str = SHIPPED) -> dict:
+    """The paths of a finished toy folder (see `toy_paths`), after checking every file against its toy.json: the
+    weights and tokenizer against the recorded fingerprint, the prompt and answer files against their sha256. A file
+    that does not match is an error, never a silently different toy."""
+    folder = os.path.abspath(folder)
+    recipe, paths = read_recipe(folder), toy_paths(folder)
+    if "files" not in recipe:
+        raise ValueError(f"{folder} is an unfinished toy ({RECIPE} records no files): rerun `python toy.py --out "
+                         f"{folder}` to finish it")
+    restore = ("`git checkout -- toy-target` restores it" if folder == SHIPPED
+               else f"`python toy.py --out {folder}` rebuilds it after you delete the folder")
+    for key, name in DATA_FILES.items():
+        if not os.path.isfile(paths[key]):
+            raise FileNotFoundError(f"{paths[key]} is missing from the toy; {restore}")
+        if sha256_file(paths[key]) != recipe["files"][name]:
+            raise ValueError(f"{paths[key]} does not match {os.path.join(folder, RECIPE)} (its sha256 differs): the "
+                             f"toy's prompts and the target's answers to them belong together; {restore}")
+    found = fingerprint(folder)
+    for key, what in (("weights_sha256", "weights"), ("tokenizer", "tokenizer")):
+        if found[key] != recipe["fingerprint"][key]:
+            raise ValueError(f"the toy target's {what} in {folder} do not match {RECIPE}'s fingerprint "
+                             f"({found[key][:16]} != {recipe['fingerprint'][key][:16]}); {restore}")
+    return paths
+
+
+def build_toy(out_dir: str = DEFAULT_OUT, *, seed: int = 0, num_train_prompts: int = 2000,
+              num_test_prompts: int = 200, train_steps: int = TRAIN_STEPS, device: str = "cpu",
+              num_threads: int | None = None) -> dict:
+    """Builds a toy folder (see `toy_paths`): a normal HF folder (AutoModelForCausalLM and AutoTokenizer both load it,
+    with a chat template) holding also the prompt files, the target's greedy answers to them and toy.json. Skips what
+    is already there (rerun = instant; an interrupted build resumes after the training). Returns the paths; prints
+    where it wrote what and how the target compares with the repository's.
+
+    The prompt files depend only on ``seed`` and the two counts; the target on ``seed``, ``train_steps`` and the float
+    order of the CPU (recorded in toy.json). A finished toy built with other settings is reused with a warning: delete
+    the folder to rebuild. ``num_threads``, if given, is torch's CPU thread count meanwhile (restored afterwards).
+    Never writes over the repository's toy."""
     out_dir = os.path.abspath(out_dir)
-    paths = {"target": os.path.join(out_dir, "target"),
-             "train": os.path.join(out_dir, "prompts-train.jsonl"),
-             "test": os.path.join(out_dir, "prompts-test.jsonl")}
+    if os.path.realpath(out_dir) == os.path.realpath(SHIPPED):
+        raise ValueError(f"{out_dir} is the repository's toy, built once and kept as it is; build into another folder "
+                         f"(default {DEFAULT_OUT})")
+    paths = toy_paths(out_dir)
     os.makedirs(out_dir, exist_ok=True)
+    recipe = read_recipe(out_dir) if os.path.isfile(os.path.join(out_dir, RECIPE)) else {}
+    if "files" in recipe:
+        wanted = {"seed": seed, "train_steps": train_steps}
+        if {k: recipe.get(k) for k in wanted} != wanted:
+            built = {k: recipe.get(k) for k in wanted}
+            print(f"[toy] WARNING: reusing {out_dir}, built with {built}, not {wanted}. Delete it to rebuild.")
+        else:
+            print(f"[toy] already there: {out_dir}")
+        return paths
 
     if os.path.exists(paths["train"]) and os.path.exists(paths["test"]):
         print(f"[toy] prompts already there: {paths['train']}, {paths['test']}")
@@ -359,31 +446,23 @@ def build_toy(out_dir: str, *, seed: int = 0, num_train_prompts: int = 2000, num
         train_rows, test_rows = _make_prompt_sets(seed, num_train_prompts, num_test_prompts)
         _write_jsonl(paths["test"], test_rows)
         _write_jsonl(paths["train"], train_rows)
-        print(f"[toy] wrote {len(train_rows)} train prompts to {paths['train']}")
-        print(f"[toy] wrote {len(test_rows)} test prompts to {paths['test']}")
-
-    if _target_done(paths["target"]):
-        recipe_path = os.path.join(paths["target"], RECIPE)
-        recipe = json.load(open(recipe_path)) if os.path.exists(recipe_path) else {}
-        wanted = {"seed": seed, "train_steps": train_steps}
-        if {k: recipe.get(k) for k in wanted} != wanted:
-            print(f"[toy] WARNING: reusing {paths['target']}, built with {recipe or 'unknown settings'}, not "
-                  f"{wanted}: its numbers differ from RESULTS.md's. Delete {out_dir} to rebuild it.")
-        else:
-            print(f"[toy] target already there: {paths['target']}")
-        return paths
-
+        print(f"[toy] wrote {len(train_rows)} train prompts to {paths['train']}\n"
+              f"[toy] wrote {len(test_rows)} test prompts to {paths['test']}")
     old_threads = torch.get_num_threads()
     if num_threads:
         torch.set_num_threads(num_threads)
     try:
-        _build_target(paths, seed=seed, train_steps=train_steps, device=device)
+        if not recipe:
+            recipe = _build_target(paths, seed=seed, train_steps=train_steps, device=device)
+        finish_toy(out_dir, recipe, device=device)
     finally:
         torch.set_num_threads(old_threads)
+    compare_with_shipped(out_dir)
     return paths
 
 
-def _build_target(paths: dict, *, seed: int, train_steps: int, device: str) -> None:
+def _build_target(paths: dict, *, seed: int, train_steps: int, device: str) -> dict:
+    """Trains the target and saves it with its tokenizer and a first toy.json (the training's record)."""
     test_rows = _read_jsonl(paths["test"])
     tok = make_tokenizer()
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
@@ -396,37 +475,87 @@ def _build_target(paths: dict, *, seed: int, train_steps: int, device: str) -> N
         steps, loss = _train(model, tok, seed=seed, exclude={r["question"] for r in test_rows},
                              train_steps=train_steps, batch_size=BATCH_SIZE, lr=LR, warmup=WARMUP, device=device)
     print(f"[toy] trained {steps} steps in {time.monotonic() - t0:.0f} s, final loss {loss:.4f}")
-
     recipe = {"seed": seed, "train_steps": train_steps, "final_loss": round(loss, 4),
               "train_seconds": round(time.monotonic() - t0), "threads": torch.get_num_threads(),
-              "cpu_capability": torch.backends.cpu.get_cpu_capability()}
-    if test_rows:  # every held-out prompt: the toy should solve its own problems (>= 90 % exact)
-        t0 = time.monotonic()
-        res = evaluate(model, tok, test_rows)
-        recipe.update(test_exact_match=res["exact_match"], test_final_answer=res["final_answer"])
-        print(f"[toy] greedy answers on {res['n']} held-out prompts: exact match {res['exact_match']:.1%}, "
-              f"final answer {res['final_answer']:.1%}, ended with eos {res['ends_with_eos']:.0%} "
-              f"({time.monotonic() - t0:.0f} s)")
-        print(f"[toy] sample question: {test_rows[0]['question']}\n[toy] target answer:\n"
-              f"{res['answers'][0]}\n[toy] reference answer:\n{test_rows[0]['reference_answer']}")
+              "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+              "float_order_env": {k: os.environ[k] for k in FLOAT_ORDER_ENV if k in os.environ},
+              "torch": torch.__version__.split("+")[0]}
+    model.to("cpu").to(torch.float32).save_pretrained(paths["target"])
+    tok.save_pretrained(paths["target"])
+    _write_json(os.path.join(paths["target"], RECIPE), recipe)
+    print(f"[toy] wrote the target model and tokenizer to {paths['target']}")
+    return recipe
 
-    tmp = paths["target"] + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.to("cpu").to(torch.float32).save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    with open(os.path.join(tmp, RECIPE), "w") as f:
-        json.dump(recipe, f, indent=2)
-    shutil.rmtree(paths["target"], ignore_errors=True)
-    os.replace(tmp, paths["target"])
-    print(f"[toy] wrote target model and tokenizer to {paths['target']}")
+
+def finish_toy(folder: str, recipe: dict, device: str = "cpu") -> dict:
+    """The target in `folder` answers its prompt files (greedy, batched); its held-out accuracy, the fingerprints and
+    the files' sha256 go into toy.json, which then marks the toy finished. Returns the recipe."""
+    paths = toy_paths(folder)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    recipe = {**recipe, "fingerprint": fingerprint(folder, tok), "max_new_tokens": MAX_NEW_TOKENS}
+    header = {"answers_of": f"toy target {recipe['fingerprint']['weights_sha256'][:16]}",
+              "tokenizer": recipe["fingerprint"]["tokenizer"], "max_new_tokens": MAX_NEW_TOKENS}
+    t0 = time.monotonic()
+    for split in ("test", "train"):
+        rows = _read_jsonl(paths[split])
+        prompt_ids = [_prompt_ids(tok, r["question"]) for r in rows]
+        responses = answer_ids(model, tok, prompt_ids, desc=f"target answers ({split})")
+        write_answers(paths[f"{split}_answers"], header, prompt_ids, responses)
+        res = score(tok, rows, responses)
+        recipe.update({f"{split}_exact_match": res["exact_match"], f"{split}_final_answer": res["final_answer"]})
+        print(f"[toy] greedy answers to {res['n']} {split} prompts: exact match {res['exact_match']:.1%}, final "
+              f"answer {res['final_answer']:.1%}, ended with EOS {res['ends_with_eos']:.0%} -> "
+              f"{paths[f'{split}_answers']}")
+        if split == "test" and rows:
+            print(f"[toy] sample question: {rows[0]['question']}\n[toy] target answer:\n{res['answers'][0]}\n"
+                  f"[toy] reference answer:\n{rows[0]['reference_answer']}")
+    recipe["answer_seconds"] = round(time.monotonic() - t0)
+    recipe["files"] = {name: sha256_file(os.path.join(folder, name)) for name in DATA_FILES.values()}
+    _write_json(os.path.join(folder, RECIPE), recipe)
+    print(f"[toy] finished {folder} ({RECIPE}: recipe, accuracy, fingerprints)")
+    return recipe
+
+
+def compare_with_shipped(folder: str) -> dict | None:
+    """How a built toy compares with the repository's: held-out accuracy, fingerprints, and the share of prompts the
+    two targets answer alike (where their prompt files agree). Printed; None if the repository's toy is absent."""
+    if not os.path.isfile(os.path.join(SHIPPED, RECIPE)) or os.path.realpath(folder) == os.path.realpath(SHIPPED):
+        return None
+    mine, shipped = read_recipe(folder), read_recipe(SHIPPED)
+    result = {"exact_match": (mine.get("test_exact_match"), shipped.get("test_exact_match")),
+              "same_weights": mine["fingerprint"] == shipped["fingerprint"]}
+    print(f"[toy] against the repository's toy ({SHIPPED}, built under {shipped.get('cpu_capability')}): held-out "
+          f"problems solved {mine.get('test_exact_match', 0):.1%} here, {shipped.get('test_exact_match', 0):.1%} "
+          f"there; weights {'identical' if result['same_weights'] else 'differ'}")
+    for split in ("test", "train"):
+        a, b = (toy_paths(f)[f"{split}_answers"] for f in (folder, SHIPPED))
+        rows_a, rows_b = _read_jsonl(a)[1:], _read_jsonl(b)[1:]
+        if [r["prompt"] for r in rows_a] != [r["prompt"] for r in rows_b]:
+            print(f"[toy] {split} prompts differ from the repository's: answers not compared")
+            continue
+        same = sum(x["response"] == y["response"] for x, y in zip(rows_a, rows_b))
+        result[f"{split}_same_answers"] = (same, len(rows_a))
+        print(f"[toy] {split}: {same} of {len(rows_a)} answers identical to the repository's target's")
+    return result
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description="Build the toy target model and prompt files.")
-    ap.add_argument("--out", default="runs/toy", help="output folder (default: runs/toy)")
+    ap = argparse.ArgumentParser(description="Build a toy target (the repository ships one, toy-target/): prompts, a "
+                                             "target trained from scratch, its answers, toy.json.")
+    ap.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=TRAIN_STEPS, help=f"training steps (default: {TRAIN_STEPS})")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: 1, as the repository's toy "
+                                                           "was built)")
     args = ap.parse_args(argv)
     return build_toy(args.out, seed=args.seed, train_steps=args.steps, num_threads=args.threads)
 

@@ -1,6 +1,6 @@
 """Train a D3D drafter on answers written by the target itself (paper "Drafter training", Fig. 1a).
 
-    python train.py                                   # built-in toy on CPU, no download: runs/toy/{target,drafter}
+    python train.py                                   # built-in toy on CPU, no download: runs/toy/drafter
     python train.py --seed 1 --ar-weight 0 --first-token mask --out runs/lab/lam0   # a toy ablation (LAB.md)
     python train.py --target PATH --prompts train.jsonl --val-prompts test.jsonl --drafter-layers 8 ...
     torchrun --nproc_per_node=N train.py ...          # DistributedDataParallel; data sharded by rank
@@ -9,7 +9,8 @@
     python train.py eval --drafter runs/toy/drafter                     # offline tau on the held-out answers
 
 1. data: the target answers the prompts greedily (chat template, thinking off); prompt and response token ids are
-   cached as JSON Lines (one line per prompt), so a rerun or an interrupted run only answers what is missing.
+   cached as JSON Lines (a header naming the target and its tokenizer, then one line per prompt), so a rerun or an
+   interrupted run only answers what is missing. The toy ships its target's answers (toy-target/, see toy.py).
 2. drafter: any causal LM with the target's tokenizer (--drafter-init, default the target), keeping some layers.
 3. training: AdamW on L_block + lambda * L_AR (d3d.d3d_loss), offline tau on held-out prompts (d3d.offline_tau),
    checkpoints that a rerun resumes from; the final drafter folder holds train_args.json naming its target.
@@ -48,6 +49,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 import d3d
 import fast
 import runtime
+import toy
 
 try:
     import resource  # peak RSS on Linux and macOS; Windows has no such module
@@ -56,7 +58,7 @@ except ImportError:
 
 MAX_SKIPPED_IN_A_ROW = 5  # steps in a row with a non-finite gradient before training stops: the run has diverged
 
-TOY_DIR = "runs/toy"  # the built-in toy (toy.py): target, prompts and the target's answers, shared by all toy runs
+TOY_RUNS = "runs/toy"  # the toy's runs: the default drafter, and answers to any prompts the toy does not ship
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -118,15 +120,30 @@ def load_target(path: str, device, dtype=None):
     return d3d.load_causal_lm(path, dtype, device).eval()
 
 
-def _read_cache(paths: list[str]) -> dict[int, tuple[list[int], list[int]]]:
-    done = {}
+def answers_header(target: str, tokenizer, max_new_tokens: int) -> dict:
+    """The first line of an answers file: whose answers, in which tokenizer's ids, cut at how many tokens."""
+    return {"answers_of": target, "tokenizer": d3d.tokenizer_fingerprint(tokenizer), "max_new_tokens": max_new_tokens}
+
+
+def _read_cache(paths: list[str], tokenizer) -> dict[int, tuple[list[int], list[int]]]:
+    """{prompt index: (prompt ids, response ids)} from answers files; a file written in another tokenizer's ids is an
+    error (its ids would mean other text)."""
+    done, mine = {}, d3d.tokenizer_fingerprint(tokenizer)
     for path in paths:
         if os.path.exists(path):
             with open(path) as f:
                 for line in f:
-                    if line.endswith("\n"):  # a line cut by a kill is answered again
-                        row = json.loads(line)
-                        done[row["i"]] = (row["prompt"], row["response"])
+                    if not line.endswith("\n"):  # a line cut by a kill is answered again
+                        continue
+                    row = json.loads(line)
+                    if "answers_of" in row:
+                        if row["tokenizer"] != mine:
+                            raise ValueError(f"{path} holds the answers of {row['answers_of']} in the ids of a "
+                                             f"tokenizer with fingerprint {row['tokenizer']}, but this tokenizer's is "
+                                             f"{mine}: its ids would decode to other text. Use the target that wrote "
+                                             "it, or delete the file to answer again")
+                        continue
+                    done[row["i"]] = (row["prompt"], row["response"])
     return done
 
 
@@ -155,7 +172,7 @@ def answer_prompts(target_path: str, tokenizer, prompt_ids: list[list[int]], cac
     """The target's greedy response (token ids, ending with EOS when it stopped) to each prompt. Every finished
     batch is appended to `cache` (under DDP each rank answers its share into cache.rankR), so a rerun resumes."""
     parts = [cache] + sorted(glob.glob(glob.escape(cache) + ".rank*"))
-    done = _read_cache(parts)
+    done = _read_cache(parts, tokenizer)
     todo = [i for i, p in enumerate(prompt_ids) if i not in done or done[i][0] != p][rank::world]
     if todo:
         target = load_target(target_path, device, dtype)
@@ -172,6 +189,8 @@ def answer_prompts(target_path: str, tokenizer, prompt_ids: list[list[int]], cac
             with open(mine, "rb+") as f:
                 f.truncate(f.read().rfind(b"\n") + 1)
         with open(mine, "a") as f:
+            if f.tell() == 0:
+                f.write(json.dumps(answers_header(target_path, tokenizer, max_new_tokens)) + "\n")
             for s in range(0, len(todo), batch_size):
                 idx = todo[s: s + batch_size]
                 width = max(len(prompt_ids[i]) for i in idx)
@@ -192,18 +211,28 @@ def answer_prompts(target_path: str, tokenizer, prompt_ids: list[list[int]], cac
         del target
     if world > 1:
         dist.barrier()  # every rank's share is on disk
-    done = _read_cache([cache] + sorted(glob.glob(glob.escape(cache) + ".rank*")))
+    done = _read_cache([cache] + sorted(glob.glob(glob.escape(cache) + ".rank*")), tokenizer)
     return [done[i][1] for i in range(len(prompt_ids))]
 
 
 def load_data(target: str, tokenizer, prompts: str, *, prompt_field: str = "question", num_prompts: int | None = None,
               thinking: bool = False, cache_dir: str = ".", max_new_tokens: int = 256, gen_batch_size: int = 64,
-              device="cpu", dtype=None, rank: int = 0, world: int = 1) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids) for the first `num_prompts` prompts of a JSON Lines file, answered by the target."""
+              device="cpu", dtype=None, rank: int = 0, world: int = 1,
+              answers: str | None = None) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids) for the first `num_prompts` prompts of a JSON Lines file, answered by the target;
+    `answers`: a file of the target's answers to these prompts (the toy's), read as it is, never written."""
     chats = read_prompts(prompts, prompt_field)[:num_prompts]
     texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
              for c in chats]
     prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]  # the template has the specials
+    if answers is not None:
+        done = _read_cache([answers], tokenizer)
+        for i, p in enumerate(prompt_ids):
+            if i not in done or done[i][0] != p:
+                raise ValueError(f"{answers} does not answer line {i + 1} of {prompts} "
+                                 f"({'no answer' if i not in done else 'its prompt ids differ'}): the answers belong to "
+                                 "other prompts, another chat template or another tokenizer")
+        return [(p, done[i][1]) for i, p in enumerate(prompt_ids)]
     # the cache belongs to one target and one generation setting; the prompts are checked line by line
     key = json.dumps([os.path.abspath(target) if os.path.exists(target) else target,
                       d3d.tokenizer_fingerprint(tokenizer), max_new_tokens])
@@ -668,7 +697,10 @@ def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, bat
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     g = ap.add_argument_group("data")
-    g.add_argument("--target", help="target model: HF folder or hub name (default: build the toy in runs/toy)")
+    g.add_argument("--target", help="target model: HF folder or hub name (default: the toy, --toy)")
+    g.add_argument("--toy", default=toy.SHIPPED, help="toy folder, when no --target: its target, prompts and answers, "
+                                                      "checked against its toy.json (default: the repository's, "
+                                                      "toy-target/; `python toy.py` builds others)")
     g.add_argument("--prompts", help="JSON Lines file of training prompts (default: the toy's train prompts)")
     g.add_argument("--prompt-field", default="question", help="field holding the prompt (default: question)")
     g.add_argument("--val-prompts", help="JSON Lines file of held-out prompts (default: toy test prompts, "
@@ -681,7 +713,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--max-new-tokens", type=int, default=256, help="cap on a target answer, tokens (default: 256)")
     g.add_argument("--gen-batch-size", type=int, default=64, help="prompts answered together (default: 64)")
     g.add_argument("--data-dir", help="where the answer caches go (default: the folder above --out; runs/toy for "
-                                      "the toy)")
+                                      "prompts the toy does not ship answers to)")
     g = ap.add_argument_group("drafter")
     g.add_argument("--drafter-init", help="causal LM with the target's tokenizer to start from (default: the target)")
     g.add_argument("--drafter-layers", help="keep N layers evenly spaced (first and last kept) or ids '0,5,29' "
@@ -764,18 +796,17 @@ def main(**overrides) -> dict:
         torch.set_num_threads(args.threads or 1)
 
     val_prompts, layers = args.val_prompts, args.drafter_layers
+    answers = val_answers = None
     if args.target is None:  # built-in toy: scaffolding from toy.py, not part of the method
-        import toy
-
-        # one toy for every run, wherever --out puts the drafter: the same target and the same cached answers
-        paths = toy.build_toy(TOY_DIR, num_threads=1) if rank == 0 else None  # one thread: robust on a busy CPU
-        if world > 1:
-            dist.barrier()
-        paths = paths or toy.build_toy(TOY_DIR, num_threads=1)
-        if rank == 0 and os.path.dirname(os.path.abspath(args.out)) != os.path.abspath(TOY_DIR):
-            print(f"[toy] target and answers from {os.path.abspath(TOY_DIR)}; the drafter goes to {args.out}")
+        # one toy for every run, wherever --out puts the drafter: the same target and the same answers, checked
+        # against toy.json
+        paths = toy.open_toy(args.toy)
+        if rank == 0:
+            print(f"[toy] target and its answers from {paths['target']}; the drafter goes to {args.out}")
+        answers = paths["train_answers"] if args.prompts is None else None
+        val_answers = paths["test_answers"] if val_prompts is None else None
         args.target, args.prompts = paths["target"], args.prompts or paths["train"]
-        args.data_dir = args.data_dir or TOY_DIR
+        args.data_dir = args.data_dir or TOY_RUNS
         # the target's first 2 layers: a cut with a gap (layers 0 and 3) reaches another tau on a toy built under
         # another float order, a prefix of the target the same (RESULTS.md, "The toy under another float order")
         val_prompts, layers = val_prompts or paths["test"], layers or "0,1"
@@ -789,9 +820,9 @@ def main(**overrides) -> dict:
     data = dict(tokenizer=tokenizer, prompt_field=args.prompt_field, thinking=args.thinking, cache_dir=data_dir,
                 max_new_tokens=args.max_new_tokens, gen_batch_size=args.gen_batch_size, device=device,
                 dtype=torch.bfloat16 if bf16 else None, rank=rank, world=world)
-    train = load_data(args.target, prompts=args.prompts, num_prompts=args.num_prompts, **data)
+    train = load_data(args.target, prompts=args.prompts, num_prompts=args.num_prompts, answers=answers, **data)
     if val_prompts:
-        val = load_data(args.target, prompts=val_prompts, num_prompts=args.num_val, **data)
+        val = load_data(args.target, prompts=val_prompts, num_prompts=args.num_val, answers=val_answers, **data)
     else:
         num_val = min(args.num_val, round(len(train) * args.val_fraction))
         train, val = train[: len(train) - num_val], train[len(train) - num_val:]
@@ -840,7 +871,8 @@ def main(**overrides) -> dict:
             result[f"offline_tau_first_token_{other}"] = evaluate_tau(drafter, val, autocast=autocast, **evaluation)
         drafter.save_pretrained(args.out, tokenizer=tokenizer)
         target = os.path.abspath(args.target) if os.path.exists(args.target) else args.target
-        record = {**vars(args), "target": target, "val_prompts": val_prompts, "layer_ids": drafter.d3d_config.layer_ids,
+        record = {**vars(args), "target": target, "val_prompts": val_prompts, "answers": answers,
+                  "val_answers": val_answers, "layer_ids": drafter.d3d_config.layer_ids,
                   **result,
                   "peak_memory_gib": round(peak, 2), "device": str(device), "world_size": world,
                   "compute_dtype": "bfloat16" if bf16 else "float32", "fsdp": args.fsdp}
@@ -908,9 +940,11 @@ def load_trained(drafter: str, device):
     data = dict(tokenizer=tokenizer, prompt_field=recipe["prompt_field"], thinking=recipe["thinking"],
                 cache_dir=recipe.get("data_dir") or os.path.dirname(os.path.abspath(drafter)),
                 max_new_tokens=recipe["max_new_tokens"], gen_batch_size=recipe["gen_batch_size"], device=device)
-    train = load_data(recipe["target"], prompts=recipe["prompts"], num_prompts=recipe["num_prompts"], **data)
+    train = load_data(recipe["target"], prompts=recipe["prompts"], num_prompts=recipe["num_prompts"],
+                      answers=recipe.get("answers"), **data)
     if recipe.get("val_prompts"):
-        val = load_data(recipe["target"], prompts=recipe["val_prompts"], num_prompts=recipe["num_val"], **data)
+        val = load_data(recipe["target"], prompts=recipe["val_prompts"], num_prompts=recipe["num_val"],
+                        answers=recipe.get("val_answers"), **data)
     else:
         num_held = min(recipe["num_val"], round(len(train) * recipe["val_fraction"]))
         train, val = train[: len(train) - num_held], train[len(train) - num_held:]

@@ -4,6 +4,7 @@ import json
 import os
 import random
 import re
+import shutil
 
 import pytest
 import torch
@@ -145,9 +146,9 @@ def built(tmp_path_factory, _one_thread):
 
 def test_build_toy_writes_files(built):
     out, paths = built
-    assert set(paths) == {"target", "train", "test"}
-    assert paths["target"] == os.path.join(str(out), "target")
-    for key in ("train", "test"):
+    assert set(paths) == {"target", "train", "test", "train_answers", "test_answers"}
+    assert paths["target"] == str(out)
+    for key in ("train", "test", "train_answers", "test_answers"):
         assert os.path.isfile(paths[key])
     train = [json.loads(l) for l in open(paths["train"])]
     test = [json.loads(l) for l in open(paths["test"])]
@@ -157,9 +158,18 @@ def test_build_toy_writes_files(built):
     train_q, test_q = {r["question"] for r in train}, {r["question"] for r in test}
     assert len(train_q) == 40 and len(test_q) == 8 and not train_q & test_q
     assert os.path.isfile(os.path.join(paths["target"], "config.json"))
-    assert not os.path.exists(paths["target"] + ".tmp")
     recipe = json.load(open(os.path.join(paths["target"], toy.RECIPE)))  # how it was built, and how well it answers
     assert recipe["train_steps"] == 3 and recipe["threads"] == 1 and 0 <= recipe["test_exact_match"] <= 1
+    assert recipe["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    # the answers: a header, then one line per prompt, its ids as the chat template makes them, ending with EOS
+    tok = AutoTokenizer.from_pretrained(paths["target"])
+    header, *rows = [json.loads(l) for l in open(paths["test_answers"])]
+    assert header["tokenizer"] == recipe["fingerprint"]["tokenizer"] and header["max_new_tokens"] == toy.MAX_NEW_TOKENS
+    assert [r["i"] for r in rows] == list(range(8))
+    assert [r["prompt"] for r in rows] == [toy._prompt_ids(tok, q["question"]) for q in test]
+    assert all(r["response"] and (r["response"][-1] == tok.eos_token_id or len(r["response"]) == toy.MAX_NEW_TOKENS)
+               for r in rows)
+    assert toy.open_toy(str(out)) == paths  # its own toy.json vouches for every file
 
 
 def test_prompt_sets_deterministic_and_disjoint():
@@ -201,6 +211,78 @@ def test_build_toy_second_call_skips(built, capsys):
     assert open(paths["train"]).read() == train_text
     printed = capsys.readouterr().out
     assert "already there" in printed and "training" not in printed
+
+
+def test_answers_are_the_targets_greedy_answers():
+    """Batched, left-padded answering gives each prompt what the target alone answers greedily (on the shipped
+    target, whose answers have clear margins: a barely trained one would flip near-ties between batch shapes)."""
+    tok = AutoTokenizer.from_pretrained(toy.SHIPPED)
+    model = AutoModelForCausalLM.from_pretrained(toy.SHIPPED).eval()
+    questions = [json.loads(l)["question"] for l in open(os.path.join(toy.SHIPPED, "prompts-test.jsonl"))][:6]
+    prompts = [toy._prompt_ids(tok, q) for q in questions]
+    assert len({len(p) for p in prompts}) > 1  # some left padding in the batch
+    batched = toy.answer_ids(model, tok, prompts, batch_size=6)
+    for prompt, response in zip(prompts, batched):
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=toy.MAX_NEW_TOKENS, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        assert out[0, len(prompt):].tolist() == response and response[-1] == tok.eos_token_id
+
+
+def test_build_toy_never_writes_over_the_shipped_toy(tmp_path):
+    with pytest.raises(ValueError, match="repository's toy"):
+        toy.build_toy(toy.SHIPPED, train_steps=1)
+    with pytest.raises(ValueError, match="repository's toy"):
+        toy.main(["--out", os.path.relpath(toy.SHIPPED), "--steps", "1"])
+
+
+def test_a_built_toy_says_how_it_compares_with_the_shipped_one(built, capsys):
+    out, _ = built
+    result = toy.compare_with_shipped(str(out))
+    printed = capsys.readouterr().out
+    assert result["same_weights"] is False and "weights differ" in printed
+    assert "test prompts differ from the repository's" in printed  # 8 prompts, not its 200
+    # the shipped toy against a copy of itself: the same weights and every answer the same
+    copy = out.parent / "shipped-copy"
+    shutil.copytree(toy.SHIPPED, copy)
+    result = toy.compare_with_shipped(str(copy))
+    assert result["same_weights"] is True and result["test_same_answers"] == (200, 200)
+    assert result["train_same_answers"] == (2000, 2000)
+
+
+# ------------------------------------------------------------------------------------- the shipped toy
+
+def test_the_shipped_toy_matches_its_fingerprint_and_solves_its_problems():
+    """toy-target/ loads, every file matches toy.json, and greedy batched answers solve >= 90 % of the 200 held-out
+    problems on this machine's float order (it was built and measured under the one toy.json names)."""
+    paths = toy.open_toy()
+    recipe = toy.read_recipe(toy.SHIPPED)
+    assert recipe["test_exact_match"] >= 0.94 and recipe["cpu_capability"]  # the build's own measure
+    tok = AutoTokenizer.from_pretrained(paths["target"])
+    model = AutoModelForCausalLM.from_pretrained(paths["target"]).eval()
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000 and model.dtype == torch.float32
+    rows = [json.loads(l) for l in open(paths["test"])]
+    assert len(rows) == 200 and len([json.loads(l) for l in open(paths["train"])]) == 2000
+    result = toy.evaluate(model, tok, rows)
+    assert result["exact_match"] >= 0.90, result["exact_match"]
+
+
+@pytest.mark.parametrize("victim", ["prompts-train.jsonl", "answers-test.jsonl", "model.safetensors"])
+def test_open_toy_refuses_a_file_that_does_not_match_toy_json(tmp_path, victim):
+    folder = tmp_path / "toy"
+    shutil.copytree(toy.SHIPPED, folder)
+    path = folder / victim
+    if victim.endswith(".jsonl"):  # one line changed: another problem, or another answer
+        lines = path.read_text().splitlines(keepends=True)
+        lines[3] = lines[1]
+        path.write_text("".join(lines))
+    else:
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="does not match|do not match"):
+        toy.open_toy(str(folder))
+    with pytest.raises(FileNotFoundError, match="python toy.py"):
+        toy.open_toy(str(tmp_path / "nowhere"))
 
 
 def test_build_toy_with_other_settings_reuses_the_target_and_says_so(built, capsys):

@@ -60,12 +60,13 @@ def test_data_is_cached_and_resumed(setup, tmp_path, monkeypatch):
     assert all(0 < len(r) <= 6 for _, r in first)
     assert train.load_data(setup["target"], prompts=setup["prompts"], **kw) == first
     assert len(calls) == 1  # the rerun read the cache and never loaded the target
-    # an interrupted run: 5 whole lines and one cut in the middle; the rerun answers only the other 7
+    # an interrupted run: the header, 5 whole lines and one cut in the middle; the rerun answers only the other 7
     (cache,) = tmp_path.glob("answers-*.jsonl")
     lines = cache.read_text().splitlines(keepends=True)
-    cache.write_text("".join(lines[:5]) + lines[5][:10])
+    assert json.loads(lines[0]) == train.answers_header(setup["target"], setup["tok"], 6)
+    cache.write_text("".join(lines[:6]) + lines[6][:10])
     assert train.load_data(setup["target"], prompts=setup["prompts"], **kw) == first
-    assert len(calls) == 2 and len(cache.read_text().splitlines()) == 5 + 7  # the cut line was dropped
+    assert len(calls) == 2 and len(cache.read_text().splitlines()) == 1 + 5 + 7  # the cut line was dropped
 
 
 def test_loss_mask_covers_response_only():
@@ -362,30 +363,60 @@ def test_random_init_keeps_the_architecture_and_first_token_is_recorded(setup):
     assert random_a.d3d_config.first_token == "mask" and pretrained.d3d_config.first_token == "causal"
 
 
-def test_every_toy_run_shares_one_toy_wherever_out_goes(monkeypatch, tmp_path):
-    built = []
+def test_every_toy_run_uses_the_shipped_toy_and_its_answers(monkeypatch, tmp_path):
+    """Wherever --out puts the drafter, a toy run trains on the shipped target's own answers: the target is never
+    loaded (nothing is answered again) and nothing is written into the shipped folder."""
+    monkeypatch.setattr(train, "load_target", lambda *a, **k: pytest.fail("the shipped answers were not used"))
+    monkeypatch.setattr(train, "TOY_RUNS", str(tmp_path / "toy"))
+    before = {f: os.path.getmtime(os.path.join(toy.SHIPPED, f)) for f in os.listdir(toy.SHIPPED)}
+    result = train.main(out=str(tmp_path / "lam0" / "drafter"), steps=1, num_prompts=8, num_val=4, **{
+        k: v for k, v in FAST.items() if k not in ("max_new_tokens", "num_val", "block_size", "num_anchors", "lr")})
+    assert result["drafter"].d3d_config.layer_ids == [0, 1]  # the toy's default: a prefix of the target
+    assert result["drafter"].d3d_config.block_size == 8
+    assert {f: os.path.getmtime(os.path.join(toy.SHIPPED, f)) for f in os.listdir(toy.SHIPPED)} == before
+    recipe = json.load(open(tmp_path / "lam0" / "drafter" / "train_args.json"))
+    assert recipe["target"] == toy.SHIPPED and recipe["answers"] == os.path.join(toy.SHIPPED, "answers-train.jsonl")
+    shipped = [json.loads(l) for l in open(recipe["answers"])][1:9]
+    _, _, _, examples, _, _ = train.load_trained(str(tmp_path / "lam0" / "drafter"), "cpu")  # eval and prune too
+    assert examples == [(r["prompt"], r["response"]) for r in shipped]
 
-    class Built(Exception):
-        pass
 
-    def build_toy(out_dir, **kw):
-        built.append(out_dir)
-        raise Built  # the routing is what this test checks: building the real toy takes minutes
-
-    monkeypatch.setattr(toy, "build_toy", build_toy)
-    with pytest.raises(Built):
-        train.main(out=str(tmp_path / "lam0" / "drafter"), device="cpu")
-    assert built == [train.TOY_DIR]
+def test_train_refuses_a_toy_whose_files_do_not_match_toy_json(monkeypatch, tmp_path):
+    import shutil
+    folder = tmp_path / "toy"
+    shutil.copytree(toy.SHIPPED, folder)
+    lines = (folder / "answers-train.jsonl").read_text().splitlines(keepends=True)
+    (folder / "answers-train.jsonl").write_text("".join(lines[:5] + [lines[6], lines[5]] + lines[7:]))
+    with pytest.raises(ValueError, match="answers-train.jsonl does not match .*toy.json"):
+        train.main(toy=str(folder), out=str(tmp_path / "drafter"), steps=1, device="cpu")
 
 
-def test_the_toy_drafter_is_the_targets_first_two_layers(setup, monkeypatch, tmp_path):
-    """The toy's default cut is a prefix of the target: a cut with a gap (layers 0 and 3) reaches another tau on a toy
-    built under another float order (RESULTS.md)."""
-    monkeypatch.setattr(train, "TOY_DIR", str(tmp_path / "toy"))
-    monkeypatch.setattr(toy, "build_toy", lambda out_dir, **kw: {"target": setup["target"], "train": setup["prompts"],
-                                                                 "test": setup["prompts"]})
-    result = train.main(out=str(tmp_path / "toy" / "drafter"), steps=1, **FAST)
-    assert result["drafter"].d3d_config.layer_ids == [0, 1]
+def test_answers_that_do_not_match_the_prompts_are_refused(setup, tmp_path):
+    """An answers file answers given prompt lines in given ids: other prompts, or one missing, are an error."""
+    kw = dict(tokenizer=setup["tok"], cache_dir=str(tmp_path), max_new_tokens=4, gen_batch_size=12)
+    train.load_data(setup["target"], prompts=setup["prompts"], **kw)
+    (cache,) = tmp_path.glob("answers-*.jsonl")
+    assert len(train.load_data(setup["target"], prompts=setup["prompts"], answers=str(cache), **kw)) == len(QUESTIONS)
+    _write_jsonl(tmp_path / "other.jsonl", [{"question": q} for q in QUESTIONS[::-1]])
+    with pytest.raises(ValueError, match="does not answer line 1 of .*other.jsonl.*prompt ids differ"):
+        train.load_data(setup["target"], prompts=str(tmp_path / "other.jsonl"), answers=str(cache), **kw)
+    _write_jsonl(tmp_path / "more.jsonl", [{"question": q} for q in QUESTIONS + ["1 + 1"]])
+    with pytest.raises(ValueError, match="does not answer line 13 .*no answer"):
+        train.load_data(setup["target"], prompts=str(tmp_path / "more.jsonl"), answers=str(cache), **kw)
+
+
+def test_answers_in_another_tokenizers_ids_are_refused(setup, tmp_path):
+    """A cached answers file names the tokenizer whose ids it holds; a target with another tokenizer must not read it
+    (the same ids would decode to other text), neither as a cache nor as a given answers file."""
+    kw = dict(cache_dir=str(tmp_path), max_new_tokens=4, gen_batch_size=12)
+    train.load_data(setup["target"], setup["tok"], prompts=setup["prompts"], **kw)
+    (cache,) = tmp_path.glob("answers-*.jsonl")
+    other = toy.make_tokenizer()
+    other.add_tokens(["<|tool|>"])  # one more token: another id table, the same prompts' ids
+    with pytest.raises(ValueError, match="in the ids of a tokenizer with fingerprint"):
+        train.load_data(setup["target"], other, prompts=setup["prompts"], answers=str(cache), **kw)
+    with pytest.raises(ValueError, match="in the ids of a tokenizer with fingerprint"):
+        train._read_cache([str(cache)], other)
 
 
 def test_dtype_auto_picks_bf16_only_where_native(monkeypatch):
