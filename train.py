@@ -229,9 +229,9 @@ def load_data(target: str, tokenizer, prompts: str, *, prompt_field: str = "ques
         done = _read_cache([answers], tokenizer)
         for i, p in enumerate(prompt_ids):
             if i not in done or done[i][0] != p:
-                raise ValueError(f"{answers} does not answer line {i + 1} of {prompts} "
-                                 f"({'no answer' if i not in done else 'its prompt ids differ'}): the answers belong to "
-                                 "other prompts, another chat template or another tokenizer")
+                why = "no answer" if i not in done else "its prompt ids differ"
+                raise ValueError(f"{answers} does not answer line {i + 1} of {prompts} ({why}): the answers belong "
+                                 "to other prompts, another chat template or another tokenizer")
         return [(p, done[i][1]) for i, p in enumerate(prompt_ids)]
     # the cache belongs to one target and one generation setting; the prompts are checked line by line
     key = json.dumps([os.path.abspath(target) if os.path.exists(target) else target,
@@ -807,8 +807,7 @@ def main(**overrides) -> dict:
         val_answers = paths["test_answers"] if val_prompts is None else None
         args.target, args.prompts = paths["target"], args.prompts or paths["train"]
         args.data_dir = args.data_dir or TOY_RUNS
-        # the target's first 2 layers: a cut with a gap (layers 0 and 3) reaches another tau on a toy built under
-        # another float order, a prefix of the target the same (RESULTS.md, "The toy under another float order")
+        # the target's first 2 layers, the plain prefix (LAB.md, exercise 5, compares other cuts)
         val_prompts, layers = val_prompts or paths["test"], layers or "0,1"
         args.block_size, args.num_anchors = args.block_size or 8, args.num_anchors or 32  # short toy answers
         args.lr = args.lr or 6e-3  # a 0.4M-parameter drafter takes a larger rate than the layers of a real LM

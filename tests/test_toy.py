@@ -319,3 +319,21 @@ def test_training_batches_are_fresh_problems_of_like_length():
     assert widths != sorted(widths)  # the batches of a pool come shuffled, not shortest first
     texts = {tok.decode(row, skip_special_tokens=True) for b in pool for row in b["input_ids"].tolist()}
     assert not any(text.startswith(next(iter(held_out)) + "\n") for text in texts)
+
+
+def test_lab_runs_gives_one_range_per_outcome_over_every_run(monkeypatch):
+    """tests/lab_runs.py, the sweep behind LAB's ranges: each outcome's range covers all its runs, and AVX2 counts as
+    a float order of its own only where the CPU has AVX-512."""
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    import lab_runs
+    runs = [{"run": "base", "order": o, "seed": s, "tau": t, "tau_d1_head": t, "tau_d1_mask": m}
+            for o, s, t, m in [("native", 0, 4.1, 3.7), ("sse", 0, 4.2, 3.8), ("native", 1, 3.9, 3.5),
+                               ("sse", 1, 3.95, 3.6)]]
+    runs.append({"run": "lam0", "order": "native", "seed": 0, "tau": 3.2, "tau_d1_head": 1.9, "tau_d1_mask": 3.2})
+    assert lab_runs.ranges(runs) == [("base tau", 3.9, 4.2, 4), ("base tau_d1_mask", 3.5, 3.8, 4),
+                                     ("lam0 tau", 3.2, 3.2, 1), ("lam0 tau_d1_head", 1.9, 1.9, 1)]
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert lab_runs.available_orders() == ["native", "avx2", "sse"]
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert lab_runs.available_orders() == ["native", "sse"]
