@@ -283,6 +283,9 @@ class Output:
                 break
         self.tokens.extend(new)
         self.done = len(self.tokens) - self.prompt_len >= self.max_new_tokens or (bool(new) and new[-1] in self.eos)
+        if not new and not self.done:  # the sequence would stand still and the next round repeat this one forever
+            raise RuntimeError("a round committed no token and the sequence is not done: a decoding loop lost its "
+                               "tokens")
         return new
 
     def commit_round(self, accepted: list[int], next_token: int) -> None:

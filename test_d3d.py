@@ -341,13 +341,25 @@ def test_loss_weighs_the_ar_term_by_lambda(tok, ar_weight):
     torch.testing.assert_close(loss, metrics["loss_block"] + ar_weight * metrics["loss_ar"])
 
 
-def test_position_decay_weights_change_block_loss(tok):
+@pytest.mark.parametrize("gamma", [None, 1.0, 2.5])
+def test_block_loss_weights_position_i_by_exp_minus_i_minus_1_over_gamma(tok, gamma):
+    """L_block is the mean of the block rows' cross-entropies weighted w_i = exp(-(i-1)/gamma) (1 without gamma),
+    computed here from the same anchors, one row at a time."""
     drafter = d3d.make_drafter(tiny_qwen3(seed=2), tokenizer=tok, block_size=4)
     x, loss_mask = batch()
-    plain, _ = d3d.d3d_loss(drafter, x, loss_mask, generator=torch.Generator().manual_seed(0), ar_weight=0)
-    decayed, _ = d3d.d3d_loss(drafter, x, loss_mask, generator=torch.Generator().manual_seed(0), ar_weight=0,
-                              decay_gamma=1.0)
-    assert not torch.isclose(plain, decayed)
+    _, metrics = d3d.d3d_loss(drafter, x, loss_mask, generator=torch.Generator().manual_seed(0), ar_weight=0,
+                              decay_gamma=gamma)
+    anchors, valid = d3d.sample_anchors(loss_mask, drafter.d3d_config.num_anchors, torch.Generator().manual_seed(0))
+    labels, counts = d3d._block_labels(x, loss_mask, anchors, valid, 4)
+    with torch.no_grad():
+        _, block = d3d._packed_hidden(drafter, x, anchors, 4)
+        ce = torch.nn.functional.cross_entropy(drafter.logits(block).flatten(0, 2).float(), labels.flatten().clamp(
+            min=0), reduction="none").view(labels.shape)
+    total = weight_sum = 0.0
+    for b, k, i in counts.nonzero().tolist():
+        w = math.exp(-i / gamma) if gamma else 1.0  # i is 0-based here: position i + 1 of the block
+        total, weight_sum = total + w * ce[b, k, i].item(), weight_sum + w
+    assert metrics["loss_block"].item() == pytest.approx(total / weight_sum, rel=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -513,7 +525,7 @@ def test_async_equals_sync_and_target(tok, target, block_size, coverage, fanout,
     if kind == "oracle" and block_size > 1:
         full_rounds = stats["accept_lengths"][:-1]
         assert all(n == block_size + 1 for n in full_rounds[:1]) and all(n >= block_size for n in full_rounds)
-    assert stats["time_packed_draft"] > 0 and overlap_saved(stats) <= 0  # one lane: one pass after the other
+    assert stats["time_packed_draft"] > 0
 
 
 def test_async_stops_at_eos_inside_a_block(tok, target):
@@ -1362,8 +1374,7 @@ def test_inductor_compiled_decoding_equals_eager(tok, target, no_recompiles):
 
 def test_two_lanes_on_a_cpu_decode_the_same_tokens(tok, target):
     """lanes=2 on a CPU: the packed pass in a worker thread beside verification; greedy output equals target-only,
-    hits happen as with one lane, the overlap is measured (at most the shorter pass: running both takes at least
-    as long as either) and torch's thread count comes back."""
+    hits happen as with one lane, and torch's thread count comes back."""
     prompt = torch.tensor([[7, 1, 9, 4, 4]])
     drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=4)
     expected, _ = d3d.generate(target, None, prompt, max_new_tokens=40, mode="target")
@@ -1372,7 +1383,6 @@ def test_two_lanes_on_a_cpu_decode_the_same_tokens(tok, target):
     two, two_stats = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode="async", lanes=2)
     assert one.tolist() == two.tolist() == expected.tolist()
     assert one_stats["hits_per_position"] == two_stats["hits_per_position"] and two_stats["lanes"] == 2
-    assert overlap_saved(two_stats) <= min(two_stats["time_verify"], two_stats["time_packed_draft"])
     assert torch.get_num_threads() == threads
     with pytest.raises(ValueError, match="lanes"):
         d3d.generate(target, drafter, prompt, max_new_tokens=4, mode="async", lanes=3)
@@ -1496,3 +1506,141 @@ def test_regional_inductor_decoding_equals_eager(tok, target, no_recompiles, mon
     compile_passes = fast.compile_passes
     monkeypatch.setattr(fast, "compile_passes", lambda caches: compile_passes(caches, regional=True))
     test_inductor_compiled_decoding_equals_eager(tok, target, no_recompiles)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What makes D3D fast: bugs that keep the output lossless but cost speed, each pinned by an assertion
+
+
+@pytest.mark.parametrize("first_token", ["causal", "mask"])
+def test_a_prepared_block_is_the_draft_its_outcome_would_get(tok, first_token):
+    """What a hit reuses is what a miss would draft: every segment of the packed pass gives the logits a fresh
+    draft_block gives after the prefix its outcome commits (branch (k, t): x_0 .. x_n, d_1 .. d_(k-1), t; full
+    acceptance: x_0 .. x_n, d_1 .. d_B), d_1 read where draft_block reads it (the causal head, or MASK 1)."""
+    block_size = 4
+    drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=block_size, first_token=first_token)
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, TEXT_VOCAB, (1, 7), generator=g)  # x_0 .. x_n
+    draft = torch.randint(0, TEXT_VOCAB, (block_size,), generator=g)
+    positions, candidates = torch.tensor([1, 3]), torch.tensor([[5, 9], [2, 8]])
+    cache = d3d.KVCache(drafter, 64)
+    with torch.no_grad():
+        d3d.draft_block(drafter, cache, prefix[:, :-1], block_size)  # the cache holds x_0 .. x_(n-1)
+        ids, position_ids, mask, rows = d3d.build_branch_pass(drafter, prefix[0, -1:], draft, positions, candidates,
+                                                              past_len=cache.length, block_size=block_size)
+        prepared = drafter.logits(cache.run(ids, position_ids, mask)[rows])  # (C * F + 1, B, V)
+        outcomes = [torch.cat([prefix[0], draft[: k - 1], t.view(1)]) for k, c in zip(positions, candidates)
+                    for t in c] + [torch.cat([prefix[0], draft])]
+        for segment, committed in enumerate(outcomes):
+            fresh = d3d.draft_block(drafter, d3d.KVCache(drafter, 64), committed[None], block_size)
+            torch.testing.assert_close(prepared[segment, :, :TEXT_VOCAB], fresh[:, :TEXT_VOCAB])
+
+
+def test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for(tok):
+    """Segments: (k=1, t=5), (1, 6), (2, 5), (2, 7), then full acceptance. A branch drafted off another prefix is
+    never reused because its token happens to match."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=4)
+    block_hidden = torch.randn(5, 4, 32, generator=torch.Generator().manual_seed(1))
+    guess = int(drafter.logits(block_hidden[-1, 0]).argmax())  # the full-acceptance segment's bonus-token guess
+    positions, candidates = torch.tensor([1, 2]), torch.tensor([[5, 6], [5, 7]])
+    hit = lambda a, c: int(d3d.prepared_segment(drafter, block_hidden, positions, candidates,  # noqa: E731
+                                                torch.tensor(a), torch.tensor(c), 4, 0.0))
+    assert hit(0, 5) == 0 and hit(0, 6) == 1 and hit(1, 5) == 2 and hit(1, 7) == 3
+    assert hit(0, 7) == -1 and hit(1, 6) == -1 and hit(2, 5) == -1  # the token, at another position: a miss
+    assert hit(4, guess) == 4 and hit(4, (guess + 1) % TEXT_VOCAB) == -1 and hit(3, guess) == -1
+
+
+def test_every_verification_and_packed_pass_keeps_one_shape_through_full_acceptance_hits(tok, target, monkeypatch):
+    """After a full-acceptance hit the next draft has B - 1 real tokens and a pad: verification and the packed pass
+    keep their shapes (a compiled pass would otherwise compile a new graph, a CUDA graph be captured again)."""
+    block_size, prompt = 5, torch.tensor([[3, 1, 4, 1, 5]])
+    drafter, _ = scripted(tok, target, prompt, block_size, "oracle", 40)
+    shapes = {"verify": set(), "packed": set()}
+    verify, build = d3d.verify_block, d3d.build_branch_pass
+    monkeypatch.setattr(d3d, "verify_block", lambda c, last, draft: shapes["verify"].add(tuple(draft.shape)) or
+                        verify(c, last, draft))
+    monkeypatch.setattr(d3d, "build_branch_pass", lambda *a, **k: (lambda r: shapes["packed"].add(tuple(r[0].shape))
+                                                                   or r)(build(*a, **k)))
+    out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode="async")
+    assert stats["hits_per_position"][block_size] >= 3  # full-acceptance hits happened
+    assert shapes["verify"] == {(block_size,)} and len(shapes["packed"]) == 1
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_two_cpu_lanes_run_both_passes_at_once(lanes):
+    """With two lanes verification and the packed pass are in flight together: two callables that wait for each
+    other at a barrier both get through; one after the other, the first waits alone and the barrier breaks."""
+    import threading
+    barrier = threading.Barrier(2, timeout=5 if lanes == 2 else 0.5)
+    lane = d3d._Lanes(torch.device("cpu"), lanes)
+    meet = lambda value: lambda: barrier.wait() * 0 + torch.tensor(value)  # noqa: E731
+    try:
+        if lanes == 2:
+            verified, packed = lane.both(meet(1), meet(2), runtime.Clock(torch.device("cpu")))
+            assert (verified.item(), packed.item()) == (1, 2)
+        else:
+            with pytest.raises(threading.BrokenBarrierError):
+                lane.both(meet(1), meet(2), runtime.Clock(torch.device("cpu")))
+    finally:
+        lane.close()
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_the_packed_pass_builds_no_autograd_graph_in_either_lane(lanes):
+    """The decode runs under no_grad, which a worker thread does not inherit: the packed pass must not record a graph
+    (its outputs and the drafter's cache would hold one, round after round)."""
+    weight, clock = torch.ones(3, requires_grad=True), runtime.Clock(torch.device("cpu"))
+    lane = d3d._Lanes(torch.device("cpu"), lanes)
+    try:
+        with torch.no_grad():
+            verified, packed = lane.both(lambda: weight * 2, lambda: weight * 3, clock)
+    finally:
+        lane.close()
+    assert not verified.requires_grad and not packed.requires_grad
+    threads = {key: thread for key, _, _, thread in clock.spans}
+    assert (threads["packed_draft"] != threads["verify"]) == (lanes == 2)  # two lanes: the worker ran it
+
+
+def test_recovery_distils_toward_the_label_adjusted_teacher(tok, monkeypatch):
+    """The recovery target is (1 - beta) * teacher + beta * label, and the loss is linear in it: at beta = 1 it is the
+    cross-entropy on the labels alone, at 0.5 the mean of beta = 0 and 1. prune_drafter passes its beta on."""
+    student = d3d.make_drafter(tiny_qwen3(seed=5, layers=3), tokenizer=tok, block_size=3, num_anchors=4)
+    teacher = d3d.make_drafter(tiny_qwen3(seed=7, layers=3), tokenizer=tok, block_size=3, num_anchors=4)
+    x, loss_mask = prune_data()[0]
+    loss = {beta: d3d.distill_loss(student, teacher, x, loss_mask, beta=beta,
+                                   generator=torch.Generator().manual_seed(3)).item() for beta in (0.0, 0.5, 1.0)}
+    anchors, valid = d3d.sample_anchors(loss_mask, 4, torch.Generator().manual_seed(3))
+    labels, counts = d3d._block_labels(x, loss_mask, anchors, valid, 3)
+    with torch.no_grad():
+        causal, block = d3d._packed_hidden(student, x, anchors, 3)
+        ce = lambda h, y: torch.nn.functional.cross_entropy(student.logits(h).float(), y).item()  # noqa: E731
+        has_label = loss_mask[:, 1:].bool()
+        labels_only = ce(block[counts], labels[counts]) + ce(causal[:, :-1][has_label], x[:, 1:][has_label])
+    assert loss[1.0] == pytest.approx(labels_only, rel=1e-5)
+    assert loss[0.5] == pytest.approx((loss[0.0] + loss[1.0]) / 2, rel=1e-5) and loss[0.0] != pytest.approx(loss[1.0])
+    betas = []
+    real = d3d.distill_loss
+    monkeypatch.setattr(d3d, "distill_loss", lambda *a, **k: betas.append(k["beta"]) or real(*a, **k))
+    d3d.prune_drafter(student, prune_data(), prune_data(seed=10), min_layers=2, recovery_steps=1, beta=0.7,
+                      num_anchors=4, log=lambda *a: None)
+    assert betas and set(betas) == {0.7}
+
+
+@pytest.mark.parametrize("mode", ["target", "sync", "async"])
+def test_a_round_that_commits_no_token_is_an_error_not_a_loop(tok, target, mode, monkeypatch):
+    """Plant the bug: EOS never reaches the sequence. A round whose only token is EOS then commits nothing; the
+    decode must stop with an error, not repeat that round forever."""
+    prompt = torch.tensor([[2, 7, 1, 8]])
+    reference = reference_continuation(target, prompt, 20)
+    eos = reference[prompt.shape[1] + 3]  # the target's fourth new token
+    drafter, _ = scripted(tok, target, prompt, 4, "never", 20)  # rejected at d_1: every round commits one token
+    real, calls = runtime.Output.commit, []
+
+    def loses_eos(self, new):
+        calls.append(1)
+        assert len(calls) < 200, "the decode looped"
+        return real(self, [t for t in new if t not in self.eos])
+    monkeypatch.setattr(runtime.Output, "commit", loses_eos)
+    with pytest.raises(RuntimeError, match="committed no token"):
+        d3d.generate(target, None if mode == "target" else drafter, prompt, max_new_tokens=20, mode=mode,
+                     eos_token_id=eos)

@@ -297,7 +297,7 @@ def test_bench_sweeps_async_budgets(setting, capsys):
     for row in ("async:0,2", "async:2,1", "async:3,2,likely"):
         assert row in out
         summary = result["datasets"]["gsm"]["modes"][row]
-        assert 0 <= summary["hit_rate"] <= 1 and summary["ms_per_round"]["overlap_saved"] <= 0  # one lane
+        assert 0 <= summary["hit_rate"] <= 1
     assert result["mismatches"]["count"] == 0
     with pytest.raises(ValueError, match="async:C,F"):
         cli("--bench", setting / "gsm.jsonl", "--modes", "async:x", *models_args(setting))
