@@ -14,8 +14,9 @@ Paper -> this file, top to bottom:
     asynchronous decoding (Fig. 1c): one packed pass     generate(mode="async"), _decode_async, plan_branches,
       drafts for likely outcomes during verification       build_branch_pass, prepared_segment, _Lanes (a second
                                                            CUDA stream, or a CPU thread)
-    progressive layer pruning with recovery (Fig. 1b)    prune_drafter, tau_without_each_layer, distill_loss,
-                                                           adjusted_teacher
+    progressive layer pruning with recovery (Fig. 1b)    prune_drafter: score (tau_without_each_layer,
+                                                           least_costly_layer), remove_layer, recover (distill_loss,
+                                                           adjusted_teacher), re-measure (validation_tau)
     selective prefilling (appendix, Fig. 5)              select_chunks, generate(keep_ratio=...)
 Beside it: runtime.py (fixed-size KV caches, the round's one host read, the clock, input checks, loss logits in
 chunks), batched.py (concurrent requests, Table 2: generate([prompts])), fast.py (compiled passes; pruning's scorer
@@ -507,7 +508,8 @@ def build_branch_pass(drafter: Drafter, last_token, draft, positions, candidates
     Causal stream: x_n (`last_token`, (1,); the cache holds x_0 .. x_{n-1}), then d_1 .. d_B (the accepted drafts get
     their KV here). Then C x F segments [t, MASK x B], t at position n+k off d_{k-1} (d_0 = x_n): "d_k rejected, the
     target said t"; last [d_L, MASK x B] off d_{L-1}, guessing the bonus token and on (L = `length`, the real draft
-    tokens; default B). Example with B = L = 3, C = 2, F = 1, blocks of 2 MASKs shown; the cache is visible to all:
+    tokens; default B). A segment's first draft token is read where draft_block reads it (draft_rows): the causal head
+    at t (or d_L) under first_token="causal", MASK 1 under "mask". Example with B = L = 3, C = 2, F = 1, blocks of 2 MASKs shown; the cache is visible to all:
 
                      x_n d_1 d_2 d_3 | t1 m m | t2 m m | d_3 m m
         x_n (n)      x               |        |        |
@@ -543,7 +545,8 @@ def prepared_segment(drafter: Drafter, block_hidden, positions, candidates, num_
                      temperature: float, generator=None) -> torch.Tensor:
     """Which segment of the packed pass was prepared for the outcome (a = num_accepted, c = next_token), as a 0-d
     device tensor: the branch (k = a+1, t = c) if there is one, else the full-acceptance segment if a = length and its
-    MASK 1 guessed c (it needs B > 1: its block's later rows are the next draft), else -1. Computed on the device, so
+    first draft row guessed c (the bonus token: read at d_L by the causal head under first_token="causal", by MASK 1
+    under "mask"; it needs B > 1: the segment's later rows are the next draft), else -1. Computed on the device, so
     the round still reads the host once."""
     num_segments, block_size = block_hidden.shape[:2]
     guess = pick_tokens(drafter.logits(block_hidden[-1, 0]), temperature, generator)[0]  # the bonus token's guess
@@ -639,7 +642,7 @@ def _decode_async(drafter, out: Output, caches: Caches, clock: Clock, block_size
             (hits if segment >= 0 else misses)[block_size if num_accepted == length else num_accepted] += 1
             draft_logits = None
             if segment >= 0 and not out.done:
-                full = segment == block_hidden.shape[0] - 1  # its MASK 1 was the bonus token: the rest is the draft
+                full = segment == block_hidden.shape[0] - 1  # its first row guessed the bonus token: the rest drafts
                 draft_logits = drafter.logits(block_hidden[segment, 1:] if full else block_hidden[segment])
                 draft_logits, length = F.pad(draft_logits, (0, 0, 0, int(full))), block_size - int(full)
     finally:
@@ -733,20 +736,69 @@ def remove_layer(drafter: Drafter, index: int) -> None:
     drafter.d3d_config.layer_ids = [layer for i, layer in enumerate(original) if i != index]
 
 
+def least_costly_layer(drafter: Drafter, scores: dict[int, float], val_batches, *, num_anchors: int = 32,
+                       seed: int = 0) -> int:
+    """The layer whose removal costs least tau (`scores`: tau without each layer); ties, common for weak drafters, go
+    to the smallest change in block loss."""
+    best = max(scores, key=scores.get)
+    tied = [i for i in scores if scores[i] == scores[best]]
+    if len(tied) == 1:
+        return best
+    num_layers = len(drafter.model.get_decoder().layers)
+    _, base_loss = validation_tau(drafter, val_batches, num_anchors=num_anchors, seed=seed)
+    change = {}
+    for index in tied:
+        with _only_layers(drafter, [i for i in range(num_layers) if i != index]):
+            change[index] = abs(validation_tau(drafter, val_batches, num_anchors=num_anchors, seed=seed)[1] - base_loss)
+    return min(tied, key=change.get)
+
+
+def recover(drafter: Drafter, teacher: Drafter, train_batches, *, steps: int, lr: float = 5e-5, beta: float = 0.5,
+            num_anchors: int = 32, generator=None, checkpointing: bool = False, log=print) -> None:
+    """Recovery (Fig. 1b): `steps` AdamW steps distilling the pruned drafter toward the fixed unpruned one, its
+    distribution adjusted toward the label (distill_loss, beta). A step whose gradient norm is not finite is skipped."""
+    if steps <= 0:
+        return
+    drafter.train()
+    if checkpointing:
+        drafter.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    skipped = 0
+    for step in tqdm(range(steps), desc="recover", leave=False):
+        input_ids, loss_mask = train_batches[step % len(train_batches)]
+        loss = distill_loss(drafter, teacher, input_ids, loss_mask, beta=beta, num_anchors=num_anchors,
+                            generator=generator)
+        loss.backward()
+        skipped += not finite_step(optimizer, params, 1.0)
+        torch.clear_autocast_cache()  # under a caller's autocast, later passes must not read stale bf16 copies
+    if skipped:
+        log(f"recovery skipped {skipped} of {steps} steps: gradient norm not finite")
+    if checkpointing:
+        drafter.model.activation_checkpointing_disable()
+    drafter.eval()
+
+
+def _undo_removal(drafter: Drafter, snapshot: Drafter, device) -> None:
+    """Back to the drafter as it was before the last removal (its host copy)."""
+    drafter.model, drafter.d3d_config = snapshot.model.to(device), snapshot.d3d_config
+
+
 def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: int | None = None,
                   tau_floor: float | None = None, recovery_steps: int = 100, lr: float = 5e-5, beta: float = 0.5,
                   num_anchors: int = 32, seed: int = 0, checkpointing: bool = False, score=None, log=print):
-    """Greedy progressive pruning, in place: each iteration removes the layer whose removal costs least offline tau
-    (candidates scored by `score`: tau_without_each_layer, or fast.py's, which is quicker; ties: least change in block
-    loss), recovers for `recovery_steps` AdamW steps distilled from the fixed unpruned drafter, re-measures tau. Stops
-    at `min_layers`, or at the first removal whose recovered tau falls below tau_floor x the unpruned tau (undone,
-    "kept": False). Returns one dict per iteration. On the device: the drafter, its gradients and AdamW moments, and
-    the teacher; the copy kept to undo a removal waits in host memory. `checkpointing`: recompute each layer's
-    activations in recovery's backward instead of storing them (a GPU's memory at the paper's shapes)."""
+    """Greedy progressive pruning, in place (Fig. 1b): each iteration scores every layer by the offline tau without
+    it (`score`: tau_without_each_layer, or fast.py's, which is quicker), removes the one that costs least, recovers
+    for `recovery_steps` steps distilled from the fixed unpruned drafter, and re-measures tau. Stops at `min_layers`,
+    or at the first removal whose recovered tau falls below tau_floor x the unpruned tau (undone, "kept": False).
+    Returns one dict per iteration. On the device: the drafter, its gradients and AdamW moments, and the teacher; the
+    copy kept to undo a removal waits in host memory. `checkpointing`: recompute each layer's activations in
+    recovery's backward instead of storing them (a GPU's memory at the paper's shapes)."""
     if min_layers is None and tau_floor is None:
         raise ValueError("give a stopping rule: min_layers (a target depth) or tau_floor (fraction of unpruned tau)")
     teacher = copy.deepcopy(drafter).eval().requires_grad_(False)  # the fixed, unpruned drafter
-    tau0, _ = validation_tau(drafter, val_batches, num_anchors=num_anchors, seed=seed)
+    measure = dict(num_anchors=num_anchors, seed=seed)
+    tau0, _ = validation_tau(drafter, val_batches, **measure)
     num_layers = len(drafter.model.get_decoder().layers)
     log(f"unpruned: {num_layers} layers, tau {tau0:.3f}")
     table = [{"iteration": 0, "removed_layer": None, "layers": num_layers, "tau_before_recovery": tau0,
@@ -756,54 +808,26 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
         start = time.perf_counter()
         drafter.eval()
         original = drafter.d3d_config.layer_ids or list(range(len(drafter.model.get_decoder().layers)))
-        scores = (score or tau_without_each_layer)(drafter, val_batches, num_anchors=num_anchors, seed=seed)
-        best = max(scores, key=scores.get)
-        tied = [i for i in scores if scores[i] == scores[best]]
-        if len(tied) > 1:  # ties (common for weak drafters) go to the smallest change in block loss
-            _, base_loss = validation_tau(drafter, val_batches, num_anchors=num_anchors, seed=seed)
-            change = {}
-            for index in tied:
-                with _only_layers(drafter, [i for i in range(len(original)) if i != index]):
-                    change[index] = abs(validation_tau(drafter, val_batches, num_anchors=num_anchors, seed=seed)[1]
-                                        - base_loss)
-            best = min(tied, key=change.get)
+        scores = (score or tau_without_each_layer)(drafter, val_batches, **measure)  # 1. score
+        best = least_costly_layer(drafter, scores, val_batches, **measure)
         score_seconds = time.perf_counter() - start
         snapshot = host_copy(drafter) if tau_floor is not None else None
-        remove_layer(drafter, best)
-        if recovery_steps > 0:
-            drafter.train()
-            if checkpointing:
-                drafter.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            params = [p for p in drafter.parameters() if p.requires_grad]
-            optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-            skipped = 0
-            for step in tqdm(range(recovery_steps), desc="recover", leave=False):
-                input_ids, loss_mask = train_batches[step % len(train_batches)]
-                loss = distill_loss(drafter, teacher, input_ids, loss_mask, beta=beta, num_anchors=num_anchors,
-                                    generator=generator)
-                loss.backward()
-                skipped += not finite_step(optimizer, params, 1.0)
-                torch.clear_autocast_cache()  # under a caller's autocast, later passes must not read stale bf16 copies
-            if skipped:
-                log(f"recovery skipped {skipped} of {recovery_steps} steps: gradient norm not finite")
-            if checkpointing:
-                drafter.model.activation_checkpointing_disable()
-            del optimizer  # its moments, before the next scoring pass
-            drafter.eval()
-        tau_before = scores[best]  # without recovery, the same number as measuring the pruned drafter again
-        tau_after = tau_before if recovery_steps <= 0 else validation_tau(drafter, val_batches,
-                                                                          num_anchors=num_anchors, seed=seed)[0]
+        remove_layer(drafter, best)  # 2. remove
+        recover(drafter, teacher, train_batches, steps=recovery_steps, lr=lr, beta=beta, num_anchors=num_anchors,
+                generator=generator, checkpointing=checkpointing, log=log)  # 3. recover
+        # 4. re-measure (without recovery, the score is already the pruned drafter's tau)
+        tau_after = validation_tau(drafter, val_batches, **measure)[0] if recovery_steps > 0 else scores[best]
         row = {"iteration": len(table), "removed_layer": original[best], "layers": len(original) - 1,
-               "tau_before_recovery": tau_before, "tau_after_recovery": tau_after,
+               "tau_before_recovery": scores[best], "tau_after_recovery": tau_after,
                "seconds": time.perf_counter() - start, "score_seconds": score_seconds, "kept": True,
-               "candidates": {original[i]: round(score, 4) for i, score in scores.items()}}
-        recovered = f" -> {tau_after:.3f} after recovery" if recovery_steps > 0 else ""
-        log(f"removed layer {original[best]}: {len(original) - 1} left, tau {tau_before:.3f}{recovered} "
-            f"({row['seconds']:.0f} s, scoring {score_seconds:.0f} s)")
+               "candidates": {original[i]: round(value, 4) for i, value in scores.items()}}
         table.append(row)
+        recovered = f" -> {tau_after:.3f} after recovery" if recovery_steps > 0 else ""
+        log(f"removed layer {original[best]}: {len(original) - 1} left, tau {scores[best]:.3f}{recovered} "
+            f"({row['seconds']:.0f} s, scoring {score_seconds:.0f} s)")
         if tau_floor is not None and tau_after < tau_floor * tau0:  # below the floor: undo this removal and stop
             row["kept"] = False
-            drafter.model, drafter.d3d_config = snapshot.model.to(teacher.device), snapshot.d3d_config
+            _undo_removal(drafter, snapshot, teacher.device)
             log(f"tau {tau_after:.3f} < {tau_floor} x {tau0:.3f}: removal undone, stopping")
             break
     drafter.eval()
