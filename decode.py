@@ -113,7 +113,7 @@ def load(target, drafter, modes, device, dtype, attn, threads=None):
     need_drafter = any(m != "target" for m in modes)
     if (need_drafter or target is None) and drafter == TOY_DRAFTER and not os.path.isdir(drafter):
         raise FileNotFoundError(f"no drafter at {TOY_DRAFTER}: train the toy's drafter with `python train.py` "
-                                "(about 2 min on 2 CPU cores), or pass --target and --drafter")
+                                "(about 1½ min on 2 CPU cores), or pass --target and --drafter")
     draft_model = d3d.Drafter.from_pretrained(drafter, dtype, device, attn).eval() if need_drafter else None
     if target is None:  # the target the drafter was trained for
         target = recipe.get("target", TOY_TARGET)
