@@ -120,7 +120,7 @@ def load(target, drafter, modes, device, dtype, attn, threads=None):
     tok = transformers.AutoTokenizer.from_pretrained(target)
     if draft_model is not None:
         d3d.check_tokenizer(draft_model, tok)  # before loading a large target for nothing
-    model = d3d.load_causal_lm(target, dtype, device, attn_implementation=attn).eval()
+    model = runtime.load_causal_lm(target, dtype, device, attn_implementation=attn).eval()
     if device.type == "cpu" and not threads and sum(p.numel() for p in model.parameters()) < 20_000_000:
         torch.set_num_threads(1)  # a tiny model's passes are too short to split between threads (the toy: ~2x faster)
     eos = getattr(model.generation_config, "eos_token_id", None)
@@ -215,17 +215,17 @@ def prepare(models, opts: dict, all_ids: list[torch.Tensor], modes: list[str]) -
         budget = d3d.default_budget(block_size)
         coverage = overrides.get("coverage", opts["coverage"] if opts["coverage"] is not None else budget[0])
         fanout = overrides.get("fanout", opts["fanout"] if opts["fanout"] is not None else budget[1])
-        widest = max(widest, d3d.cache_len(0, 0, block_size, coverage * (mode == "async"), fanout))
+        widest = max(widest, runtime.cache_len(0, 0, block_size, coverage * (mode == "async"), fanout))
     new_tokens = max(opts["max_new_tokens"], 16, 2 * block_size + 3)  # the warm-ups decode up to this many
     need = max(x.shape[1] for x in all_ids) + new_tokens + widest
     if opts.get("max_len") and opts["max_len"] < need:
         raise ValueError(f"--max-len {opts['max_len']} is too small for these prompts: they need {need} KV slots "
                          "(the longest prompt + --max-new-tokens + the widest pass)")
     use_drafter = drafter if any(parse_mode(m)[0] not in ("target", *BASELINES) for m in modes) else None
-    opts["caches"] = d3d.Caches.make(target, use_drafter, opts.get("max_len") or need)
+    opts["caches"] = runtime.Caches.make(target, use_drafter, opts.get("max_len") or need)
     compiled = [m for m in modes if opts.get("compile") or parse_mode(m)[1].get("compiled")]
     if compiled:
-        opts["compiled_caches"] = d3d.Caches.make(target, use_drafter, opts.get("max_len") or need)
+        opts["compiled_caches"] = runtime.Caches.make(target, use_drafter, opts.get("max_len") or need)
         fast.compile_passes(opts["compiled_caches"], regional=opts.get("compile") == "regional")
         opts["compile_seconds"] = 0.0
         for spec in dict.fromkeys(m.replace("+compiled", "") for m in compiled if parse_mode(m)[0] not in BASELINES):
@@ -355,7 +355,7 @@ def hf_decode(models, ids: torch.Tensor, mode: str, opts: dict, max_new_tokens: 
     rounds = _Rounds() if mode != "hf" else None  # plain generate: one token per pass, no streamer in its loop
     times = []
     for n in sorted({1, max(max_new_tokens, 1)}):
-        clock = d3d.Clock(ids.device)
+        clock = runtime.Clock(ids.device)
         out = target.generate(ids, max_new_tokens=n, streamer=rounds if n > 1 else None, **kwargs)
         times.append(clock.now() - clock.start)
     new = out[0, ids.shape[1]:].tolist()[:max_new_tokens]

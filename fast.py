@@ -1,7 +1,7 @@
 """The fast paths, applied from outside d3d.py, which gives the same results without them: its fixed-shape decoding
 passes through torch.compile (CUDA graphs on a GPU), and pruning's scorer from one recorded pass per batch.
 
-    caches = d3d.Caches.make(target, drafter, max_len=1024)   # fixed-size KV caches, reused for every request
+    caches = runtime.Caches.make(target, drafter, max_len=1024)   # fixed-size KV caches, reused for every request
     fast.compile_passes(caches)                                # the one line
     d3d.generate(target, drafter, ids, max_new_tokens=128, caches=caches)
 
@@ -27,9 +27,11 @@ import torch
 from tqdm.auto import tqdm
 
 import d3d
+import runtime
 
 
-def compile_passes(caches: d3d.Caches, mode: str | None = None, backend="inductor", regional: bool = False) -> None:
+def compile_passes(caches: runtime.Caches, mode: str | None = None, backend="inductor",
+                   regional: bool = False) -> None:
     """Each cache's fixed-shape pass through torch.compile(fullgraph=True, dynamic=False): one graph per shape, and a
     graph break is an error, not a silent slow path. mode: "reduce-overhead" (CUDA graphs) on CUDA, inductor's
     default elsewhere; backend "eager" traces the same graphs without generating code (the tests' quick check), a
@@ -97,7 +99,7 @@ def _regional_step(cache, layer_pass, ids, positions, mask):
             del layer.forward
 
 
-def warm_up(target, drafter, caches: d3d.Caches, prompt: torch.Tensor, modes, **settings) -> float:
+def warm_up(target, drafter, caches: runtime.Caches, prompt: torch.Tensor, modes, **settings) -> float:
     """Decode `prompt` briefly in every mode of `modes` (with generate's `settings`), so that each pass shape they use
     is compiled before anything is timed. Returns the seconds it took (compile time, reported apart)."""
     start = time.perf_counter()

@@ -183,7 +183,7 @@ def test_packed_blocks_equal_separate_passes(tok, first_token):
     anchor_logits = causal_logits.gather(1, anchors[..., None].expand(-1, -1, causal_logits.shape[-1]))
     for row in range(2):
         for k, a in enumerate(anchors[row].tolist()):
-            cache = d3d.KVCache(drafter, 32)
+            cache = runtime.KVCache(drafter, 32)
             alone = d3d.draft_block(drafter, cache, x[row: row + 1, : a + 1], 5, width=a + 3)  # 2 pads after x_a
             torch.testing.assert_close(alone[:, :TEXT_VOCAB], draft_logits[row, k, :, :TEXT_VOCAB])
             torch.testing.assert_close(alone[1:, :TEXT_VOCAB], block_logits[row, k, 1:, :TEXT_VOCAB])
@@ -385,12 +385,12 @@ def test_models_load_straight_to_the_device_in_their_dtype(tmp_path, monkeypatch
 
     model = tiny_qwen3(seed=1)
     model.save_pretrained(tmp_path)
-    assert next(d3d.load_causal_lm(str(tmp_path), torch.bfloat16, "cpu").parameters()).dtype == torch.bfloat16
+    assert next(runtime.load_causal_lm(str(tmp_path), torch.bfloat16, "cpu").parameters()).dtype == torch.bfloat16
     calls = []
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
                         lambda path, **kwargs: calls.append(kwargs) or model)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "accelerate" else None)
-    d3d.load_causal_lm(str(tmp_path), torch.bfloat16, "cuda:1")
+    runtime.load_causal_lm(str(tmp_path), torch.bfloat16, "cuda:1")
     assert calls == [{"dtype": torch.bfloat16, "device_map": torch.device("cuda", 1)}]
 
 
@@ -650,7 +650,7 @@ def test_cuda_training_step_at_qwen3_shapes_fits():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss, _ = d3d.d3d_loss(drafter, x, loss_mask, generator=torch.Generator().manual_seed(0))
     loss.backward()
-    assert d3d.finite_step(optimizer, list(drafter.parameters()), 1.0)
+    assert runtime.finite_step(optimizer, list(drafter.parameters()), 1.0)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2**30
     print(f"\n[cuda] training step of the Qwen3-1.7B drafter (28 layers, batch 8 x 1024): loss {loss.item():.3f}, "
@@ -1031,11 +1031,11 @@ def test_a_step_with_a_non_finite_gradient_is_skipped():
     layer = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
     layer(torch.ones(1, 3)).sum().backward()
-    assert d3d.finite_step(optimizer, list(layer.parameters()), 1.0)
+    assert runtime.finite_step(optimizer, list(layer.parameters()), 1.0)
     weights = [p.detach().clone() for p in layer.parameters()]
     moments = [optimizer.state[p]["exp_avg"].clone() for p in layer.parameters()]
     (layer(torch.ones(1, 3)).sum() * float("nan")).backward()
-    assert not d3d.finite_step(optimizer, list(layer.parameters()), 1.0)
+    assert not runtime.finite_step(optimizer, list(layer.parameters()), 1.0)
     assert all(p.grad is None for p in layer.parameters())  # dropped: the next step starts clean
     assert all(torch.equal(a, b) for a, b in zip(weights, layer.parameters()))
     assert all(torch.equal(optimizer.state[p]["exp_avg"], m) for p, m in zip(layer.parameters(), moments))
@@ -1083,13 +1083,13 @@ def test_long_prompts_are_prefilled_in_chunks(tok, target, monkeypatch):
     expected = {(mode, ratio): d3d.generate(target, drafter, prompt, max_new_tokens=9, mode=mode, keep_ratio=ratio,
                                    chunk_size=4)[0].tolist() for mode in d3d.MODES for ratio in (None, 0.5)}
     monkeypatch.setattr(runtime, "PREFILL_CHUNK", 3)
-    widths, run = [], d3d.KVCache.run
+    widths, run = [], runtime.KVCache.run
 
     def recording_run(self, ids, *rest, fixed=True):  # the tokens of every prefill pass (the eager ones)
         if not fixed:
             widths.append(ids.shape[1])
         return run(self, ids, *rest, fixed=fixed)
-    monkeypatch.setattr(d3d.KVCache, "run", recording_run)
+    monkeypatch.setattr(runtime.KVCache, "run", recording_run)
     for mode in d3d.MODES:
         for ratio in (None, 0.5):
             widths.clear()
@@ -1274,7 +1274,7 @@ def test_drafter_cache_holds_exactly_the_committed_tokens(tok, target, mode, kin
     else:
         inner, _ = scripted(tok, target, prompt, block_size, kind, max_new)
     drafter = AuditedDrafter(inner, expected[0].tolist())
-    caches = d3d.Caches.make(target, drafter, 96)
+    caches = runtime.Caches.make(target, drafter, 96)
     for _ in range(2):  # the second request finds the caches the first one left
         out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=max_new, mode=mode, caches=caches)
         assert out.tolist() == expected.tolist()
@@ -1346,7 +1346,7 @@ def test_every_pass_traces_as_one_graph_and_compiles_once(tok, target, no_recomp
     import fast
     prompts = [torch.tensor([[7, 1, 9, 4, 4]]), torch.tensor([[3, 2, 1, 5, 6, 7, 8, 9, 10, 11, 12]])]
     drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=block_size)
-    caches = d3d.Caches.make(target, drafter, 128)
+    caches = runtime.Caches.make(target, drafter, 128)
     fast.compile_passes(caches, backend="eager")
     fast.warm_up(target, drafter, caches, prompts[0], d3d.MODES)
     no_recompiles()
@@ -1366,7 +1366,7 @@ def test_inductor_compiled_decoding_equals_eager(tok, target, no_recompiles):
     eager = {(mode, t): d3d.generate(target, drafter, prompt, max_new_tokens=30, mode=mode, temperature=t,
                                      generator=torch.Generator().manual_seed(5))[0].tolist()
              for mode in ("sync", "async") for t in (0, 1.0)}
-    caches = d3d.Caches.make(target, drafter, 64)
+    caches = runtime.Caches.make(target, drafter, 64)
     fast.compile_passes(caches)
     fast.warm_up(target, drafter, caches, prompt, ("sync", "async"))
     no_recompiles()
@@ -1421,11 +1421,11 @@ def test_generate_takes_lanes_from_the_rule_with_its_caches_compiled_or_not(tok,
     prompt = torch.tensor([[7, 1, 9, 4, 4]])
     drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=3)
     expected, _ = d3d.generate(target, None, prompt, max_new_tokens=12, mode="target")
-    compiled = d3d.Caches.make(target, drafter, 64)
+    compiled = runtime.Caches.make(target, drafter, 64)
     fast.compile_passes(compiled, backend="eager")
-    regional = d3d.Caches.make(target, drafter, 64)
+    regional = runtime.Caches.make(target, drafter, 64)
     fast.compile_passes(regional, backend="eager", regional=True)
-    assert compiled.compiled and regional.compiled and not d3d.Caches.make(target, drafter, 64).compiled
+    assert compiled.compiled and regional.compiled and not runtime.Caches.make(target, drafter, 64).compiled
     with pytest.raises(ValueError, match="refused"):
         d3d.generate(target, drafter, prompt, max_new_tokens=12, mode="async", lanes=2, caches=compiled)
     for caches, lanes, mode in ((compiled, None, "async"), (compiled, 1, "async"), (None, 2, "async"),
@@ -1460,7 +1460,7 @@ def test_trace_draws_each_lane_on_its_own_track(tok, target, lanes):
 def test_a_request_the_caches_cannot_hold_is_refused_up_front(tok, target):
     """A request longer than the caches: a clear error before anything is written, and the caches still decode."""
     drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=4)
-    caches = d3d.Caches.make(target, drafter, 40)
+    caches = runtime.Caches.make(target, drafter, 40)
     prompt = torch.tensor([[7, 1, 9, 4, 4]])
     with pytest.raises(ValueError, match="KV caches of 75 slots"):
         d3d.generate(target, drafter, prompt, max_new_tokens=30, mode="async", caches=caches)
@@ -1469,7 +1469,7 @@ def test_a_request_the_caches_cannot_hold_is_refused_up_front(tok, target):
     out, _ = d3d.generate(target, drafter, prompt, max_new_tokens=20, mode="sync", caches=caches)
     assert out.tolist() == d3d.generate(target, None, prompt, max_new_tokens=20, mode="target")[0].tolist()
     with pytest.raises(ValueError, match="KV cache full"):
-        d3d.causal_pass(caches.target, torch.zeros(1, 41, dtype=torch.long))
+        runtime.causal_pass(caches.target, torch.zeros(1, 41, dtype=torch.long))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1528,7 +1528,7 @@ def test_a_prepared_block_is_the_draft_its_outcome_would_get(tok, first_token):
     prefix = torch.randint(0, TEXT_VOCAB, (1, 7), generator=g)  # x_0 .. x_n
     draft = torch.randint(0, TEXT_VOCAB, (block_size,), generator=g)
     positions, candidates = torch.tensor([1, 3]), torch.tensor([[5, 9], [2, 8]])
-    cache = d3d.KVCache(drafter, 64)
+    cache = runtime.KVCache(drafter, 64)
     with torch.no_grad():
         d3d.draft_block(drafter, cache, prefix[:, :-1], block_size)  # the cache holds x_0 .. x_(n-1)
         ids, position_ids, mask, rows = d3d.build_branch_pass(drafter, prefix[0, -1:], draft, positions, candidates,
@@ -1537,7 +1537,7 @@ def test_a_prepared_block_is_the_draft_its_outcome_would_get(tok, first_token):
         outcomes = [torch.cat([prefix[0], draft[: k - 1], t.view(1)]) for k, c in zip(positions, candidates)
                     for t in c] + [torch.cat([prefix[0], draft])]
         for segment, committed in enumerate(outcomes):
-            fresh = d3d.draft_block(drafter, d3d.KVCache(drafter, 64), committed[None], block_size)
+            fresh = d3d.draft_block(drafter, runtime.KVCache(drafter, 64), committed[None], block_size)
             torch.testing.assert_close(prepared[segment, :, :TEXT_VOCAB], fresh[:, :TEXT_VOCAB])
 
 
@@ -1649,3 +1649,27 @@ def test_a_round_that_commits_no_token_is_an_error_not_a_loop(tok, target, mode,
     with pytest.raises(RuntimeError, match="committed no token"):
         d3d.generate(target, None if mode == "target" else drafter, prompt, max_new_tokens=20, mode=mode,
                      eos_token_id=eos)
+
+
+def test_d3d_names_only_what_d3d_defines():
+    """`d3d.X` anywhere in the project means X is defined in d3d.py: what d3d.py takes from runtime.py is reached as
+    `runtime.X`, so a reader knows which file to open."""
+    import ast
+    import os
+    root = os.path.dirname(os.path.abspath(__file__))
+    tree = ast.parse(open(os.path.join(root, "d3d.py")).read())
+    defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    defined |= {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+                if isinstance(t, ast.Name)}
+    wrong = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("runs", "__pycache__")]
+        for name in files:
+            path = os.path.join(folder, name)
+            if not name.endswith(".py") or path == os.path.join(root, "d3d.py"):
+                continue
+            for node in ast.walk(ast.parse(open(path).read())):
+                if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "d3d"
+                        and node.attr not in defined):
+                    wrong.append(f"{os.path.relpath(path, root)}:{node.lineno} d3d.{node.attr}")
+    assert not wrong, wrong

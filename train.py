@@ -117,18 +117,19 @@ def read_prompts(path: str, field: str) -> list[list[dict]]:
 def load_target(path: str, device, dtype=None):
     """The frozen target, in eval mode, loaded straight to the device in `dtype` (a function of its own so tests can
     count the calls)."""
-    return d3d.load_causal_lm(path, dtype, device).eval()
+    return runtime.load_causal_lm(path, dtype, device).eval()
 
 
 def answers_header(target: str, tokenizer, max_new_tokens: int) -> dict:
     """The first line of an answers file: whose answers, in which tokenizer's ids, cut at how many tokens."""
-    return {"answers_of": target, "tokenizer": d3d.tokenizer_fingerprint(tokenizer), "max_new_tokens": max_new_tokens}
+    return {"answers_of": target, "tokenizer": runtime.tokenizer_fingerprint(tokenizer),
+            "max_new_tokens": max_new_tokens}
 
 
 def _read_cache(paths: list[str], tokenizer) -> dict[int, tuple[list[int], list[int]]]:
     """{prompt index: (prompt ids, response ids)} from answers files; a file written in another tokenizer's ids is an
     error (its ids would mean other text)."""
-    done, mine = {}, d3d.tokenizer_fingerprint(tokenizer)
+    done, mine = {}, runtime.tokenizer_fingerprint(tokenizer)
     for path in paths:
         if os.path.exists(path):
             with open(path) as f:
@@ -235,7 +236,7 @@ def load_data(target: str, tokenizer, prompts: str, *, prompt_field: str = "ques
         return [(p, done[i][1]) for i, p in enumerate(prompt_ids)]
     # the cache belongs to one target and one generation setting; the prompts are checked line by line
     key = json.dumps([os.path.abspath(target) if os.path.exists(target) else target,
-                      d3d.tokenizer_fingerprint(tokenizer), max_new_tokens])
+                      runtime.tokenizer_fingerprint(tokenizer), max_new_tokens])
     name = os.path.splitext(os.path.basename(prompts))[0]
     cache = os.path.join(cache_dir, f"answers-{name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}.jsonl")
     os.makedirs(cache_dir, exist_ok=True)
@@ -289,7 +290,8 @@ def build_drafter(drafter_init: str, tokenizer, *, target_vocab_size: int, layer
         init_tokenizer = AutoTokenizer.from_pretrained(drafter_init)
     except (OSError, ValueError):  # no tokenizer saved with it: make_drafter still checks the vocabulary size
         init_tokenizer = None
-    if init_tokenizer is not None and d3d.tokenizer_fingerprint(init_tokenizer) != d3d.tokenizer_fingerprint(tokenizer):
+    fingerprint = runtime.tokenizer_fingerprint
+    if init_tokenizer is not None and fingerprint(init_tokenizer) != fingerprint(tokenizer):
         raise ValueError(f"--drafter-init {drafter_init} uses a different tokenizer than the target: its token ids "
                          "mean other text. Initialise the drafter from a checkpoint of the target's family")
     if random_init or meta:
@@ -594,7 +596,7 @@ def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, bat
     schedule = lambda s: min(1.0, (s + 1) / max(warmup, 1)) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s / steps, 1))))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
-    start_step, skipped, skipped_in_a_row = 0, 0, 0  # steps dropped for a non-finite gradient (d3d.finite_step)
+    start_step, skipped, skipped_in_a_row = 0, 0, 0  # steps dropped for a non-finite gradient (runtime.finite_step)
     if fsdp:
         state = load_sharded_checkpoint(out, model, optimizer) if resume else {}
     else:
@@ -657,7 +659,7 @@ def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, bat
                 (loss / grad_accum).backward()
         # a NaN or Inf never reaches AdamW. FSDP: clip_grad_norm_ of DTensor gradients returns a replicated DTensor,
         # the norm over all shards, so every rank reads the same value and decides alike
-        stepped = d3d.finite_step(optimizer, drafter.parameters(), grad_clip)
+        stepped = runtime.finite_step(optimizer, drafter.parameters(), grad_clip)
         scheduler.step()  # on a skipped step too: the rate stays a function of the step number, as a resume assumes
         skipped_in_a_row = 0 if stepped else skipped_in_a_row + 1
         skipped += not stepped
@@ -1066,7 +1068,7 @@ def prune_main(*, drafter, out, min_layers, tau_floor, recovery_steps, lr, beta,
                      for s in range(0, len(order) - batch_size + 1, batch_size)]
     # the unpruned drafter for the final comparison waits in host memory: on the device it would sit beside the
     # teacher copy prune_drafter makes
-    unpruned = d3d.host_copy(model) if compare_prompts else None
+    unpruned = runtime.host_copy(model) if compare_prompts else None
     print(f"[prune] {drafter}: {model.model.config.num_hidden_layers} layers; {len(val_batches)} validation and "
           f"{len(train_batches)} recovery batches of {batch_size}")
     bf16 = resolve_dtype(dtype, device) == torch.bfloat16
@@ -1093,7 +1095,7 @@ def prune_main(*, drafter, out, min_layers, tau_floor, recovery_steps, lr, beta,
               "peak_memory_estimate_gib": round(estimate["total"], 2),
               "peak_memory_gib": round(peak_memory_gib(device), 2)}
     if compare_prompts:
-        target = d3d.load_causal_lm(recipe["target"], torch.float32, device).eval()
+        target = runtime.load_causal_lm(recipe["target"], torch.float32, device).eval()
         prompts = [torch.tensor([p], device=device) for p, _ in val[:compare_prompts]]
         eos = getattr(target.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
         drafters = {"unpruned": unpruned.to(device).eval(), "pruned": model.eval()}

@@ -583,7 +583,7 @@ def step_compiled(report: Report, tiny: bool, device: str | None, out: str) -> N
         for label in regional:
             report.line(f"  {label}: ms per token, whole-model graphs {ms_per_token(runs.get(label, [])):.2f}, "
                         f"regional {ms_per_token(regional[label]):.2f}")
-    eager_caches = d3d.Caches.make(target, drafter, need)
+    eager_caches = runtime.Caches.make(target, drafter, need)
     with torch.no_grad():
         for cache in (eager_caches.target, eager_caches.drafter):
             runtime.prefill(cache, prompts[0])  # the cache's first write
@@ -604,7 +604,7 @@ def compiled_caches(report: Report, setup, need: int, backend: str, regional: bo
     import runtime
     from torch._dynamo.utils import counters
     target, drafter, prompts, eager, _ = setup
-    caches = d3d.Caches.make(target, drafter, need)
+    caches = runtime.Caches.make(target, drafter, need)
     fast.compile_passes(caches, backend=backend, regional=regional)
     drafter.reference.copy_(torch.tensor(eager[0], device=prompts[0].device))
     with report.guarded(f"{'regional' if regional else 'whole-model'} compile and warm-up"):

@@ -403,8 +403,8 @@ def test_unknown_and_misused_modes_raise_clear_errors(setting):
 def test_greedy_check_reports_an_off_by_one_cache_as_error(setting, monkeypatch, capsys):
     """Sync decoding whose caches keep one position too few: its outputs leave target-only's where the target
     clearly prefers its own token, so every divergence is an error, with the margin in the JSON."""
-    rewind = d3d.KVCache.rewind
-    monkeypatch.setattr(d3d.KVCache, "rewind", lambda cache, length: rewind(cache, max(length - 1, 0)))
+    rewind = runtime.KVCache.rewind
+    monkeypatch.setattr(runtime.KVCache, "rewind", lambda cache, length: rewind(cache, max(length - 1, 0)))
     result = cli(*models_args(setting), "--bench", setting / "gsm.jsonl", "--modes", "sync", "--out", "")
     printed = capsys.readouterr().out
     checks = result["mismatches"]
