@@ -53,6 +53,7 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 
+import batched
 import runtime
 
 # ----------------------------------------------------------------------------------------------- task
@@ -301,16 +302,10 @@ def answer_ids(model, tok, prompt_ids: list[list[int]], *, max_new_tokens: int =
     out: list[list[int]] = [[] for _ in prompt_ids]
     for s in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch", dynamic_ncols=True):
         idx = order[s: s + batch_size]
-        width = max(len(prompt_ids[i]) for i in idx)
-        ids = torch.full((len(idx), width), tok.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, i in enumerate(idx):
-            ids[row, width - len(prompt_ids[i]):] = torch.tensor(prompt_ids[i])
-            mask[row, width - len(prompt_ids[i]):] = 1
-        gen = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id)
-        for i, row in zip(idx, gen[:, width:].tolist()):
+        ids, real = batched.left_pad([prompt_ids[i] for i in idx], model.device)
+        gen = model.generate(input_ids=ids, attention_mask=real.long(), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        for i, row in zip(idx, gen[:, ids.shape[1]:].tolist()):
             out[i] = row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
     return out
 

@@ -46,6 +46,7 @@ from torch.distributed.tensor import distribute_tensor
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+import batched
 import d3d
 import fast
 import runtime
@@ -194,14 +195,10 @@ def answer_prompts(target_path: str, tokenizer, prompt_ids: list[list[int]], cac
                 f.write(json.dumps(answers_header(target_path, tokenizer, max_new_tokens)) + "\n")
             for s in range(0, len(todo), batch_size):
                 idx = todo[s: s + batch_size]
-                width = max(len(prompt_ids[i]) for i in idx)
-                ids = torch.full((len(idx), width), pad, dtype=torch.long)
-                attention = torch.zeros_like(ids)
-                for row, i in enumerate(idx):  # left padding: every prompt ends where its answer begins
-                    ids[row, width - len(prompt_ids[i]):] = torch.tensor(prompt_ids[i])
-                    attention[row, width - len(prompt_ids[i]):] = 1
-                out = target.generate(input_ids=ids.to(device), attention_mask=attention.to(device),
-                                      generation_config=gen_config, streamer=throughput)[:, width:].tolist()
+                # left padding: every prompt ends where its answer begins
+                ids, real = batched.left_pad([prompt_ids[i] for i in idx], device)
+                out = target.generate(input_ids=ids, attention_mask=real.long(), generation_config=gen_config,
+                                      streamer=throughput)[:, ids.shape[1]:].tolist()
                 for i, response in zip(idx, out):
                     stop = next((k for k, t in enumerate(response) if t in eos), None)
                     response = response if stop is None else response[: stop + 1]  # keep EOS, drop padding
