@@ -509,7 +509,8 @@ def build_branch_pass(drafter: Drafter, last_token, draft, positions, candidates
     their KV here). Then C x F segments [t, MASK x B], t at position n+k off d_{k-1} (d_0 = x_n): "d_k rejected, the
     target said t"; last [d_L, MASK x B] off d_{L-1}, guessing the bonus token and on (L = `length`, the real draft
     tokens; default B). A segment's first draft token is read where draft_block reads it (draft_rows): the causal head
-    at t (or d_L) under first_token="causal", MASK 1 under "mask". Example with B = L = 3, C = 2, F = 1, blocks of 2 MASKs shown; the cache is visible to all:
+    at t (or d_L) under first_token="causal", MASK 1 under "mask". Example with B = L = 3, C = 2, F = 1, blocks of 2
+    MASKs shown; the cache is visible to all:
 
                      x_n d_1 d_2 d_3 | t1 m m | t2 m m | d_3 m m
         x_n (n)      x               |        |        |
