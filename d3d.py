@@ -4,29 +4,40 @@ A standalone drafter (a causal LM with the target's tokenizer that never reads t
 block of B masked future tokens in one pass, so it can draft the next block while the target verifies this one.
 
 Paper -> this file, top to bottom:
-    config (block size, MASK, K, lambda, gamma)          D3DConfig
-    standalone drafter from any HF causal LM             make_drafter, Drafter, keep_layers
-    packed attention (Fig. 1a)                           packed_attention_mask
-    loss L_block + lambda * L_AR (Fig. 1a)               d3d_loss, sample_anchors, cross_entropy; offline_tau
-    where d_1 is read (ours: the causal head)            draft_rows (one rule for validation and decoding)
-    drafting / verification / acceptance                 draft_block, verify_block, accept_draft
-    target-only and synchronous decoding                 generate(mode="target" | "sync"), _decode_sync
-    asynchronous decoding (Fig. 1c): one packed pass     generate(mode="async"), _decode_async, plan_branches,
-      drafts for likely outcomes during verification       build_branch_pass, prepared_segment, _Lanes (a second
-                                                           CUDA stream, or a CPU thread)
-    progressive layer pruning with recovery (Fig. 1b)    prune_drafter: score (tau_without_each_layer,
-                                                           least_costly_layer), remove_layer, recover (distill_loss,
-                                                           adjusted_teacher), re-measure (validation_tau)
-    selective prefilling (appendix, Fig. 5)              select_chunks, generate(keep_ratio=...)
-Beside it: runtime.py (fixed-size KV caches, the round's one host read, the clock, input checks, loss logits in
-chunks), batched.py (concurrent requests, Table 2: generate([prompts])), fast.py (compiled passes; pruning's scorer
-from one pass).
+    config (B, MASK, K, lambda, gamma); the drafter      D3DConfig; make_drafter, Drafter
+    packed attention, L_block + lambda L_AR (Fig. 1a)    packed_attention_mask; d3d_loss, sample_anchors
+    where d_1 is read (ours: the causal head)            draft_rows, D3DConfig.d1_from: one rule for every pass
+    drafting, verification, acceptance; sync decoding    draft_block, verify_block, accept_draft; _decode_sync
+    async decoding (Fig. 1c): one packed pass drafts,    _decode_async: plan_branches, build_branch_pass, cache_hit,
+      during verification, for each likely outcome         _Lanes (its own CUDA stream, or a CPU thread)
+    layer pruning (Fig. 1b): score, remove, recover,     prune_drafter: tau_without_each_layer, least_costly_layer,
+      re-measure                                           remove_layer, recover, validation_tau (offline_tau)
+    selective prefilling (appendix, Fig. 5); the entry   select_chunks; generate(mode="target" | "sync" | "async")
+
+What the loops take from runtime.py, one line each, so that this file reads alone:
+    KVCache(model, max_len)    fixed-size KV cache: .run(ids (1, q), positions, mask (1, 1, q, length + q)) writes q
+                               tokens after .length (host int) -> drafter hidden states (q, H) or target float logits
+                               (q, V); .rewind(n) keeps the sequence's first n tokens; .reset(skipped) empties it for a
+                               request whose first `skipped` prompt tokens it will not hold (positions count them)
+    Caches                     .target, .drafter: KVCaches made once per run (Caches.make(target, drafter, max_len))
+    causal_pass(cache, ids)    a causal pass over ids (1, q) after what the cache holds; prefill(cache, ids, positions):
+                               the same for a prompt of any length, eagerly; attention_pass: the same, and it returns
+                               each layer's attention weights (heads, q, cache length)
+    read_round(values, *caches)  the round's one host read: every value flattened into one list of ints (and each
+                               cache's own length checked against .length: a model that ignored its cache fails)
+    Output(prompt, budget, eos)  .tokens: prompt + committed, ints; .commit(tokens) cuts at EOS (kept) or budget, raises
+                               if nothing is committed; .commit_round(accepted, next) commits both, records tau; .done
+    Clock(device)              `with clock.span(key):` (or clock.run(key, fn), no autograd) adds the time inside to
+                               stats' time_<key>; CUDA events, read after the decode: no mid-round wait
+    check_request, cache_len, async_lanes  generate's input checks (-> B); KV slots a request needs; default lanes
+    additive_mask(mask, model) bool mask (True = may attend) -> HF's additive float mask
+    keep_layers(model, ids)    a new layer list of those decoder layers only, renumbered 0..n-1 (cache slots, config)
+    in_logit_chunks(V, fn, *rows)  fn over a few rows at a time, so V-wide logits never exist for all rows at once
+    finite_step(optimizer, params, max_norm)  clip and step (skipped if the norm is not finite), zero the gradients
+    host_copy, load_causal_lm, tokenizer_fingerprint  a deep copy in host memory; an HF causal LM; a tokenizer's hash
 
 Shapes: b batch, L clean tokens, K anchors (blocks), B block size, V vocabulary, q packed query length, past tokens
-already in a KV cache. "ours" marks a reading where the paper is silent (README.md, "Departures and readings", gives
-the reasons): anchorless blocks (MASK i off position p predicts token p+i); d_1 from the causal head; MASK a fresh
-id; the first token from the target's prefill; async branch shapes and padded drafts; chunked loss logits; pruning's
-adjusted teacher and tie-break; selective prefill's attention score.
+already in a KV cache. "ours" marks a reading where the paper is silent (README.md, "Departures and readings").
 """
 from __future__ import annotations
 
@@ -36,6 +47,7 @@ import json
 import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -44,8 +56,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from runtime import (Caches, Clock, KVCache, Output, additive_mask, async_lanes, attention_pass, cache_len,
-                     causal_pass, check_request, finite_step, host_copy, in_logit_chunks, load_causal_lm, prefill,
-                     read_round, tokenizer_fingerprint)
+                     causal_pass, check_request, finite_step, host_copy, in_logit_chunks, keep_layers, load_causal_lm,
+                     prefill, read_round, tokenizer_fingerprint)
 
 
 MASK_TOKEN = "<|MASK|>"
@@ -65,46 +77,28 @@ class D3DConfig:
     ar_weight: float = 1.0  # lambda: weight of the auxiliary autoregressive loss (Table 3: 1.0 is best)
     decay_gamma: float | None = None  # gamma: block position weights exp(-(i-1)/gamma); None = uniform
     target_vocab_size: int = 0  # rows of the target's output layer; drafter logits are cut to this size
-    tokenizer_hash: str = ""  # fingerprint of the tokenizer the drafter was made for (check_tokenizer)
+    tokenizer_hash: str = ""  # fingerprint of the tokenizer the drafter was made for (drivers check the target's)
     layer_ids: list[int] | None = None  # which layers of the initial checkpoint the drafter kept
-    first_token: str = "causal"  # where d_1 is read (draft_rows): "causal", the next-token head at x_n; "mask", MASK 1
+    d1_from: str = "causal"  # where d_1 is read (draft_rows): "causal", the next-token head at x_n; "mask", MASK 1
 
     def __post_init__(self):
         for name in ("block_size", "num_anchors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.first_token not in ("causal", "mask"):
-            raise ValueError(f"first_token must be 'causal' or 'mask', got {self.first_token!r}")
-
-    def save(self, path: str) -> None:
-        with open(os.path.join(path, CONFIG_NAME), "w") as f:
-            json.dump(asdict(self), f, indent=2)
+        if self.d1_from not in ("causal", "mask"):
+            raise ValueError(f"d1_from must be 'causal' or 'mask', got {self.d1_from!r}")
 
     @classmethod
     def load(cls, path: str) -> "D3DConfig":
         with open(os.path.join(path, CONFIG_NAME)) as f:
-            return cls(**json.load(f))
+            fields = json.load(f)
+        if "first_token" in fields:  # the field's earlier name
+            fields["d1_from"] = fields.pop("first_token")
+        return cls(**fields)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The standalone drafter
-
-
-def keep_layers(model: nn.Module, layer_ids: list[int]) -> nn.Module:
-    """Keep only decoder layers `layer_ids`, in that order and in place, renumbered 0..n-1 (cache slots, config)."""
-    decoder, config = model.get_decoder(), model.config
-    layers = decoder.layers
-    if not layer_ids or any(not 0 <= i < len(layers) for i in layer_ids) or len(set(layer_ids)) != len(layer_ids):
-        raise ValueError(f"layer ids must be distinct and in [0, {len(layers)}), got {layer_ids}")
-    decoder.layers = nn.ModuleList([layers[i] for i in layer_ids])
-    for new_idx, layer in enumerate(decoder.layers):
-        for module in layer.modules():
-            if hasattr(module, "layer_idx"):
-                module.layer_idx = new_idx  # the cache slot this attention writes to
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = [config.layer_types[i] for i in layer_ids]
-    config.num_hidden_layers = len(layer_ids)
-    return model
 
 
 class Drafter(nn.Module):
@@ -138,7 +132,8 @@ class Drafter(nn.Module):
     def save_pretrained(self, path: str, tokenizer=None) -> None:
         os.makedirs(path, exist_ok=True)
         self.model.save_pretrained(path)
-        self.d3d_config.save(path)
+        with open(os.path.join(path, CONFIG_NAME), "w") as f:
+            json.dump(asdict(self.d3d_config), f, indent=2)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
 
@@ -174,19 +169,13 @@ def make_drafter(model: nn.Module, mask_token_id: int | None = None, *, tokenize
                          f"mask_token_id=None to use a free id (>= {text_vocab})")
     if mask_token_id >= rows:  # no free row: grow the embedding table (and a tied or separate output layer)
         model.resize_token_embeddings(mask_token_id + 1, mean_resizing=False)
+    if layers is not None and not layers:
+        raise ValueError("a drafter keeps at least one decoder layer, got layers=[]")
     if layers is not None:
         keep_layers(model, list(layers))
     return Drafter(model, D3DConfig(mask_token_id=mask_token_id, target_vocab_size=target_vocab_size,
                                     tokenizer_hash=tokenizer_fingerprint(tokenizer),
                                     layer_ids=list(layers) if layers is not None else None, **config))
-
-
-def check_tokenizer(drafter: Drafter, tokenizer) -> None:
-    """Raise if the drafter was made for another tokenizer than `tokenizer` (the target's)."""
-    expected = drafter.d3d_config.tokenizer_hash
-    if expected and expected != tokenizer_fingerprint(tokenizer):
-        raise ValueError("the drafter was made for a different tokenizer than the target's: its drafts would be "
-                         "other tokens. Train a drafter for this target (python train.py --target ...)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -268,14 +257,14 @@ def _packed_inputs(drafter, input_ids, anchors, block_size):
     return torch.cat([input_ids, masks], 1), positions, mask
 
 
-def draft_rows(anchor: torch.Tensor, mask_start: torch.Tensor, block_size: int, first_token: str) -> torch.Tensor:
+def draft_rows(anchor: torch.Tensor, mask_start: torch.Tensor, block_size: int, d1_from: str) -> torch.Tensor:
     """Where a block's draft d_1 .. d_B is read, one rule for validation and decoding: rows (..., B) of a packed pass,
-    its B MASK rows from `mask_start` on, except d_1 when first_token is "causal" (ours): then d_1 is the causal
+    its B MASK rows from `mask_start` on, except d_1 when d1_from is "causal" (ours): then d_1 is the causal
     stream's next-token prediction at `anchor`, the token the block hangs off (the head L_AR trains). "mask": MASK 1.
     anchor, mask_start: row indices (...), broadcast together."""
     anchor, mask_start = torch.broadcast_tensors(anchor, mask_start)
     rows = mask_start[..., None] + torch.arange(block_size, device=mask_start.device)
-    if first_token == "causal":
+    if d1_from == "causal":
         rows[..., 0] = anchor
     return rows
 
@@ -303,8 +292,8 @@ def d3d_loss(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
              generator: torch.Generator | None = None):
     """L = L_block + lambda * L_AR on right-padded input_ids (b, L), loss_mask (b, L) True on response tokens. L_block:
     cross-entropy of block k position i against x_{a_k+i}, weighted exp(-(i-1)/gamma) if gamma is set; L_AR: the
-    causal stream's next-token loss. Settings default to the config's. Returns (loss, {loss_block, loss_ar,
-    block_acc (B,)})."""
+    causal stream's next-token loss; settings default to the config's. Returns (loss, {loss_block, loss_ar,
+    block_acc (B,) per block position})."""
     cfg = drafter.d3d_config
     num_anchors, block_size = num_anchors or cfg.num_anchors, block_size or cfg.block_size
     ar_weight = cfg.ar_weight if ar_weight is None else ar_weight
@@ -326,27 +315,22 @@ def d3d_loss(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
         correct = torch.zeros_like(counts)
         correct[counts] = predicted == labels[counts]
         block_acc = correct.sum((0, 1)) / counts.sum((0, 1)).clamp(min=1)
-    loss = loss_block + ar_weight * loss_ar
-    return loss, {"loss_block": loss_block.detach(), "loss_ar": loss_ar.detach(), "block_acc": block_acc}
+    return loss_block + ar_weight * loss_ar, {"loss_block": loss_block.detach(), "loss_ar": loss_ar.detach(),
+                                              "block_acc": block_acc}
 
 
 @torch.no_grad()
 def offline_tau(drafter: Drafter, input_ids, loss_mask, *, num_anchors: int = 32, block_size: int | None = None,
-                first_token: str | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+                d1_from: str | None = None, generator: torch.Generator | None = None, at=None) -> torch.Tensor:
     """Validation tau without the target (the responses are its greedy output): a block drafted at anchor a, d_1 as
-    `first_token` says (default: the config's), is accepted as far as it matches x_{a+1} .... Returns tau
-    (accepted + 1) per valid anchor (num_valid,)."""
+    `d1_from` says (default: the config's), is accepted as far as it matches x_{a+1} .... `at`: (anchors, valid) as
+    sample_anchors returns them (default: drawn here). Returns tau (accepted + 1) per valid anchor."""
     block_size = block_size or drafter.d3d_config.block_size
-    anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
-    return _tau_at(drafter, input_ids, loss_mask, anchors, valid, block_size, first_token)
-
-
-def _tau_at(drafter, input_ids, loss_mask, anchors, valid, block_size, first_token=None):
-    """offline_tau at given anchors (b, K) and their validity (b, K)."""
+    anchors, valid = at or sample_anchors(loss_mask, num_anchors, generator)
     length, num_anchors = input_ids.shape[1], anchors.shape[1]
     hidden = drafter.hidden_states(*_packed_inputs(drafter, input_ids, anchors, block_size))  # (b, L + K*B, H)
     mask_starts = length + block_size * torch.arange(num_anchors, device=anchors.device)
-    rows = draft_rows(anchors, mask_starts, block_size, first_token or drafter.d3d_config.first_token)  # (b, K, B)
+    rows = draft_rows(anchors, mask_starts, block_size, d1_from or drafter.d3d_config.d1_from)  # (b, K, B)
     rows = hidden.gather(1, rows.flatten(1)[..., None].expand(-1, -1, hidden.shape[-1])).unflatten(1, rows.shape[1:])
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
     draft, = in_logit_chunks(drafter.d3d_config.target_vocab_size, lambda h: (drafter.logits(h).argmax(-1),),
@@ -388,14 +372,14 @@ def draft_block(drafter: Drafter, cache: KVCache, new_tokens: torch.Tensor, bloc
     hidden = cache.run(torch.cat([F.pad(new_tokens, (0, width - m)), masks], 1), positions, mask)  # (width + B, H)
     cache.rewind(start + m)
     return drafter.logits(hidden[draft_rows(last, last.new_full((1,), width), block_size,
-                                            drafter.d3d_config.first_token)[0]])
+                                            drafter.d3d_config.d1_from)[0]])
 
 
 @torch.no_grad()
 def verify_block(cache: KVCache, last_token: torch.Tensor, draft: torch.Tensor):
     """One target pass on [x_n, d_1 .. d_B] (cache holds x_0 .. x_{n-1}). Returns logits (B+1, V): row i is the
     target's distribution for the token after x_n, d_1 .. d_i."""
-    return causal_pass(cache, torch.cat([last_token.view(1), draft])[None])
+    return causal_pass(cache, torch.cat([last_token.view(1), draft])[None])  # [shape 2]: draft is always (B,)
 
 
 def _at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -453,9 +437,9 @@ def _decode_target(out: Output, caches: Caches, clock: Clock, temperature, gener
     """Plain autoregressive decoding with the target alone: the reference output and the speedup baseline."""
     token = torch.tensor([out.tokens[-1:]], device=caches.target.device)  # (1, 1)
     while not out.done:
-        logits = causal_pass(caches.target, token)[-1]
+        logits = causal_pass(caches.target, token)[-1]  # [shape 1]
         token = pick_tokens(logits, temperature, generator)[0].view(1, 1)
-        out.commit(read_round([token], caches.target))  # the step's one host read
+        out.commit(read_round([token], caches.target))  # [one read]
 
 
 def _decode_sync(drafter, out: Output, caches: Caches, clock: Clock, block_size, temperature, generator) -> None:
@@ -466,18 +450,31 @@ def _decode_sync(drafter, out: Output, caches: Caches, clock: Clock, block_size,
     while not out.done:
         with clock.span("draft"):
             new_tokens = torch.tensor([out.tokens[dc.length:]], device=dc.device)
-            draft_logits = draft_block(drafter, dc, new_tokens, block_size, width=block_size + 1)
+            draft_logits = draft_block(drafter, dc, new_tokens, block_size, width=block_size + 1)  # [shape 3]
             draft, q_draft = pick_tokens(draft_logits, temperature, generator)
         with clock.span("verify"):
             p_logits = verify_block(tc, new_tokens[0, -1], draft)
             num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator)
-        num_accepted, next_token, *tokens = read_round([num_accepted, next_token, draft], tc, dc)  # the one read
+        num_accepted, next_token, *tokens = read_round([num_accepted, next_token, draft], tc, dc)  # [one read]
         out.commit_round(tokens[:num_accepted], next_token)
         tc.rewind(len(out.tokens) - 1)  # keep x_0 .. x_n, d_1 .. d_a
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Asynchronous speculative decoding (Fig. 1c, Fig. 3)
+#
+# Two rules shape the loops, so that compiled passes (CUDA graphs on a GPU) replay and the host never waits mid-round.
+# Fixed shapes: a decoding pass has one of five shapes (q tokens; tagged [shape n] where the code fixes them):
+#   1  target   1                  a target-only step
+#   2  target   B + 1              verify [x_n, d_1 .. d_B]; after a full-acceptance hit the next draft has B - 1
+#                                  real tokens and a pad that is never accepted, so one shape serves both
+#   3  drafter  B + 1 + B          sync draft: the unread committed tokens (1 .. B + 1) padded to B + 1, then B MASKs
+#   4  drafter  1 + B              async fallback draft: x_n and B MASKs
+#   5  drafter  1 + B + S (1 + B)  async packed pass: x_n, d_1 .. d_B, then S = C F + 1 segments [token, B MASKs];
+#                                  the drafter's cache rewinds to x_0 .. x_{n-1} first, so x_n is always re-read
+# One host read [one read]: a round's outcome (accepted, next token, hit, draft) comes back in one read_round; all
+# before it (plan, build, verify, accept, find the hit) is queued without waiting (sampling with a generator on
+# another device than the model's copies the probabilities to it: reproducible, at the cost of a wait).
 
 
 def default_budget(block_size: int) -> tuple[int, int]:
@@ -509,8 +506,8 @@ def build_branch_pass(drafter: Drafter, last_token, draft, positions, candidates
     their KV here). Then C x F segments [t, MASK x B], t at position n+k off d_{k-1} (d_0 = x_n): "d_k rejected, the
     target said t"; last [d_L, MASK x B] off d_{L-1}, guessing the bonus token and on (L = `length`, the real draft
     tokens; default B). A segment's first draft token is read where draft_block reads it (draft_rows): the causal head
-    at t (or d_L) under first_token="causal", MASK 1 under "mask". Example with B = L = 3, C = 2, F = 1, blocks of 2
-    MASKs shown; the cache is visible to all:
+    at t (or d_L) under d1_from="causal", MASK 1 under "mask" (in the example: the row of t1, or the MASK after it).
+    Example with B = L = 3, C = 2, F = 1, blocks of 2 MASKs shown; the cache is visible to all:
 
                      x_n d_1 d_2 d_3 | t1 m m | t2 m m | d_3 m m
         x_n (n)      x               |        |        |
@@ -518,13 +515,13 @@ def build_branch_pass(drafter: Drafter, last_token, draft, positions, candidates
         d_2 (n+2)    x   x   x       |        |        |
         d_3 (n+3)    x   x   x   x   |        |        |
         t1  (n+1)    x               | x      |        |               branch (1, t1): d_1 rejected, target said t1;
-        m   (n+2)    x               | x  x x |        |               drafts x_{n+2}, x_{n+3}
+        m   (n+2)    x               | x  x x |        |               drafts x_{n+2} (row t1 or this MASK), x_{n+3}
         m   (n+3)    x               | x  x x |        |
         t2  (n+2)    x   x           |        | x      |               branch (2, t2): d_1 accepted, d_2 rejected
         m   (n+3)    x   x           |        | x  x x |
         m   (n+4)    x   x           |        | x  x x |
         d_3 (n+3)    x   x   x       |        |        | x             full acceptance, off d_2: guesses the
-        m   (n+4)    x   x   x       |        |        | x   x x       bonus x_{n+4}, then x_{n+5}
+        m   (n+4)    x   x   x       |        |        | x   x x       bonus x_{n+4} (row d_3 / this MASK), x_{n+5}
         m   (n+5)    x   x   x       |        |        | x   x x
 
     Built without waiting for the device; its shape depends on B, C and F only. Returns input ids (1, q), position
@@ -533,22 +530,23 @@ def build_branch_pass(drafter: Drafter, last_token, draft, positions, candidates
     fanout = candidates.shape[1]
     length = draft.shape[0] if length is None else length
     anchors = torch.cat([positions[:, None].expand(-1, fanout).flatten(), positions.new_full((1,), length)]) - 1
-    segments = torch.full((len(anchors), 1 + block_size), drafter.d3d_config.mask_token_id, device=draft.device)
+    segments = torch.full((len(anchors), 1 + block_size), drafter.d3d_config.mask_token_id,
+                          device=draft.device)  # [shape 5]: S = C F + 1 segments whatever the draft
     segments[:, 0] = torch.cat([candidates.flatten(), draft[length - 1: length]])
     num_causal = 1 + draft.shape[0]
     ids = torch.cat([last_token, draft, segments.flatten()])[None]
     mask, position_ids = packed_attention_mask(num_causal, anchors, block_size, prefix_len=1, past_len=past_len)
     mask_starts = num_causal + 1 + (1 + block_size) * torch.arange(len(anchors), device=draft.device)
-    return ids, position_ids, mask, draft_rows(mask_starts - 1, mask_starts, block_size, drafter.d3d_config.first_token)
+    return ids, position_ids, mask, draft_rows(mask_starts - 1, mask_starts, block_size, drafter.d3d_config.d1_from)
 
 
-def prepared_segment(drafter: Drafter, block_hidden, positions, candidates, num_accepted, next_token, length: int,
-                     temperature: float, generator=None) -> torch.Tensor:
-    """Which segment of the packed pass was prepared for the outcome (a = num_accepted, c = next_token), as a 0-d
-    device tensor: the branch (k = a+1, t = c) if there is one, else the full-acceptance segment if a = length and its
-    first draft row guessed c (the bonus token: read at d_L by the causal head under first_token="causal", by MASK 1
-    under "mask"; it needs B > 1: the segment's later rows are the next draft), else -1. Computed on the device, so
-    the round still reads the host once."""
+def cache_hit(drafter: Drafter, block_hidden, positions, candidates, num_accepted, next_token, length: int,
+              temperature: float, generator=None) -> torch.Tensor:
+    """The cache hit: which segment of the packed pass was prepared for the outcome (a = num_accepted, c = next_token),
+    as a 0-d device tensor; -1 on a miss. The branch planned for position k = a+1 and token t = c if there is one,
+    else the full-acceptance segment if a = length and its first draft row guessed c (the bonus token: the causal head
+    at d_L under d1_from="causal", MASK 1 under "mask"; it needs B > 1: the segment's other rows are the next draft).
+    Computed on the device, so the round still reads the host once."""
     num_segments, block_size = block_hidden.shape[:2]
     guess = pick_tokens(drafter.logits(block_hidden[-1, 0]), temperature, generator)[0]  # the bonus token's guess
     branch = ((positions[:, None] == num_accepted + 1) & (candidates == next_token)).flatten()  # (C*F,)
@@ -569,7 +567,6 @@ class _Lanes:
             self.verify_stream = torch.cuda.Stream(device, priority=-1)  # the critical path goes first
             self.draft_stream = torch.cuda.Stream(device)
         elif lanes > 1:
-            from concurrent.futures import ThreadPoolExecutor
             self.pool, self.threads = ThreadPoolExecutor(1, "packed-pass"), torch.get_num_threads()
             torch.set_num_threads(max(1, self.threads // 2))
 
@@ -581,35 +578,27 @@ class _Lanes:
     def both(self, verify, packed, clock: Clock):
         with clock.span("both"):
             if not self.streams:  # a worker thread (kernels release the GIL), or one pass after the other
-                future = self.pool.submit(_in_span, clock, "packed_draft", packed) if self.pool else None
-                p_logits = _in_span(clock, "verify", verify)
-                return p_logits, future.result() if future else _in_span(clock, "packed_draft", packed)
+                future = self.pool.submit(clock.run, "packed_draft", packed) if self.pool else None
+                p_logits = clock.run("verify", verify)
+                return p_logits, future.result() if future else clock.run("packed_draft", packed)
             self.verify_stream.wait_stream(self.main)  # both read what the main stream made: the draft, the input
             self.draft_stream.wait_stream(self.main)
             with torch.cuda.stream(self.verify_stream):
-                p_logits = _in_span(clock, "verify", verify)
+                p_logits = clock.run("verify", verify)
             with torch.cuda.stream(self.draft_stream):
-                block_hidden = _in_span(clock, "packed_draft", packed)
+                block_hidden = clock.run("packed_draft", packed)
             for stream, result in ((self.verify_stream, p_logits), (self.draft_stream, block_hidden)):
                 self.main.wait_stream(stream)  # join: both are read on the main stream
                 result.record_stream(self.main)  # made on a side stream: the allocator must not reuse it early
             return p_logits, block_hidden
 
 
-@torch.no_grad()  # also in a worker thread, where the caller's no_grad does not reach
-def _in_span(clock: Clock, key: str, fn):
-    with clock.span(key):
-        return fn()
-
-
 def _decode_async(drafter, out: Output, caches: Caches, clock: Clock, block_size, temperature, generator, coverage,
                   fanout, cover, lanes: int) -> dict:
     """While the target verifies [x_n, d_1 .. d_B], one packed drafter pass prepares the next draft for the likely
     outcomes. Each round: (a) plan and build the packed pass; (b) verify while it runs; (c) commit the accepted prefix
-    and the target's token c; a prepared outcome's block is the next draft (a hit), else the drafter drafts it (a
-    miss: fallback draft). At the top of a round the drafter's cache holds x_0 .. x_{n-1}, so every packed pass has
-    one shape. After a full-acceptance hit the next draft has B-1 real tokens, padded to B (a pad is never accepted).
-    Returns hits and misses per outcome (index k-1: rejection at k; index B: full acceptance)."""
+    and the target's token c; a prepared outcome's block is the next draft (a cache hit), else the drafter drafts it
+    (a miss: fallback draft). Returns hits and misses per outcome (index k-1: rejection at k; B: full acceptance)."""
     tc, dc = caches.target, caches.drafter
     hits, misses = [0] * (block_size + 1), [0] * (block_size + 1)
     lane = _Lanes(dc.device, lanes)
@@ -617,11 +606,11 @@ def _decode_async(drafter, out: Output, caches: Caches, clock: Clock, block_size
     try:
         while not out.done:
             n = len(out.tokens) - 1
-            last = torch.tensor(out.tokens[n:], device=dc.device)  # (1,) x_n: the round's one host-to-device copy
+            last = torch.tensor(out.tokens[n:], device=dc.device)  # (1,) x_n, copied to the device
             if draft_logits is None:  # a fallback draft (a miss, or the first round): its pass reads x_n
                 with clock.span("fallback_draft"):
-                    draft_logits, length = draft_block(drafter, dc, last[None], block_size), block_size
-                    dc.rewind(n)  # x_n again in the packed pass, whose causal stream always starts there
+                    draft_logits, length = draft_block(drafter, dc, last[None], block_size), block_size  # [shape 4]
+                    dc.rewind(n)  # x_n again in the packed pass, whose causal stream always starts there [shape 5]
             # (a) plan and build, on the device
             draft, q_draft = pick_tokens(draft_logits, temperature, generator)  # (B,), padded if length < B
             positions, candidates = plan_branches(draft_logits, draft, coverage, fanout, cover)
@@ -632,19 +621,22 @@ def _decode_async(drafter, out: Output, caches: Caches, clock: Clock, block_size
             p_logits, block_hidden = lane.both(lambda: verify_block(tc, last, draft),
                                                lambda: dc.run(ids, position_ids, mask)[block_rows], clock)  # (S, B, H)
             num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator, length)
-            segment = prepared_segment(drafter, block_hidden, positions, candidates, num_accepted, next_token, length,
-                                       temperature, generator)
-            num_accepted, next_token, segment, *tokens = read_round(
-                [num_accepted, next_token, segment, draft], tc, dc)  # the round's one host read
-            # (c) resolve: commit, rewind both caches, take the prepared block if the outcome was prepared
+            hit = cache_hit(drafter, block_hidden, positions, candidates, num_accepted, next_token, length,
+                            temperature, generator)
+            num_accepted, next_token, hit, *tokens = read_round(
+                [num_accepted, next_token, hit, draft], tc, dc)  # [one read]
+            # (c) resolve: commit, rewind both caches; on a cache hit the prepared block is the next draft
             out.commit_round(tokens[:num_accepted], next_token)
             tc.rewind(len(out.tokens) - 1)
             dc.rewind(n + 1 + num_accepted)  # keep x_0 .. x_n, d_1 .. d_a; drop rejected drafts and branches
-            (hits if segment >= 0 else misses)[block_size if num_accepted == length else num_accepted] += 1
+            (hits if hit >= 0 else misses)[block_size if num_accepted == length else num_accepted] += 1
             draft_logits = None
-            if segment >= 0 and not out.done:
-                full = segment == block_hidden.shape[0] - 1  # its first row guessed the bonus token: the rest drafts
-                draft_logits = drafter.logits(block_hidden[segment, 1:] if full else block_hidden[segment])
+            if hit >= 0 and not out.done:
+                # the full-acceptance segment's first draft row guessed the bonus token (d1_from="causal": the causal
+                # head at d_L; "mask": MASK 1), so its other B - 1 rows are the next draft and a pad row (zero logits,
+                # never accepted) makes it B [shape 2, 5]; a rejection branch's B rows are the next draft as they are
+                full = hit == block_hidden.shape[0] - 1
+                draft_logits = drafter.logits(block_hidden[hit, 1:] if full else block_hidden[hit])
                 draft_logits, length = F.pad(draft_logits, (0, 0, 0, int(full))), block_size - int(full)
     finally:
         lane.close()
@@ -665,7 +657,7 @@ def adjusted_teacher(teacher_logits: torch.Tensor, labels: torch.Tensor, beta: f
 def distill_loss(student: Drafter, teacher: Drafter, input_ids, loss_mask, *, beta: float = 0.5,
                  num_anchors: int | None = None, block_size: int | None = None, generator=None) -> torch.Tensor:
     """Cross-entropy of the student against the adjusted teacher (no gradients) on one packed batch: the blocks
-    (targets x_{a+i}) and the causal stream (targets x_{j+1}), response tokens only."""
+    (targets x_{a+i}) and the causal stream (targets x_{j+1}), response tokens only, the two terms weighted alike."""
     cfg = student.d3d_config
     num_anchors, block_size = num_anchors or cfg.num_anchors, block_size or cfg.block_size
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
@@ -704,14 +696,10 @@ def validation_tau(drafter: Drafter, batches, *, num_anchors: int = 32, seed: in
 
 @contextlib.contextmanager
 def _only_layers(drafter: Drafter, layer_ids: list[int]):
-    """Keep only decoder layers `layer_ids` (none: straight to the final norm) for the duration; yields the decoder."""
+    """Keep only decoder layers `layer_ids` for the duration; yields the decoder."""
     decoder, config = drafter.model.get_decoder(), drafter.model.config
     layers, layer_types = decoder.layers, getattr(config, "layer_types", None)
-    if layer_ids:
-        keep_layers(drafter.model, layer_ids)
-    else:  # keep_layers keeps at least one layer
-        decoder.layers, config.num_hidden_layers = nn.ModuleList(), 0
-        config.layer_types = None if layer_types is None else []
+    keep_layers(drafter.model, layer_ids)
     try:
         yield decoder
     finally:  # every layer back, numbered 0..n-1 again
@@ -730,9 +718,14 @@ def tau_without_each_layer(drafter: Drafter, batches, *, num_anchors: int = 32, 
     return scores
 
 
+def _original_ids(drafter: Drafter) -> list[int]:
+    """The drafter's decoder layers, by their index in the checkpoint it was made from."""
+    return drafter.d3d_config.layer_ids or list(range(len(drafter.model.get_decoder().layers)))
+
+
 def remove_layer(drafter: Drafter, index: int) -> None:
     """Remove decoder layer `index` for good (in place); d3d_config.layer_ids keeps the original indices."""
-    original = drafter.d3d_config.layer_ids or list(range(len(drafter.model.get_decoder().layers)))
+    original = _original_ids(drafter)
     keep_layers(drafter.model, [i for i in range(len(original)) if i != index])
     drafter.d3d_config.layer_ids = [layer for i, layer in enumerate(original) if i != index]
 
@@ -741,25 +734,25 @@ def least_costly_layer(drafter: Drafter, scores: dict[int, float], val_batches, 
                        seed: int = 0) -> int:
     """The layer whose removal costs least tau (`scores`: tau without each layer); ties, common for weak drafters, go
     to the smallest change in block loss."""
-    best = max(scores, key=scores.get)
-    tied = [i for i in scores if scores[i] == scores[best]]
+    tied = [i for i in scores if scores[i] == max(scores.values())]
     if len(tied) == 1:
-        return best
-    num_layers = len(drafter.model.get_decoder().layers)
-    _, base_loss = validation_tau(drafter, val_batches, num_anchors=num_anchors, seed=seed)
-    change = {}
-    for index in tied:
+        return tied[0]
+    num_layers, measure = len(drafter.model.get_decoder().layers), dict(num_anchors=num_anchors, seed=seed)
+    _, base_loss = validation_tau(drafter, val_batches, **measure)
+
+    def loss_change(index):
         with _only_layers(drafter, [i for i in range(num_layers) if i != index]):
-            change[index] = abs(validation_tau(drafter, val_batches, num_anchors=num_anchors, seed=seed)[1] - base_loss)
-    return min(tied, key=change.get)
+            return abs(validation_tau(drafter, val_batches, **measure)[1] - base_loss)
+    return min(tied, key=loss_change)
 
 
 def recover(drafter: Drafter, teacher: Drafter, train_batches, *, steps: int, lr: float = 5e-5, beta: float = 0.5,
-            num_anchors: int = 32, generator=None, checkpointing: bool = False, log=print) -> None:
+            num_anchors: int = 32, generator=None, checkpointing: bool = False) -> int:
     """Recovery (Fig. 1b): `steps` AdamW steps distilling the pruned drafter toward the fixed unpruned one, its
-    distribution adjusted toward the label (distill_loss, beta). A step whose gradient norm is not finite is skipped."""
+    distribution adjusted toward the label (distill_loss, beta). A step whose gradient norm is not finite is skipped;
+    returns how many were."""
     if steps <= 0:
-        return
+        return 0
     drafter.train()
     if checkpointing:
         drafter.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -773,11 +766,10 @@ def recover(drafter: Drafter, teacher: Drafter, train_batches, *, steps: int, lr
         loss.backward()
         skipped += not finite_step(optimizer, params, 1.0)
         torch.clear_autocast_cache()  # under a caller's autocast, later passes must not read stale bf16 copies
-    if skipped:
-        log(f"recovery skipped {skipped} of {steps} steps: gradient norm not finite")
     if checkpointing:
         drafter.model.activation_checkpointing_disable()
     drafter.eval()
+    return skipped
 
 
 def _undo_removal(drafter: Drafter, snapshot: Drafter, device) -> None:
@@ -787,52 +779,41 @@ def _undo_removal(drafter: Drafter, snapshot: Drafter, device) -> None:
 
 def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: int | None = None,
                   tau_floor: float | None = None, recovery_steps: int = 100, lr: float = 5e-5, beta: float = 0.5,
-                  num_anchors: int = 32, seed: int = 0, checkpointing: bool = False, score=None, log=print):
-    """Greedy progressive pruning, in place (Fig. 1b): each iteration scores every layer by the offline tau without
-    it (`score`: tau_without_each_layer, or fast.py's, which is quicker), removes the one that costs least, recovers
-    for `recovery_steps` steps distilled from the fixed unpruned drafter, and re-measures tau. Stops at `min_layers`,
-    or at the first removal whose recovered tau falls below tau_floor x the unpruned tau (undone, "kept": False).
-    Returns one dict per iteration. On the device: the drafter, its gradients and AdamW moments, and the teacher; the
-    copy kept to undo a removal waits in host memory. `checkpointing`: recompute each layer's activations in
-    recovery's backward instead of storing them (a GPU's memory at the paper's shapes)."""
+                  num_anchors: int = 32, seed: int = 0, checkpointing: bool = False, score=None):
+    """Greedy progressive pruning, in place (Fig. 1b). Each iteration: score every layer by the offline tau without
+    it (`score`: tau_without_each_layer, or fast.py's, which is quicker), remove the one that costs least, recover for
+    `recovery_steps` steps distilled from the fixed unpruned drafter, re-measure tau. Stops at `min_layers`, or after
+    the first removal whose recovered tau falls below tau_floor x the unpruned tau (undone: "kept" False). Yields the
+    unpruned drafter's row, then one per iteration, for the caller to print. The copy kept to undo a removal waits in
+    host memory; `checkpointing` recomputes each layer's activations in recovery's backward."""
     if min_layers is None and tau_floor is None:
         raise ValueError("give a stopping rule: min_layers (a target depth) or tau_floor (fraction of unpruned tau)")
     teacher = copy.deepcopy(drafter).eval().requires_grad_(False)  # the fixed, unpruned drafter
-    measure = dict(num_anchors=num_anchors, seed=seed)
+    measure, generator = dict(num_anchors=num_anchors, seed=seed), torch.Generator().manual_seed(seed)
     tau0, _ = validation_tau(drafter, val_batches, **measure)
-    num_layers = len(drafter.model.get_decoder().layers)
-    log(f"unpruned: {num_layers} layers, tau {tau0:.3f}")
-    table = [{"iteration": 0, "removed_layer": None, "layers": num_layers, "tau_before_recovery": tau0,
-              "tau_after_recovery": tau0, "seconds": 0.0, "score_seconds": 0.0, "kept": True}]
-    generator = torch.Generator().manual_seed(seed)
+    yield {"iteration": 0, "removed_layer": None, "layers": len(drafter.model.get_decoder().layers),
+           "tau_before_recovery": tau0, "tau_after_recovery": tau0, "seconds": 0.0, "score_seconds": 0.0, "kept": True}
+    iteration = 0
     while len(drafter.model.get_decoder().layers) > max(1, min_layers or 1):
-        start = time.perf_counter()
-        drafter.eval()
-        original = drafter.d3d_config.layer_ids or list(range(len(drafter.model.get_decoder().layers)))
-        scores = (score or tau_without_each_layer)(drafter, val_batches, **measure)  # 1. score
+        iteration, start, original = iteration + 1, time.perf_counter(), _original_ids(drafter)
+        scores = (score or tau_without_each_layer)(drafter.eval(), val_batches, **measure)  # 1. score
         best = least_costly_layer(drafter, scores, val_batches, **measure)
         score_seconds = time.perf_counter() - start
         snapshot = host_copy(drafter) if tau_floor is not None else None
         remove_layer(drafter, best)  # 2. remove
-        recover(drafter, teacher, train_batches, steps=recovery_steps, lr=lr, beta=beta, num_anchors=num_anchors,
-                generator=generator, checkpointing=checkpointing, log=log)  # 3. recover
+        skipped = recover(drafter, teacher, train_batches, steps=recovery_steps, lr=lr, beta=beta,
+                          num_anchors=num_anchors, generator=generator, checkpointing=checkpointing)  # 3. recover
         # 4. re-measure (without recovery, the score is already the pruned drafter's tau)
         tau_after = validation_tau(drafter, val_batches, **measure)[0] if recovery_steps > 0 else scores[best]
-        row = {"iteration": len(table), "removed_layer": original[best], "layers": len(original) - 1,
-               "tau_before_recovery": scores[best], "tau_after_recovery": tau_after,
-               "seconds": time.perf_counter() - start, "score_seconds": score_seconds, "kept": True,
-               "candidates": {original[i]: round(value, 4) for i, value in scores.items()}}
-        table.append(row)
-        recovered = f" -> {tau_after:.3f} after recovery" if recovery_steps > 0 else ""
-        log(f"removed layer {original[best]}: {len(original) - 1} left, tau {scores[best]:.3f}{recovered} "
-            f"({row['seconds']:.0f} s, scoring {score_seconds:.0f} s)")
-        if tau_floor is not None and tau_after < tau_floor * tau0:  # below the floor: undo this removal and stop
-            row["kept"] = False
+        kept = tau_floor is None or tau_after >= tau_floor * tau0
+        if not kept:  # below the floor: undo this removal and stop
             _undo_removal(drafter, snapshot, teacher.device)
-            log(f"tau {tau_after:.3f} < {tau_floor} x {tau0:.3f}: removal undone, stopping")
+        yield {"iteration": iteration, "removed_layer": original[best], "layers": len(original) - 1,
+               "tau_before_recovery": scores[best], "tau_after_recovery": tau_after,
+               "seconds": time.perf_counter() - start, "score_seconds": score_seconds, "kept": kept,
+               "recovery_skipped": skipped, "candidates": {original[i]: round(tau, 4) for i, tau in scores.items()}}
+        if not kept:
             break
-    drafter.eval()
-    return table
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -844,8 +825,8 @@ def select_chunks(drafter: Drafter, input_ids: torch.Tensor, *, keep_ratio: floa
                   query_window: int = 32, cache: KVCache | None = None) -> dict:
     """The drafter reads the whole prompt into its cache (`cache`, else a new one) and picks the chunks the target
     prefills: the first, the last, then the best by score (ours: attention from the last `query_window` prompt tokens,
-    mean over layers, heads and queries) up to ceil(keep_ratio * num_chunks), at their own positions. Returns kept_ids
-    (1, k), kept_positions (1, k), drafter_cache (full prompt), chunk_scores, kept_chunks, num_chunks, chunks_kept."""
+    mean over layers, heads and queries) up to ceil(keep_ratio * num_chunks). Returns kept_ids and kept_positions
+    (1, k), drafter_cache (full prompt), chunk_scores, kept_chunks, num_chunks, chunks_kept."""
     if not 0 < keep_ratio <= 1 or chunk_size < 1:
         raise ValueError(f"need keep_ratio in (0, 1] and chunk_size >= 1, got {keep_ratio}, {chunk_size}")
     device, length = input_ids.device, input_ids.shape[1]
@@ -854,7 +835,7 @@ def select_chunks(drafter: Drafter, input_ids: torch.Tensor, *, keep_ratio: floa
     cache.rewind(0)
     if length > window:  # the bulk of the prompt with the fast attention path
         prefill(cache, input_ids[:, : length - window])
-    attentions = attention_pass(cache, input_ids[:, length - window:])  # (layers, heads, window, length) each
+    attentions = attention_pass(cache, input_ids[:, length - window:])  # per layer: (heads, window, length)
     attention = torch.stack(attentions).mean((0, 1, 2))[:length]  # (L,): attention each prompt token receives
     num_chunks = math.ceil(length / chunk_size)
     scores = torch.zeros(num_chunks, device=device).index_add_(
@@ -869,42 +850,31 @@ def select_chunks(drafter: Drafter, input_ids: torch.Tensor, *, keep_ratio: floa
             "chunk_scores": scores.tolist(), "kept_chunks": kept, "num_chunks": num_chunks, "chunks_kept": len(kept)}
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# generate: the entry point (target-only, sync, async; selective prefill)
+
 
 MODES = ("target", "sync", "async")
 
 
 @torch.no_grad()
-def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor | list, *, max_new_tokens: int,
+def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor, *, max_new_tokens: int,
              mode: str = "sync", block_size: int | None = None, temperature: float = 0.0, eos_token_id=None,
              generator: torch.Generator | None = None, coverage: int | None = None, fanout: int | None = None,
              cover: str = "first", keep_ratio: float | None = None, chunk_size: int = 64, caches: Caches | None = None,
              lanes: int | None = None, trace: bool = False):
     """Decode input_ids (1, prompt_len) until EOS (kept) or max_new_tokens. Returns (output_ids (1, prompt + new),
-    stats). mode "target": the target alone (drafter may be None); "sync": speculative decoding with D3D drafts;
-    "async": the drafter drafts during verification for `coverage` x `fanout` outcomes (default_budget(B)) picked by
-    `cover`, beside the verification in a second lane if lanes=2 (CUDA: a stream; CPU: a thread), after it if lanes=1
-    (None: runtime.async_lanes picks; two lanes with compiled passes on CUDA are refused). Greedy (temperature 0)
-    gives exactly the target's tokens; sampling is lossless, reproducible with `generator`. keep_ratio (lossy): the
-    target prefills only the chunks select_chunks keeps. caches: KV caches of fixed size to reuse (Caches.make;
-    default: new ones sized to the request). stats: tau, accept_lengths, num_rounds, num_new_tokens,
-    time_{prefill, total}; sync adds time_{draft, verify}; async {hits, misses}_per_position, coverage, fanout, cover,
-    lanes, time_{draft, verify, fallback_draft, packed_draft, both} (both: verify and the packed pass together; on CUDA
-    also time_*_launch, the host time queuing them); keep_ratio num_chunks, chunks_kept, time_scoring,
-    prompt_tokens_prefilled, time_target_prefill; trace=True adds "trace", the phases as a Chrome trace, a track a
-    lane (Clock.trace). A list of 1-D prompts (modes "target", "sync") decodes as a ragged batch, each row as it would
-    alone: returns (list of 1-D outputs, stats), the same totals plus stats["rows"] (per request tau, accept_lengths,
-    num_rounds, num_new_tokens, time_done)."""
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
+    stats: tau, accept_lengths, num_rounds, num_new_tokens, time per phase, ...; README.md lists every key).
+    mode "target": the target alone (drafter may be None); "sync": speculative decoding with D3D drafts; "async": the
+    drafter drafts during verification for `coverage` x `fanout` outcomes (default_budget(B)) picked by `cover`,
+    beside the verification in a second lane if lanes=2 (CUDA: a stream; CPU: a thread), after it if lanes=1 (None:
+    runtime.async_lanes picks). Greedy (temperature 0) gives exactly the target's tokens; sampling is lossless,
+    reproducible with `generator`. keep_ratio (lossy): the target prefills only the chunks select_chunks keeps.
+    caches: KV caches of fixed size to reuse (Caches.make; default: new ones sized to the request). trace=True adds
+    the phases as a Chrome trace, a track a lane. Many prompts at once: systems/batched.py."""
     block_size = check_request(target, drafter, input_ids, max_new_tokens, mode, block_size, temperature, coverage,
                                fanout, cover, keep_ratio)  # a clear error for each bad input (runtime.py)
     coverage, fanout = (d if v is None else v for v, d in zip((coverage, fanout), default_budget(block_size or 1)))
-    if isinstance(input_ids, (list, tuple)):  # concurrent requests: batched.py
-        import batched
-        if mode == "target":
-            return batched.decode_target(target, input_ids, max_new_tokens, temperature, eos_token_id, generator)
-        return batched.decode_sync(target, drafter, input_ids, max_new_tokens, block_size, temperature,
-                                   eos_token_id, generator)
     use_drafter = drafter if mode != "target" or keep_ratio is not None else None
     need = cache_len(input_ids.shape[1], max_new_tokens, block_size or 1, coverage * (mode == "async"), fanout)
     caches = Caches.make(target, use_drafter, need) if caches is None else caches.check(target, use_drafter, need)

@@ -11,6 +11,7 @@ import copy
 import hashlib
 import importlib.util
 import json
+import os
 import threading
 import time
 import warnings
@@ -236,6 +237,12 @@ class Clock:
         if self.cuda:
             self.host[key + "_launch"] = self.host.get(key + "_launch", 0.0) + time.perf_counter() - host
 
+    @torch.no_grad()  # also in a worker thread, where the caller's no_grad does not reach
+    def run(self, key: str, fn):
+        """fn() inside span(key), without autograd."""
+        with self.span(key):
+            return fn()
+
     def _seconds(self, start, end) -> float:
         return start.elapsed_time(end) / 1e3 if self.cuda else end - start
 
@@ -276,6 +283,9 @@ class Output:
 
     def commit(self, new: list[int]) -> list[int]:
         """Append tokens, cut at the first EOS (kept) or at max_new_tokens. Returns what was committed."""
+        if self.done:  # a finished sequence takes no more tokens
+            raise RuntimeError("tokens committed to a finished sequence: a decoding loop lost track of its rows or of "
+                               "the stop rule")
         new = new[: self.prompt_len + self.max_new_tokens - len(self.tokens)]
         for i, t in enumerate(new):
             if t in self.eos:
@@ -315,6 +325,38 @@ class Output:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Number formats
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Does the device compute bf16 natively (CUDA: the GPU says; CPU: AVX512-BF16 or AMX in /proc/cpuinfo)?
+    Elsewhere bf16 matmuls fall back to slow kernels (measured: ~20-200x slower)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu" or not os.path.exists("/proc/cpuinfo"):
+        return False
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split() for line in f if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """--dtype of both drivers: "auto" (or None) is bf16 where the device does it natively, else fp32; an explicit
+    bf16 on a CPU without it is honoured with a warning."""
+    if name in (None, "auto"):
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: use auto, {', '.join(DTYPES)}")
+    if DTYPES[name] == torch.bfloat16 and device.type == "cpu" and not native_bf16(device):
+        warnings.warn("bf16 on a CPU without AVX512-BF16/AMX runs on slow fallback kernels (measured on AVX2: a "
+                      "drafter training step 130 s instead of 5.9 s in fp32); --dtype auto picks fp32 here")
+    return DTYPES[name]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # generate's input checks
 
 
@@ -322,12 +364,14 @@ def check_request(target, drafter, input_ids, max_new_tokens, mode, block_size, 
                   keep_ratio) -> int | None:
     """d3d.generate's input checks: a clear error for each bad input. Returns the block size (default: the
     drafter's; None without a drafter)."""
+    if mode not in ("target", "sync", "async"):
+        raise ValueError(f"unknown mode {mode!r}: use one of ('target', 'sync', 'async')")
     if isinstance(input_ids, (list, tuple)):
-        import batched
-        batched.check_request(input_ids, mode, keep_ratio)
-    elif input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must have shape (1, prompt_len) (batch 1, not empty: at least one token) or be a "
-                         f"list of 1-D prompts, got {tuple(input_ids.shape)}")
+        raise ValueError("d3d.generate decodes one prompt (1, prompt_len); a list of prompts decodes as one batch "
+                         "with systems.batched.generate")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must have shape (1, prompt_len) (batch 1, not empty: at least one token), "
+                         f"got {tuple(input_ids.shape)}")
     if max_new_tokens < 0 or temperature < 0:
         raise ValueError(f"need max_new_tokens >= 0 and temperature >= 0, got {max_new_tokens}, {temperature}")
     if drafter is None and (mode != "target" or keep_ratio is not None):
@@ -429,7 +473,7 @@ def in_logit_chunks(vocab_size: int, fn, *rows: torch.Tensor) -> tuple[torch.Ten
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The tokenizer a drafter was made for (d3d.check_tokenizer compares)
+# The tokenizer a drafter was made for
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -438,8 +482,34 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
+def check_tokenizer(drafter, tokenizer) -> None:
+    """Raise if a d3d.Drafter was made for another tokenizer than `tokenizer` (the target's)."""
+    expected = drafter.d3d_config.tokenizer_hash
+    if expected and expected != tokenizer_fingerprint(tokenizer):
+        raise ValueError("the drafter was made for a different tokenizer than the target's: its drafts would be "
+                         "other tokens. Train a drafter for this target (python train.py --target ...)")
+
+
 # ----------------------------------------------------------------------------------------------------------------------
-# Loading, a guarded training step, a host copy (train.py and pruning)
+# Loading, layer surgery, a guarded training step, a host copy (train.py and pruning)
+
+
+def keep_layers(model: nn.Module, layer_ids: list[int]) -> nn.Module:
+    """Keep only decoder layers `layer_ids`, in that order and in place, renumbered 0..n-1 (cache slots, config).
+    No layer at all (pruning's score of a one-layer drafter) goes straight from the embeddings to the final norm."""
+    decoder, config = model.get_decoder(), model.config
+    layers = decoder.layers
+    if any(not 0 <= i < len(layers) for i in layer_ids) or len(set(layer_ids)) != len(layer_ids):
+        raise ValueError(f"layer ids must be distinct and in [0, {len(layers)}), got {layer_ids}")
+    decoder.layers = nn.ModuleList([layers[i] for i in layer_ids])
+    for new_idx, layer in enumerate(decoder.layers):
+        for module in layer.modules():
+            if hasattr(module, "layer_idx"):
+                module.layer_idx = new_idx  # the cache slot this attention writes to
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = [config.layer_types[i] for i in layer_ids]
+    config.num_hidden_layers = len(layer_ids)
+    return model
 
 
 def load_causal_lm(path: str, dtype=None, device=None, **kwargs) -> nn.Module:

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 import d3d
-import fast
+from systems import batched, fast
 import runtime
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest and leaves a core to the other tests
@@ -57,7 +57,7 @@ class ScriptedDrafter(d3d.Drafter):
     `reference` is the target's greedy continuation (reference[pos] = token at absolute position pos). A MASK token
     at index i (1-based) of its block predicts reference[pos] if i <= right_upto, else a token the target never
     chooses there, with reference[pos] as its runner-up (so an asynchronous branch can hit); a causal token at pos
-    predicts reference[pos + 1] (right iff right_upto >= 1; it drafts d_1 when first_token == "causal").
+    predicts reference[pos + 1] (right iff right_upto >= 1; it drafts d_1 when d1_from == "causal").
     right_upto = B: always right (oracle); 0: never right; j: right up to position j of every block.
     A batch of prompts: `reference` and `right_upto` are lists, one per prompt; batch rows are the prompts in order
     at a decode's first drafter pass, then follow the rows the decoder keeps (DynamicCache.batch_select_indices)."""
@@ -89,7 +89,7 @@ class ScriptedDrafter(d3d.Drafter):
                         scripted[b, j, good] = 5.0
                         good = (good + 1) % TEXT_VOCAB
                     scripted[b, j, good] = 10.0
-                else:  # a causal token's next-token guess: d_1 when first_token == "causal"
+                else:  # a causal token's next-token guess: d_1 when d1_from == "causal"
                     good = ref(pos + 1)
                     if right_upto < 1:
                         scripted[b, j, good] = 5.0
@@ -168,17 +168,17 @@ def test_mask_is_per_row_for_batched_anchors():
         assert torch.equal(mask[row, 0], expected_mask) and torch.equal(positions[row], expected_pos)
 
 
-@pytest.mark.parametrize("first_token", ["causal", "mask"])
-def test_packed_blocks_equal_separate_passes(tok, first_token):
+@pytest.mark.parametrize("d1_from", ["causal", "mask"])
+def test_packed_blocks_equal_separate_passes(tok, d1_from):
     """The model honours the mask: a block in the packed training pass equals drafting it alone after its prefix, and
-    draft_rows reads d_1 where decoding does: with first_token "causal" the next-token prediction at the anchor."""
-    drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=5, first_token=first_token)
+    draft_rows reads d_1 where decoding does: with d1_from "causal" the next-token prediction at the anchor."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=5, d1_from=d1_from)
     x = torch.randint(0, TEXT_VOCAB, (2, 13), generator=torch.Generator().manual_seed(0))
     anchors = torch.tensor([[3, 6, 7], [5, 8, 10]])
     hidden = drafter.hidden_states(*d3d._packed_inputs(drafter, x, anchors, 5))  # (2, 13 + 3 * 5, H)
     logits = drafter.logits(hidden)
     causal_logits, block_logits = logits[:, :13], logits[:, 13:].unflatten(1, (3, 5))
-    rows = d3d.draft_rows(anchors, 13 + 5 * torch.arange(3), 5, first_token)  # (2, 3, 5)
+    rows = d3d.draft_rows(anchors, 13 + 5 * torch.arange(3), 5, d1_from)  # (2, 3, 5)
     draft_logits = torch.stack([logits[i, rows[i]] for i in range(2)])  # (2, 3, 5, V)
     anchor_logits = causal_logits.gather(1, anchors[..., None].expand(-1, -1, causal_logits.shape[-1]))
     for row in range(2):
@@ -191,7 +191,7 @@ def test_packed_blocks_equal_separate_passes(tok, first_token):
     plain = drafter.model(x).logits[:, :, :TEXT_VOCAB]
     torch.testing.assert_close(anchor_logits[..., :TEXT_VOCAB], plain.gather(1, anchors[..., None].expand(
         -1, -1, TEXT_VOCAB)), atol=1e-5, rtol=1e-5)
-    if first_token == "causal":
+    if d1_from == "causal":
         torch.testing.assert_close(draft_logits[:, :, 0], anchor_logits)
     else:
         assert not torch.allclose(draft_logits[:, :, 0], anchor_logits)
@@ -217,20 +217,20 @@ def batch(seed=0, b=3, length=21, prompt_len=6):
     return x, loss_mask
 
 
-def test_offline_tau_drafts_the_first_token_where_decoding_does(tok, target):
+def test_offline_tau_drafts_the_d1_from_where_decoding_does(tok, target):
     """The target's own weights as drafter, on the target's own greedy continuation: its next-token head is always
-    right, so with first_token "causal" every sampled block accepts at least d_1; MASK 1 of this untrained drafter is
+    right, so with d1_from "causal" every sampled block accepts at least d_1; MASK 1 of this untrained drafter is
     not, so "mask" scores lower."""
     prompt = torch.tensor([[5, 3, 8]])
     ids = reference_continuation(target, prompt, 40)
     input_ids, loss_mask = torch.tensor([ids]), torch.zeros(1, len(ids), dtype=torch.bool)
     loss_mask[0, 3:] = True
     drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=4)
-    taus = {first: d3d.offline_tau(drafter, input_ids, loss_mask, num_anchors=16, first_token=first,
+    taus = {first: d3d.offline_tau(drafter, input_ids, loss_mask, num_anchors=16, d1_from=first,
                                    generator=torch.Generator().manual_seed(0)) for first in ("causal", "mask")}
     assert len(taus["causal"]) == 16 and taus["causal"].min() >= 2
     assert taus["mask"].mean() < taus["causal"].mean()
-    drafter.d3d_config.first_token = "mask"  # the default comes from the config
+    drafter.d3d_config.d1_from = "mask"  # the default comes from the config
     assert torch.equal(d3d.offline_tau(drafter, input_ids, loss_mask, num_anchors=16,
                                        generator=torch.Generator().manual_seed(0)), taus["mask"])
 
@@ -378,6 +378,17 @@ def test_save_load_round_trip_gives_identical_logits(tok, tmp_path):
     assert torch.equal(same(drafter), same(loaded))
 
 
+def test_a_config_saved_with_the_field_first_token_still_loads(tok, tmp_path):
+    """Where d_1 is read was once saved as `first_token`; such a d3d_config.json loads as d1_from."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=4), tokenizer=tok, block_size=5, d1_from="mask")
+    drafter.save_pretrained(str(tmp_path))
+    path = tmp_path / d3d.CONFIG_NAME
+    fields = json.loads(path.read_text())
+    fields["first_token"] = fields.pop("d1_from")
+    path.write_text(json.dumps(fields))
+    assert d3d.D3DConfig.load(str(tmp_path)) == drafter.d3d_config
+
+
 def test_models_load_straight_to_the_device_in_their_dtype(tmp_path, monkeypatch):
     """In the dtype asked for; on a GPU with accelerate, placed by from_pretrained itself (no host copy first)."""
     import importlib.util
@@ -418,6 +429,8 @@ def test_keep_layers_keeps_the_right_layers(tok):
     assert drafter.d3d_config.layer_ids == [0, 3]
     out, _ = d3d.generate(tiny_qwen3(seed=1), drafter, torch.tensor([[3, 4, 5]]), max_new_tokens=9, block_size=3)
     assert out.shape[1] == 12
+    with pytest.raises(ValueError, match="at least one decoder layer"):
+        d3d.make_drafter(tiny_qwen3(seed=5), tokenizer=tok, layers=[])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -466,13 +479,13 @@ def test_sync_stops_at_eos_inside_an_accepted_block(tok, target):
     assert out[0, -1].item() == eos
 
 
-@pytest.mark.parametrize("first_token", ["causal", "mask"])
-def test_sync_with_real_drafters_equals_target(tok, target, first_token):
+@pytest.mark.parametrize("d1_from", ["causal", "mask"])
+def test_sync_with_real_drafters_equals_target(tok, target, d1_from):
     """Unscripted drafters (random, and the target's own weights) through the real code path."""
     prompt = torch.tensor([[7, 1, 9]])
     expected, _ = d3d.generate(target, None, prompt, max_new_tokens=30, mode="target")
     for model in (tiny_qwen3(seed=11), tiny_qwen3(seed=1)):
-        drafter = d3d.make_drafter(model, tokenizer=tok, block_size=4, first_token=first_token)
+        drafter = d3d.make_drafter(model, tokenizer=tok, block_size=4, d1_from=d1_from)
         out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=30)
         assert out.tolist() == expected.tolist()
         assert stats["num_rounds"] == len(stats["accept_lengths"]) and stats["time_verify"] > 0
@@ -538,12 +551,12 @@ def test_async_stops_at_eos_inside_a_block(tok, target):
     assert out.tolist() == expected.tolist() and out[0, -1].item() == new[k]
 
 
-@pytest.mark.parametrize("first_token", ["causal", "mask"])
-def test_async_with_real_drafters_equals_target(tok, target, first_token):
+@pytest.mark.parametrize("d1_from", ["causal", "mask"])
+def test_async_with_real_drafters_equals_target(tok, target, d1_from):
     prompt = torch.tensor([[7, 1, 9]])
     expected, _ = d3d.generate(target, None, prompt, max_new_tokens=30, mode="target")
     for model in (tiny_qwen3(seed=11), tiny_qwen3(seed=1)):  # random, and the target's own weights
-        drafter = d3d.make_drafter(model, tokenizer=tok, block_size=4, first_token=first_token)
+        drafter = d3d.make_drafter(model, tokenizer=tok, block_size=4, d1_from=d1_from)
         for cover in ("first", "likely"):
             out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=30, mode="async", cover=cover)
             assert out.tolist() == expected.tolist()
@@ -609,8 +622,8 @@ def test_cuda_async_streams_equal_target(tok, lanes):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_cuda_bf16_decoding_has_no_errors_in_the_greedy_check(tok, mode):
     """bf16 on a GPU: a speculative output may leave target-only's at a near-tie (passes of different shapes round
-    differently), never beyond rounding. Each divergence is classified by decode.py's greedy check."""
-    import decode
+    differently), never beyond rounding. Each divergence is classified by the greedy check (systems/forensics.py)."""
+    from systems import forensics
 
     target = tiny_qwen3(seed=1, layers=4, init=0.2).cuda().to(torch.bfloat16)
     drafter = d3d.make_drafter(tiny_qwen3(seed=1, layers=4, init=0.2), tokenizer=tok, block_size=8)
@@ -620,7 +633,7 @@ def test_cuda_bf16_decoding_has_no_errors_in_the_greedy_check(tok, mode):
         prompt = torch.randint(0, TEXT_VOCAB, (1, 9), generator=torch.Generator().manual_seed(seed)).cuda()
         reference, _ = d3d.generate(target, None, prompt, max_new_tokens=64, mode="target")
         out, _ = d3d.generate(target, drafter, prompt, max_new_tokens=64, mode=mode)
-        found = decode.divergence(target, tok, prompt, reference[0, 9:].tolist(), out[0, 9:].tolist(),
+        found = forensics.divergence(target, tok, prompt, reference[0, 9:].tolist(), out[0, 9:].tolist(),
                                   {"temperature": 0.0})
         classes.append("identical" if found is None else found["class"])
     print(f"\n[cuda] bf16 {mode}: " + ", ".join(f"{c} {classes.count(c)}" for c in ("identical", "near-tie", "error")))
@@ -661,8 +674,9 @@ def test_cuda_training_step_at_qwen3_shapes_fits():
 @needs_cuda
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_cuda_decode_times_launch_and_device(tok, mode):
-    """Sync and async decoding of a 4-layer target on CUDA: exact, and the split of a round printed (async: the
-    host time spent launching each pass next to its device time, and the overlap the two streams bought)."""
+    """Sync and async decoding of a 4-layer target on CUDA: exact, and the split of a round printed (the host time
+    spent launching each pass next to its device time). Every phase has a device time and a launch time; phases that
+    follow one another fit in the total; async's verify and packed pass each fit in the span that holds both."""
     target = tiny_qwen3(seed=1, layers=4).cuda()
     drafter = d3d.make_drafter(tiny_qwen3(seed=1, layers=4), tokenizer=tok, block_size=8).cuda()
     prompt = torch.tensor([[7, 1, 9, 4]], device="cuda")
@@ -672,6 +686,11 @@ def test_cuda_decode_times_launch_and_device(tok, mode):
     ms = {k: 1000 * v / stats["num_rounds"] for k, v in stats.items() if k.startswith("time_") and k != "time_prefill"}
     print(f"\n[cuda] {mode}: tau {stats['tau']:.2f}, ms per round: "
           + ", ".join(f"{k[5:]} {v:.3f}" for k, v in ms.items()))
+    phases = ["draft", "verify"] if mode == "sync" else ["fallback_draft", "both"]
+    inner = [] if mode == "sync" else ["verify", "packed_draft"]
+    assert all(stats[f"time_{k}"] > 0 and stats[f"time_{k}_launch"] > 0 for k in phases + inner), stats
+    assert stats["time_prefill"] + sum(stats[f"time_{k}"] for k in phases) <= stats["time_total"]
+    assert all(stats[f"time_{k}"] <= stats["time_both"] * (1 + 1e-3) for k in inner)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -730,9 +749,9 @@ def exact_law(target, prompt: list[int], temperature: float) -> torch.Tensor:
         return law.view(16, 16, 16, 16).sum((0, 1))  # (t3, t4)
 
 
-@pytest.mark.parametrize("mode,block_size,first_token", [("sync", 2, "causal"), ("async", 1, "causal"),
+@pytest.mark.parametrize("mode,block_size,d1_from", [("sync", 2, "causal"), ("async", 1, "causal"),
                                                          ("async", 2, "causal"), ("async", 2, "mask")])
-def test_sampling_matches_target_distribution(mode, block_size, first_token):
+def test_sampling_matches_target_distribution(mode, block_size, d1_from):
     """End to end through generate: the joint law of generated tokens 3 and 4 matches the target's exact law,
     computed by enumerating every (t1, t2, t3) in one batched pass. Tokens 3 and 4 come from the first and second
     speculative rounds (token 1 is the target's prefill), so in async mode they include drafts taken from branch
@@ -743,7 +762,7 @@ def test_sampling_matches_target_distribution(mode, block_size, first_token):
     tok = make_tokenizer(vocab)
     target = tiny_qwen3(seed=21, vocab_size=16, init=0.6)
     drafter = d3d.make_drafter(tiny_qwen3(seed=22, vocab_size=16, init=0.6), tokenizer=tok, block_size=block_size,
-                               first_token=first_token)
+                               d1_from=d1_from)
     prompt = [3, 1]
     joint = exact_law(target, prompt, temperature)
     counts = torch.zeros(16, 16)
@@ -788,8 +807,8 @@ def alone(target, prompt, max_new, eos=None) -> list[int]:
     return out[0].tolist()
 
 
-@pytest.mark.parametrize("mode,first_token", [("target", "causal"), ("sync", "causal"), ("sync", "mask")])
-def test_batch_rows_equal_their_own_greedy_output(tok, target, mode, first_token):
+@pytest.mark.parametrize("mode,d1_from", [("target", "causal"), ("sync", "causal"), ("sync", "mask")])
+def test_batch_rows_equal_their_own_greedy_output(tok, target, mode, d1_from):
     """Prompts of 1, 4 and 9 tokens decoded together: every row equals its own batch-1 target-only output. In sync
     mode the rows accept different lengths in the same round (a drafter always right, one never, one right up to
     position 2 of 5), the budget (23) is no multiple of the block size, and finished rows leave the batch."""
@@ -797,10 +816,10 @@ def test_batch_rows_equal_their_own_greedy_output(tok, target, mode, first_token
     prompts = batch_prompts()
     right_upto = [block_size, 0, 2]
     drafter = ScriptedDrafter(d3d.make_drafter(tiny_qwen3(seed=9), tokenizer=tok, block_size=block_size,
-                                               first_token=first_token),
+                                               d1_from=d1_from),
                               [alone(target, p, max_new + block_size + 2) for p in prompts], right_upto)
-    outs, stats = d3d.generate(target, drafter if mode == "sync" else None, prompts, max_new_tokens=max_new,
-                               mode=mode)
+    outs, stats = batched.generate(target, drafter if mode == "sync" else None, prompts, max_new_tokens=max_new,
+                                   mode=mode)
     assert [out.tolist() for out in outs] == [alone(target, p, max_new) for p in prompts]
     assert [row["num_new_tokens"] for row in stats["rows"]] == [max_new] * 3
     assert stats["num_new_tokens"] == 3 * max_new
@@ -825,9 +844,11 @@ def test_batch_eos_inside_an_accepted_block_stops_one_row(tok, target):
     eos = new[0][k]
     drafter = ScriptedDrafter(d3d.make_drafter(tiny_qwen3(seed=9), tokenizer=tok, block_size=block_size),
                               references, [block_size, 3, 0])
-    outs, stats = d3d.generate(target, drafter, prompts, max_new_tokens=max_new, mode="sync", eos_token_id=eos)
+    outs, stats = batched.generate(target, drafter, prompts, max_new_tokens=max_new, mode="sync", eos_token_id=eos)
     assert [out.tolist() for out in outs] == [alone(target, p, max_new, eos) for p in prompts]
     assert outs[0].tolist() == references[0][: len(prompts[0]) + k + 1] and outs[0][-1] == eos
+    outs, _ = batched.generate(target, None, prompts, max_new_tokens=max_new, mode="target", eos_token_id=eos)
+    assert [out.tolist() for out in outs] == [alone(target, p, max_new, eos) for p in prompts]  # rows after row 0 left
     assert [row["num_new_tokens"] for row in stats["rows"]] == [k + 1, max_new, max_new]
     assert drafter.batch_sizes[:2] == [3, 2]
 
@@ -856,18 +877,19 @@ def test_a_model_that_ignores_its_cache_fails_loudly(tok, who, mode, cut_mask):
     dropping_cache(target if who == "target" else drafter.model.get_decoder(), cut_mask)
     prompts = batch_prompts((3, 6)) if mode == "batch" else torch.tensor([[7, 1, 9, 4]])
     with pytest.raises(RuntimeError, match="ignored the cache"):
-        d3d.generate(target, None if mode == "target" else drafter, prompts, max_new_tokens=12,
-                     mode="sync" if mode == "batch" else mode)
+        (batched.generate if mode == "batch" else d3d.generate)(
+            target, None if mode == "target" else drafter, prompts, max_new_tokens=12,
+            mode="sync" if mode == "batch" else mode)
 
 
-@pytest.mark.parametrize("first_token", ["causal", "mask"])
-def test_batch_sync_with_real_drafters_equals_batch1(tok, target, first_token):
+@pytest.mark.parametrize("d1_from", ["causal", "mask"])
+def test_batch_sync_with_real_drafters_equals_batch1(tok, target, d1_from):
     """Unscripted drafters through the real code path: every row equals its target-only output, and its rounds
     (accept lengths) equal decoding it alone: the drafter's ragged cache reads each row as it would alone."""
     prompts = batch_prompts((3, 1, 6, 2))
     for model in (tiny_qwen3(seed=11), tiny_qwen3(seed=1)):  # random, and the target's own weights
-        drafter = d3d.make_drafter(model, tokenizer=tok, block_size=4, first_token=first_token)
-        outs, stats = d3d.generate(target, drafter, prompts, max_new_tokens=30)
+        drafter = d3d.make_drafter(model, tokenizer=tok, block_size=4, d1_from=d1_from)
+        outs, stats = batched.generate(target, drafter, prompts, max_new_tokens=30)
         for prompt, out, row in zip(prompts, outs, stats["rows"]):
             single, single_stats = d3d.generate(target, drafter, prompt[None], max_new_tokens=30)
             assert out.tolist() == single[0].tolist() == alone(target, prompt, 30)
@@ -885,8 +907,9 @@ def test_batch_sampling_matches_target_distribution_per_row():
     drafter = d3d.make_drafter(tiny_qwen3(seed=22, vocab_size=16, init=0.6), tokenizer=tok, block_size=2)
     prompts = [[3, 1], [5, 2, 6, 1]]
     laws = [exact_law(target, p, temperature).flatten() for p in prompts]
-    outs, stats = d3d.generate(target, drafter, [torch.tensor(p) for p in prompts] * num_samples, max_new_tokens=4,
-                               mode="sync", temperature=temperature, generator=torch.Generator().manual_seed(1234))
+    outs, stats = batched.generate(target, drafter, [torch.tensor(p) for p in prompts] * num_samples,
+                                   max_new_tokens=4, mode="sync", temperature=temperature,
+                                   generator=torch.Generator().manual_seed(1234))
     counts = torch.zeros(2, 16 * 16)
     for i, out in enumerate(outs):
         n = len(prompts[i % 2])
@@ -901,15 +924,15 @@ def test_batch_bad_inputs_raise_clear_errors(tok, target):
     drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok)
     prompt = torch.tensor([1, 2, 3])
     with pytest.raises(ValueError, match="empty"):
-        d3d.generate(target, drafter, [prompt, torch.zeros(0, dtype=torch.long)], max_new_tokens=5)
-    for bad in ([prompt, prompt[None]], [], [prompt.tolist()]):
+        batched.generate(target, drafter, [prompt, torch.zeros(0, dtype=torch.long)], max_new_tokens=5)
+    for bad in ([prompt, prompt[None]], [], [prompt.tolist()], prompt):
         with pytest.raises(ValueError, match="list of 1-D id tensors"):
-            d3d.generate(target, drafter, bad, max_new_tokens=5)
+            batched.generate(target, drafter, bad, max_new_tokens=5)
     with pytest.raises(ValueError, match="batched async is not built"):
-        d3d.generate(target, drafter, [prompt], max_new_tokens=5, mode="async")
-    with pytest.raises(ValueError, match="keep_ratio"):
-        d3d.generate(target, drafter, [prompt], max_new_tokens=5, keep_ratio=0.5)
-    outs, stats = d3d.generate(target, drafter, [prompt, prompt[:1]], max_new_tokens=0)
+        batched.generate(target, drafter, [prompt], max_new_tokens=5, mode="async")
+    with pytest.raises(ValueError, match="batched.generate"):  # d3d.generate decodes one prompt
+        d3d.generate(target, drafter, [prompt], max_new_tokens=5)
+    outs, stats = batched.generate(target, drafter, [prompt, prompt[:1]], max_new_tokens=0)
     assert [out.tolist() for out in outs] == [[1, 2, 3], [1]] and stats["num_new_tokens"] == 0
 
 
@@ -984,8 +1007,7 @@ def test_scoring_all_removals_in_one_pass_each_gives_the_full_passes_numbers(tok
 @pytest.mark.parametrize("noop", [1, 2])
 def test_pruning_removes_one_layer_per_iteration_and_the_noop_layer_first(tok, noop):
     drafter = noop_layer_drafter(tok, noop=noop)
-    table = d3d.prune_drafter(drafter, prune_data(), prune_data(seed=10), min_layers=2, recovery_steps=2,
-                              log=lambda *_: None)
+    table = list(d3d.prune_drafter(drafter, prune_data(), prune_data(seed=10), min_layers=2, recovery_steps=2))
     assert [row["layers"] for row in table] == [4, 3, 2]
     assert table[1]["removed_layer"] == noop  # the no-op layer goes first
     assert len(drafter.model.model.layers) == 2 == drafter.model.config.num_hidden_layers
@@ -1004,8 +1026,8 @@ def test_pruning_removes_the_layer_whose_removal_costs_least(tok, monkeypatch):
         return {i: tau_without[layer] for i, layer in enumerate(original)}
 
     drafter = d3d.make_drafter(tiny_qwen3(seed=3, layers=4), tokenizer=tok, block_size=3, num_anchors=4)
-    table = d3d.prune_drafter(drafter, prune_data(), prune_data(), min_layers=1, recovery_steps=0,
-                              score=fixed_scores, log=lambda *_: None)
+    table = list(d3d.prune_drafter(drafter, prune_data(), prune_data(), min_layers=1, recovery_steps=0,
+                                   score=fixed_scores))
     assert [row["removed_layer"] for row in table[1:]] == [2, 0, 1] and drafter.d3d_config.layer_ids == [3]
 
 
@@ -1017,8 +1039,8 @@ def test_recovery_with_activation_checkpointing_takes_the_same_steps(tok):
         count = [0]
         for layer in drafter.model.model.layers:
             layer.mlp.register_forward_pre_hook(lambda module, _: count.__setitem__(0, count[0] + module.training))
-        d3d.prune_drafter(drafter, prune_data(), prune_data(seed=10), min_layers=2, recovery_steps=2,
-                          checkpointing=checkpointing, log=lambda *_: None)
+        list(d3d.prune_drafter(drafter, prune_data(), prune_data(seed=10), min_layers=2, recovery_steps=2,
+                               checkpointing=checkpointing))
         assert not drafter.model.is_activation_checkpointing
         drafters.append(drafter)
         training_passes.append(count[0])
@@ -1043,23 +1065,22 @@ def test_a_step_with_a_non_finite_gradient_is_skipped():
 
 def test_pruning_stops_where_the_rules_say(tok):
     drafter = noop_layer_drafter(tok, layers=3)
-    table = d3d.prune_drafter(drafter, prune_data(), prune_data(), min_layers=1, recovery_steps=0,
-                              log=lambda *_: None)
+    table = list(d3d.prune_drafter(drafter, prune_data(), prune_data(), min_layers=1, recovery_steps=0))
     assert len(drafter.model.model.layers) == 1 and table[-1]["layers"] == 1
     drafter = noop_layer_drafter(tok, layers=3)
     before = [p.clone() for p in drafter.parameters()]
-    table = d3d.prune_drafter(drafter, prune_data(), prune_data(), tau_floor=10.0, recovery_steps=1,
-                              log=lambda *_: None)  # an unreachable floor: the first removal is undone
+    table = list(d3d.prune_drafter(drafter, prune_data(), prune_data(), tau_floor=10.0, recovery_steps=1))
+    # an unreachable floor: the first removal is undone
     assert table[-1]["kept"] is False and len(table) == 2
     assert len(drafter.model.model.layers) == 3 and drafter.d3d_config.layer_ids is None
     assert all(torch.equal(a, b) for a, b in zip(before, drafter.parameters()))
     with pytest.raises(ValueError, match="stopping rule"):
-        d3d.prune_drafter(drafter, prune_data(), prune_data())
+        list(d3d.prune_drafter(drafter, prune_data(), prune_data()))
 
 
 def test_pruned_drafter_saves_loads_and_decodes_losslessly(tok, target, tmp_path):
     drafter = noop_layer_drafter(tok)
-    d3d.prune_drafter(drafter, prune_data(), prune_data(), min_layers=2, recovery_steps=1, log=lambda *_: None)
+    list(d3d.prune_drafter(drafter, prune_data(), prune_data(), min_layers=2, recovery_steps=1))
     drafter.save_pretrained(str(tmp_path))
     loaded = d3d.Drafter.from_pretrained(str(tmp_path))
     assert loaded.model.config.num_hidden_layers == 2 and loaded.d3d_config == drafter.d3d_config
@@ -1197,8 +1218,8 @@ def test_bad_inputs_raise_clear_errors(tok, target, tmp_path):
         d3d.generate(target, drafter, prompt, max_new_tokens=5, block_size=0)
     with pytest.raises(ValueError, match="block_size"):
         d3d.make_drafter(tiny_qwen3(), tokenizer=tok, block_size=0)
-    with pytest.raises(ValueError, match="first_token"):
-        d3d.make_drafter(tiny_qwen3(), tokenizer=tok, first_token="ar")
+    with pytest.raises(ValueError, match="d1_from"):
+        d3d.make_drafter(tiny_qwen3(), tokenizer=tok, d1_from="ar")
     with pytest.raises(ValueError, match="empty"):
         d3d.generate(target, drafter, torch.zeros(1, 0, dtype=torch.long), max_new_tokens=5)
     with pytest.raises(ValueError, match="batch 1"):
@@ -1220,8 +1241,8 @@ def test_bad_inputs_raise_clear_errors(tok, target, tmp_path):
     with pytest.raises(ValueError, match="text token"):  # MASK would collide with text
         d3d.make_drafter(tiny_qwen3(), 17, tokenizer=tok)
     with pytest.raises(ValueError, match="different tokenizer"):
-        d3d.check_tokenizer(drafter, make_tokenizer(prefix="w"))
-    d3d.check_tokenizer(drafter, tok)  # the right one passes
+        runtime.check_tokenizer(drafter, make_tokenizer(prefix="w"))
+    runtime.check_tokenizer(drafter, tok)  # the right one passes
     with pytest.raises(FileNotFoundError, match="no drafter folder"):
         d3d.Drafter.from_pretrained(str(tmp_path / "missing"))
     target.save_pretrained(str(tmp_path / "plain"))
@@ -1343,7 +1364,7 @@ def test_every_pass_traces_as_one_graph_and_compiles_once(tok, target, no_recomp
     """fullgraph=True over every fixed-shape pass of every mode (dynamo's tracing, without code generation: a graph
     break raises), then new prompts of other lengths reuse those graphs (a recompile raises); outputs equal target-only
     decoding. (A padded draft after a full-acceptance hit differs from others in data only, not in shape.)"""
-    import fast
+    from systems import fast
     prompts = [torch.tensor([[7, 1, 9, 4, 4]]), torch.tensor([[3, 2, 1, 5, 6, 7, 8, 9, 10, 11, 12]])]
     drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=block_size)
     caches = runtime.Caches.make(target, drafter, 128)
@@ -1360,7 +1381,7 @@ def test_every_pass_traces_as_one_graph_and_compiles_once(tok, target, no_recomp
 def test_inductor_compiled_decoding_equals_eager(tok, target, no_recompiles):
     """The real compiler (inductor's generated code, on a CPU): sync and async equal target-only, greedy and sampled
     with the same seed as eager decoding, with no recompile after the warm-up."""
-    import fast
+    from systems import fast
     prompt = torch.tensor([[7, 1, 9, 4, 4]])
     drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=3)
     eager = {(mode, t): d3d.generate(target, drafter, prompt, max_new_tokens=30, mode=mode, temperature=t,
@@ -1416,7 +1437,7 @@ def test_generate_takes_lanes_from_the_rule_with_its_caches_compiled_or_not(tok,
     """generate(lanes=None) asks runtime.async_lanes, telling it whether its caches are compiled: seen as a CUDA
     device here, async with compiled caches and two lanes is refused, one lane or eager caches decode; sync has no
     lanes to refuse."""
-    import fast
+    from systems import fast
     monkeypatch.setattr(d3d, "async_lanes", lambda _, *args: runtime.async_lanes("cuda", *args))
     prompt = torch.tensor([[7, 1, 9, 4, 4]])
     drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=3)
@@ -1517,13 +1538,13 @@ def test_regional_inductor_decoding_equals_eager(tok, target, no_recompiles, mon
 # What makes D3D fast: bugs that keep the output lossless but cost speed, each pinned by an assertion
 
 
-@pytest.mark.parametrize("first_token", ["causal", "mask"])
-def test_a_prepared_block_is_the_draft_its_outcome_would_get(tok, first_token):
+@pytest.mark.parametrize("d1_from", ["causal", "mask"])
+def test_a_prepared_block_is_the_draft_its_outcome_would_get(tok, d1_from):
     """What a hit reuses is what a miss would draft: every segment of the packed pass gives the logits a fresh
     draft_block gives after the prefix its outcome commits (branch (k, t): x_0 .. x_n, d_1 .. d_(k-1), t; full
     acceptance: x_0 .. x_n, d_1 .. d_B), d_1 read where draft_block reads it (the causal head, or MASK 1)."""
     block_size = 4
-    drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=block_size, first_token=first_token)
+    drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=block_size, d1_from=d1_from)
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, TEXT_VOCAB, (1, 7), generator=g)  # x_0 .. x_n
     draft = torch.randint(0, TEXT_VOCAB, (block_size,), generator=g)
@@ -1548,7 +1569,7 @@ def test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for(to
     block_hidden = torch.randn(5, 4, 32, generator=torch.Generator().manual_seed(1))
     guess = int(drafter.logits(block_hidden[-1, 0]).argmax())  # the full-acceptance segment's bonus-token guess
     positions, candidates = torch.tensor([1, 2]), torch.tensor([[5, 6], [5, 7]])
-    hit = lambda a, c: int(d3d.prepared_segment(drafter, block_hidden, positions, candidates,  # noqa: E731
+    hit = lambda a, c: int(d3d.cache_hit(drafter, block_hidden, positions, candidates,  # noqa: E731
                                                 torch.tensor(a), torch.tensor(c), 4, 0.0))
     assert hit(0, 5) == 0 and hit(0, 6) == 1 and hit(1, 5) == 2 and hit(1, 7) == 3
     assert hit(0, 7) == -1 and hit(1, 6) == -1 and hit(2, 5) == -1  # the token, at another position: a miss
@@ -1626,8 +1647,8 @@ def test_recovery_distils_toward_the_label_adjusted_teacher(tok, monkeypatch):
     betas = []
     real = d3d.distill_loss
     monkeypatch.setattr(d3d, "distill_loss", lambda *a, **k: betas.append(k["beta"]) or real(*a, **k))
-    d3d.prune_drafter(student, prune_data(), prune_data(seed=10), min_layers=2, recovery_steps=1, beta=0.7,
-                      num_anchors=4, log=lambda *a: None)
+    list(d3d.prune_drafter(student, prune_data(), prune_data(seed=10), min_layers=2, recovery_steps=1, beta=0.7,
+                           num_anchors=4))
     assert betas and set(betas) == {0.7}
 
 
@@ -1651,6 +1672,14 @@ def test_a_round_that_commits_no_token_is_an_error_not_a_loop(tok, target, mode,
                      eos_token_id=eos)
 
 
+def test_a_finished_sequence_takes_no_more_tokens():
+    """Committing to a sequence that is done (a loop that confused its batch rows, or missed the stop) is an error."""
+    out = runtime.Output([5, 6], max_new_tokens=3, eos_token_id=9)
+    assert out.commit([1, 9, 2]) == [1, 9] and out.done and out.tokens == [5, 6, 1, 9]
+    with pytest.raises(RuntimeError, match="finished sequence"):
+        out.commit([3])
+
+
 def test_d3d_names_only_what_d3d_defines():
     """`d3d.X` anywhere in the project means X is defined in d3d.py: what d3d.py takes from runtime.py is reached as
     `runtime.X`, so a reader knows which file to open."""
@@ -1672,4 +1701,54 @@ def test_d3d_names_only_what_d3d_defines():
                 if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "d3d"
                         and node.attr not in defined):
                     wrong.append(f"{os.path.relpath(path, root)}:{node.lineno} d3d.{node.attr}")
+    assert not wrong, wrong
+
+
+def test_modules_form_layers_without_cycles():
+    """runtime <- d3d <- systems/ (and toy) <- train.py, decode.py: each module imports only from the layers below,
+    the two drivers never import each other, no import cycle, and no project module imports another inside a
+    function, where a cycle would hide (tests aside)."""
+    import ast
+    import os
+    root = os.path.dirname(os.path.abspath(__file__))
+    modules = {name[:-3]: name for name in os.listdir(root) if name.endswith(".py") and not name.startswith("test_")}
+    modules |= {f"systems.{name[:-3]}": os.path.join("systems", name)
+                for name in os.listdir(os.path.join(root, "systems")) if name.endswith(".py") and name != "__init__.py"}
+    allowed = {"runtime": set(), "d3d": {"runtime"}, "toy": {"runtime", "systems"},
+               "systems": {"runtime", "d3d", "toy", "systems"}, "train": {"runtime", "d3d", "toy", "systems"},
+               "decode": {"runtime", "d3d", "toy", "systems"}}
+    graph, wrong = {}, []
+    for module, path in modules.items():
+        tree = ast.parse(open(os.path.join(root, path)).read())
+        graph[module] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            found = {name for name in names if name in modules}
+            if not found:
+                continue
+            graph[module] |= found
+            if node.col_offset > 0:
+                wrong.append(f"{path}:{node.lineno} imports {sorted(found)} inside a function")
+            layer = module.split(".")[0]
+            for name in found:
+                if name.split(".")[0] not in allowed[layer]:
+                    wrong.append(f"{path}:{node.lineno} imports {name}, above its layer")
+    done, active = set(), []
+
+    def visit(module):
+        if module in active:
+            wrong.append("import cycle: " + " -> ".join(active[active.index(module):] + [module]))
+        elif module not in done:
+            active.append(module)
+            for other in sorted(graph[module]):
+                visit(other)
+            done.add(active.pop())
+    for module in sorted(graph):
+        visit(module)
+    assert {"runtime", "d3d", "train", "decode", "systems.fast", "systems.batched"} <= set(graph)
     assert not wrong, wrong

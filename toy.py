@@ -53,8 +53,8 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 
-import batched
 import runtime
+from systems import batched
 
 # ----------------------------------------------------------------------------------------------- task
 

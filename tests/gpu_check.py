@@ -19,7 +19,7 @@ non-zero if any check failed or a step crashed or ran out of time. What to paste
 [3] the project's compiled path (fast.compile_passes): two full-width layers, B = 4, a scripted drafter that is right
     except at every 7th position (so rejection hits and full-acceptance hits happen; none of the latter fails):
     compile seconds per mode; after the warm-up a recompile is an error and no CUDA graph may be skipped; compiled
-    decoding equals eager target-only or differs only at near-ties (decode.classify_divergence); two compiled lanes
+    decoding equals eager target-only or differs only at near-ties (forensics.classify_divergence); two compiled lanes
     against one (runtime.async_lanes refuses them; lifted here for this comparison only); regional compilation
     (fast.compile_passes(regional=True)) beside it: compile seconds, ms per token, equal to eager; the attention
     kernel each pass shape uses; a trace of a few async rounds in two lanes (OUT_DIR/trace-async.json, the project's
@@ -600,7 +600,7 @@ def compiled_caches(report: Report, setup, need: int, backend: str, regional: bo
     a CPU each runs with half the threads, which dynamo's guards see); the seconds and graphs each mode took."""
     import torch
     import d3d
-    import fast
+    from systems import fast
     import runtime
     from torch._dynamo.utils import counters
     target, drafter, prompts, eager, _ = setup
@@ -638,8 +638,8 @@ def decode_each(setup, caches, settings) -> dict:
 
 def check_against_eager(report: Report, setup, runs: dict, kind: str) -> None:
     """Each label's outputs against eager target-only: identical, or the first difference a near-tie
-    (decode.classify_divergence); an error fails the check."""
-    import decode
+    (forensics.classify_divergence); an error fails the check."""
+    from systems import forensics
     target, _, prompts, eager, max_new = setup
     for label, decoded in runs.items():
         classes = []
@@ -647,7 +647,7 @@ def check_against_eager(report: Report, setup, runs: dict, kind: str) -> None:
             reference = eager[i][prompts[i].shape[1]:][:max_new]
             first = next((j for j, (a, b) in enumerate(zip(reference, tokens)) if a != b),
                          None if len(tokens) == len(reference) else min(len(tokens), len(reference)))
-            classes.append("identical" if first is None else decode.classify_divergence(
+            classes.append("identical" if first is None else forensics.classify_divergence(
                 target, prompts[i], reference, tokens, first)["class"])
         report.check(f"{kind} {label} equals eager target-only or differs at near-ties", "error" not in classes,
                      ", ".join(f"{c} {classes.count(c)}" for c in ("identical", "near-tie", "error")))

@@ -38,7 +38,7 @@ RUNS = {
     "b16": ("4: B = 16", ["--block-size", "16"]),
     "d1": ("5: 1 layer", ["--drafter-layers", "1"]),
     "base": ("default: the first 2 layers, B = 8, K = 32, lambda = 1", []),
-    "lam0": ("1: lambda = 0, d_1 from MASK 1", ["--ar-weight", "0", "--first-token", "mask"]),
+    "lam0": ("1: lambda = 0, d_1 from MASK 1", ["--ar-weight", "0", "--d1-from", "mask"]),
     "d03": ("5: layers 0 and 3", ["--drafter-layers", "0,3"]),
     "rand2": ("5: 2 layers from random weights", ["--random-init"]),
     "b4": ("4: B = 4", ["--block-size", "4"]),
@@ -68,8 +68,8 @@ def run_one(out: str, order: str, name: str, seed: int, extra: list[str]) -> dic
             raise RuntimeError(f"{' '.join(cmd)} failed (exit {done.returncode}): see {folder}/log.txt")
     with open(record) as f:
         r = json.load(f)
-    head, mask = (r["offline_tau"], r["offline_tau_first_token_mask"]) if r["first_token"] == "causal" else \
-        (r["offline_tau_first_token_causal"], r["offline_tau"])
+    head, mask = (r["offline_tau"], r["offline_tau_d1_from_mask"]) if r["d1_from"] == "causal" else \
+        (r["offline_tau_d1_from_causal"], r["offline_tau"])
     return {"order": order, "run": name, "seed": seed, "tau": r["offline_tau"], "tau_d1_head": head,
             "tau_d1_mask": mask, "train_seconds": r["train_seconds"], "folder": folder}
 

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 import d3d
 import train
+from systems import distributed, memory
 from test_train import FAST, _run, setup, spoiled_loss  # noqa: F401 (setup is a fixture)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,9 +37,9 @@ def _tensors(model):
 @contextlib.contextmanager
 def _probe(out, rank):
     """Record in OUT/probe-rankR.pt the timeout init_process_group was given (seconds), which weights and buffers
-    were on the meta device when train.shard_model began, rank 0's values of them then, and every rank's whole
+    were on the meta device when distributed.shard_model began, rank 0's values of them then, and every rank's whole
     values once sharded (DTensor.full_tensor: all ranks gather them together)."""
-    record, real_init, real_shard = {}, torch.distributed.init_process_group, train.shard_model
+    record, real_init, real_shard = {}, torch.distributed.init_process_group, distributed.shard_model
 
     def init(*a, **k):
         record["timeout"] = k["timeout"].total_seconds() if "timeout" in k else None  # None: the backend's
@@ -52,7 +53,7 @@ def _probe(out, rank):
                              for name, t in _tensors(model)}
 
     with mock.patch.object(torch.distributed, "init_process_group", init), \
-            mock.patch.object(train, "shard_model", shard):
+            mock.patch.object(distributed, "shard_model", shard):
         yield
     torch.save(record, os.path.join(out, f"probe-rank{rank}.pt"))
 
@@ -120,8 +121,8 @@ def test_fsdp_ends_with_the_weights_of_ddp(setup, tmp_path):
     for key, value in saved.state_dict().items():
         assert torch.equal(value, fsdp["weights"][key]), key
     record = json.loads((tmp_path / "fsdp" / "train_args.json").read_text())
-    assert record["fsdp"] and record["world_size"] == 2 and record["offline_tau_first_token_mask"] > 0
-    assert os.path.exists(tmp_path / "fsdp" / train.SHARDED_CHECKPOINT / ".metadata")
+    assert record["fsdp"] and record["world_size"] == 2 and record["offline_tau_d1_from_mask"] > 0
+    assert os.path.exists(tmp_path / "fsdp" / distributed.SHARDED_CHECKPOINT / ".metadata")
     assert not os.path.exists(tmp_path / "fsdp" / "checkpoint.pt")
 
 
@@ -165,10 +166,10 @@ def test_fsdp_resumes_exactly_and_with_another_number_of_processes(setup, tmp_pa
     assert [h["offline_tau"] for h in uncut["history"]] == [h["offline_tau"] for h in resumed["history"]]
     # the step-2 checkpoint, read without any process group: whole tensors (DCP stores them with global shapes)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    dcp_to_torch_save(str(tmp_path / "at2" / train.SHARDED_CHECKPOINT), str(tmp_path / "at2.pt"))
+    dcp_to_torch_save(str(tmp_path / "at2" / distributed.SHARDED_CHECKPOINT), str(tmp_path / "at2.pt"))
     saved = torch.load(tmp_path / "at2.pt", weights_only=True)["model"]
     # what train.py itself writes beside DCP's files holds plain types only (resumes load it with weights_only)
-    state = torch.load(tmp_path / "at2" / train.SHARDED_CHECKPOINT / "train_state.pt", weights_only=True)
+    state = torch.load(tmp_path / "at2" / distributed.SHARDED_CHECKPOINT / "train_state.pt", weights_only=True)
     assert state["step"] == 2 and state["world"] == 2 and len(state["rngs"]) == 2
     one = train.main(target=setup["target"], prompts=setup["prompts"], out=str(tmp_path / "at2"),
                      **{**FAST, **kw, "steps": 2})  # finished at step 2: loads, evaluates, gathers
@@ -177,7 +178,7 @@ def test_fsdp_resumes_exactly_and_with_another_number_of_processes(setup, tmp_pa
         assert torch.equal(value, saved[f"drafter.{key}"]), key
     train.main(target=setup["target"], prompts=setup["prompts"], out=str(tmp_path / "at2"), **{**FAST, **kw,
                                                                                                  "steps": 3})
-    dcp_to_torch_save(str(tmp_path / "at2" / train.SHARDED_CHECKPOINT), str(tmp_path / "at3.pt"))
+    dcp_to_torch_save(str(tmp_path / "at2" / distributed.SHARDED_CHECKPOINT), str(tmp_path / "at3.pt"))
     optimizer = torch.load(tmp_path / "at3.pt", weights_only=True)["optimizer"]
     counts = {float(s["step"]) for s in optimizer["state"].values()}
     assert counts == {3.0}  # AdamW's moments and step counts came back from the 2-process checkpoint
@@ -254,11 +255,11 @@ def test_fsdp_memory_estimate_fits_the_qwen3_8b_drafter_on_eight_80gb_gpus():
     root = 2 * 151936 * 4096 + 4096
     shapes = dict(num_params=36 * layer + root, root_params=root, layer_params=layer, hidden=4096, layers=36, batch=8,
                   seq_len=1024 + 64 * 16, vocab=151936)
-    est = {n: train.fsdp_memory_estimate(**shapes, world=n) for n in (1, 2, 4, 8)}
+    est = {n: memory.fsdp_memory_estimate(**shapes, world=n) for n in (1, 2, 4, 8)}
     assert 8.1e9 < shapes["num_params"] < 8.3e9
     for n, e in est.items():
         states = e["weights"] + e["gradients"] + e["adamw_moments"]
         assert states == pytest.approx(16 * shapes["num_params"] / n / 2**30)
         assert e["total"] == pytest.approx(sum(v for k, v in e.items() if k != "total"))
     assert est[1]["total"] > 140 and est[2]["total"] > 80 and est[8]["total"] < 40  # 8 x 80 GB: room to spare
-    assert train.fsdp_memory_estimate(**shapes, world=8, checkpointing=False)["total"] > 140
+    assert memory.fsdp_memory_estimate(**shapes, world=8, checkpointing=False)["total"] > 140

@@ -36,7 +36,8 @@ def test_tiny_check_passes_and_writes_each_step_and_the_trace(tmp_path):
     assert "5 steps, 0 failed" in (tmp_path / "summary.txt").read_text()
     trace = json.loads((tmp_path / "trace-async.json").read_text())
     tracks = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
-    on = {key: {tracks[e["tid"]] for e in trace["traceEvents"] if e["name"] == key} for key in ("verify", "packed_draft")}
+    on = {key: {tracks[e["tid"]] for e in trace["traceEvents"] if e["name"] == key}
+          for key in ("verify", "packed_draft")}
     assert on == {"verify": {"thread MainThread"}, "packed_draft": {"thread packed-pass_0"}}
 
 

@@ -12,8 +12,10 @@ import torch.multiprocessing as mp
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import d3d
+import runtime
 import toy
 import train
+from systems import answers, evaluation, memory, pruning
 
 
 QUESTIONS = ["1 + 2", "3 * 4 - 5", "7 - 2 + 9", "12 + 30 * 2", "8 * 3", "40 - 17", "5 + 5 + 5", "9 * 9 - 1",
@@ -52,29 +54,29 @@ def _run(setup, out, **kw):
 
 def test_data_is_cached_and_resumed(setup, tmp_path, monkeypatch):
     calls = []
-    real = train.load_target
-    monkeypatch.setattr(train, "load_target", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = answers.load_target
+    monkeypatch.setattr(answers, "load_target", lambda *a, **k: calls.append(1) or real(*a, **k))
     kw = dict(tokenizer=setup["tok"], cache_dir=str(tmp_path), max_new_tokens=6, gen_batch_size=5)
-    first = train.load_data(setup["target"], prompts=setup["prompts"], **kw)
+    first = answers.load_data(setup["target"], prompts=setup["prompts"], **kw)
     assert len(calls) == 1 and len(first) == len(QUESTIONS)
     assert all(0 < len(r) <= 6 for _, r in first)
-    assert train.load_data(setup["target"], prompts=setup["prompts"], **kw) == first
+    assert answers.load_data(setup["target"], prompts=setup["prompts"], **kw) == first
     assert len(calls) == 1  # the rerun read the cache and never loaded the target
     # an interrupted run: the header, 5 whole lines and one cut in the middle; the rerun answers only the other 7
     (cache,) = tmp_path.glob("answers-*.jsonl")
     lines = cache.read_text().splitlines(keepends=True)
-    assert json.loads(lines[0]) == train.answers_header(setup["target"], setup["tok"], 6)
+    assert json.loads(lines[0]) == answers.answers_header(setup["target"], setup["tok"], 6)
     cache.write_text("".join(lines[:6]) + lines[6][:10])
-    assert train.load_data(setup["target"], prompts=setup["prompts"], **kw) == first
+    assert answers.load_data(setup["target"], prompts=setup["prompts"], **kw) == first
     assert len(calls) == 2 and len(cache.read_text().splitlines()) == 1 + 5 + 7  # the cut line was dropped
 
 
 def test_loss_mask_covers_response_only():
     examples = [([1, 2, 3], [4, 5]), ([6], [7, 8, 9, 10])]
-    input_ids, loss_mask = train.collate(examples, pad_id=0, max_len=64)
+    input_ids, loss_mask = answers.collate(examples, pad_id=0, max_len=64)
     assert input_ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
     assert loss_mask.tolist() == [[False, False, False, True, True], [False, True, True, True, True]]
-    input_ids, loss_mask = train.collate([([1, 2], [3]), ([4], [5, 6, 7, 8])], pad_id=0, max_len=4)
+    input_ids, loss_mask = answers.collate([([1, 2], [3]), ([4], [5, 6, 7, 8])], pad_id=0, max_len=4)
     assert input_ids.tolist() == [[1, 2, 3, 0], [4, 5, 6, 7]]  # right padding; cut at max_len
     assert loss_mask.tolist() == [[False, False, True, False], [False, True, True, True]]
 
@@ -111,26 +113,28 @@ def test_training_lowers_loss_and_saves_a_lossless_drafter(setup, tmp_path):
     result = _run(setup, out, steps=12, drafter_layers="2", eval_every=12)
     drafter = d3d.Drafter.from_pretrained(str(out))
     assert drafter.d3d_config.layer_ids == [0, 3] and drafter.d3d_config.block_size == 4
+    for key, value in drafter.state_dict().items():  # main returns the drafter it saved
+        assert torch.equal(value, result["drafter"].state_dict()[key]), key
     record = json.loads((out / "train_args.json").read_text())
     assert record["target"] == os.path.abspath(setup["target"]) and record["history"][-1]["step"] == 12
     # the loss on a fixed batch fell from the initial drafter to the trained one
-    examples = train.load_data(setup["target"], setup["tok"], setup["prompts"], cache_dir=str(tmp_path),
+    examples = answers.load_data(setup["target"], setup["tok"], setup["prompts"], cache_dir=str(tmp_path),
                                max_new_tokens=10)
-    input_ids, loss_mask = train.collate(examples, setup["tok"].pad_token_id, 64)
+    input_ids, loss_mask = answers.collate(examples, setup["tok"].pad_token_id, 64)
     initial = train.build_drafter(setup["target"], setup["tok"], target_vocab_size=drafter.d3d_config.target_vocab_size,
                                   layers="2", block_size=4)
     losses = [d3d.d3d_loss(m, input_ids, loss_mask, num_anchors=6, generator=torch.Generator().manual_seed(0))[0]
               for m in (initial, drafter)]
     assert losses[1] < 0.7 * losses[0]
-    target = train.load_target(setup["target"], "cpu")
+    target = answers.load_target(setup["target"], "cpu")
     prompt = torch.tensor([examples[0][0]])
     ref, _ = d3d.generate(target, None, prompt, max_new_tokens=20, mode="target")
     out_ids, stats = d3d.generate(target, drafter, prompt, max_new_tokens=20, mode="sync")
     assert torch.equal(out_ids, ref) and stats["tau"] > 1.0
     # `train.py eval` measures the saved drafter on the same held-out blocks as the end of training, both ways
-    taus = train.eval_main(["--drafter", str(out)])
+    taus = evaluation.eval_main(["--drafter", str(out)])
     assert taus["causal"] == pytest.approx(record["offline_tau"])
-    assert taus["mask"] == pytest.approx(record["offline_tau_first_token_mask"])
+    assert taus["mask"] == pytest.approx(record["offline_tau_d1_from_mask"])
     for first in ("causal", "mask"):  # the acceptance curve: falls with the position, sums to the mean accepted length
         curve = taus["curve"][first]
         assert len(curve) == 4 and all(a >= b for a, b in zip(curve, curve[1:]))
@@ -257,7 +261,7 @@ def test_checkpoint_pieces_are_replaced_one_at_a_time_and_resume_after_a_cut_sav
 
 
 def test_bf16_training_saves_a_bf16_drafter(setup, tmp_path):
-    with pytest.warns(UserWarning) if not train.native_bf16(torch.device("cpu")) else contextlib.nullcontext():
+    with pytest.warns(UserWarning) if not runtime.native_bf16(torch.device("cpu")) else contextlib.nullcontext():
         result = _run(setup, tmp_path / "d", steps=2, drafter_layers="2", dtype="bfloat16")
     saved = d3d.Drafter.from_pretrained(str(tmp_path / "d"))
     assert next(saved.parameters()).dtype == torch.bfloat16  # the training dtype, half the disk of fp32
@@ -304,6 +308,10 @@ def test_clear_errors(setup, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         train.parse_args(["--bogus-flag", "1"])
     assert exit_info.value.code == 2
+    # where d_1 is read: --d1-from, and its earlier name --first-token
+    assert train.parse_args([]).d1_from == "causal"
+    for flag in ("--d1-from", "--first-token"):
+        assert train.parse_args([flag, "mask"]).d1_from == "mask"
 
 
 def test_prune_command_removes_layers_and_keeps_decoding_lossless(setup, tmp_path, capsys):
@@ -313,14 +321,14 @@ def test_prune_command_removes_layers_and_keeps_decoding_lossless(setup, tmp_pat
     argv = ["--drafter", str(tmp_path / "drafter"), "--min-layers", "1", "--recovery-steps", "1", "--batch-size",
             "4", "--num-val", "3", "--val-anchors", "4", "--compare-prompts", "2", "--max-new-tokens", "8",
             "--gradient-checkpointing"]
-    result = train.prune_main(**vars(train.parse_prune_args(argv)))
+    result = pruning.prune_main(**vars(pruning.parse_prune_args(argv)))
     assert [row["layers"] for row in result["table"]] == [3, 2, 1]
     assert result["checkpointing"] and result["dtype"] == "float32"  # the flag, and a CPU's default dtype
     assert set(result["decode"]) == {"unpruned sync", "unpruned async", "pruned sync", "pruned async"}
     pruned = d3d.Drafter.from_pretrained(str(tmp_path / "drafter-pruned"))
     assert pruned.model.config.num_hidden_layers == 1 and len(pruned.d3d_config.layer_ids) == 1
     assert os.path.isfile(tmp_path / "drafter-pruned" / "prune_table.json")
-    target = train.load_target(setup["target"], "cpu")
+    target = answers.load_target(setup["target"], "cpu")
     ids = torch.tensor([setup["tok"].encode("<|user|>\n3 * 4<|end|>\n<|assistant|>\n")])
     expected, _ = d3d.generate(target, None, ids, max_new_tokens=12, mode="target")
     for mode in ("sync", "async"):
@@ -328,18 +336,18 @@ def test_prune_command_removes_layers_and_keeps_decoding_lossless(setup, tmp_pat
     printed = capsys.readouterr().out
     assert "removed" in printed and "estimated peak of a recovery step" in printed
     with pytest.raises(SystemExit):
-        train.parse_prune_args(["--bogus"])
+        pruning.parse_prune_args(["--bogus"])
 
 
 def test_prune_in_bf16_reads_the_weights_recovery_changed(setup, tmp_path):
     """Pruning runs in one bf16 autocast context; recovery steps change the weights inside it. Every later pass must
     read the new weights, not the bf16 copies autocast's cast cache keeps for the whole context."""
     _run(setup, tmp_path / "drafter", steps=2, drafter_layers="3")
-    _, _, drafter, _, val, pad_id = train.load_trained(str(tmp_path / "drafter"), torch.device("cpu"))
-    batches = [train.collate(val[:3], pad_id, 1024)]
+    _, _, drafter, _, val, pad_id = evaluation.load_trained(str(tmp_path / "drafter"), torch.device("cpu"))
+    batches = [answers.collate(val[:3], pad_id, 1024)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        d3d.prune_drafter(drafter, batches, batches, min_layers=2, recovery_steps=3, lr=1e-2, num_anchors=4,
-                          log=lambda *_: None)
+        list(d3d.prune_drafter(drafter, batches, batches, min_layers=2, recovery_steps=3, lr=1e-2,
+                               num_anchors=4))
         ids = batches[0][0][:, :12]
         args = (torch.arange(12)[None], torch.ones(1, 1, 12, 12, dtype=torch.bool).tril())
         with torch.no_grad():
@@ -347,12 +355,12 @@ def test_prune_in_bf16_reads_the_weights_recovery_changed(setup, tmp_path):
             assert torch.equal(drafter.hidden_states(ids[:1], *args), fresh.hidden_states(ids[:1], *args))
 
 
-def test_random_init_keeps_the_architecture_and_first_token_is_recorded(setup):
+def test_random_init_keeps_the_architecture_and_d1_from_is_recorded(setup):
     tok, vocab = setup["tok"], _tiny_model(setup["tok"]).config.vocab_size
     pretrained = train.build_drafter(setup["target"], tok, target_vocab_size=vocab, layers="2")
     torch.manual_seed(1)
     random_a = train.build_drafter(setup["target"], tok, target_vocab_size=vocab, layers="2", random_init=True,
-                                   first_token="mask")
+                                   d1_from="mask")
     torch.manual_seed(1)
     random_b = train.build_drafter(setup["target"], tok, target_vocab_size=vocab, layers="2", random_init=True)
     shapes = lambda d: {k: v.shape for k, v in d.state_dict().items()}
@@ -360,13 +368,13 @@ def test_random_init_keeps_the_architecture_and_first_token_is_recorded(setup):
     weight = "model.model.layers.0.mlp.up_proj.weight"
     assert not torch.equal(random_a.state_dict()[weight], pretrained.state_dict()[weight])
     assert torch.equal(random_a.state_dict()[weight], random_b.state_dict()[weight])  # seeded
-    assert random_a.d3d_config.first_token == "mask" and pretrained.d3d_config.first_token == "causal"
+    assert random_a.d3d_config.d1_from == "mask" and pretrained.d3d_config.d1_from == "causal"
 
 
 def test_every_toy_run_uses_the_shipped_toy_and_its_answers(monkeypatch, tmp_path):
     """Wherever --out puts the drafter, a toy run trains on the shipped target's own answers: the target is never
     loaded (nothing is answered again) and nothing is written into the shipped folder."""
-    monkeypatch.setattr(train, "load_target", lambda *a, **k: pytest.fail("the shipped answers were not used"))
+    monkeypatch.setattr(answers, "load_target", lambda *a, **k: pytest.fail("the shipped answers were not used"))
     monkeypatch.setattr(train, "TOY_RUNS", str(tmp_path / "toy"))
     before = {f: os.path.getmtime(os.path.join(toy.SHIPPED, f)) for f in os.listdir(toy.SHIPPED)}
     result = train.main(out=str(tmp_path / "lam0" / "drafter"), steps=1, num_prompts=8, num_val=4, **{
@@ -377,7 +385,7 @@ def test_every_toy_run_uses_the_shipped_toy_and_its_answers(monkeypatch, tmp_pat
     recipe = json.load(open(tmp_path / "lam0" / "drafter" / "train_args.json"))
     assert recipe["target"] == toy.SHIPPED and recipe["answers"] == os.path.join(toy.SHIPPED, "answers-train.jsonl")
     shipped = [json.loads(l) for l in open(recipe["answers"])][1:9]
-    _, _, _, examples, _, _ = train.load_trained(str(tmp_path / "lam0" / "drafter"), "cpu")  # eval and prune too
+    _, _, _, examples, _, _ = evaluation.load_trained(str(tmp_path / "lam0" / "drafter"), "cpu")  # eval and prune too
     assert examples == [(r["prompt"], r["response"]) for r in shipped]
 
 
@@ -394,41 +402,41 @@ def test_train_refuses_a_toy_whose_files_do_not_match_toy_json(monkeypatch, tmp_
 def test_answers_that_do_not_match_the_prompts_are_refused(setup, tmp_path):
     """An answers file answers given prompt lines in given ids: other prompts, or one missing, are an error."""
     kw = dict(tokenizer=setup["tok"], cache_dir=str(tmp_path), max_new_tokens=4, gen_batch_size=12)
-    train.load_data(setup["target"], prompts=setup["prompts"], **kw)
+    answers.load_data(setup["target"], prompts=setup["prompts"], **kw)
     (cache,) = tmp_path.glob("answers-*.jsonl")
-    assert len(train.load_data(setup["target"], prompts=setup["prompts"], answers=str(cache), **kw)) == len(QUESTIONS)
+    assert len(answers.load_data(setup["target"], prompts=setup["prompts"], answers=str(cache), **kw)) == len(QUESTIONS)
     _write_jsonl(tmp_path / "other.jsonl", [{"question": q} for q in QUESTIONS[::-1]])
     with pytest.raises(ValueError, match="does not answer line 1 of .*other.jsonl.*prompt ids differ"):
-        train.load_data(setup["target"], prompts=str(tmp_path / "other.jsonl"), answers=str(cache), **kw)
+        answers.load_data(setup["target"], prompts=str(tmp_path / "other.jsonl"), answers=str(cache), **kw)
     _write_jsonl(tmp_path / "more.jsonl", [{"question": q} for q in QUESTIONS + ["1 + 1"]])
     with pytest.raises(ValueError, match="does not answer line 13 .*no answer"):
-        train.load_data(setup["target"], prompts=str(tmp_path / "more.jsonl"), answers=str(cache), **kw)
+        answers.load_data(setup["target"], prompts=str(tmp_path / "more.jsonl"), answers=str(cache), **kw)
 
 
 def test_answers_in_another_tokenizers_ids_are_refused(setup, tmp_path):
     """A cached answers file names the tokenizer whose ids it holds; a target with another tokenizer must not read it
     (the same ids would decode to other text), neither as a cache nor as a given answers file."""
     kw = dict(cache_dir=str(tmp_path), max_new_tokens=4, gen_batch_size=12)
-    train.load_data(setup["target"], setup["tok"], prompts=setup["prompts"], **kw)
+    answers.load_data(setup["target"], setup["tok"], prompts=setup["prompts"], **kw)
     (cache,) = tmp_path.glob("answers-*.jsonl")
     other = toy.make_tokenizer()
     other.add_tokens(["<|tool|>"])  # one more token: another id table, the same prompts' ids
     with pytest.raises(ValueError, match="in the ids of a tokenizer with fingerprint"):
-        train.load_data(setup["target"], other, prompts=setup["prompts"], answers=str(cache), **kw)
+        answers.load_data(setup["target"], other, prompts=setup["prompts"], answers=str(cache), **kw)
     with pytest.raises(ValueError, match="in the ids of a tokenizer with fingerprint"):
-        train._read_cache([str(cache)], other)
+        answers._read_cache([str(cache)], other)
 
 
 def test_dtype_auto_picks_bf16_only_where_native(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(train, "native_bf16", lambda device: True)
-    assert train.resolve_dtype("auto", cpu) == train.resolve_dtype(None, cpu) == torch.bfloat16
-    monkeypatch.setattr(train, "native_bf16", lambda device: False)
-    assert train.resolve_dtype("auto", cpu) == torch.float32
+    monkeypatch.setattr(runtime, "native_bf16", lambda device: True)
+    assert runtime.resolve_dtype("auto", cpu) == runtime.resolve_dtype(None, cpu) == torch.bfloat16
+    monkeypatch.setattr(runtime, "native_bf16", lambda device: False)
+    assert runtime.resolve_dtype("auto", cpu) == torch.float32
     with pytest.warns(UserWarning, match="slow fallback kernels"):
-        assert train.resolve_dtype("bfloat16", cpu) == torch.bfloat16  # asked for: honoured, with the cost
+        assert runtime.resolve_dtype("bfloat16", cpu) == torch.bfloat16  # asked for: honoured, with the cost
     with pytest.raises(ValueError, match="unknown dtype"):
-        train.resolve_dtype("float8", cpu)
+        runtime.resolve_dtype("float8", cpu)
 
 
 def test_prune_memory_estimate_fits_the_qwen3_drafter_on_one_80gb_gpu():
@@ -436,7 +444,7 @@ def test_prune_memory_estimate_fits_the_qwen3_drafter_on_one_80gb_gpu():
     after the first removal: batch 8 of 1,024 answer tokens + K 16 x B 16 MASKs, bf16 autocast on CUDA."""
     shapes = dict(num_params=2.03e9, hidden=2048, layers=27, batch=8, seq_len=1024 + 16 * 16, vocab=151936,
                   device_type="cuda")
-    on, off = (train.prune_memory_estimate(**shapes, checkpointing=c) for c in (True, False))
+    on, off = (memory.prune_memory_estimate(**shapes, checkpointing=c) for c in (True, False))
     assert on["total"] < 80 and on["activations"] < off["activations"]
     assert on["total"] == pytest.approx(sum(v for k, v in on.items() if k != "total"))
     assert on["weights"] + on["gradients"] + on["adamw_moments"] + on["teacher"] == pytest.approx(20 * 2.03e9 / 2**30)

@@ -5,15 +5,9 @@ passes through torch.compile (CUDA graphs on a GPU), and pruning's scorer from o
     fast.compile_passes(caches)                                # the one line
     d3d.generate(target, drafter, ids, max_new_tokens=128, caches=caches)
 
-The passes, for block size B (q tokens each, over all max_len slots of a cache; d3d.py builds them so):
-    target    1              a target-only step
-              B + 1          verify [x_n, d_1 .. d_B]; after a full-acceptance hit the draft has B - 1 real tokens and
-                             a pad that is never accepted, so one shape serves both
-    drafter   2B + 1         sync draft: the unread committed tokens (1 .. B + 1) padded to B + 1, then B MASKs
-              1 + B          async fallback draft: x_n and B MASKs (at the top of an async round only x_n is unread)
-              1 + B + S(1+B) async packed pass: x_n, d_1 .. d_B, then S = C F + 1 segments [token, B MASKs]
-Prefills (any length) and the drafter's selective-prefill scoring stay eager. Each shape compiles once (about 5-20 s a
-shape on a CPU for a tiny model, longer for a deep one); `warm_up` does it before anything is timed.
+The passes have the five fixed shapes of d3d.py's table (its asynchronous-decoding section), over all max_len slots
+of a cache. Prefills (any length) and the drafter's selective-prefill scoring stay eager. Each shape compiles once
+(about 5-20 s a shape on a CPU for a tiny model, longer for a deep one); `warm_up` does it before anything is timed.
 `compile_passes(caches, regional=True)` compiles one decoder layer per (layer class, shape) instead, reused by every
 layer of both models, the rest of each pass eager: compile time no longer grows with depth.
 """
@@ -162,7 +156,8 @@ def tau_without_each_layer(drafter: d3d.Drafter, batches, *, num_anchors: int = 
             drafter.hidden_states(*d3d._packed_inputs(drafter, input_ids, anchors, block_size))
         for i in range(num_layers):
             with _resumed_at(drafter, i + 1, entering[i]):
-                taus[i].append(d3d._tau_at(drafter, input_ids, loss_mask, anchors, valid, block_size))
+                tau = d3d.offline_tau(drafter, input_ids, loss_mask, block_size=block_size, at=(anchors, valid))
+                taus[i].append(tau)
             bar.update()
     bar.close()
     return {i: torch.cat(t).mean().item() for i, t in taus.items()}

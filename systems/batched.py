@@ -1,14 +1,33 @@
 """Batched decoding for concurrent requests (the paper's Table 2), beside d3d.py: a list of prompts decodes as one
-ragged batch, each row advancing by its own accepted length and computing what it would alone. `d3d.generate`
-calls it for a list of prompts (modes "target" and "sync")."""
+ragged batch, each row advancing by its own accepted length and computing what it would alone:
+
+    outs, stats = batched.generate(target, drafter, [prompt_1, prompt_2, ...], max_new_tokens=128)
+
+Modes "target" and "sync"; each row gives what d3d.generate gives that prompt alone."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import runtime
 from d3d import Drafter, accept_draft, draft_rows, packed_attention_mask, pick_tokens
 from runtime import Clock, Output, additive_mask, ignored_cache, mean
+
+
+@torch.no_grad()
+def generate(target: nn.Module, drafter: Drafter | None, prompts: list[torch.Tensor], *, max_new_tokens: int,
+             mode: str = "sync", block_size: int | None = None, temperature: float = 0.0, eos_token_id=None,
+             generator: torch.Generator | None = None):
+    """Decode a list of 1-D prompts (prompt_len,) as one ragged batch, each row as d3d.generate decodes it alone.
+    Returns (list of 1-D outputs, prompt + new, stats): the batch's totals (tau, num_rounds, num_new_tokens,
+    tokens_per_s, time_*) and stats["rows"], per request tau, accept_lengths, num_rounds, num_new_tokens, time_done."""
+    check_request(prompts, mode)
+    block_size = runtime.check_request(target, drafter, prompts[0][None], max_new_tokens, mode, block_size,
+                                       temperature, None, None, "first", None)
+    if mode == "target":
+        return decode_target(target, prompts, max_new_tokens, temperature, eos_token_id, generator)
+    return decode_sync(target, drafter, prompts, max_new_tokens, block_size, temperature, eos_token_id, generator)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -17,13 +36,15 @@ from runtime import Clock, Output, additive_mask, ignored_cache, mean
 # layer lacks) and a static layer writes every row at one shared position, where each row here has its own.
 
 
-def check_request(prompts, mode: str, keep_ratio) -> None:
+def check_request(prompts, mode: str) -> None:
     """A clear error for a batch generate cannot decode."""
-    if not prompts or any(not torch.is_tensor(p) or p.dim() != 1 or len(p) == 0 for p in prompts):
+    if not isinstance(prompts, (list, tuple)) or not prompts or any(
+            not torch.is_tensor(p) or p.dim() != 1 or len(p) == 0 for p in prompts):
         raise ValueError("a batch of prompts must be a non-empty list of 1-D id tensors (prompt_len,), none empty")
-    if mode == "async" or keep_ratio is not None:
-        raise ValueError("a batch decodes in modes 'target' and 'sync' without keep_ratio (batched async is not "
-                         "built: each row would need its own branch plan): decode such prompts one at a time")
+    if mode not in ("target", "sync"):
+        raise ValueError(f"a batch decodes in modes 'target' and 'sync', not {mode!r} (batched async is not built: "
+                         "each row would need its own branch plan; selective prefill neither): decode such prompts "
+                         "one at a time with d3d.generate")
 
 
 def new_cache(model: nn.Module):
@@ -96,7 +117,7 @@ def draft_batch(drafter: Drafter, ragged: RaggedCache, new_tokens: list[list[int
     inner, relative = packed_attention_mask(m, last, block_size)  # (1, 1, q, q), (1, q)
     positions, mask = ragged.inputs(F.pad(new_valid, (0, block_size), value=True), relative, inner[0, 0])
     masks = torch.full((b, block_size), drafter.d3d_config.mask_token_id, device=device)
-    rows = draft_rows(last, last + 1, block_size, drafter.d3d_config.first_token)[0]  # (B,) shared by all rows
+    rows = draft_rows(last, last + 1, block_size, drafter.d3d_config.d1_from)[0]  # (B,) shared by all rows
     logits = drafter.logits(drafter.hidden_states(torch.cat([ids, masks], 1), positions, mask, ragged.cache)[:, rows])
     crop_cache(ragged.cache, ragged.valid.shape[1] + m)
     ragged.commit(new_valid)

@@ -1,0 +1,19 @@
+"""The systems code around the method, which a reader of d3d.py never needs to open. Each module imports only from
+runtime, d3d, toy and the modules here; train.py and decode.py import from it.
+
+Beside the method:
+    fast.py         compiled fixed-shape decoding passes (CUDA graphs on a GPU); pruning's scorer from one pass
+    batched.py      concurrent requests as one ragged batch (the paper's Table 2): batched.generate
+train.py's machinery:
+    answers.py      the target's own answers to the prompts, cached as token ids, and the training batches made of them
+    distributed.py  process group, FSDP2 sharding/broadcast/gathering, resumable checkpoints (piecewise and sharded)
+    memory.py       measured peak memory, and the estimated peaks of an FSDP training step and a pruning recovery step
+    evaluation.py   offline tau on held-out answers, the acceptance curve, load_trained, `train.py eval`
+    pruning.py      `train.py prune`: progressive layer pruning, then unpruned vs pruned decoding against the target
+decode.py's machinery:
+    decoding.py     the modes a run names (parse_mode), one prompt decoded in each (decode_prompt), the caches (prepare)
+    figures.py      Table 1 from a run's records: a mode's speedup, tau, tok/s, hit rate (summarise), its layout (table)
+    forensics.py    the greedy check: where an output leaves target-only's, a near-tie or an error (classify_divergence)
+    peers.py        transformers' generate, assisted generation and prompt lookup, timed beside D3D (hf_decode)
+    benches.py      the benchmarks beside Table 1: concurrency (Table 2), selective prefill, the sampling check
+"""

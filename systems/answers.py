@@ -1,0 +1,186 @@
+"""The target's own answers to the training prompts, cached as token ids, and the batches made of them.
+
+Each prompt of a JSON Lines file goes through the target's chat template (thinking off unless asked); the target
+answers greedily, and prompt and response token ids are appended to a JSON Lines cache (a header naming the target
+and its tokenizer, then one line per prompt), so a rerun or an interrupted run only answers what is missing. The toy
+ships its target's answers (toy-target/, see toy.py), read as they are. collate makes training and evaluation batches
+of (prompt, response) pairs.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+from transformers import GenerationConfig
+
+import runtime
+from systems import batched
+
+
+def read_prompts(path: str, field: str) -> list[list[dict]]:
+    """One chat (list of messages) per JSON line. `field` holds a string, a list of turns (the first is used: later
+    turns follow the target's own reply, which we do not have yet) or a list of {"role", "content"} messages."""
+    chats = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if field not in row:
+                raise ValueError(f"{path} line {n} has no field {field!r} (its fields: {sorted(row)}); "
+                                 "name the prompt field with --prompt-field")
+            value = row[field]
+            if isinstance(value, list) and value and isinstance(value[0], dict):
+                chats.append(value[:-1] if value[-1].get("role") == "assistant" else value)
+            elif isinstance(value, list) and value:
+                chats.append([{"role": "user", "content": str(value[0])}])
+            else:
+                chats.append([{"role": "user", "content": str(value)}])
+    return chats
+
+
+def load_target(path: str, device, dtype=None):
+    """The frozen target, in eval mode, loaded straight to the device in `dtype` (a function of its own so tests can
+    count the calls)."""
+    return runtime.load_causal_lm(path, dtype, device).eval()
+
+
+def answers_header(target: str, tokenizer, max_new_tokens: int) -> dict:
+    """The first line of an answers file: whose answers, in which tokenizer's ids, cut at how many tokens."""
+    return {"answers_of": target, "tokenizer": runtime.tokenizer_fingerprint(tokenizer),
+            "max_new_tokens": max_new_tokens}
+
+
+def _read_cache(paths: list[str], tokenizer) -> dict[int, tuple[list[int], list[int]]]:
+    """{prompt index: (prompt ids, response ids)} from answers files; a file written in another tokenizer's ids is an
+    error (its ids would mean other text)."""
+    done, mine = {}, runtime.tokenizer_fingerprint(tokenizer)
+    for path in paths:
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    if not line.endswith("\n"):  # a line cut by a kill is answered again
+                        continue
+                    row = json.loads(line)
+                    if "answers_of" in row:
+                        if row["tokenizer"] != mine:
+                            raise ValueError(f"{path} holds the answers of {row['answers_of']} in the ids of a "
+                                             f"tokenizer with fingerprint {row['tokenizer']}, but this tokenizer's is "
+                                             f"{mine}: its ids would decode to other text. Use the target that wrote "
+                                             "it, or delete the file to answer again")
+                        continue
+                    done[row["i"]] = (row["prompt"], row["response"])
+    return done
+
+
+class _Throughput:
+    """A transformers streamer that shows the new tokens per second of the unfinished rows, at every step."""
+
+    def __init__(self, bar, eos: set[int]):
+        self.bar, self.eos, self.num_tokens, self.start = bar, torch.tensor(sorted(eos)), 0, time.perf_counter()
+
+    def put(self, tokens: torch.Tensor):
+        if tokens.dim() == 2:  # generate hands over the prompts first
+            self.alive = torch.ones(tokens.shape[0], dtype=torch.bool)
+            return
+        self.num_tokens += int(self.alive.sum())
+        self.alive &= ~torch.isin(tokens, self.eos)
+        self.bar.set_postfix(tok_per_s=f"{self.num_tokens / (time.perf_counter() - self.start):.0f}", refresh=False)
+        self.bar.update(0)  # redraws at most every bar.mininterval seconds
+
+    def end(self):
+        pass
+
+
+@torch.no_grad()
+def answer_prompts(target_path: str, tokenizer, prompt_ids: list[list[int]], cache: str, *, max_new_tokens: int,
+                   batch_size: int, device, dtype=None, rank: int = 0, world: int = 1) -> list[list[int]]:
+    """The target's greedy response (token ids, ending with EOS when it stopped) to each prompt. Every finished
+    batch is appended to `cache` (under DDP each rank answers its share into cache.rankR), so a rerun resumes."""
+    parts = [cache] + sorted(glob.glob(glob.escape(cache) + ".rank*"))
+    done = _read_cache(parts, tokenizer)
+    todo = [i for i, p in enumerate(prompt_ids) if i not in done or done[i][0] != p][rank::world]
+    if todo:
+        target = load_target(target_path, device, dtype)
+        eos = target.generation_config.eos_token_id or tokenizer.eos_token_id
+        eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+        gen_config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(eos),
+                                      pad_token_id=pad)  # fresh: the checkpoint's sampling defaults do not apply
+        todo.sort(key=lambda i: len(prompt_ids[i]))  # similar lengths in a batch: little left padding
+        bar = tqdm(total=len(todo), desc="target answers", unit="prompt", disable=rank > 0)
+        throughput = _Throughput(bar, eos)
+        mine = cache if world == 1 else f"{cache}.rank{rank}"
+        if os.path.exists(mine):  # drop a line cut by a kill, or the next one would be glued to it
+            with open(mine, "rb+") as f:
+                f.truncate(f.read().rfind(b"\n") + 1)
+        with open(mine, "a") as f:
+            if f.tell() == 0:
+                f.write(json.dumps(answers_header(target_path, tokenizer, max_new_tokens)) + "\n")
+            for s in range(0, len(todo), batch_size):
+                idx = todo[s: s + batch_size]
+                # left padding: every prompt ends where its answer begins
+                ids, real = batched.left_pad([prompt_ids[i] for i in idx], device)
+                out = target.generate(input_ids=ids, attention_mask=real.long(), generation_config=gen_config,
+                                      streamer=throughput)[:, ids.shape[1]:].tolist()
+                for i, response in zip(idx, out):
+                    stop = next((k for k, t in enumerate(response) if t in eos), None)
+                    response = response if stop is None else response[: stop + 1]  # keep EOS, drop padding
+                    f.write(json.dumps({"i": i, "prompt": prompt_ids[i], "response": response}) + "\n")
+                f.flush()
+                bar.update(len(idx))
+        bar.close()
+        del target
+    if world > 1:
+        dist.barrier()  # every rank's share is on disk
+    done = _read_cache([cache] + sorted(glob.glob(glob.escape(cache) + ".rank*")), tokenizer)
+    return [done[i][1] for i in range(len(prompt_ids))]
+
+
+def load_data(target: str, tokenizer, prompts: str, *, prompt_field: str = "question", num_prompts: int | None = None,
+              thinking: bool = False, cache_dir: str = ".", max_new_tokens: int = 256, gen_batch_size: int = 64,
+              device="cpu", dtype=None, rank: int = 0, world: int = 1,
+              answers: str | None = None) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids) for the first `num_prompts` prompts of a JSON Lines file, answered by the target;
+    `answers`: a file of the target's answers to these prompts (the toy's), read as it is, never written."""
+    chats = read_prompts(prompts, prompt_field)[:num_prompts]
+    texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
+             for c in chats]
+    prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]  # the template has the specials
+    if answers is not None:
+        done = _read_cache([answers], tokenizer)
+        for i, p in enumerate(prompt_ids):
+            if i not in done or done[i][0] != p:
+                why = "no answer" if i not in done else "its prompt ids differ"
+                raise ValueError(f"{answers} does not answer line {i + 1} of {prompts} ({why}): the answers belong "
+                                 "to other prompts, another chat template or another tokenizer")
+        return [(p, done[i][1]) for i, p in enumerate(prompt_ids)]
+    # the cache belongs to one target and one generation setting; the prompts are checked line by line
+    key = json.dumps([os.path.abspath(target) if os.path.exists(target) else target,
+                      runtime.tokenizer_fingerprint(tokenizer), max_new_tokens])
+    name = os.path.splitext(os.path.basename(prompts))[0]
+    cache = os.path.join(cache_dir, f"answers-{name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}.jsonl")
+    os.makedirs(cache_dir, exist_ok=True)
+    responses = answer_prompts(target, tokenizer, prompt_ids, cache, max_new_tokens=max_new_tokens,
+                               batch_size=gen_batch_size, device=device, dtype=dtype, rank=rank, world=world)
+    if rank == 0:
+        print(f"[data] {len(chats)} answers of the target to {prompts} in {cache}")
+    return list(zip(prompt_ids, responses))
+
+
+def collate(examples, pad_id: int, max_len: int):
+    """Right-padded input_ids (b, L) and loss_mask (b, L): True on response tokens only (not prompt, not padding)."""
+    seqs = [(p + r)[:max_len] for p, r in examples]
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for row, ((prompt, _), seq) in enumerate(zip(examples, seqs)):
+        input_ids[row, : len(seq)] = torch.tensor(seq)
+        loss_mask[row, len(prompt): len(seq)] = True
+    return input_ids, loss_mask
