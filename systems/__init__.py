@@ -1,5 +1,5 @@
 """The systems code around the method, which a reader of d3d.py never needs to open. Each module imports only from
-runtime, d3d, toy and the modules here; train.py and decode.py import from it.
+runtime, d3d and the modules here; toy.py, train.py and decode.py import from it.
 
 Beside the method:
     fast.py         compiled fixed-shape decoding passes (CUDA graphs on a GPU); pruning's scorer from one pass
