@@ -864,14 +864,14 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
              cover: str = "first", keep_ratio: float | None = None, chunk_size: int = 64, caches: Caches | None = None,
              lanes: int | None = None, trace: bool = False):
     """Decode input_ids (1, prompt_len) until EOS (kept) or max_new_tokens. Returns (output_ids (1, prompt + new),
-    stats: tau, accept_lengths, num_rounds, num_new_tokens, time per phase, ...; README.md lists every key).
-    mode "target": the target alone (drafter may be None); "sync": speculative decoding with D3D drafts; "async": the
-    drafter drafts during verification for `coverage` x `fanout` outcomes (default_budget(B)) picked by `cover`,
-    beside the verification in a second lane if lanes=2 (CUDA: a stream; CPU: a thread), after it if lanes=1 (None:
-    runtime.async_lanes picks). Greedy (temperature 0) gives exactly the target's tokens; sampling is lossless,
-    reproducible with `generator`. keep_ratio (lossy): the target prefills only the chunks select_chunks keeps.
-    caches: KV caches of fixed size to reuse (Caches.make; default: new ones sized to the request). trace=True adds
-    the phases as a Chrome trace, a track a lane. Many prompts at once: systems/batched.py."""
+    stats: tau, accept_lengths, num_rounds, time per phase, ...; README.md lists every key). mode "target": the target
+    alone (drafter may be None); "sync": D3D drafts, verified; "async": the drafter drafts during verification for
+    `coverage` x `fanout` outcomes (default_budget(B)) picked by `cover`, in a second lane if lanes=2 (CUDA: a stream;
+    CPU: a thread), after it if lanes=1 (None: runtime.async_lanes picks). Greedy output is the target's, token for
+    token; sampling is lossless. keep_ratio (lossy): the target prefills only the chunks select_chunks keeps; caches:
+    fixed-size KV caches to reuse (default: per request); trace=True adds a Chrome trace. Batches: systems.batched"""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
     block_size = check_request(target, drafter, input_ids, max_new_tokens, mode, block_size, temperature, coverage,
                                fanout, cover, keep_ratio)  # a clear error for each bad input (runtime.py)
     coverage, fanout = (d if v is None else v for v, d in zip((coverage, fanout), default_budget(block_size or 1)))

@@ -364,8 +364,6 @@ def check_request(target, drafter, input_ids, max_new_tokens, mode, block_size, 
                   keep_ratio) -> int | None:
     """d3d.generate's input checks: a clear error for each bad input. Returns the block size (default: the
     drafter's; None without a drafter)."""
-    if mode not in ("target", "sync", "async"):
-        raise ValueError(f"unknown mode {mode!r}: use one of ('target', 'sync', 'async')")
     if isinstance(input_ids, (list, tuple)):
         raise ValueError("d3d.generate decodes one prompt (1, prompt_len); a list of prompts decodes as one batch "
                          "with systems.batched.generate")

@@ -11,7 +11,7 @@ from systems import fast, peers
 
 
 def available_modes() -> tuple[str, ...]:
-    return tuple(getattr(d3d, "MODES", ("target", "sync")))
+    return d3d.MODES
 
 
 def parse_mode(spec: str) -> tuple[str, dict]:
