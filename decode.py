@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 import d3d
 import runtime
 import toy
-from systems import benches, decoding, figures, forensics, peers
+from systems import benches, cli, decoding, figures, forensics, peers, pictures
 
 TOY_DRAFTER, TOY_TARGET = "runs/toy/drafter", toy.SHIPPED  # the toy's default drafter, and its shipped target
 TOY_PROMPTS = os.path.join(toy.SHIPPED, toy.DATA_FILES["test"])
@@ -58,18 +58,26 @@ COLOURS, RESET = {"draft": "\033[32m", "target": "\033[33m"}, "\033[0m"
 def load(target, drafter, modes, device, dtype, attn, threads=None):
     """(target, drafter or None if only target-only decoding runs, the target's tokenizer, EOS ids, description)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    need_drafter = any(m != "target" for m in modes)
+    if (need_drafter or target is None) and drafter == TOY_DRAFTER and not os.path.isdir(drafter):
+        raise runtime.UserError(f"no drafter at {TOY_DRAFTER} — train the toy's drafter with "
+                                "`python train.py` (about 1½ min on 2 CPU cores), or pass --target "
+                                "and --drafter")
+    if need_drafter or target is None:
+        cli.check_drafter_folder("--drafter", drafter)
     args_file = os.path.join(drafter, "train_args.json")
-    recipe = json.load(open(args_file)) if os.path.isfile(args_file) else {}
+    recipe = {}
+    if os.path.isfile(args_file):
+        recipe = cli.read_json("--drafter", args_file)
     if dtype in (None, "auto") and recipe.get("compute_dtype") == "float32":
         dtype = "float32"  # trained in fp32 (the toy always is): decode in it too
     dtype = runtime.resolve_dtype(dtype, device)
-    need_drafter = any(m != "target" for m in modes)
-    if (need_drafter or target is None) and drafter == TOY_DRAFTER and not os.path.isdir(drafter):
-        raise FileNotFoundError(f"no drafter at {TOY_DRAFTER}: train the toy's drafter with `python train.py` "
-                                "(about 1½ min on 2 CPU cores), or pass --target and --drafter")
     draft_model = d3d.Drafter.from_pretrained(drafter, dtype, device, attn).eval() if need_drafter else None
     if target is None:  # the target the drafter was trained for
-        target = recipe.get("target", TOY_TARGET)
+        recorded = recipe.get("target", TOY_TARGET)
+        on_hub = cli.looks_like_hub_name(recorded)
+        target = runtime.find_recorded(recorded, f"{args_file}: target", must_exist=not on_hub)
+    cli.check_model_folder("--target", target)
     tok = transformers.AutoTokenizer.from_pretrained(target)
     if draft_model is not None:
         runtime.check_tokenizer(draft_model, tok)  # before loading a large target for nothing
@@ -89,13 +97,11 @@ def load(target, drafter, modes, device, dtype, attn, threads=None):
 
 def read_prompts(path: str, field: str | None = None, max_samples: int | None = None) -> tuple[str, list[str]]:
     """(field, prompts) of a JSON Lines file; the field is auto-detected among PROMPT_FIELDS unless given."""
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    if not rows:
-        raise ValueError(f"{path} holds no prompts (empty file)")
+    rows = cli.read_jsonl("prompts file", path, f"a JSON object with a prompt field "
+                          f"({field or ', '.join(PROMPT_FIELDS)})")
     field = field or next((k for k in PROMPT_FIELDS if k in rows[0]), None)
     if field is None or field not in rows[0]:
-        raise ValueError(f"{path}: no prompt field {field or PROMPT_FIELDS} (keys: {sorted(rows[0])}); "
+        raise runtime.UserError(f"{path}: no prompt field {field or PROMPT_FIELDS} (keys: {sorted(rows[0])}); "
                          "name it with --prompt-field")
     return field, [r[field][0] if isinstance(r[field], list) else r[field] for r in rows[:max_samples]]
 
@@ -197,8 +203,18 @@ def interactive(models, prompts: list[str], mode: str, opts: dict, thinking: boo
     if mode != "target":
         print(f"{mode}: acceptance histogram (tokens committed per round, 1 .. {block_size + 1}):\n" +
               histogram([n for r in records[mode] for n in r["accept_lengths"]]))
-    return {"summary": summaries[mode], "summaries": summaries,
+    return {"summary": summaries[mode], "summaries": summaries, "block_size": block_size,
+            "stats": merged_stats(records[mode]) if mode != "target" else None,
             "answers": [tok.decode(r["new_tokens"], skip_special_tokens=True) for r in records[mode]]}
+
+
+def merged_stats(records: list[dict]) -> dict:
+    """One mode's stats over several prompts: accept lengths joined, hits and misses added."""
+    merged = {"accept_lengths": [n for r in records for n in r["accept_lengths"]]}
+    for key in ("hits_per_position", "misses_per_position"):
+        if key in records[0]:
+            merged[key] = [sum(counts) for counts in zip(*(r[key] for r in records))]
+    return merged
 
 
 def bench(models, files: list[tuple[str, str, list[str]]], modes: list[str], opts: dict, thinking: bool) -> dict:
@@ -250,12 +266,57 @@ def bench(models, files: list[tuple[str, str, list[str]]], modes: list[str], opt
     return result
 
 
+# Every number a flag takes, and the values it accepts (None: not given, the default applies).
+# Zero is legal where it means something: --temperature 0 (greedy), --coverage 0 (async with only
+# the full-acceptance branch, as in async:0,2), --seed 0, --tie-tolerance 0.
+RANGES = {
+    "threads": cli.Range(int, low=1),
+    "max_samples": cli.Range(int, low=1),
+    "block_size": cli.Range(int, low=1),
+    "temperature": cli.Range(float, low=0),
+    "max_new_tokens": cli.Range(int, low=1),
+    "coverage": cli.Range(int, low=0),
+    "fanout": cli.Range(int, low=1),
+    "max_len": cli.Range(int, low=1),
+    "seed": cli.Range(int, low=0),
+    "sampling_check_samples": cli.Range(int, low=2),
+    "tie_tolerance": cli.Range(float, low=0),
+    "concurrency": cli.Range(int, low=1, each=True),
+    "keep_ratio": cli.Range(float, low=0, high=1, low_open=True),
+    "chunk_size": cli.Range(int, low=1),
+    "keep_ratios": cli.Range(float, low=0, high=1, low_open=True, each=True),
+    "num_docs": cli.Range(int, low=1),
+}
+FLAGS = {"sampling_check_samples": "--sampling-check", "bench_files": "--bench",
+         "prefill_bench_file": "--prefill-bench"}
+
+
+def check_args(args: dict) -> None:
+    """Every flag in its range and every file it reads there, before anything loads."""
+    cli.check_ranges(args, RANGES, FLAGS)
+    if args["target"] is not None:
+        cli.check_model_folder("--target", args["target"])
+    if args["prompts_file"] is not None:
+        cli.check_file("--prompts-file", args["prompts_file"])
+    for path in args["bench_files"] or []:
+        cli.check_file("--bench", path)
+    if args["prefill_bench_file"] is not None:
+        cli.check_file("--prefill-bench", args["prefill_bench_file"])
+    if args["plot"] is not None and (args["bench_files"] or args["prefill_bench_file"]):
+        raise runtime.UserError("--plot draws the demo's rounds — drop --bench / --prefill-bench")
+    for flag, path in (("--out", args["out"]), ("--trace", args["trace"]),
+                       ("--plot", args["plot"])):
+        if path is not None and os.path.isdir(path):
+            raise runtime.UserError(f"{flag} {path} is a folder — give a file name")
+
+
 def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_field, max_samples, thinking, mode,
          block_size, temperature, max_new_tokens, coverage, fanout, cover, seed, bench_files, modes, out, no_color,
          keep_ratio=None, chunk_size=64, prefill_bench_file=None, keep_ratios=(1.0, 0.3, 0.2, 0.1), num_docs=12,
          concurrency=None, tie_tolerance=None, threads=None, sampling_check_samples=None, compile=False, max_len=None,
-         lanes=None, trace=None):
+         lanes=None, trace=None, plot=None):
     args = dict(locals())  # recorded in the benchmark JSON
+    check_args(args)
     if threads:
         torch.set_num_threads(threads)
     speculative = [m for m in decoding.available_modes() if m != "target"]
@@ -277,29 +338,29 @@ def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_f
                                 flags.get("lanes", lanes))
     baselines = [m for m in modes if m in peers.BASELINES]
     if mode in peers.BASELINES and not bench_files:
-        raise ValueError(f"{mode} is a benchmark baseline: run it with --bench FILE.jsonl --modes {mode}")
+        raise runtime.UserError(f"{mode} is a benchmark baseline: run it with --bench FILE.jsonl --modes {mode}")
     if baselines and bench_files and (temperature or keep_ratio is not None):
-        raise ValueError(f"{', '.join(baselines)} decode greedy with the full prompt: drop --temperature and "
+        raise runtime.UserError(f"{', '.join(baselines)} decode greedy with the full prompt: drop --temperature and "
                          "--keep-ratio, or these modes")
     if bench_files and not modes:
-        raise ValueError(f"--modes: name speculative modes ({', '.join(speculative)}); target-only always runs")
+        raise runtime.UserError(f"--modes: name speculative modes ({', '.join(speculative)}); target-only always runs")
     if concurrency is not None and (not bench_files or min(concurrency) < 1):
-        raise ValueError(f"--concurrency takes sizes >= 1 and goes with --bench, got {concurrency}")
+        raise runtime.UserError(f"--concurrency takes sizes >= 1 and goes with --bench, got {concurrency}")
     if sampling_check_samples is not None and (not temperature or sampling_check_samples < 2 or bench_files):
-        raise ValueError("--sampling-check N (N >= 2) samples answers: give it --temperature > 0, without --bench")
+        raise runtime.UserError("--sampling-check N (N >= 2) samples answers: give it --temperature > 0, without --bench")
     if trace and (prefill_bench_file or sampling_check_samples or concurrency):
-        raise ValueError("--trace goes with the demo or with --bench (Table 1), not with --prefill-bench, "
+        raise runtime.UserError("--trace goes with the demo or with --bench (Table 1), not with --prefill-bench, "
                          "--sampling-check or --concurrency")
     if max_samples is not None and max_samples < 1:
-        raise ValueError(f"--max-samples must be >= 1, got {max_samples}")
+        raise runtime.UserError(f"--max-samples must be >= 1, got {max_samples}")
     if prompt is not None and "-" in prompt:  # `--prompt -`: one prompt per non-empty line of stdin
         prompt = [p for p in prompt if p != "-"] + [line.rstrip("\n") for line in sys.stdin if line.strip()]
         if not prompt:
-            raise ValueError("no prompts on stdin")
+            raise runtime.UserError("no prompts on stdin")
     if not bench_files and not prefill_bench_file and prompt is None:
         prompts_file = prompts_file or TOY_PROMPTS
         if prompts_file == TOY_PROMPTS and not os.path.isfile(prompts_file):
-            raise FileNotFoundError(f"no prompts at {TOY_PROMPTS}: `git checkout -- toy-target` restores the toy's "
+            raise runtime.UserError(f"no prompts at {TOY_PROMPTS}: `git checkout -- toy-target` restores the toy's "
                                     "files, or pass --prompt")
         prompt = read_prompts(prompts_file, prompt_field, max_samples or 3)[1]
     files = [(path, *read_prompts(path, prompt_field, max_samples)) for path in bench_files or []]  # before loading
@@ -319,6 +380,12 @@ def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_f
     elif not bench_files:
         colour = not no_color and sys.stdout.isatty() and "NO_COLOR" not in os.environ
         summary = interactive(models, prompt, mode, opts, thinking, colour, compare)
+        if plot and summary["stats"] is not None:
+            title = f"{mode}, {len(prompt)} prompt(s)"
+            path = pictures.draw_acceptance(plot, summary["stats"], summary["block_size"],
+                                            title=title)
+            print(f"wrote {path}: the acceptance histogram" + (
+                  " and hits / misses per verification outcome" if mode == "async" else ""))
         if trace:
             write_trace(models, decoding.encode(models[2], prompt[0], thinking, models[0].device), mode, opts, trace)
         return summary
@@ -341,7 +408,7 @@ def main(*, target, drafter, device, dtype, attn, prompt, prompts_file, prompt_f
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 1)[1],
+    p = cli.Parser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("models")
     g.add_argument("--target", help="target: HF hub name or folder (default: 'target' in the drafter's "
@@ -411,12 +478,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep ratios for --prefill-bench (default: 1.0 0.3 0.2 0.1)")
     g.add_argument("--num-docs", type=int, default=12, help="problems per long prompt (default: 12)")
     g = p.add_argument_group("output")
+    g.add_argument("--plot", metavar="PATH.png", help="the demo: draw the mode's acceptance-length "
+                   "histogram (async: and hits / misses per verification outcome) as a PNG; needs "
+                   "matplotlib (pip install -r requirements-plots.txt)")
     g.add_argument("--no-color", action="store_true", help="plain answers (default: ANSI colours on a terminal)")
     return p
 
 
+def cli_main(argv: list[str]) -> dict:
+    """`python decode.py ...`: parse the flags, then main."""
+    return main(**vars(build_parser().parse_args(argv)))
+
+
 if __name__ == "__main__":
-    try:
-        main(**vars(build_parser().parse_args()))
-    except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    cli.run(cli_main, sys.argv[1:])

@@ -22,6 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class UserError(ValueError):
+    """Bad input from the person running a driver: a flag out of its range, a file that is
+    missing, empty or cut short. Its message is one line, "<what is wrong> — <how to fix it>";
+    the drivers print it as `error: ...` and exit with status 2 (systems/cli.py)."""
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Fixed-size KV caches
 
@@ -521,6 +527,37 @@ def load_causal_lm(path: str, dtype=None, device=None, **kwargs) -> nn.Module:
         warnings.warn(f"loading {path} through host memory first (pip install accelerate loads it straight to "
                       f"{device})")
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device)
+
+
+REPOSITORY = os.path.dirname(os.path.abspath(__file__))
+
+
+def record_path(path: str | None) -> str | None:
+    """A path as a run's record keeps it: a file of this repository (the shipped toy's) relative
+    to the repository, so the record still holds after the clone moves; any other path as the
+    user gave it."""
+    if path is None:
+        return None
+    full = os.path.abspath(path)
+    if os.path.commonpath([full, REPOSITORY]) == REPOSITORY and os.path.exists(full):
+        return os.path.relpath(full, REPOSITORY)
+    return path
+
+
+def find_recorded(path: str | None, what: str, must_exist: bool = True) -> str | None:
+    """A path from a run's record: as written if it is there (from the current folder), else
+    relative to the repository (record_path); gone from both, a UserError naming it."""
+    if path is None or os.path.isabs(path) or os.path.exists(path):
+        if path is not None and must_exist and not os.path.exists(path):
+            raise UserError(f"{what} {path} is gone — restore it, or train again")
+        return path
+    inside = os.path.join(REPOSITORY, path)
+    if os.path.exists(inside):
+        return inside
+    if must_exist:
+        raise UserError(f"{what} {path} is gone (looked in the current folder and in "
+                        f"{REPOSITORY}) — restore it, or train again")
+    return path
 
 
 def finite_step(optimizer: torch.optim.Optimizer, params, max_norm: float) -> bool:

@@ -35,7 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import d3d
 import runtime
 import toy
-from systems import answers, distributed, evaluation, memory, pruning
+from systems import answers, cli, distributed, evaluation, memory, pruning
 
 MAX_SKIPPED_IN_A_ROW = 5  # steps in a row with a non-finite gradient before training stops: the run has diverged
 
@@ -53,11 +53,11 @@ def select_layers(num_layers: int, spec) -> list[int] | None:
     if isinstance(spec, str) and "," in spec or isinstance(spec, (list, tuple)):
         ids = [int(i) for i in (spec.split(",") if isinstance(spec, str) else spec)]
         if any(not 0 <= i < num_layers for i in ids):
-            raise ValueError(f"layer ids {ids} out of range: the drafter-init has {num_layers} layers")
+            raise runtime.UserError(f"layer ids {ids} out of range: the drafter-init has {num_layers} layers")
         return ids
     n = int(spec)
     if not 1 <= n <= num_layers:
-        raise ValueError(f"--drafter-layers {n}: the drafter-init has {num_layers} layers")
+        raise runtime.UserError(f"--drafter-layers {n}: the drafter-init has {num_layers} layers")
     if n == 1:
         return [num_layers - 1]
     return [round(k * (num_layers - 1) / (n - 1)) for k in range(n)]
@@ -75,7 +75,7 @@ def build_drafter(drafter_init: str, tokenizer, *, target_vocab_size: int, layer
         init_tokenizer = None
     fingerprint = runtime.tokenizer_fingerprint
     if init_tokenizer is not None and fingerprint(init_tokenizer) != fingerprint(tokenizer):
-        raise ValueError(f"--drafter-init {drafter_init} uses a different tokenizer than the target: its token ids "
+        raise runtime.UserError(f"--drafter-init {drafter_init} uses a different tokenizer than the target: its token ids "
                          "mean other text. Initialise the drafter from a checkpoint of the target's family")
     if random_init or meta:
         with torch.device("meta") if meta else contextlib.nullcontext():
@@ -129,18 +129,62 @@ class TrainingLoss(torch.nn.Module):
         return (fn or d3d.d3d_loss)(self.drafter, input_ids, loss_mask, **settings)
 
 
+# What shapes a drafter and its data, kept in every checkpoint; the flag that sets each
+RECIPE_FLAGS = {
+    "init": "--drafter-init",
+    "layer_ids": "--drafter-layers",
+    "block_size": "--block-size",
+    "num_anchors": "--num-anchors",
+    "ar_weight": "--ar-weight",
+    "decay_gamma": "--decay-gamma",
+    "d1_from": "--d1-from",
+    "tokenizer": "--target (its tokenizer)",
+}
+
+
+def checkpoint_recipe(drafter: d3d.Drafter, *, init: str, block_size: int, num_anchors: int,
+                      ar_weight: float, decay_gamma: float | None) -> dict:
+    """The settings a checkpoint was trained with (RECIPE_FLAGS), as plain values."""
+    config = drafter.d3d_config
+    return {
+        "init": init,
+        "layer_ids": config.layer_ids,
+        "block_size": block_size,
+        "num_anchors": num_anchors,
+        "ar_weight": ar_weight,
+        "decay_gamma": decay_gamma,
+        "d1_from": config.d1_from,
+        "tokenizer": config.tokenizer_hash,
+    }
+
+
+def check_resume(saved: dict, recipe: dict, out: str) -> None:
+    """Refuse to resume a checkpoint trained with other settings: say which one differs."""
+    fresh = "start fresh with --no-resume, or give another --out"
+    if "recipe" not in saved:
+        raise runtime.UserError(f"--out {out} holds a checkpoint that records no recipe — {fresh}")
+    for key, value in recipe.items():
+        before = saved["recipe"].get(key)
+        if before != value:
+            raise runtime.UserError(
+                f"--out {out} holds a checkpoint trained with {RECIPE_FLAGS[key]} = {before!r}, "
+                f"this run asks for {value!r} — rerun with the same setting to resume, or {fresh}")
+
+
 def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, batch_size: int, grad_accum: int,
                   lr: float, warmup: int, weight_decay: float, grad_clip: float, freeze: bool, pad_id: int,
                   max_len: int, num_anchors: int, block_size: int, ar_weight: float, decay_gamma: float | None,
                   eval_every: int, val_anchors: int, save_every: int, seed: int, bf16: bool, resume: bool = True,
-                  rank: int = 0, world: int = 1, fsdp: bool = False, device: torch.device | None = None) -> dict:
+                  rank: int = 0, world: int = 1, fsdp: bool = False, device: torch.device | None = None,
+                  init: str = "") -> dict:
     """AdamW (warmup then cosine to 10 %) on d3d_loss; `batch_size` sequences per micro-batch and rank, `grad_accum`
     micro-batches per step. Checkpoints every `save_every` steps (distributed.save_checkpoint; with `fsdp`,
     distributed.save_sharded_checkpoint); resumes from them if present. With `fsdp` (a process group must be up) the
     drafter is sharded in place and returned as "sharded" (its FSDP root) with the result; every process evaluates
     and saves.
     `device`: where to train, default the drafter's (a rank > 0 under `fsdp` holds it on the meta device until
-    distributed.shard_model fills its shards from rank 0)."""
+    distributed.shard_model fills its shards from rank 0). `init`: the checkpoint the drafter started from, kept in
+    the checkpoint's recipe (checkpoint_recipe) so that a resume with other settings is refused."""
     device = device or drafter.device
     # FSDP casts to bf16 itself (distributed.shard_model); DDP and one process autocast around fp32 weights
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 and not fsdp else \
@@ -161,16 +205,23 @@ def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, bat
     schedule = lambda s: min(1.0, (s + 1) / max(warmup, 1)) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(s / steps, 1))))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
+    recipe = checkpoint_recipe(drafter, init=init, block_size=block_size, num_anchors=num_anchors,
+                               ar_weight=ar_weight, decay_gamma=decay_gamma)
+
+    def check(saved: dict) -> None:
+        check_resume(saved, recipe, out)
+
     start_step, skipped, skipped_in_a_row = 0, 0, 0  # steps dropped for a non-finite gradient (runtime.finite_step)
     if fsdp:
-        state = distributed.load_sharded_checkpoint(out, model, optimizer) if resume else {}
+        state = distributed.load_sharded_checkpoint(out, model, optimizer, check) if resume else {}
     else:
         if resume and not os.path.exists(os.path.join(out, "checkpoint.pt")) and \
                 os.path.isdir(os.path.join(out, distributed.SHARDED_CHECKPOINT)):
-            raise ValueError(f"{out} holds a checkpoint of an --fsdp run ({distributed.SHARDED_CHECKPOINT}): resume it "
+            raise runtime.UserError(f"{out} holds a checkpoint of an --fsdp run ({distributed.SHARDED_CHECKPOINT}): resume it "
                              "with --fsdp (any number of processes), or start afresh with --no-resume")
         state, optimizer_state = distributed.load_checkpoint(out) if resume else ({}, None)
         if state:
+            check(state)
             drafter.load_state_dict(state["model"])
             if optimizer_state is not None:
                 optimizer.load_state_dict(optimizer_state)
@@ -246,11 +297,13 @@ def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, bat
             evaluate(done)
         if fsdp and (done % save_every == 0 or done == steps):
             distributed.save_sharded_checkpoint(out, done, model, optimizer, {"scheduler": scheduler.state_dict(),
-                                                                             "skipped": skipped})
+                                                                             "skipped": skipped,
+                                                                             "recipe": recipe})
         elif rank == 0 and (done % save_every == 0 or done == steps):
             distributed.save_checkpoint(out, done, {"model": drafter.state_dict(), "scheduler": scheduler.state_dict(),
                                                     "rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                                                    "skipped": skipped}, optimizer.state_dict())
+                                                    "skipped": skipped, "recipe": recipe},
+                                        optimizer.state_dict())
     bar.close()
     if (rank == 0 or fsdp) and val:  # also when a rerun finds the run finished: evaluates with the new --num-val, ...
         tau = evaluate(steps)
@@ -263,7 +316,7 @@ def train_drafter(drafter: d3d.Drafter, train, val, *, out: str, steps: int, bat
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap = cli.Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     g = ap.add_argument_group("data")
     g.add_argument("--target", help="target model: HF folder or hub name (default: the toy, --toy)")
     g.add_argument("--toy", default=toy.SHIPPED, help="toy folder, when no --target: its target, prompts and answers, "
@@ -341,40 +394,112 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+# Every number a flag takes, and the values it accepts (None: not given, the default applies).
+# Zero is legal where it means something: --seed 0, --warmup 0 (no warmup), --ar-weight 0
+# (Table 3's lambda = 0), --weight-decay 0.
+RANGES = {
+    "num_prompts": cli.Range(int, low=1),
+    "num_val": cli.Range(int, low=1),
+    "val_fraction": cli.Range(float, low=0, high=1, low_open=True, high_open=True),
+    "max_new_tokens": cli.Range(int, low=1),
+    "gen_batch_size": cli.Range(int, low=1),
+    "block_size": cli.Range(int, low=1),
+    "num_anchors": cli.Range(int, low=1),
+    "ar_weight": cli.Range(float, low=0),
+    "decay_gamma": cli.Range(float, low=0, low_open=True),
+    "steps": cli.Range(int, low=1),
+    "batch_size": cli.Range(int, low=1),
+    "grad_accum": cli.Range(int, low=1),
+    "lr": cli.Range(float, low=0, low_open=True),
+    "warmup": cli.Range(int, low=0),
+    "weight_decay": cli.Range(float, low=0),
+    "grad_clip": cli.Range(float, low=0, low_open=True),
+    "max_len": cli.Range(int, low=2),
+    "dist_timeout": cli.Range(float, low=0, low_open=True),
+    "eval_every": cli.Range(int, low=1),
+    "val_anchors": cli.Range(int, low=1),
+    "save_every": cli.Range(int, low=1),
+    "seed": cli.Range(int, low=0),
+    "threads": cli.Range(int, low=1),
+}
+
+# The toy's own settings where a flag is not given (short answers, a 0.4M-parameter drafter)
+TOY_DEFAULTS = {"block_size": 8, "num_anchors": 32, "lr": 6e-3, "threads": 1}
+# Everywhere else
+DEFAULTS = {"block_size": 16, "num_anchors": 64, "lr": 1e-3}
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag in its range and every file it names readable, before anything loads: a bad
+    value raises runtime.UserError (one line), never a traceback halfway through a run."""
+    cli.check_ranges(vars(args), RANGES)
+    if args.drafter_layers is not None and str(args.drafter_layers).strip() == "":
+        raise runtime.UserError("--drafter-layers is empty — give a count N or ids '0,5,29'")
+    if args.target is None:
+        return
+    cli.check_model_folder("--target", args.target)
+    if args.prompts is None:
+        raise runtime.UserError("--target needs --prompts — give a JSON Lines file of prompts")
+    cli.read_jsonl("--prompts", args.prompts)
+    if args.val_prompts is not None:
+        cli.read_jsonl("--val-prompts", args.val_prompts)
+    if args.drafter_init is not None:
+        cli.check_model_folder("--drafter-init", args.drafter_init)
+
+
+def fill_defaults(args: argparse.Namespace, toy_run: bool) -> None:
+    """The documented defaults of flags the user did not give; a value given is kept as it is."""
+    defaults = TOY_DEFAULTS if toy_run else DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def main(**overrides) -> dict:
     """Run the whole recipe. Keyword arguments are the command-line flags (snake_case); defaults as there."""
     defaults = vars(parse_args([]))
     if overrides.keys() - defaults.keys():
         raise TypeError(f"unknown arguments: {sorted(overrides.keys() - defaults.keys())}")
     args = argparse.Namespace(**{**defaults, **overrides})
+    check_args(args)
+    toy_run = args.target is None
+    if toy_run:
+        paths = toy.open_toy(args.toy)
+    fill_defaults(args, toy_run)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     device, rank, world = distributed.start_process_group(device, args.fsdp, args.dist_timeout)
-    if args.target is None and args.dtype == "auto":
+    if toy_run and args.dtype == "auto":
         args.dtype = "float32"  # the toy's tiny models: bf16 would buy nothing and round more
     bf16 = runtime.resolve_dtype(args.dtype, device) == torch.bfloat16
     torch.manual_seed(args.seed)
-    if args.threads or args.target is None:
-        torch.set_num_threads(args.threads or 1)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     val_prompts, layers = args.val_prompts, args.drafter_layers
     train_answers = val_answers = None
-    if args.target is None:  # built-in toy: scaffolding from toy.py, not part of the method
-        # one toy for every run, wherever --out puts the drafter: the same target and the same answers, checked
-        # against toy.json
-        paths = toy.open_toy(args.toy)
+    if toy_run:  # built-in toy: scaffolding from toy.py, not part of the method
+        # one toy for every run, wherever --out puts the drafter: the same target and the same
+        # answers, checked against toy.json
         if rank == 0:
             print(f"[toy] target and its answers from {paths['target']}; the drafter goes to {args.out}")
-        train_answers = paths["train_answers"] if args.prompts is None else None
-        val_answers = paths["test_answers"] if val_prompts is None else None
-        args.target, args.prompts = paths["target"], args.prompts or paths["train"]
-        args.data_dir = args.data_dir or TOY_RUNS
-        # the target's first 2 layers, the plain prefix (LAB.md, exercise 5, compares other cuts)
-        val_prompts, layers = val_prompts or paths["test"], layers or "0,1"
-        args.block_size, args.num_anchors = args.block_size or 8, args.num_anchors or 32  # short toy answers
-        args.lr = args.lr or 6e-3  # a 0.4M-parameter drafter takes a larger rate than the layers of a real LM
-    if args.prompts is None:
-        raise ValueError("--prompts is needed with --target")
-    args.block_size, args.num_anchors, args.lr = args.block_size or 16, args.num_anchors or 64, args.lr or 1e-3
+        if args.prompts is None:
+            train_answers = paths["train_answers"]
+        else:
+            cli.read_jsonl("--prompts", args.prompts)
+        if val_prompts is None:
+            val_answers = paths["test_answers"]
+        else:
+            cli.read_jsonl("--val-prompts", val_prompts)
+        args.target = paths["target"]
+        if args.prompts is None:
+            args.prompts = paths["train"]
+        if args.data_dir is None:
+            args.data_dir = TOY_RUNS
+        if val_prompts is None:
+            val_prompts = paths["test"]
+        if layers is None:
+            # the target's first 2 layers, the plain prefix (LAB.md, exercise 5, compares others)
+            layers = "0,1"
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     data_dir = args.data_dir or os.path.dirname(os.path.abspath(args.out))
     data = dict(tokenizer=tokenizer, prompt_field=args.prompt_field, thinking=args.thinking, cache_dir=data_dir,
@@ -414,7 +539,8 @@ def main(**overrides) -> dict:
                            max_len=args.max_len, num_anchors=args.num_anchors, block_size=args.block_size,
                            ar_weight=args.ar_weight, decay_gamma=args.decay_gamma, eval_every=args.eval_every,
                            val_anchors=args.val_anchors, save_every=args.save_every, seed=args.seed, bf16=bf16,
-                           resume=args.resume, rank=rank, world=world, fsdp=args.fsdp, device=device)
+                           resume=args.resume, rank=rank, world=world, fsdp=args.fsdp, device=device,
+                           init=runtime.record_path(args.drafter_init or args.target))
 
     peak = memory.peak_memory_gib(device)
     # the same held-out blocks with d_1 drafted by MASK 1 instead of the causal next-token head, or the reverse
@@ -433,9 +559,14 @@ def main(**overrides) -> dict:
             result[f"offline_tau_d1_from_{other}"] = evaluation.evaluate_tau(drafter, val, autocast=autocast,
                                                                              **settings)
         drafter.save_pretrained(args.out, tokenizer=tokenizer)
-        target = os.path.abspath(args.target) if os.path.exists(args.target) else args.target
-        record = {**vars(args), "target": target, "val_prompts": val_prompts, "answers": train_answers,
-                  "val_answers": val_answers, "layer_ids": drafter.d3d_config.layer_ids,
+        # the toy's files relative to the repository, a user's as given (runtime.record_path)
+        target = runtime.record_path(args.target)
+        record = {**vars(args), "target": target, "toy": runtime.record_path(args.toy),
+                  "prompts": runtime.record_path(args.prompts),
+                  "val_prompts": runtime.record_path(val_prompts),
+                  "answers": runtime.record_path(train_answers),
+                  "val_answers": runtime.record_path(val_answers),
+                  "layer_ids": drafter.d3d_config.layer_ids,
                   **result,
                   "peak_memory_gib": round(peak, 2), "device": str(device), "world_size": world,
                   "compute_dtype": "bfloat16" if bf16 else "float32", "fsdp": args.fsdp}
@@ -453,10 +584,15 @@ def main(**overrides) -> dict:
     return {**result, "drafter": drafter, "out": args.out}
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["prune"]:  # python train.py prune --drafter FOLDER ...
-        pruning.prune_main(**vars(pruning.parse_prune_args(sys.argv[2:])))
-    elif sys.argv[1:2] == ["eval"]:  # python train.py eval --drafter FOLDER
-        evaluation.eval_main(sys.argv[2:])
+def cli_main(argv: list[str]) -> None:
+    """`python train.py [prune | eval] ...`: the sub-command named first, else training."""
+    if argv[:1] == ["prune"]:  # python train.py prune --drafter FOLDER ...
+        pruning.prune_main(**vars(pruning.parse_prune_args(argv[1:])))
+    elif argv[:1] == ["eval"]:  # python train.py eval --drafter FOLDER
+        evaluation.eval_main(argv[1:])
     else:
-        main(**vars(parse_args()))
+        main(**vars(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    cli.run(cli_main, sys.argv[1:])

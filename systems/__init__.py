@@ -4,6 +4,9 @@ runtime, d3d and the modules here; toy.py, train.py and decode.py import from it
 Beside the method:
     fast.py         compiled fixed-shape decoding passes (CUDA graphs on a GPU); pruning's scorer from one pass
     batched.py      concurrent requests as one ragged batch (the paper's Table 2): batched.generate
+Both drivers':
+    cli.py          every flag checked against its range, every file a flag names; one error line, exit status 2
+    pictures.py     the paper's pictures drawn by the code (optional: matplotlib, requirements-plots.txt)
 train.py's machinery:
     answers.py      the target's own answers to the prompts, cached as token ids, and the training batches made of them
     distributed.py  process group, FSDP2 sharding/broadcast/gathering, resumable checkpoints (piecewise and sharded)

@@ -20,28 +20,26 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 import runtime
-from systems import batched
+from systems import batched, cli
 
 
 def read_prompts(path: str, field: str) -> list[list[dict]]:
     """One chat (list of messages) per JSON line. `field` holds a string, a list of turns (the first is used: later
     turns follow the target's own reply, which we do not have yet) or a list of {"role", "content"} messages."""
     chats = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if field not in row:
-                raise ValueError(f"{path} line {n} has no field {field!r} (its fields: {sorted(row)}); "
-                                 "name the prompt field with --prompt-field")
-            value = row[field]
-            if isinstance(value, list) and value and isinstance(value[0], dict):
-                chats.append(value[:-1] if value[-1].get("role") == "assistant" else value)
-            elif isinstance(value, list) and value:
-                chats.append([{"role": "user", "content": str(value[0])}])
-            else:
-                chats.append([{"role": "user", "content": str(value)}])
+    expected = f'a JSON object with the prompt in "{field}"'
+    rows = cli.read_jsonl("prompts file", path, expected)
+    for n, row in enumerate(rows, 1):
+        if field not in row:
+            raise runtime.UserError(f"{path} row {n} has no field {field!r} (its fields: "
+                                    f"{sorted(row)}) — name the prompt field with --prompt-field")
+        value = row[field]
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            chats.append(value[:-1] if value[-1].get("role") == "assistant" else value)
+        elif isinstance(value, list) and value:
+            chats.append([{"role": "user", "content": str(value[0])}])
+        else:
+            chats.append([{"role": "user", "content": str(value)}])
     return chats
 
 
@@ -67,10 +65,15 @@ def _read_cache(paths: list[str], tokenizer) -> dict[int, tuple[list[int], list[
                 for line in f:
                     if not line.endswith("\n"):  # a line cut by a kill is answered again
                         continue
-                    row = json.loads(line)
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise runtime.UserError(
+                            f"{path}: a line is not JSON ({e.msg}) — delete the file to answer again"
+                        ) from None
                     if "answers_of" in row:
                         if row["tokenizer"] != mine:
-                            raise ValueError(f"{path} holds the answers of {row['answers_of']} in the ids of a "
+                            raise runtime.UserError(f"{path} holds the answers of {row['answers_of']} in the ids of a "
                                              f"tokenizer with fingerprint {row['tokenizer']}, but this tokenizer's is "
                                              f"{mine}: its ids would decode to other text. Use the target that wrote "
                                              "it, or delete the file to answer again")
@@ -158,7 +161,7 @@ def load_data(target: str, tokenizer, prompts: str, *, prompt_field: str = "ques
         for i, p in enumerate(prompt_ids):
             if i not in done or done[i][0] != p:
                 why = "no answer" if i not in done else "its prompt ids differ"
-                raise ValueError(f"{answers} does not answer line {i + 1} of {prompts} ({why}): the answers belong "
+                raise runtime.UserError(f"{answers} does not answer line {i + 1} of {prompts} ({why}): the answers belong "
                                  "to other prompts, another chat template or another tokenizer")
         return [(p, done[i][1]) for i, p in enumerate(prompt_ids)]
     # the cache belongs to one target and one generation setting; the prompts are checked line by line

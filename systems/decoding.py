@@ -20,7 +20,7 @@ def parse_mode(spec: str) -> tuple[str, dict]:
     beside the eager ones in the same run) and '+2lanes' (async: the packed pass in a second lane)."""
     spec, *setting = spec.split("+")
     if any(s not in ("compiled", "2lanes") for s in setting) or (setting and spec.split(":")[0] in peers.BASELINES):
-        raise ValueError(f"unknown setting in {'+'.join([spec, *setting])!r}: a D3D mode or target may end in "
+        raise runtime.UserError(f"unknown setting in {'+'.join([spec, *setting])!r}: a D3D mode or target may end in "
                          "+compiled and +2lanes (async), e.g. sync+compiled async+compiled+2lanes")
     flags = {"compiled": True} if "compiled" in setting else {}
     flags.update({"lanes": 2} if "2lanes" in setting else {})
@@ -33,7 +33,7 @@ def _parse_budget(spec: str) -> tuple[str, dict]:
     if mode in peers.BASELINES and not budget:
         return mode, {}
     if mode not in available_modes() or (budget and mode != "async"):
-        raise ValueError(f"unknown mode {spec!r}: use one of {', '.join(available_modes() + peers.BASELINES)} "
+        raise runtime.UserError(f"unknown mode {spec!r}: use one of {', '.join(available_modes() + peers.BASELINES)} "
                          "or async:C,F[,cover]")
     if not budget:
         return mode, {}
@@ -41,7 +41,7 @@ def _parse_budget(spec: str) -> tuple[str, dict]:
     try:
         overrides = {"coverage": int(parts[0]), "fanout": int(parts[1])}
     except (ValueError, IndexError):
-        raise ValueError(f"bad async budget {spec!r}: write async:C,F or async:C,F,likely (e.g. async:12,2)")
+        raise runtime.UserError(f"bad async budget {spec!r}: write async:C,F or async:C,F,likely (e.g. async:12,2)")
     if len(parts) > 2:
         overrides["cover"] = parts[2]
     return mode, overrides
@@ -50,7 +50,7 @@ def _parse_budget(spec: str) -> tuple[str, dict]:
 def encode(tok, text: str, thinking: bool, device) -> torch.Tensor:
     """Prompt ids (1, n): the chat template if the tokenizer has one (Qwen3: thinking off unless asked)."""
     if not text.strip():
-        raise ValueError("empty prompt: give some text to answer")
+        raise runtime.UserError("empty prompt: give some text to answer")
     if not tok.chat_template:
         return torch.tensor([tok(text).input_ids], device=device)
     text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True,
@@ -119,7 +119,7 @@ def prepare(models, opts: dict, all_ids: list[torch.Tensor], modes: list[str]) -
     new_tokens = max(opts["max_new_tokens"], 16, 2 * block_size + 3)  # the warm-ups decode up to this many
     need = max(x.shape[1] for x in all_ids) + new_tokens + widest
     if opts.get("max_len") and opts["max_len"] < need:
-        raise ValueError(f"--max-len {opts['max_len']} is too small for these prompts: they need {need} KV slots "
+        raise runtime.UserError(f"--max-len {opts['max_len']} is too small for these prompts: they need {need} KV slots "
                          "(the longest prompt + --max-new-tokens + the widest pass)")
     use_drafter = drafter if any(parse_mode(m)[0] not in ("target", *peers.BASELINES) for m in modes) else None
     opts["caches"] = runtime.Caches.make(target, use_drafter, opts.get("max_len") or need)

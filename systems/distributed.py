@@ -25,6 +25,7 @@ from torch.distributed.tensor import distribute_tensor
 from transformers import AutoModelForCausalLM
 
 import d3d
+import runtime
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -167,7 +168,7 @@ def load_checkpoint(out: str) -> tuple[dict, dict | None]:
         return {}, None
     saved = torch.load(path, map_location="cpu", weights_only=True)
     if "piece" not in saved:
-        raise ValueError(f"{path} is not a checkpoint of this train.py: move it away or rerun with --no-resume")
+        raise runtime.UserError(f"{path} is not a checkpoint of this train.py: move it away or rerun with --no-resume")
     state, step = saved["piece"], saved["step"]
     moments = {}
     for key in state["moment_keys"]:
@@ -216,19 +217,21 @@ def save_sharded_checkpoint(out: str, step: int, model: torch.nn.Module, optimiz
     dist.barrier()
 
 
-def load_sharded_checkpoint(out: str, model: torch.nn.Module, optimizer) -> dict:
+def load_sharded_checkpoint(out: str, model: torch.nn.Module, optimizer, check=None) -> dict:
     """Load save_sharded_checkpoint's folder into the sharded model and optimizer, by every process together; the
-    training state ({} if there is no checkpoint). With the world size it was saved with, each rank takes back its
+    training state ({} if there is no checkpoint); `check(state)` may refuse it first. With the world size it was saved with, each rank takes back its
     own RNG; with another, rank 0's (the data order then follows the new sharding of the data, train[rank::world])."""
     path = os.path.join(out, SHARDED_CHECKPOINT)
     if not os.path.exists(os.path.join(path, "train_state.pt")) and os.path.exists(path + ".old"):
         path += ".old"
     if not os.path.exists(os.path.join(path, "train_state.pt")):
         if os.path.exists(os.path.join(out, "checkpoint.pt")):
-            raise ValueError(f"{out} holds a checkpoint of a run without --fsdp (checkpoint.pt): resume it without "
+            raise runtime.UserError(f"{out} holds a checkpoint of a run without --fsdp (checkpoint.pt): resume it without "
                              "--fsdp, or start afresh with --no-resume")
         return {}
     state = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu", weights_only=True)
+    if check is not None:  # the recipe, before any tensor of another shape is read
+        check(state)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     saved = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(saved, checkpoint_id=path)

@@ -3,7 +3,6 @@ acceptance curve, and `python train.py eval` on a trained drafter folder (load_t
 answers it was trained on, for eval and prune alike)."""
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import json
@@ -15,7 +14,7 @@ from transformers import AutoTokenizer
 
 import d3d
 import runtime
-from systems import answers
+from systems import answers, cli, pictures
 
 
 @torch.no_grad()
@@ -51,48 +50,75 @@ def acceptance_curve(taus: torch.Tensor, block_size: int) -> list[float]:
 def load_trained(drafter: str, device):
     """A trained drafter folder with what it was trained on: (recipe, tokenizer, drafter, train, val, pad_id); the
     answers come from the caches train.py wrote (train_args.json names them)."""
+    cli.check_drafter_folder("--drafter", drafter)
     path = os.path.join(drafter, "train_args.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing: give a drafter folder written by train.py")
-    with open(path) as f:
-        recipe = json.load(f)  # how the drafter was trained: its target, prompts and answer caches
+        raise runtime.UserError(f"--drafter {drafter} has no train_args.json — give a drafter "
+                                "folder that train.py wrote")
+    # how the drafter was trained: its target, prompts and answer caches
+    recipe = cli.read_json("--drafter", path)
+    needed = ("target", "prompts", "prompt_field", "thinking", "max_new_tokens",
+              "gen_batch_size", "num_prompts", "num_val", "max_len", "val_anchors")
+    missing = [key for key in needed if key not in recipe]
+    if missing:
+        raise runtime.UserError(f"--drafter: {path} lacks {', '.join(missing)} — give a drafter "
+                                "folder that train.py wrote")
+    found = {}
+    for key in ("target", "prompts", "val_prompts", "answers", "val_answers"):
+        must_exist = key != "target" or not cli.looks_like_hub_name(recipe[key] or "")
+        found[key] = runtime.find_recorded(recipe.get(key), f"{path}: {key}", must_exist)
     tokenizer = AutoTokenizer.from_pretrained(drafter)
     model = d3d.Drafter.from_pretrained(drafter, dtype=torch.float32, device=device)
+    cache_dir = recipe.get("data_dir") or os.path.dirname(os.path.abspath(drafter))
     data = dict(tokenizer=tokenizer, prompt_field=recipe["prompt_field"], thinking=recipe["thinking"],
-                cache_dir=recipe.get("data_dir") or os.path.dirname(os.path.abspath(drafter)),
-                max_new_tokens=recipe["max_new_tokens"], gen_batch_size=recipe["gen_batch_size"], device=device)
-    train = answers.load_data(recipe["target"], prompts=recipe["prompts"], num_prompts=recipe["num_prompts"],
-                              answers=recipe.get("answers"), **data)
-    if recipe.get("val_prompts"):
-        val = answers.load_data(recipe["target"], prompts=recipe["val_prompts"], num_prompts=recipe["num_val"],
-                                answers=recipe.get("val_answers"), **data)
+                cache_dir=cache_dir, max_new_tokens=recipe["max_new_tokens"],
+                gen_batch_size=recipe["gen_batch_size"], device=device)
+    train = answers.load_data(found["target"], prompts=found["prompts"],
+                              num_prompts=recipe["num_prompts"], answers=found["answers"], **data)
+    if found["val_prompts"]:
+        val = answers.load_data(found["target"], prompts=found["val_prompts"],
+                                num_prompts=recipe["num_val"], answers=found["val_answers"], **data)
     else:
         num_held = min(recipe["num_val"], round(len(train) * recipe["val_fraction"]))
         train, val = train[: len(train) - num_held], train[len(train) - num_held:]
+    recipe = {**recipe, "target": found["target"]}
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return recipe, tokenizer, model, train, val, pad_id
+
+
+EVAL_RANGES = {"num_val": cli.Range(int, low=1), "val_anchors": cli.Range(int, low=1)}
 
 
 def eval_main(argv=None) -> dict:
     """python train.py eval --drafter FOLDER: offline tau on the held-out answers the drafter was trained with,
     with d_1 drafted by the causal next-token head ("causal") and by MASK 1 ("mask")."""
-    ap = argparse.ArgumentParser(prog="train.py eval", description=eval_main.__doc__.split(":", 1)[1].strip())
+    ap = cli.Parser(prog="train.py eval", description=eval_main.__doc__.split(":", 1)[1].strip())
     ap.add_argument("--drafter", default="runs/toy/drafter", help="trained drafter folder (default: runs/toy/drafter)")
     ap.add_argument("--num-val", type=int, help="held-out answers (default: as in training)")
     ap.add_argument("--val-anchors", type=int, help="blocks per held-out answer (default: as in training)")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
                     help="bfloat16 autocast or float32 (default: as in training; auto: bfloat16 where native)")
     ap.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
+    ap.add_argument("--plot", metavar="PATH.png", help="draw the share of blocks with d_1 .. d_i "
+                    "all accepted, by position i, d_1 from the head and from MASK 1; needs "
+                    "matplotlib (requirements-plots.txt)")
     args = ap.parse_args(argv)
+    cli.check_ranges(vars(args), EVAL_RANGES)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     recipe, _, drafter, _, val, pad_id = load_trained(args.drafter, device)
-    val = val[: args.num_val or recipe["num_val"]]
+    num_val = args.num_val
+    if num_val is None:
+        num_val = recipe["num_val"]
+    val = val[:num_val]
+    val_anchors = args.val_anchors
+    if val_anchors is None:
+        val_anchors = recipe["val_anchors"]
     dtype = args.dtype or recipe.get("compute_dtype") or recipe.get("dtype")
     bf16 = runtime.resolve_dtype(dtype, device) == torch.bfloat16
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     block_size = drafter.d3d_config.block_size
     taus = {first: evaluate_tau(drafter, val, block_size=block_size, pad_id=pad_id, max_len=recipe["max_len"],
-                                num_anchors=args.val_anchors or recipe["val_anchors"], autocast=autocast,
+                                num_anchors=val_anchors, autocast=autocast,
                                 d1_from=first, per_block=True) for first in ("causal", "mask")}
     result = {first: t.mean().item() for first, t in taus.items()}
     curves = {first: acceptance_curve(t, block_size) for first, t in taus.items()}
@@ -105,4 +131,11 @@ def eval_main(argv=None) -> dict:
         row = "".join(f"{curves[f][i]:{w}.3f}{curves[f][i] / max(curves[f][i - 1] if i else 1.0, 1e-9):7.2f}"
                       for f, w in (("causal", 11), ("mask", 13)))
         print(f"{i + 1:>4}{row}")
+    if args.plot is not None:
+        shares = {f"d_1 from {name}": curves[first]
+                  for first, name in (("causal", "the head"), ("mask", "MASK 1"))}
+        path = pictures.draw_block_accuracy(args.plot, shares, title=f"{args.drafter}: share of "
+                                            "blocks with d_1 .. d_i all accepted")
+        print(f"[eval] wrote {path}")
     return {**result, "curve": curves}
+

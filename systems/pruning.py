@@ -14,11 +14,11 @@ from tqdm.auto import tqdm
 
 import d3d
 import runtime
-from systems import answers, evaluation, fast, memory
+from systems import answers, cli, evaluation, fast, memory, pictures
 
 
 def parse_prune_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="train.py prune", description="Progressive layer pruning of a trained drafter "
+    ap = cli.Parser(prog="train.py prune", description="Progressive layer pruning of a trained drafter "
                                  "with recovery distillation (paper Fig. 1b), on the answers it was trained with.")
     g = ap.add_argument_group("input and output")
     g.add_argument("--drafter", default="runs/toy/drafter", help="trained drafter folder (default: runs/toy/drafter)")
@@ -45,7 +45,35 @@ def parse_prune_args(argv=None) -> argparse.Namespace:
                    "with CUDA, off on a CPU)")
     g.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     g.add_argument("--seed", type=int, default=0, help="anchors and batch order (default: 0)")
+    g.add_argument("--plot", metavar="PATH.png", help="draw the pruning curve (Fig. 1b): tau before "
+                   "and after recovery at each depth; needs matplotlib (requirements-plots.txt)")
     return ap.parse_args(argv)
+
+
+# The values each flag of `train.py prune` accepts (None: not given). Zero is legal where it
+# means something: --recovery-steps 0 (no recovery), --compare-prompts 0 (no comparison), --beta 0.
+PRUNE_RANGES = {
+    "min_layers": cli.Range(int, low=1),
+    "tau_floor": cli.Range(float, low=0, high=1, low_open=True),
+    "recovery_steps": cli.Range(int, low=0),
+    "lr": cli.Range(float, low=0, low_open=True),
+    "beta": cli.Range(float, low=0, high=1),
+    "batch_size": cli.Range(int, low=1),
+    "num_val": cli.Range(int, low=1),
+    "val_anchors": cli.Range(int, low=1),
+    "compare_prompts": cli.Range(int, low=0),
+    "max_new_tokens": cli.Range(int, low=1),
+    "seed": cli.Range(int, low=0),
+}
+
+
+def check_prune_args(values: dict) -> None:
+    """Every flag of `train.py prune` in its range, and a stopping rule, before anything loads."""
+    cli.check_ranges(values, PRUNE_RANGES)
+    if values.get("min_layers") is None and values.get("tau_floor") is None:
+        raise runtime.UserError("train.py prune needs a stopping rule — give --min-layers N, "
+                                "--tau-floor F, or both")
+    cli.check_drafter_folder("--drafter", values["drafter"])
 
 
 @torch.no_grad()
@@ -84,9 +112,13 @@ def describe_iteration(row: dict, recovery_steps: int, tau_floor: float | None, 
 
 
 def prune_main(*, drafter, out, min_layers, tau_floor, recovery_steps, lr, beta, batch_size, num_val, val_anchors,
-               compare_prompts, max_new_tokens, dtype=None, gradient_checkpointing=None, device, seed) -> dict:
+               compare_prompts, max_new_tokens, dtype=None, gradient_checkpointing=None, device, seed,
+               plot=None) -> dict:
+    check_prune_args(dict(locals()))
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = out or drafter.rstrip("/") + "-pruned"
+    if os.path.realpath(out) == os.path.realpath(drafter):
+        raise runtime.UserError(f"--out {out} is the drafter being pruned — give another folder")
     if dtype is None:  # a GPU prunes in bf16 autocast like training; a CPU keeps exact fp32 (bf16 is slow on most)
         dtype = "auto" if device.type == "cuda" else "float32"
     checkpointing = device.type == "cuda" if gradient_checkpointing is None else gradient_checkpointing
@@ -137,7 +169,8 @@ def prune_main(*, drafter, out, min_layers, tau_floor, recovery_steps, lr, beta,
         result["decode"] = compare_drafters(target, drafters, prompts, max_new_tokens=max_new_tokens, eos=eos)
     model.save_pretrained(out, tokenizer=tokenizer)
     with open(os.path.join(out, "train_args.json"), "w") as f:
-        json.dump({**recipe, "pruned_from": os.path.abspath(drafter), "layer_ids": model.d3d_config.layer_ids}, f,
+        json.dump({**recipe, "target": runtime.record_path(recipe["target"]),
+                   "pruned_from": runtime.record_path(drafter), "layer_ids": model.d3d_config.layer_ids}, f,
                   indent=2)
     with open(os.path.join(out, "prune_table.json"), "w") as f:
         json.dump(result, f, indent=2)
@@ -152,6 +185,9 @@ def prune_main(*, drafter, out, min_layers, tau_floor, recovery_steps, lr, beta,
               f"{row['seconds']:>9.0f}" + ("  (undone: below the floor)" if not row["kept"] else ""))
     for label, r in result.get("decode", {}).items():
         print(f"[decode] {label:<16} speedup {r['speedup']:.2f}x over target-only, tau {r['tau']:.2f}")
+    if plot is not None:
+        path = pictures.draw_pruning_curve(plot, table, tau_floor=tau_floor)
+        print(f"[done] pruning curve: {path}")
     print(f"[done] peak memory {result['peak_memory_gib']:.2f} GiB "
           f"({'GPU allocated' if device.type == 'cuda' else 'RSS'}; estimated {estimate['total']:.2f})")
     print(f"[done] pruned drafter ({model.model.config.num_hidden_layers} layers, original ids "

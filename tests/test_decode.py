@@ -181,7 +181,7 @@ def test_two_compiled_lanes_on_cuda_are_refused_before_anything_loads(setting):
             cli(*missing, *argv)
     for argv in (["--compile", "--mode", "async"], ["--lanes", "2", "--mode", "async"],  # one lane; eager passes
                  ["--bench", setting / "gsm.jsonl", "--modes", "async+compiled", "async+2lanes"]):
-        with pytest.raises(FileNotFoundError, match="no drafter folder"):
+        with pytest.raises(runtime.UserError, match="no such folder"):
             cli(*missing, *argv)
 
 
@@ -332,20 +332,20 @@ def test_bench_reports_a_mismatch(setting, monkeypatch, capsys):
 
 
 def test_clear_errors(setting, tmp_path, monkeypatch):
-    with pytest.raises(FileNotFoundError, match="no drafter folder"):
+    with pytest.raises(runtime.UserError, match="no such folder"):
         cli("--drafter", tmp_path / "missing", "--prompt", "hi")
     with pytest.raises(ValueError, match="different tokenizer"):
         cli("--drafter", setting / "other", "--target", setting / "target", "--prompt", "hi")
-    with pytest.raises(FileNotFoundError, match="not a D3D drafter"):
+    with pytest.raises(runtime.UserError, match="not a D3D drafter"):
         cli("--drafter", setting / "target", "--prompt", "hi")
-    with pytest.raises(ValueError, match="empty file"):
+    with pytest.raises(runtime.UserError, match="is empty"):
         cli(*models_args(setting), "--bench", setting / "gsm.jsonl", setting / "empty.jsonl")
     with pytest.raises(ValueError, match="--prompt-field"):
         cli(*models_args(setting), "--bench", setting / "gsm.jsonl", "--prompt-field", "turns")
     with pytest.raises(ValueError, match="empty prompt"):
         cli(*models_args(setting), "--prompt", "  ")
     monkeypatch.chdir(tmp_path)  # no runs/toy here: the default says how to make it
-    with pytest.raises(FileNotFoundError, match="python train.py"):
+    with pytest.raises(runtime.UserError, match="python train.py"):
         cli("--prompt", "hi")
 
 
@@ -357,7 +357,8 @@ def test_subprocess_reads_prompts_from_stdin(setting):
     assert "prompt 1/2: 12 + 3" in run.stdout and "prompt 2/2: hello" in run.stdout and "same tokens" in run.stdout
     bad = subprocess.run([sys.executable, "decode.py", "--drafter", str(setting / "nope"), "--prompt", "x"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert bad.returncode != 0 and "error: no drafter folder" in bad.stderr
+    assert bad.returncode == 2 and "error: --drafter" in bad.stderr and "no such folder" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
 
 
 def test_bench_sweeps_async_budgets(setting, capsys):

@@ -1,0 +1,682 @@
+"""The paper's pictures drawn by the code: each from what d3d.py builds or returns, as a PNG.
+
+    picture                              data (plain lists)        PNG
+    training mask (Fig. 1a)              training_mask_data        draw_training_mask
+    asynchronous packed pass (Fig. 1c)   branch_pass_data          draw_branch_pass
+    block accuracy by position           block_accuracy_data       draw_block_accuracy
+    τ histogram, hits / misses (Fig. 3)  acceptance_data           draw_acceptance
+    pruning curve (Fig. 1b)              pruning_curve_data        draw_pruning_curve
+
+A data function returns exactly what its picture shows (the mask cells, the bar heights, the
+points), so tests check the numbers, not the pixels. A draw function takes the output path
+first, writes the PNG (making its folder) and returns the path. The figure functions beside
+them (mask_figure, block_accuracy_figure, acceptance_figure, pruning_curve_figure) return the
+unsaved matplotlib Figure, drawn by Agg, for a caller to embed or a test to read.
+
+matplotlib is optional (requirements-plots.txt): without it every draw function raises
+PicturesUnavailable. Greys, hatches and marker shapes only, so that a black-and-white print
+reads the same.
+
+The two mask pictures need no model (prints the paths it wrote):
+    python -m systems.pictures masks --block-size 4 --num-anchors 3 --coverage 2 --fanout 1 \
+        --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import os
+import re
+import sys
+import types
+from dataclasses import dataclass
+
+import torch
+
+import d3d
+import runtime
+
+try:
+    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import ListedColormap
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+except ImportError:
+    matplotlib = None
+
+# the drivers' one-line error where runtime.py defines one (the drivers print it as `error: ...`)
+_UserError = getattr(runtime, "UserError", ValueError)
+
+MISSING = "matplotlib is not installed — pip install -r requirements-plots.txt"
+MAX_CELLS = 300  # rows or columns of the largest mask picture drawn (labels at 6 pt, 39 inches)
+DPI = 150  # pixels per inch of every PNG
+CELL = 0.27  # inches per mask cell up to 40 rows; larger masks get smaller cells (_cell_size)
+FONT = 7.5  # points, tick labels of the mask pictures
+ON = "0.30"  # grey of a cell that may attend
+GREYS = ("0.15", "0.55", "0.80", "1.0")  # series fills, dark to white (white has a black edge)
+HATCHES = ("", "///", "...", "xx")
+_TOKEN = re.compile(r"\b[xdt]_(?:n[+-]\d+|\d+(?:,\d+)?|\{[^}]*\}|[a-z]\b)")  # x_3, t_1,2, x_j
+
+
+class PicturesUnavailable(_UserError):
+    """A picture cannot be drawn: matplotlib is missing or a value is out of range. One line,
+    "<what is wrong> — <how to fix it>"."""
+
+
+def _need_matplotlib() -> None:
+    """Raise the one-line error when matplotlib is not importable."""
+    if matplotlib is None:
+        raise PicturesUnavailable(MISSING)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mask pictures: what the data functions return
+
+
+@dataclass(frozen=True)
+class MaskPicture:
+    """A packed attention mask and what its rows and columns are.
+
+    mask: (q, past_len + q) bools exactly as d3d returns them (row i may attend to column j);
+    columns are past_len cached tokens, then the q packed tokens, rows the q packed tokens.
+    tokens, positions: per packed token, its role ("x_3", "d_2", "t_1", "MASK") and position id.
+    past_tokens: the cached columns' names. segments: (start, stop, name) packed-token ranges of
+    each block or branch; tags: their short names ("1", "S1"). anchors: per segment, the causal
+    index it hangs off (the last causal token it sees). draft_rows: per segment, the B rows whose
+    hidden states draft its next block, d_1 first (branch pass only)."""
+
+    mask: list[list[bool]]
+    tokens: list[str]
+    positions: list[int]
+    past_tokens: list[str]
+    segments: list[tuple[int, int, str]]
+    tags: list[str]
+    anchors: list[int]
+    draft_rows: list[list[int]] | None
+    title: str
+
+
+def spread_anchors(length: int, num_anchors: int, block_size: int) -> list[int]:
+    """K distinct anchors spread evenly over causal indices 0 .. L-1-B, so that every block's
+    targets x_{a+1} .. x_{a+B} lie in the stream; over 0 .. L-2 where L < B + K leaves no room
+    (the last blocks then reach past the stream, where training gives them no label)."""
+    if not 1 <= num_anchors <= length - 1:
+        raise PicturesUnavailable(f"K = {num_anchors} anchors need 1 <= K <= L - 1 = {length - 1}"
+                                  " — give fewer anchors or a longer stream")
+    last = length - 1 - block_size if length - block_size >= num_anchors else length - 2
+    if num_anchors == 1:
+        return [last // 2]
+    step = last / (num_anchors - 1)
+    return [math.floor(k * step + 0.5) for k in range(num_anchors)]
+
+
+def default_length(block_size: int, num_anchors: int) -> int:
+    """L of the training-mask picture: B + 2 K - 1, room for K blocks inside the stream."""
+    return block_size + 2 * num_anchors - 1
+
+
+def training_mask_data(block_size: int = 4, num_anchors: int = 3, length: int | None = None,
+                       anchors: list[int] | None = None) -> MaskPicture:
+    """The training mask (Fig. 1a) as d3d.packed_attention_mask builds it: a causal stream of L
+    clean tokens x_0 .. x_{L-1}, then K blocks of B MASKs, block k hanging off anchor a_k.
+
+    length: L (default B + 2 K - 1); anchors: causal indices (default spread_anchors(L, K, B)).
+    Returns a MaskPicture whose mask is packed_attention_mask's (1, 1, q, q) mask[0, 0]."""
+    if block_size < 1:
+        raise PicturesUnavailable(f"B = {block_size} — give a block size >= 1")
+    length = default_length(block_size, num_anchors) if length is None else length
+    if anchors is None:
+        anchors = spread_anchors(length, num_anchors, block_size)
+    anchors = sorted(anchors)
+    mask, positions = d3d.packed_attention_mask(length, torch.tensor(anchors), block_size)
+    tokens = [f"x_{j}" for j in range(length)] + ["MASK"] * (len(anchors) * block_size)
+    segments = []
+    for k, a in enumerate(anchors):
+        start = length + k * block_size
+        name = f"block {k + 1}: anchor x_{a}, predicts x_{a + 1} .. x_{a + block_size}"
+        if a + block_size >= length:
+            name += f" (x_{length} on: past the stream, no label)"
+        segments.append((start, start + block_size, name))
+    return MaskPicture(mask=mask[0, 0].tolist(), tokens=tokens, positions=positions[0].tolist(),
+                       past_tokens=[], segments=segments,
+                       tags=[str(k + 1) for k in range(len(anchors))], anchors=anchors,
+                       draft_rows=None,
+                       title=f"Training mask (Fig. 1a): L = {length}, K = {len(anchors)}, "
+                             f"B = {block_size}")
+
+
+def _candidate_name(k: int, f: int, fanout: int) -> str:
+    """The name of candidate f (0-based) at position k: t_k, or t_{k,f} when F > 1."""
+    return f"t_{k}" if fanout == 1 else f"t_{k},{f + 1}"
+
+
+def branch_pass_data(block_size: int = 4, coverage: int = 2, fanout: int = 1, *,
+                     past_len: int = 2, d1_from: str = "causal") -> MaskPicture:
+    """The asynchronous packed pass (Fig. 1c) as d3d.build_branch_pass builds it, for a plan from
+    d3d.plan_branches (cover="first": positions k = 1 .. C) over made-up draft logits whose F
+    likeliest other tokens at each k are distinct ids, so every token's role reads off its id.
+
+    No model: build_branch_pass only reads the drafter's config (MASK id, d1_from). The cache
+    holds past_len tokens x_{n-past_len} .. x_{n-1}. Returns a MaskPicture whose mask is
+    build_branch_pass's (1, 1, q, past_len + q) mask[0, 0], with its draft rows."""
+    if block_size < 1 or not 0 <= coverage <= block_size or fanout < 1 or past_len < 0:
+        raise PicturesUnavailable(f"B = {block_size}, C = {coverage}, F = {fanout}, past = "
+                                  f"{past_len} — need B >= 1, 0 <= C <= B, F >= 1, past >= 0")
+    x_n, draft = 0, torch.arange(1, block_size + 1)  # ids: x_n = 0, d_k = k
+    vocab = 1 + block_size + block_size * fanout
+    logits = torch.zeros(block_size, vocab)
+    logits[torch.arange(block_size), draft] = 10.0
+    for k in range(block_size):  # the F runners-up at d_k: ids of their own, in order
+        first = 1 + block_size + k * fanout
+        logits[k, first: first + fanout] = 5.0 - torch.arange(fanout, dtype=torch.float)
+    positions, candidates = d3d.plan_branches(logits, draft, coverage, fanout, cover="first")
+    config = d3d.D3DConfig(block_size=block_size, mask_token_id=vocab, d1_from=d1_from)
+    drafter = types.SimpleNamespace(d3d_config=config)  # all build_branch_pass reads of a drafter
+    ids, position_ids, mask, rows = d3d.build_branch_pass(
+        drafter, torch.tensor([x_n]), draft, positions, candidates, past_len=past_len,
+        block_size=block_size)
+    names = {x_n: "x_n", vocab: "MASK", **{k: f"d_{k}" for k in range(1, block_size + 1)}}
+    for k in range(1, block_size + 1):
+        for f in range(fanout):
+            names[1 + block_size + (k - 1) * fanout + f] = _candidate_name(k, f, fanout)
+    tokens = [names[i] for i in ids[0].tolist()]
+    num_causal, seg_len = 1 + block_size, 1 + block_size
+    segments, anchors = [], []
+    for s, (k, f) in enumerate([(k, f) for k in positions.tolist() for f in range(fanout)]):
+        start = num_causal + s * seg_len
+        t = _candidate_name(k, f, fanout)
+        accepted = {1: "none accepted", 2: "d_1 accepted"}.get(k, f"d_1 .. d_{k - 1} accepted")
+        name = f"S{s + 1}: {accepted}, d_{k} rejected, the target said {t}"
+        segments.append((start, start + seg_len, name))
+        anchors.append(k - 1)
+    start = num_causal + len(segments) * seg_len
+    name = f"S{len(segments) + 1}: full acceptance, d_1 .. d_{block_size} accepted"
+    segments.append((start, start + seg_len, name))
+    anchors.append(block_size - 1)
+    return MaskPicture(mask=mask[0, 0].tolist(), tokens=tokens,
+                       positions=position_ids[0].tolist(),
+                       past_tokens=[f"x_n-{past_len - j}" for j in range(past_len)],
+                       segments=segments, tags=[f"S{s + 1}" for s in range(len(segments))],
+                       anchors=anchors, draft_rows=rows.tolist(),
+                       title=f"Asynchronous packed pass (Fig. 1c): B = {block_size}, "
+                             f"C = {coverage}, F = {fanout}, d_1 from {d1_from!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Mask pictures: drawing
+
+
+def _math(name: str) -> str:
+    """A token name as mathtext: x_3 -> $x_{3}$, t_1,2 -> $t_{1,2}$, x_n-1 -> $x_{n-1}$."""
+    if "_" not in name:
+        return name
+    base, sub = name.split("_", 1)
+    return f"${base}_{{{sub.strip('{}')}}}$"
+
+
+def _position(p: int, past_len: int, relative: bool) -> str:
+    """A position id as the picture prints it: absolute, or relative to x_n (n, n+1, ...)."""
+    if not relative:
+        return str(p)
+    offset = p - past_len
+    return "n" if offset == 0 else f"n{offset:+d}"
+
+
+def _new_figure(width: float, height: float):
+    """A figure drawn by the Agg backend (no window, no global pyplot state), its size a whole
+    number of pixels."""
+    figure = Figure(figsize=(round(width * DPI) / DPI, round(height * DPI) / DPI), dpi=DPI)
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def _save(figure, path: str) -> str:
+    """Write the figure as a PNG at path (its folder made) and return the path."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    figure.savefig(path, format="png", facecolor="white")
+    return path
+
+
+def _math_names(text: str) -> str:
+    """Every token name inside a sentence as mathtext (x_0 .. x_4, d_2, t_1,2)."""
+    return _TOKEN.sub(lambda m: _math(m.group(0)), text)
+
+
+def _cell_size(count: int) -> tuple[float, float]:
+    """Inches per cell and points of tick labels for a mask of `count` rows or columns: larger
+    masks get smaller cells, never below what a 6 pt label needs."""
+    cell = CELL if count <= 40 else max(0.13, CELL * 40 / count)
+    return cell, min(FONT, 0.8 * 72 * cell)
+
+
+def mask_figure(picture: MaskPicture, relative: bool = False):
+    """The figure of a mask picture: one image cell per mask entry (figure.axes[0].images[0]
+    holds the mask as drawn), dark where the row may attend; positions relative to x_n
+    (n, n+1, ...) if `relative`."""
+    _need_matplotlib()
+    cells = torch.tensor(picture.mask, dtype=torch.float).numpy()
+    rows, cols = cells.shape
+    if max(rows, cols) > MAX_CELLS:
+        raise PicturesUnavailable(f"a {rows} x {cols} mask is too large to read as a picture "
+                                  f"(at most {MAX_CELLS} rows and columns) — give a smaller B, "
+                                  "K, L, C or F")
+    past = len(picture.past_tokens)
+    cell, font = _cell_size(max(rows, cols))
+    longest = max(len(name) for _, _, name in picture.segments)
+    unit = "block" if picture.draft_rows is None else "segment"
+    tags_at = collections.defaultdict(list)  # column -> tags of the segments anchored there
+    for tag, anchor in zip(picture.tags, picture.anchors):
+        tags_at[past + anchor].append(tag)
+    tag_length = max(len(", ".join(tags)) for tags in tags_at.values())
+    notes = ["rows: token (position id); columns: the same tokens"
+             + (", after the cached ones (left of the dashed line; the cache is seen by all)"
+                if past else ""),
+             (f"white dot, and the {unit}'s tag below its column: its anchor, the last causal "
+              f"token the {unit} sees")]
+    if picture.draft_rows is not None:
+        notes.append("◀ i right of a row: its hidden state drafts token i of the segment's "
+                     "block; on a hit that block is the next draft")
+        notes.append("    (full acceptance: token 1 guesses the bonus token, 2 .. B are the "
+                     "next draft)")
+    else:
+        notes.append("a causal row x_j predicts x_{j+1} (L_AR); a MASK at position p predicts x_p "
+                     "(L_block)")
+    left, top = 1.3, 0.9 + 0.17 * len(notes)  # inches around the cells
+    bottom = 0.45 + tag_length * font * 0.6 / 72
+    right = 0.75 + longest * FONT * 0.55 / 72
+    width = max(left + cols * cell + right, 0.3 + max(len(n) for n in notes) * FONT * 0.52 / 72)
+    height = top + rows * cell + bottom
+    figure = _new_figure(width, height)
+    box = (left / width, bottom / height, cols * cell / width, rows * cell / height)
+    ax = figure.add_axes(box)
+    ax.imshow(cells, cmap=ListedColormap(["white", ON]), vmin=0, vmax=1, aspect="auto",
+              interpolation="nearest")
+    labels = [f"{_math(t)} ({_position(p, past, relative)})"
+              for t, p in zip(picture.tokens, picture.positions)]
+    ax.set_yticks(range(rows), labels, fontsize=font)
+    column_names = [_math(t) for t in picture.past_tokens + picture.tokens]
+    ax.set_xticks(range(cols), column_names, fontsize=font, rotation=90)
+    ax.xaxis.tick_top()
+    ax.tick_params(length=0, pad=2)
+    ax.set_xticks([c - 0.5 for c in range(1, cols)], minor=True)
+    ax.set_yticks([r - 0.5 for r in range(1, rows)], minor=True)
+    ax.grid(which="minor", color="0.75", linewidth=0.4)
+    ax.tick_params(which="minor", length=0)
+    num_causal = picture.segments[0][0]
+    for b in [num_causal] + [stop for _, stop, _ in picture.segments[:-1]]:
+        ax.axhline(b - 0.5, color="black", linewidth=1.6)  # between stream and segments
+        ax.axvline(past + b - 0.5, color="black", linewidth=1.6)
+    if past:
+        ax.axvline(past - 0.5, color="black", linewidth=1.0, linestyle=(0, (3, 2)))
+    for (start, stop, name), anchor in zip(picture.segments, picture.anchors):
+        middle = 1 - ((start + stop) / 2) / rows
+        ax.annotate(_math_names(name), (1.0, middle), xycoords="axes fraction",
+                    xytext=(24, 0), textcoords="offset points", va="center", fontsize=FONT)
+        column = past + anchor
+        ax.plot([column] * (stop - start), range(start, stop), linestyle="none", marker="o",
+                markersize=2.6, color="white", markeredgewidth=0)
+    for column, tags in tags_at.items():  # below each anchor column, read downwards
+        ax.annotate(", ".join(tags), (column, rows - 0.5), xytext=(0, -3),
+                    textcoords="offset points", ha="center", va="top", fontsize=font,
+                    rotation=-90 if tag_length > 2 else 0)
+    for segment_rows in picture.draft_rows or []:
+        for i, r in enumerate(segment_rows):
+            ax.annotate(f"◀ {i + 1}", (1.0, 1 - (r + 0.5) / rows), xycoords="axes fraction",
+                        xytext=(2, 0), textcoords="offset points", va="center", fontsize=font)
+    ax.set_xlim(-0.5, cols - 0.5)
+    ax.set_ylim(rows - 0.5, -0.5)
+    key = [Patch(facecolor=ON, edgecolor="0.5", label="row may attend to column"),
+           Patch(facecolor="white", edgecolor="0.5", label="masked")]
+    figure.legend(handles=key, loc="lower left", fontsize=FONT, frameon=False, ncols=2,
+                  bbox_to_anchor=(0.0, 0.0))
+    figure.text(0.1 / width, 1 - 0.1 / height, _math_names(picture.title), ha="left", va="top",
+                fontsize=FONT + 2.5, weight="bold")
+    figure.text(0.1 / width, 1 - 0.38 / height, "\n".join(_math_names(n) for n in notes),
+                ha="left", va="top", fontsize=FONT, linespacing=1.5)
+    return figure
+
+
+def draw_training_mask(path: str, block_size: int = 4, num_anchors: int = 3,
+                       length: int | None = None, anchors: list[int] | None = None) -> str:
+    """Draw training_mask_data(block_size, num_anchors, length, anchors) as a PNG at path.
+    Returns the path."""
+    _need_matplotlib()
+    picture = training_mask_data(block_size, num_anchors, length, anchors)
+    return _save(mask_figure(picture), path)
+
+
+def draw_branch_pass(path: str, block_size: int = 4, coverage: int = 2, fanout: int = 1, *,
+                     past_len: int = 2, d1_from: str = "causal") -> str:
+    """Draw branch_pass_data(block_size, coverage, fanout, ...) as a PNG at path, positions
+    relative to x_n. Returns the path."""
+    _need_matplotlib()
+    picture = branch_pass_data(block_size, coverage, fanout, past_len=past_len, d1_from=d1_from)
+    return _save(mask_figure(picture, relative=True), path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block accuracy by position
+
+
+def _as_floats(values) -> list[float]:
+    """A tensor, array or sequence of numbers as a list of floats."""
+    if hasattr(values, "tolist"):
+        values = values.tolist()
+    return [float(v) for v in values]
+
+
+def block_accuracy_data(block_acc) -> dict:
+    """Bars of block accuracy by position: block_acc is d3d_loss's metrics["block_acc"] (B,), the
+    share of position-i predictions that were right, or {name: such values} to compare drafters.
+    Returns {"positions": [1 .. B], "percent": {name: [100 * acc_i]}} (one series is named
+    "block accuracy")."""
+    series = block_acc if isinstance(block_acc, dict) else {"block accuracy": block_acc}
+    percent = {}
+    for name, values in series.items():
+        values = _as_floats(values)
+        if not values or not all(0.0 <= v <= 1.0 for v in values):
+            raise PicturesUnavailable(f"{name}: {values} — give per-position accuracies as "
+                                      "fractions in [0, 1], one per block position")
+        percent[name] = [100.0 * v for v in values]
+    sizes = {len(v) for v in percent.values()}
+    if len(sizes) != 1:
+        raise PicturesUnavailable(f"series of lengths {sorted(sizes)} — give every series B values")
+    return {"positions": list(range(1, sizes.pop() + 1)), "percent": percent}
+
+
+def _label_bars(ax, bars, texts=None) -> None:
+    """Each bar's value above it, on white so that a line behind it cannot hide it."""
+    ax.bar_label(bars, texts, fontsize=7, padding=1.5,
+                 bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.4})
+
+
+def _style(index: int) -> dict:
+    """Bar fill of series `index`: a grey of the ramp and a hatch, both black-and-white safe."""
+    return {"color": GREYS[index % len(GREYS)], "hatch": HATCHES[index % len(HATCHES)],
+            "edgecolor": "black", "linewidth": 0.6}
+
+
+def draw_block_accuracy(path: str, block_acc, *, title: str | None = None) -> str:
+    """Draw block_accuracy_data(block_acc) as bars, 0-100 %, with each bar's value on it.
+    Returns the path."""
+    _need_matplotlib()
+    return _save(block_accuracy_figure(block_acc, title=title), path)
+
+
+def block_accuracy_figure(block_acc, *, title: str | None = None):
+    """The figure draw_block_accuracy writes: figure.axes[0].containers[s] holds series s's
+    bars."""
+    _need_matplotlib()
+    data = block_accuracy_data(block_acc)
+    positions, series = data["positions"], data["percent"]
+    figure = _new_figure(max(4.5, 1.2 + 0.55 * len(positions) * len(series)), 3.4)
+    ax = figure.add_subplot()
+    width = 0.8 / len(series)
+    for s, (name, values) in enumerate(series.items()):
+        x = [p - 0.4 + width * (s + 0.5) for p in positions]
+        bars = ax.bar(x, values, width, label=_math_names(name), **_style(s))
+        _label_bars(ax, bars, [f"{v:.0f}" for v in values])
+    ax.set_xticks(positions)
+    ax.set_ylim(0, 100)
+    ax.set_xlabel("position i in the block (the MASK that drafts $x_{a+i}$)")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(title or f"Block accuracy by position (B = {len(positions)})", fontsize=10,
+                 pad=10)
+    ax.grid(axis="y", color="0.85", linewidth=0.6)
+    ax.set_axisbelow(True)
+    if len(series) > 1:
+        ax.legend(fontsize=8, frameon=False)
+    figure.tight_layout()
+    return figure
+
+
+# ---------------------------------------------------------------------------------------------
+# Acceptance lengths and hits / misses per verification outcome (Fig. 3)
+
+
+def acceptance_data(stats: dict, block_size: int | None = None) -> dict:
+    """The bars of the acceptance picture, from the stats d3d.generate returns.
+
+    tau: 1 .. B+1; counts: rounds whose accept length (stats["accept_lengths"]: tokens committed,
+    accepted + 1) is tau. outcomes: accepted drafts a = 0 .. B; hits, misses: the async run's
+    hits_per_position and misses_per_position (index a: d_{a+1} rejected; B: all accepted),
+    None for a sync run. B comes from the async counts, else from block_size (needed then)."""
+    lengths = list(stats["accept_lengths"])
+    hits, misses = stats.get("hits_per_position"), stats.get("misses_per_position")
+    if hits is not None:
+        block_size = len(hits) - 1
+    if block_size is None:
+        raise PicturesUnavailable("a sync run's stats do not say B — pass block_size")
+    too_long = [n for n in lengths if not 1 <= n <= block_size + 1]
+    if too_long:
+        raise PicturesUnavailable(f"accept lengths {too_long[:5]} outside 1 .. B+1 = "
+                                  f"{block_size + 1} — pass the B the run decoded with")
+    count = collections.Counter(lengths)
+    tau = list(range(1, block_size + 2))
+    return {"block_size": block_size, "tau": tau, "counts": [count[t] for t in tau],
+            "mean_tau": sum(lengths) / len(lengths) if lengths else math.nan,
+            "outcomes": list(range(block_size + 1)),
+            "hits": None if hits is None else list(hits),
+            "misses": None if misses is None else list(misses)}
+
+
+def draw_acceptance(path: str, stats: dict, block_size: int | None = None, *,
+                    title: str | None = None) -> str:
+    """Draw acceptance_data(stats, block_size): the τ histogram and, for an async run, hits and
+    misses per verification outcome beside it. Returns the path."""
+    _need_matplotlib()
+    return _save(acceptance_figure(stats, block_size, title=title), path)
+
+
+def acceptance_figure(stats: dict, block_size: int | None = None, *, title: str | None = None):
+    """The figure draw_acceptance writes: figure.axes[0].containers[0] holds the τ bars; for an
+    async run figure.axes[1].containers[0] and [1] hold the hits and the misses."""
+    _need_matplotlib()
+    data = acceptance_data(stats, block_size)
+    panels = 1 if data["hits"] is None else 2
+    size = data["block_size"] + 1
+    figure = _new_figure(max(4.2, 1.4 + 0.42 * size) * panels, 3.6)
+    axes = figure.subplots(1, panels, squeeze=False)[0]
+    ax = axes[0]
+    bars = ax.bar(data["tau"], data["counts"], 0.7, **_style(1))
+    _label_bars(ax, bars)
+    ax.axvline(data["mean_tau"], color="black", linestyle=(0, (4, 2)), linewidth=1.0,
+               label=f"mean τ = {data['mean_tau']:.2f}")
+    ax.set_xticks(data["tau"])
+    ax.set_xlabel("τ: tokens committed in a round (accepted + 1)")
+    ax.set_ylabel("rounds")
+    ax.set_title(f"Acceptance lengths ({sum(data['counts'])} rounds, B = {size - 1})",
+                 fontsize=10)
+    ax.legend(fontsize=8, frameon=False, loc="best")
+    if panels == 2:
+        ax = axes[1]
+        x = data["outcomes"]
+        hit_bars = ax.bar([a - 0.19 for a in x], data["hits"], 0.38, label="hit: prepared block",
+                          **_style(0))
+        miss_bars = ax.bar([a + 0.19 for a in x], data["misses"], 0.38,
+                           label="miss: fallback draft", **_style(3))
+        _label_bars(ax, hit_bars)
+        _label_bars(ax, miss_bars)
+        ax.set_xticks(x)
+        ax.set_xlabel("verification outcome: drafts accepted a\n"
+                      "(a < B: $d_{a+1}$ rejected; a = B: all accepted)")
+        ax.set_ylabel("rounds")
+        total = sum(data["hits"]) + sum(data["misses"])
+        rate = sum(data["hits"]) / total if total else math.nan
+        ax.set_title(f"Hits and misses per outcome (hit rate {rate:.0%})", fontsize=10)
+        ax.legend(fontsize=8, frameon=False, loc="best")
+    for ax in axes:
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        top = ax.get_ylim()[1]
+        ax.set_ylim(0, top * 1.25 if top > 0 else 1)  # room for the legend above the bars
+        ax.grid(axis="y", color="0.85", linewidth=0.6)
+        ax.set_axisbelow(True)
+    if title:
+        figure.suptitle(title, fontsize=11)
+    figure.tight_layout()
+    return figure
+
+
+# ---------------------------------------------------------------------------------------------
+# The pruning curve (Fig. 1b)
+
+
+def pruning_curve_data(rows) -> dict:
+    """The points of the pruning curve, from the rows d3d.prune_drafter yields (or the "table"
+    of prune_table.json): the unpruned row first, then one per removal.
+
+    Returns {"layers": [...], "tau_before": [...], "tau_after": [...], "removed": [None, layer,
+    ...], "kept": [...], "tau0": unpruned τ}; index 0 is the unpruned drafter, whose τ starts both
+    curves."""
+    rows = list(rows)
+    if not rows or rows[0]["removed_layer"] is not None:
+        raise PicturesUnavailable("the rows do not start with the unpruned drafter's — give every"
+                                  " row prune_drafter yields, the first included")
+    return {"layers": [r["layers"] for r in rows],
+            "tau_before": [r["tau_before_recovery"] for r in rows],
+            "tau_after": [r["tau_after_recovery"] for r in rows],
+            "removed": [r["removed_layer"] for r in rows], "kept": [r["kept"] for r in rows],
+            "tau0": rows[0]["tau_after_recovery"]}
+
+
+def draw_pruning_curve(path: str, rows, *, tau_floor: float | None = None,
+                       title: str | None = None) -> str:
+    """Draw pruning_curve_data(rows): τ before and after recovery against the drafter's depth,
+    pruning going left to right, the unpruned τ as a reference line (and tau_floor x it, the
+    stopping rule, if given). Returns the path."""
+    _need_matplotlib()
+    return _save(pruning_curve_figure(rows, tau_floor=tau_floor, title=title), path)
+
+
+def pruning_curve_figure(rows, *, tau_floor: float | None = None, title: str | None = None):
+    """The figure draw_pruning_curve writes: its lines labelled "before recovery ..." and
+    "after recovery" hold the points."""
+    _need_matplotlib()
+    data = pruning_curve_data(rows)
+    layers = data["layers"]
+    figure = _new_figure(max(4.8, 1.6 + 0.7 * len(layers)), 3.8)
+    ax = figure.add_subplot()
+    ax.axhline(data["tau0"], color="0.5", linewidth=0.8, linestyle=(0, (1, 2)),
+               label=f"unpruned τ = {data['tau0']:.3f}")
+    if tau_floor is not None:
+        ax.axhline(tau_floor * data["tau0"], color="0.3", linewidth=0.8, linestyle=(0, (6, 3)),
+                   label=f"floor: {tau_floor} × unpruned τ")
+    ax.plot(layers, data["tau_before"], color="0.45", linestyle=(0, (4, 2)), marker="s",
+            markerfacecolor="white", markeredgecolor="0.25", markersize=6,
+            label="before recovery (right after the removal)")
+    ax.plot(layers, data["tau_after"], color="black", marker="o", markersize=5,
+            label="after recovery")
+    for i in range(1, len(layers)):
+        if not data["kept"][i]:
+            ax.plot(layers[i], data["tau_after"][i], marker="x", color="black", markersize=11,
+                    linestyle="none", label="undone: below the floor")
+    ticks = [f"{layers[0]}\nunpruned"]
+    ticks += [f"{n}\n−layer {r}" for n, r in zip(layers[1:], data["removed"][1:])]
+    ax.set_xticks(layers, ticks, fontsize=8)
+    ax.set_xlim(max(layers) + 0.5, min(layers) - 0.5)
+    low = min(data["tau_before"] + data["tau_after"] + [data["tau0"]])
+    high = max(data["tau_before"] + data["tau_after"] + [data["tau0"]])
+    span = max(high - low, 0.5)  # a flat curve still gets a readable axis
+    ax.set_ylim(max(0.9, low - 0.15 * span), high + 0.25 * span)  # τ >= 1: never far below 1
+    ax.set_xlabel("decoder layers left, and the layer that step removed\n"
+                  "(its index in the unpruned drafter; pruning goes left to right)", fontsize=9)
+    ax.set_ylabel("offline τ (accepted + 1)")
+    ax.set_title(title or "Progressive layer pruning with recovery (Fig. 1b)", fontsize=10)
+    ax.grid(color="0.88", linewidth=0.6)
+    ax.set_axisbelow(True)
+    ax.legend(fontsize=7.5, frameon=False, loc="best")
+    figure.tight_layout()
+    return figure
+
+
+# ---------------------------------------------------------------------------------------------
+# python -m systems.pictures masks ...
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose own errors (unknown flag, a word where a number goes) are one line."""
+
+    def error(self, message):
+        raise PicturesUnavailable(f"{message} — see `{self.prog} --help`")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line of `python -m systems.pictures`."""
+    ap = _Parser(prog="python -m systems.pictures",
+                 description="Draw the paper's pictures that need no model.")
+    commands = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    masks = commands.add_parser("masks", help="the training mask (Fig. 1a) and the asynchronous "
+                                "packed pass's mask (Fig. 1c), as PNGs",
+                                description="Draw the training mask and the asynchronous packed "
+                                "pass's mask as d3d.py builds them.")
+    masks.add_argument("--block-size", type=int, default=4, help="B: MASKs per block (default: 4)")
+    masks.add_argument("--num-anchors", type=int, default=3,
+                       help="K: blocks of the training mask (default: 3)")
+    masks.add_argument("--length", type=int,
+                       help="L: clean tokens of the training mask (default: B + 2 K - 1)")
+    masks.add_argument("--coverage", type=int, default=2,
+                       help="C: positions with rejection branches, 0 .. B (default: 2)")
+    masks.add_argument("--fanout", type=int, default=1,
+                       help="F: candidate tokens per position, >= 1 (default: 1)")
+    masks.add_argument("--past", type=int, default=2,
+                       help="cached tokens before x_n in the packed pass (default: 2)")
+    masks.add_argument("--d1-from", choices=["causal", "mask"], default="causal",
+                       help="which rows draft d_1 of a branch's block (default: causal)")
+    masks.add_argument("--out", default="runs/pictures",
+                       help="folder for the PNGs (default: runs/pictures)")
+    return ap.parse_args(argv)
+
+
+def check_mask_args(args: argparse.Namespace) -> None:
+    """Raise PicturesUnavailable, naming the flag, for a value the mask pictures cannot take."""
+    length = args.length
+    if length is None:
+        length = default_length(args.block_size, args.num_anchors)
+    checks = [("--block-size", args.block_size, args.block_size >= 1, ">= 1"),
+              ("--num-anchors", args.num_anchors, args.num_anchors >= 1, ">= 1"),
+              ("--length", length, length >= args.num_anchors + 1,
+               f">= K + 1 = {args.num_anchors + 1}"),
+              ("--coverage", args.coverage, 0 <= args.coverage <= args.block_size,
+               f"in 0 .. B = {args.block_size}"),
+              ("--fanout", args.fanout, args.fanout >= 1, ">= 1"),
+              ("--past", args.past, args.past >= 0, ">= 0")]
+    for flag, value, ok, allowed in checks:
+        if not ok:
+            raise PicturesUnavailable(f"{flag} must be {allowed}, got {value} — give a value "
+                                      f"{allowed}")
+
+
+def main(argv=None) -> list[str]:
+    """`python -m systems.pictures masks ...`: write both mask pictures into --out, printing
+    each path as it is written. Returns the paths."""
+    args = parse_args(argv)
+    check_mask_args(args)
+    _need_matplotlib()
+    name = f"training_mask_B{args.block_size}_K{args.num_anchors}.png"
+    training = draw_training_mask(os.path.join(args.out, name), args.block_size,
+                                  args.num_anchors, args.length)
+    print(training)
+    name = f"branch_pass_B{args.block_size}_C{args.coverage}_F{args.fanout}.png"
+    branch = draw_branch_pass(os.path.join(args.out, name), args.block_size, args.coverage,
+                              args.fanout, past_len=args.past, d1_from=args.d1_from)
+    print(branch)
+    return [training, branch]
+
+
+def cli(argv=None) -> int:
+    """main(argv) as a command: a PicturesUnavailable becomes `error: ...` on stderr and exit
+    status 2. Returns the exit status."""
+    try:
+        main(argv)
+    except PicturesUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
