@@ -2,6 +2,7 @@
 import contextlib
 import copy
 import json
+import re
 import os
 import socket
 import warnings
@@ -453,3 +454,19 @@ def test_prune_memory_estimate_fits_the_qwen3_drafter_on_one_80gb_gpu():
     assert on["total"] == pytest.approx(sum(v for k, v in on.items() if k != "total"))
     assert on["weights"] + on["gradients"] + on["adamw_moments"] + on["teacher"] == pytest.approx(20 * 2.03e9 / 2**30)
     assert on["logits"] == pytest.approx(4 * (2**28 // 151936) * 151936 * 4 / 2**30)  # 4 chunks of ~1 GiB
+
+
+def test_resume_with_another_recipe_says_which_setting_differs(setup, tmp_path):
+    out = tmp_path / "d"
+    _run(setup, out, steps=2, save_every=1, drafter_layers="2")
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    for change, flag in ((dict(block_size=3), "--block-size = 4"),
+                         (dict(drafter_layers="3"), "--drafter-layers = [0, 3]"),
+                         (dict(ar_weight=0.5), "--ar-weight = 1.0"),
+                         (dict(d1_from="mask"), "--d1-from = 'causal'")):
+        with pytest.raises(runtime.UserError, match=re.escape(flag) + ".*--no-resume"):
+            _run(setup, out, **{"steps": 3, "save_every": 1, "drafter_layers": "2", **change})
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+    # the same recipe resumes; --no-resume starts afresh with the new one
+    _run(setup, out, steps=3, save_every=1, drafter_layers="2")
+    _run(setup, out, steps=1, save_every=1, drafter_layers="2", block_size=3, resume=False)
