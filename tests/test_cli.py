@@ -173,19 +173,21 @@ def test_every_number_flag_has_a_range():
 
 
 def parser_actions(parse) -> list:
-    """The actions of the parser a parse function builds anew each call."""
+    """The actions of the parser a parse function builds anew each call. argparse's own
+    parse_args is wrapped and put back exactly (it is defined there, not on cli.Parser)."""
     seen = []
-    real = cli.Parser.parse_args
+    real = argparse.ArgumentParser.parse_args
 
     def record(self, argv=None, namespace=None):
         seen.extend(self._actions)
         return real(self, argv, namespace)
 
-    cli.Parser.parse_args = record
+    argparse.ArgumentParser.parse_args = record
     try:
         parse([])
     finally:
-        cli.Parser.parse_args = real
+        argparse.ArgumentParser.parse_args = real
+    assert "parse_args" not in vars(cli.Parser)
     return seen
 
 
