@@ -402,7 +402,8 @@ def accept_draft(p_logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Ten
     p_target = torch.softmax(p_logits.float() / temperature, dim=-1)  # (B+1, V)
     rows = torch.arange(block_size, device=draft.device)
     p_d, q_d = p_target[rows, draft], q_draft[rows, draft]
-    u = torch.rand(block_size, generator=generator, device=generator.device if generator else "cpu").to(p_d.device)
+    device = p_d.device if generator is None else generator.device  # seeded: the generator's device
+    u = torch.rand(block_size, generator=generator, device=device).to(p_d.device)
     num_accepted = ((u * q_d <= p_d) & real).long().cumprod(0).sum()  # u < p/q without dividing by a tiny q
     p_next = _at(p_target, num_accepted)  # (V,) the target's law after the accepted prefix
     residual = (p_next - _at(F.pad(q_draft, (0, 0, 0, 1)), num_accepted)).clamp(min=0)  # past the draft: q = 0
@@ -598,9 +599,12 @@ def _decode_async(drafter, out: Output, caches: Caches, clock: Clock, block_size
     """While the target verifies [x_n, d_1 .. d_B], one packed drafter pass prepares the next draft for the likely
     outcomes. Each round: (a) plan and build the packed pass; (b) verify while it runs; (c) commit the accepted prefix
     and the target's token c; a prepared outcome's block is the next draft (a cache hit), else the drafter drafts it
-    (a miss: fallback draft). Returns hits and misses per outcome (index k-1: rejection at k; B: full acceptance)."""
+    (a miss: fallback draft). Returns hits and misses per outcome (index k-1: rejection at k; B:
+    full acceptance) and pad_full_acceptances: the rounds that accepted a padded draft (B - 1
+    tokens and a pad) whole."""
     tc, dc = caches.target, caches.drafter
     hits, misses = [0] * (block_size + 1), [0] * (block_size + 1)
+    pad_full = 0  # padded drafts accepted whole: their bonus token is drawn at the pad's row
     lane = _Lanes(dc.device, lanes)
     draft_logits, length = None, block_size  # the next draft (None: not prepared) and its real tokens
     try:
@@ -630,6 +634,7 @@ def _decode_async(drafter, out: Output, caches: Caches, clock: Clock, block_size
             tc.rewind(len(out.tokens) - 1)
             dc.rewind(n + 1 + num_accepted)  # keep x_0 .. x_n, d_1 .. d_a; drop rejected drafts and branches
             (hits if hit >= 0 else misses)[block_size if num_accepted == length else num_accepted] += 1
+            pad_full += length < block_size and num_accepted == length
             draft_logits = None
             if hit >= 0 and not out.done:
                 # the full-acceptance segment's first draft row guessed the bonus token (d1_from="causal": the causal
@@ -640,7 +645,8 @@ def _decode_async(drafter, out: Output, caches: Caches, clock: Clock, block_size
                 draft_logits, length = F.pad(draft_logits, (0, 0, 0, int(full))), block_size - int(full)
     finally:
         lane.close()
-    return {"hits_per_position": hits, "misses_per_position": misses, "coverage": coverage, "fanout": fanout,
+    return {"hits_per_position": hits, "misses_per_position": misses,
+            "pad_full_acceptances": pad_full, "coverage": coverage, "fanout": fanout,
             "cover": cover, "lanes": lanes}
 
 
@@ -780,40 +786,63 @@ def _undo_removal(drafter: Drafter, snapshot: Drafter, device) -> None:
 def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: int | None = None,
                   tau_floor: float | None = None, recovery_steps: int = 100, lr: float = 5e-5, beta: float = 0.5,
                   num_anchors: int = 32, seed: int = 0, checkpointing: bool = False, score=None):
-    """Greedy progressive pruning, in place (Fig. 1b). Each iteration: score every layer by the offline tau without
-    it (`score`: tau_without_each_layer, or fast.py's, which is quicker), remove the one that costs least, recover for
-    `recovery_steps` steps distilled from the fixed unpruned drafter, re-measure tau. Stops at `min_layers`, or after
-    the first removal whose recovered tau falls below tau_floor x the unpruned tau (undone: "kept" False). Yields the
-    unpruned drafter's row, then one per iteration, for the caller to print. The copy kept to undo a removal waits in
-    host memory; `checkpointing` recomputes each layer's activations in recovery's backward."""
+    """Greedy progressive pruning, in place (Fig. 1b). Each iteration: score every layer by the
+    offline tau without it (`score`: tau_without_each_layer, or fast.py's, which is quicker),
+    remove the one that costs least, recover for `recovery_steps` steps distilled from the fixed
+    unpruned drafter, re-measure tau. Stops at `min_layers`, or after the first removal whose
+    recovered tau falls below tau_floor x the unpruned tau (undone: "kept" False). Checks its
+    arguments at the call, then returns a generator of rows for the caller to print: the unpruned
+    drafter's, then one per iteration (each runs as its row is taken). The copy kept to undo a
+    removal waits in host memory; `checkpointing` recomputes each layer's activations in
+    recovery's backward."""
     if min_layers is None and tau_floor is None:
-        raise ValueError("give a stopping rule: min_layers (a target depth) or tau_floor (fraction of unpruned tau)")
-    teacher = copy.deepcopy(drafter).eval().requires_grad_(False)  # the fixed, unpruned drafter
-    measure, generator = dict(num_anchors=num_anchors, seed=seed), torch.Generator().manual_seed(seed)
-    tau0, _ = validation_tau(drafter, val_batches, **measure)
-    yield {"iteration": 0, "removed_layer": None, "layers": len(drafter.model.get_decoder().layers),
-           "tau_before_recovery": tau0, "tau_after_recovery": tau0, "seconds": 0.0, "score_seconds": 0.0, "kept": True}
-    iteration = 0
-    while len(drafter.model.get_decoder().layers) > max(1, min_layers or 1):
-        iteration, start, original = iteration + 1, time.perf_counter(), _original_ids(drafter)
-        scores = (score or tau_without_each_layer)(drafter.eval(), val_batches, **measure)  # 1. score
-        best = least_costly_layer(drafter, scores, val_batches, **measure)
-        score_seconds = time.perf_counter() - start
-        snapshot = host_copy(drafter) if tau_floor is not None else None
-        remove_layer(drafter, best)  # 2. remove
-        skipped = recover(drafter, teacher, train_batches, steps=recovery_steps, lr=lr, beta=beta,
-                          num_anchors=num_anchors, generator=generator, checkpointing=checkpointing)  # 3. recover
-        # 4. re-measure (without recovery, the score is already the pruned drafter's tau)
-        tau_after = validation_tau(drafter, val_batches, **measure)[0] if recovery_steps > 0 else scores[best]
-        kept = tau_floor is None or tau_after >= tau_floor * tau0
-        if not kept:  # below the floor: undo this removal and stop
-            _undo_removal(drafter, snapshot, teacher.device)
-        yield {"iteration": iteration, "removed_layer": original[best], "layers": len(original) - 1,
-               "tau_before_recovery": scores[best], "tau_after_recovery": tau_after,
-               "seconds": time.perf_counter() - start, "score_seconds": score_seconds, "kept": kept,
-               "recovery_skipped": skipped, "candidates": {original[i]: round(tau, 4) for i, tau in scores.items()}}
-        if not kept:
-            break
+        raise ValueError("give a stopping rule: min_layers (a target depth) or tau_floor "
+                         "(fraction of unpruned tau)")
+    if min_layers is not None and min_layers < 1:
+        raise ValueError(f"min_layers={min_layers}: a drafter keeps at least one decoder layer; "
+                         "give 1 or more")
+    if tau_floor is not None and not tau_floor > 0:
+        raise ValueError(f"tau_floor={tau_floor}: give a positive fraction of the unpruned tau "
+                         "(e.g. 0.9)")
+    if recovery_steps < 0:
+        raise ValueError(f"recovery_steps={recovery_steps}: give 0 (no recovery) or more")
+
+    def rows():
+        teacher = copy.deepcopy(drafter).eval().requires_grad_(False)  # the fixed, unpruned drafter
+        measure = dict(num_anchors=num_anchors, seed=seed)
+        generator = torch.Generator().manual_seed(seed)
+        tau0, _ = validation_tau(drafter, val_batches, **measure)
+        yield {"iteration": 0, "removed_layer": None,
+               "layers": len(drafter.model.get_decoder().layers), "tau_before_recovery": tau0,
+               "tau_after_recovery": tau0, "seconds": 0.0, "score_seconds": 0.0, "kept": True}
+        iteration = 0
+        while len(drafter.model.get_decoder().layers) > max(1, min_layers or 1):
+            iteration, start, original = iteration + 1, time.perf_counter(), _original_ids(drafter)
+            score_all = score or tau_without_each_layer
+            scores = score_all(drafter.eval(), val_batches, **measure)  # 1. score
+            best = least_costly_layer(drafter, scores, val_batches, **measure)
+            score_seconds = time.perf_counter() - start
+            snapshot = host_copy(drafter) if tau_floor is not None else None
+            remove_layer(drafter, best)  # 2. remove
+            skipped = recover(drafter, teacher, train_batches, steps=recovery_steps, lr=lr,
+                              beta=beta, num_anchors=num_anchors, generator=generator,
+                              checkpointing=checkpointing)  # 3. recover
+            # 4. re-measure (without recovery, the score is already the pruned drafter's tau)
+            tau_after = scores[best]
+            if recovery_steps > 0:
+                tau_after = validation_tau(drafter, val_batches, **measure)[0]
+            kept = tau_floor is None or tau_after >= tau_floor * tau0  # of the unpruned tau
+            if not kept:  # below the floor: undo this removal and stop
+                _undo_removal(drafter, snapshot, teacher.device)
+            candidates = {original[i]: round(tau, 4) for i, tau in scores.items()}
+            yield {"iteration": iteration, "removed_layer": original[best],
+                   "layers": len(original) - 1, "tau_before_recovery": scores[best],
+                   "tau_after_recovery": tau_after, "seconds": time.perf_counter() - start,
+                   "score_seconds": score_seconds, "kept": kept, "recovery_skipped": skipped,
+                   "candidates": candidates}
+            if not kept:
+                break
+    return rows()
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -98,7 +98,13 @@ class KVCache:
                                 self.length)
 
     def rewind(self, length: int) -> None:
-        """Keep the sequence's first `length` tokens (slots: length - skipped); the next pass overwrites the rest."""
+        """Keep the sequence's first `length` tokens (slots: length - skipped); the next pass
+        overwrites the rest. Only drops tokens: a length past what the cache holds is an error,
+        since those slots were never written."""
+        if length - self.skipped > self.length:
+            held = self.length + self.skipped
+            raise ValueError(f"cannot rewind the KV cache to {length} tokens: it holds {held}; "
+                             f"rewind drops tokens, so give a length of at most {held}")
         if length - self.skipped < self.length:
             self.hf.crop(length - self.skipped - self.length)
             self.length = length - self.skipped

@@ -574,6 +574,24 @@ def test_plan_branches_chooses_positions_and_candidates():
     assert plan(sampled, 1, 2) == ([1], [[0, 1]])
 
 
+def test_likely_cover_ranks_positions_by_the_chance_the_first_rejection_is_there():
+    """cover="likely" keeps the C positions k of largest r_k = prod_{j<k} c_j * (1 - c_k): the
+    chance that d_1 .. d_{k-1} pass and d_k is the first rejected. Here the drafter's confidence
+    c_k in d_k = 0 is set row by row; a product over j <= k would pick other positions."""
+
+    def likely(confidences, coverage):
+        c = torch.tensor(confidences)
+        rest = ((1 - c) / 3)[:, None].expand(-1, 3)  # the other 3 tokens share the rest
+        logits = torch.cat([c[:, None], rest], 1).log()
+        draft = torch.zeros(len(c), dtype=torch.long)
+        return d3d.plan_branches(logits, draft, coverage, 1, "likely")[0].tolist()
+
+    # r = (0.5, 0.15, 0.315); over j <= k: (0.25, 0.105, 0.0315), which would pick [1, 2]
+    assert likely([0.5, 0.7, 0.1], 2) == [1, 3]
+    # r = (0.3, 0.63, 0.063); over j <= k: (0.21, 0.063, 0.0063), which would pick [1]
+    assert likely([0.7, 0.1, 0.1], 1) == [2]
+
+
 def test_branch_pass_is_planned_and_built_without_reading_the_device(tok, monkeypatch):
     """Between planning the branches and launching the passes nothing is read back to the host (on CUDA that would
     stall the host until the device drains its queue): no .item(), .tolist(), int() or bool() of a tensor."""
@@ -736,6 +754,35 @@ def test_accept_rule_is_lossless():
     assert chi_square_p_value(first, q_draft[0]) < 1e-3  # the test has power: the drafter's law is rejected
 
 
+def test_accept_draft_without_a_generator_draws_on_the_logits_device():
+    """With no generator the uniforms are drawn on the logits' device: a round copies nothing
+    from the host. On meta tensors every tensor accept_draft makes is checked to be on meta (one
+    made on the CPU would be a host draw copied over)."""
+    from torch.overrides import TorchFunctionMode
+
+    class Devices(TorchFunctionMode):
+        """Records the device of every tensor a torch function returns."""
+
+        def __init__(self):
+            super().__init__()
+            self.made = set()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for value in result if isinstance(result, tuple) else (result,):
+                if isinstance(value, torch.Tensor):
+                    self.made.add(value.device.type)
+            return result
+
+    p_logits = torch.randn(4, 7, device="meta")
+    q_draft = torch.softmax(torch.randn(3, 7, device="meta"), -1)
+    draft = torch.zeros(3, dtype=torch.long, device="meta")
+    for length in (None, 2):
+        with Devices() as devices:
+            d3d.accept_draft(p_logits, draft, q_draft, 1.0, length=length)
+        assert devices.made == {"meta"}, f"tensors made on {devices.made}, the logits on meta"
+
+
 def exact_law(target, prompt: list[int], temperature: float) -> torch.Tensor:
     """The target's exact joint law (16, 16) of generated tokens 3 and 4 after `prompt` (a 16-token vocabulary), by
     enumerating every (t1, t2, t3) in one batched pass."""
@@ -783,6 +830,49 @@ def test_sampling_matches_target_distribution(mode, block_size, d1_from):
     hotter = exact_law(target, prompt, 1.2)
     assert 0.1 < 0.5 * (hotter - joint).abs().sum() < 0.2
     assert chi_square_p_value(counts.flatten(), hotter.flatten()) < 1e-3
+
+
+def prefix_free_target(logits: torch.Tensor) -> torch.nn.Module:
+    """A tiny Qwen3 whose next-token law is softmax(logits) after any prefix: all embedding rows
+    are equal (every position computes the same hidden state h), and the output layer maps h to
+    `logits`."""
+    model = tiny_qwen3(seed=4, vocab_size=len(logits), layers=1)
+    with torch.no_grad():
+        embeddings = model.model.embed_tokens.weight
+        embeddings.copy_(embeddings[:1].expand_as(embeddings))
+        hidden = model.model(input_ids=torch.tensor([[0]])).last_hidden_state[0, 0]
+        model.lm_head.weight.copy_(torch.outer(logits, hidden) / hidden.dot(hidden))
+    return model
+
+
+def test_sampling_after_full_acceptance_hits_draws_the_bonus_from_the_target():
+    """Async sampling after a full-acceptance hit: the next draft is B - 1 prepared tokens and a
+    pad whose q row is uniform. When that draft is accepted whole, the bonus token follows the
+    target's law p, not the residual max(p - q_pad, 0). Target and drafter have the same
+    prefix-free law p, so every draft is accepted, the output is i.i.d. p, and with B = 2 a round
+    that commits 2 tokens is a padded draft accepted whole, its second token the bonus. One token
+    of p outweighs 1/V, the others do not: the residual is that token alone."""
+    vocab, block_size = 8, 2
+    logits = torch.tensor([2.0, 0.1, 0.1, 0.1, 0.0, -0.5, -1.0, -30.0])  # id 7: the drafter's MASK
+    p = torch.softmax(logits, -1)
+    drafter = d3d.make_drafter(prefix_free_target(logits), tokenizer=make_tokenizer(vocab - 1),
+                               block_size=block_size)
+    out, stats = d3d.generate(prefix_free_target(logits), drafter, torch.tensor([[3, 1]]),
+                              max_new_tokens=400, mode="async", temperature=1.0, lanes=1,
+                              generator=torch.Generator().manual_seed(0))
+    new, lengths = out[0, 2:].tolist(), stats["accept_lengths"]
+    assert set(lengths[:-1]) <= {block_size, block_size + 1}  # every draft accepted whole
+    ends = [1 + sum(lengths[: i + 1]) for i in range(len(lengths) - 1)]  # after prefill's token
+    bonuses = [new[end - 1] for end, n in zip(ends, lengths) if n == block_size]
+    assert len(bonuses) <= stats["pad_full_acceptances"] <= len(bonuses) + 1  # + the last round
+    assert len(bonuses) > 30
+    counts = torch.bincount(torch.tensor(bonuses), minlength=vocab).float()
+    assert chi_square_p_value(counts, p) > 1e-3
+    everything = torch.bincount(torch.tensor(new), minlength=vocab).float()
+    assert chi_square_p_value(everything, p) > 1e-3
+    # power: a bonus drawn from the residual at the pad's row would be token 0 every time
+    residual = (p - 1 / vocab).clamp(min=0)
+    assert counts[residual == 0].sum() > 0.2 * len(bonuses)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -1078,6 +1168,44 @@ def test_pruning_stops_where_the_rules_say(tok):
         list(d3d.prune_drafter(drafter, prune_data(), prune_data()))
 
 
+def test_the_tau_floor_is_a_fraction_of_the_unpruned_tau_and_keeps_a_removal_at_it(tok,
+                                                                                    monkeypatch):
+    """Scripted taus: unpruned 2.0 and tau_floor 0.75, so the floor is 1.5; every removal scores
+    1.0 before recovery. The first removal recovers to 1.5, exactly the floor: kept. The second
+    recovers to 1.4: below the floor, so it is undone and pruning stops, though 1.4 is above
+    0.75 x its tau before recovery (0.75) and 0.75 x the tau after the first removal (1.125)."""
+    taus = iter([2.0, 1.5, 1.4, 1.3, 1.2])  # the unpruned tau, then one per recovered removal
+
+    def scripted_tau(drafter, batches, **_):
+        return next(taus), 0.0
+
+    def scores(drafter, batches, **_):  # layer 0 of those left costs least, and scores 1.0
+        return {i: 1.0 - 0.1 * i for i in range(len(drafter.model.model.layers))}
+
+    monkeypatch.setattr(d3d, "validation_tau", scripted_tau)
+    drafter = d3d.make_drafter(tiny_qwen3(seed=3, layers=4), tokenizer=tok, block_size=3,
+                               num_anchors=4)
+    table = list(d3d.prune_drafter(drafter, prune_data(), prune_data(), tau_floor=0.75,
+                                   recovery_steps=1, score=scores))
+    assert [row["kept"] for row in table] == [True, True, False], table
+    assert [row["tau_after_recovery"] for row in table] == [2.0, 1.5, 1.4]
+    assert [row["tau_before_recovery"] for row in table[1:]] == [1.0, 1.0]
+    assert drafter.d3d_config.layer_ids == [1, 2, 3] and len(drafter.model.model.layers) == 3
+
+
+def test_pruning_checks_its_arguments_at_the_call(tok):
+    """prune_drafter refuses bad arguments when called, before any row is asked for."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=3, layers=2), tokenizer=tok, block_size=3)
+    data = prune_data(num_batches=1)
+    with pytest.raises(ValueError, match="give a stopping rule"):
+        d3d.prune_drafter(drafter, data, data)  # no next(): the call itself refuses
+    bad = [({"min_layers": 0}, "min_layers=0"), ({"tau_floor": 0.0}, "tau_floor=0.0"),
+           ({"min_layers": 1, "recovery_steps": -1}, "recovery_steps=-1")]
+    for arguments, message in bad:
+        with pytest.raises(ValueError, match=message):
+            d3d.prune_drafter(drafter, data, data, **arguments)
+
+
 def test_pruned_drafter_saves_loads_and_decodes_losslessly(tok, target, tmp_path):
     drafter = noop_layer_drafter(tok)
     list(d3d.prune_drafter(drafter, prune_data(), prune_data(), min_layers=2, recovery_steps=1))
@@ -1316,6 +1444,27 @@ def test_eos_inside_an_accepted_block_is_committed_there(tok, target):
         out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode=mode, eos_token_id=new[k])
         assert out[0, 5:].tolist() == new[: k + 1]
         assert stats["accept_lengths"] == [k]  # one round: tokens 2 .. k+1 (the first is the prefill's), EOS last
+
+
+def test_a_cache_rewinds_only_to_what_it_holds(target):
+    """rewind(n) drops tokens; an n past what the cache holds is refused and changes nothing:
+    moving the length forward would let the next pass attend to slots never written."""
+    cache = runtime.KVCache(target, 16)
+    runtime.prefill(cache, torch.tensor([[5, 6, 7, 8, 9]]))
+    with pytest.raises(ValueError, match="cannot rewind the KV cache to 6 tokens: it holds 5"):
+        cache.rewind(6)
+    assert cache.length == 5
+    cache.rewind(5)
+    cache.rewind(3)
+    assert cache.length == 3 == int(cache.hf.get_seq_length())
+    with pytest.raises(ValueError, match="it holds 3"):
+        cache.rewind(4)
+    cache.reset(skipped=4)  # prompt tokens left out of the cache count as held
+    runtime.prefill(cache, torch.tensor([[1, 2]]))
+    cache.rewind(6)
+    with pytest.raises(ValueError, match="it holds 6"):
+        cache.rewind(7)
+    assert cache.length == 2
 
 
 @pytest.mark.parametrize("mode,temperature", [("target", 0), ("sync", 0), ("async", 0), ("sync", 1.0),
@@ -1705,8 +1854,8 @@ def test_d3d_names_only_what_d3d_defines():
 
 
 def test_modules_form_layers_without_cycles():
-    """runtime <- d3d <- systems/ <- toy <- train.py, decode.py: each module imports only from the layers below,
-    the two drivers never import each other, no import cycle, and no project module imports another inside a
+    """runtime <- d3d <- systems/ <- toy <- train.py, decode.py, lab.py: each module imports only from the layers
+    below, the drivers never import each other, no import cycle, and no project module imports another inside a
     function, where a cycle would hide (tests aside)."""
     import ast
     import os
@@ -1716,7 +1865,7 @@ def test_modules_form_layers_without_cycles():
                 for name in os.listdir(os.path.join(root, "systems")) if name.endswith(".py") and name != "__init__.py"}
     allowed = {"runtime": set(), "d3d": {"runtime"}, "toy": {"runtime", "systems"},
                "systems": {"runtime", "d3d", "systems"}, "train": {"runtime", "d3d", "toy", "systems"},
-               "decode": {"runtime", "d3d", "toy", "systems"}}
+               "decode": {"runtime", "d3d", "toy", "systems"}, "lab": {"runtime", "d3d", "toy", "systems"}}
     graph, wrong = {}, []
     for module, path in modules.items():
         tree = ast.parse(open(os.path.join(root, path)).read())
@@ -1750,5 +1899,5 @@ def test_modules_form_layers_without_cycles():
             done.add(active.pop())
     for module in sorted(graph):
         visit(module)
-    assert {"runtime", "d3d", "train", "decode", "systems.fast", "systems.batched"} <= set(graph)
+    assert {"runtime", "d3d", "train", "decode", "lab", "systems.fast", "systems.batched"} <= set(graph)
     assert not wrong, wrong

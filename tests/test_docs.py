@@ -15,7 +15,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ("README.md", "LAB.md", "RESULTS.md")
-SCRIPTS = ("train.py", "decode.py", "toy.py", "tests/gpu_check.py", "tests/lab_runs.py")
+SCRIPTS = ("train.py", "decode.py", "toy.py", "tests/gpu_check.py", "tests/lab_runs.py", "lab.py")
 
 
 def fenced_lines(text: str) -> list[str]:
@@ -96,3 +96,12 @@ def test_the_docs_show_the_commands_of_every_script():
 def test_every_documented_command_parses(doc, script, argv, monkeypatch):
     monkeypatch.chdir(ROOT)
     parse_only(script, argv)
+
+
+def test_lab_md_shows_every_lab_command_and_a_start_and_check_of_every_exercise():
+    """LAB.md's "Write it yourself": every `python lab.py ...` there parses with lab.py's own
+    parser (the test above), all four commands show, and every exercise a start and a check."""
+    shown = [argv for doc, script, argv in ALL if doc == "LAB.md" and script == "lab.py"]
+    assert {argv[0] for argv in shown} == {"list", "start", "check", "handout"}
+    for exercise in runpy.run_path(os.path.join(ROOT, "lab.py"))["EXERCISES"]:
+        assert ["start", exercise.name] in shown and ["check", exercise.name] in shown, exercise.name

@@ -285,6 +285,20 @@ def test_open_toy_refuses_a_file_that_does_not_match_toy_json(tmp_path, victim):
         toy.open_toy(str(tmp_path / "nowhere"))
 
 
+def test_open_toy_refuses_a_changed_tokenizer(tmp_path):
+    """Weights and data files untouched, two tokens' ids swapped in tokenizer.json: the toy's
+    tokenizer fingerprint differs from toy.json's, so open_toy refuses the folder."""
+    folder = tmp_path / "toy"
+    shutil.copytree(toy.SHIPPED, folder)
+    path = folder / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["0"], vocab["1"] = vocab["1"], vocab["0"]
+    path.write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match="tokenizer in .* do not match"):
+        toy.open_toy(str(folder))
+
+
 def test_build_toy_with_other_settings_reuses_the_target_and_says_so(built, capsys):
     out, paths = built
     stamp = os.path.getmtime(os.path.join(paths["target"], "model.safetensors"))

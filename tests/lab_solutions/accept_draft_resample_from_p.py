@@ -1,0 +1,25 @@
+"""accept_draft, wrong: at a rejection the next token is drawn from the target's p, not from
+the residual max(p - q, 0). Greedy decoding is untouched; sampling is no longer lossless, as
+the tokens the drafter likes get two chances: once accepted, once more from p.
+"""
+EXERCISE = "accept_draft"
+RIGHT = False
+FAILS = ("test_accept_rule_is_lossless",)  # tests that must fail (others may too)
+
+
+def accept_draft(p_logits, draft, q_draft, temperature, generator=None, length=None):
+    block_size = draft.shape[0]
+    limit = block_size if length is None else length
+    real = torch.arange(block_size, device=draft.device) < limit
+    if temperature == 0:
+        target_tokens = p_logits.argmax(-1)
+        num_accepted = ((draft == target_tokens[:block_size]) & real).long().cumprod(0).sum()
+        return num_accepted, _at(target_tokens, num_accepted)
+    p_target = torch.softmax(p_logits.float() / temperature, dim=-1)
+    rows = torch.arange(block_size, device=draft.device)
+    p_d, q_d = p_target[rows, draft], q_draft[rows, draft]
+    device = p_d.device if generator is None else generator.device
+    u = torch.rand(block_size, generator=generator, device=device).to(p_d.device)
+    num_accepted = ((u * q_d <= p_d) & real).long().cumprod(0).sum()
+    p_next = _at(p_target, num_accepted)
+    return num_accepted, _sample(p_next, generator)  # the bug: p, not max(p - q, 0)

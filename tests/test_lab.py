@@ -1,0 +1,341 @@
+"""lab.py, used as a student and a teacher would: every exercise passes on the reference, a
+blank copy fails the tests that grade it, the solutions in tests/lab_solutions/ pass or fail
+as they say (with a message to act on), a handout grades its own d3d.py, and nothing ever
+writes over d3d.py.
+
+lab.py runs in a copy of the repository (the real runs/lab/ is never touched), its checks
+two at a time, each a pytest subprocess: about two minutes on two cores.
+Run: python -m pytest -q tests/test_lab.py
+"""
+import ast
+import concurrent.futures
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import lab  # noqa: E402  (the standard library only)
+
+SOLUTIONS = os.path.join(ROOT, "tests", "lab_solutions")
+BLANK_CHECKS = ("packed_attention_mask", "prune_drafter", "select_chunks")  # start, full check
+
+
+def sha(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def solution_files() -> list[str]:
+    return sorted(name for name in os.listdir(SOLUTIONS) if name.endswith(".py"))
+
+
+def solution_facts(name: str) -> dict:
+    """EXERCISE, RIGHT and FAILS of a solution file, read without running it."""
+    with open(os.path.join(SOLUTIONS, name), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    return {node.targets[0].id: ast.literal_eval(node.value) for node in tree.body
+            if isinstance(node, ast.Assign)
+            and node.targets[0].id in ("EXERCISE", "RIGHT", "FAILS")}
+
+
+def lab_py(cwd, *argv, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "lab.py", *map(str, argv)], cwd=cwd, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+IMPORT_ALL = """
+import importlib.util, sys
+for path in sys.argv[1:]:
+    name = "student_%d" % len(sys.modules)
+    spec = importlib.util.spec_from_file_location(name, path)
+    sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules[name])
+print("imported", len(sys.argv) - 1)
+"""
+
+
+@pytest.fixture(scope="module")
+def lab_runs(tmp_path_factory):
+    """A copy of the repository, the quick commands run in it (start, handout), and every
+    check started two at a time: {job: Future of CompletedProcess}, plus what the tests need."""
+    base = tmp_path_factory.mktemp("lab")
+    repo = base / "repo"
+    lab.copy_project(ROOT, str(repo))
+    before = {"repo": sha(os.path.join(ROOT, "d3d.py")), "copy": sha(repo / "d3d.py")}
+    starts = {e.name: lab_py(repo, "start", e.name) for e in lab.EXERCISES}
+    after_start = sha(repo / "d3d.py")
+    handouts = {"all": base / "handout-all", "one": base / "handout-one",
+                "solved": base / "handout-solved"}
+    made = {"all": lab_py(repo, "handout", handouts["all"]),
+            "one": lab_py(repo, "handout", handouts["one"], "packed_attention_mask"),
+            "solved": lab_py(repo, "handout", handouts["solved"], "packed_attention_mask")}
+    reference = (repo / "d3d.py").read_text()
+    right_mask = open(os.path.join(SOLUTIONS, "packed_attention_mask_by_key_kind.py")).read()
+    solved = handouts["solved"] / "d3d.py"
+    solved.write_text(lab.splice(solved.read_text(), right_mask))
+    checks = {"reference": (repo, "check", "all", "d3d.py", "--quick", "--json",
+                            base / "reference.json"),
+              "blank all": (handouts["all"], "check", "all", "--quick", "--json",
+                            base / "blank-all.json"),
+              "handout solved": (handouts["solved"], "check", "packed_attention_mask", "--json",
+                                 base / "handout-solved.json")}
+    for name in solution_files():
+        facts = solution_facts(name)
+        path = base / name
+        path.write_text(lab.splice(reference, open(os.path.join(SOLUTIONS, name)).read()))
+        only = [] if facts["RIGHT"] else [a for t in facts["FAILS"] for a in ("--test", t)]
+        checks[name] = (repo, "check", facts["EXERCISE"], path, "--quick", *only, "--json",
+                        base / f"{name}.json")
+    for name in BLANK_CHECKS:
+        checks[f"blank {name}"] = (repo, "check", name, "--json", base / f"blank-{name}.json")
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    futures = {key: pool.submit(lab_py, *argv) for key, argv in checks.items()}
+    copies = [repo / "runs" / "lab" / e.name / "d3d.py" for e in lab.EXERCISES]
+    futures["import"] = pool.submit(subprocess.run, [sys.executable, "-c", IMPORT_ALL, *copies],
+                                    cwd=repo, text=True, capture_output=True, timeout=300)
+    yield {"base": base, "repo": repo, "before": before, "after_start": after_start,
+           "starts": starts, "handouts": handouts, "made": made, "futures": futures}
+    pool.shutdown(wait=True)
+
+
+def finished(lab_runs, job) -> subprocess.CompletedProcess:
+    return lab_runs["futures"][job].result()
+
+
+def grade_json(lab_runs, name) -> dict:
+    with open(lab_runs["base"] / name, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_every_graded_test_is_in_the_suite_and_patches_nothing_of_d3d():
+    """The selection: each exercise's tests exist in test_d3d.py, none monkeypatches d3d (those
+    are LEFT_OUT, and each of those does), every claim belongs to a graded test."""
+    suite = lab.suite_functions()
+    names = {lab.parse_test(t)[0] for e in lab.EXERCISES for t in e.right + e.fast}
+    assert names <= set(suite), sorted(names - set(suite))
+    assert not [n for n in names if lab.patches_d3d(suite[n])]
+    assert set(lab.LEFT_OUT) <= set(suite), sorted(set(lab.LEFT_OUT) - set(suite))
+    assert all(lab.patches_d3d(suite[n]) for n in lab.LEFT_OUT), lab.LEFT_OUT
+    assert set(lab.CLAIMS) == names and set(lab.SLOW) <= names
+    assert len(lab.EXERCISES) >= 8 and all(e.right for e in lab.EXERCISES)
+    assert all(e.fast or e.no_fast for e in lab.EXERCISES)
+    for exercise in lab.EXERCISES:
+        assert set(exercise.hints) == set(exercise.functions)
+        for test in exercise.right + exercise.fast:  # a filter names a real parameter
+            name, where = lab.parse_test(test)
+            arguments = {a.arg for a in suite[name].args.args}
+            assert set(where) <= arguments, test
+
+
+def test_the_plugin_selects_by_name_and_parameters_and_keeps_the_worst_outcome():
+    item = types.SimpleNamespace(originalname="test_x", name="test_x[sync-2]",
+                                 callspec=types.SimpleNamespace(params={"mode": "sync", "b": 2}))
+    assert lab._tests_of(item, ["test_x", "test_x[mode=sync]", "test_x[mode=async]", "test_y"]) \
+        == ["test_x", "test_x[mode=sync]"]
+    records = [{"kind": "selected", "nodeid": "a[1]", "tests": ["test_a"]},
+               {"kind": "selected", "nodeid": "a[2]", "tests": ["test_a"]},
+               {"kind": "start", "nodeid": "a[1]"},
+               {"kind": "case", "nodeid": "a[1]", "outcome": "passed", "message": ""},
+               {"kind": "case", "nodeid": "a[1]", "outcome": "failed", "message": "teardown"},
+               {"kind": "start", "nodeid": "a[2]"}]
+    results = lab.gather(records, ["test_a", "test_b"], 30, 1.0)
+    assert [c["outcome"] for c in results["test_a"]] == ["failed", "failed"]
+    assert "within 30 s" in results["test_a"][1]["message"] and results["_missing"] == ["test_b"]
+    text = ('Traceback (most recent call last):\n'
+            '  File "/lib/_pytest/python.py", line 187, in pytest_pyfunc_call\n'
+            '    result = testfunction(**testargs)\n'
+            '             ^^^^^^^^^^^^^^^^^^^^^^^^\n'
+            '  File "/copy/test_d3d.py", line 159, in test_m\n'
+            '    assert torch.equal(a, b)\n'
+            'AssertionError: assert False\n'
+            ' +  where False = <built-in method equal of type object at 0x7f00>(x, y)\n'
+            ' +    where <built-in method equal of type object at 0x7f00> = torch.equal')
+    assert lab.short_failure(text, "/copy") == ("test_d3d.py:159: assert torch.equal(a, b)\n"
+                                                "AssertionError: assert False / + where False = "
+                                                "equal(x, y)")
+    mask = lab.BY_NAME["packed_attention_mask"]
+    assert "still the blank stub" in lab.explain("lab exercise packed_attention_mask: write "
+                                                 "packed_attention_mask", mask)
+    blocked = lab.explain("lab exercise draft_rows: write draft_rows", mask)
+    assert "check draft_rows first" in blocked
+
+
+def test_list_names_every_exercise_its_place_and_its_tests():
+    listed = lab_py(ROOT, "list")
+    assert listed.returncode == 0
+    for exercise in lab.EXERCISES:
+        assert f"{exercise.name}: {exercise.paper}" in listed.stdout
+        assert all(f"test_d3d.py::{t}" in listed.stdout for t in exercise.right + exercise.fast)
+    assert all(name in listed.stdout for name in lab.LEFT_OUT)
+
+
+def test_start_blanks_one_body_and_keeps_every_other_byte(lab_runs):
+    """The copy: the reference's lines but the function's body, which is the hint, the body's
+    comments and the NotImplementedError; signature and docstring kept. A second start is
+    refused unless --force; d3d.py is untouched."""
+    repo = lab_runs["repo"]
+    reference = (repo / "d3d.py").read_text().splitlines(keepends=True)
+    tree = ast.parse("".join(reference))
+    for exercise in lab.EXERCISES:
+        assert lab_runs["starts"][exercise.name].returncode == 0
+        assert f"python lab.py check {exercise.name}" in lab_runs["starts"][exercise.name].stdout
+        copy = (repo / "runs" / "lab" / exercise.name / "d3d.py").read_text()
+        nodes = sorted((lab.find_function(tree, f) for f in exercise.functions),
+                       key=lambda node: node.lineno)
+        cuts = [0] + [i for n in nodes for i in (n.body[0].end_lineno, n.end_lineno)]
+        kept = [reference[a:b] for a, b in zip(cuts[::2], cuts[1::2] + [len(reference)])]
+        lines, at = copy.splitlines(keepends=True), 0
+        for i, part in enumerate(kept):  # the reference's lines, each body a stub between them
+            assert lines[at: at + len(part)] == part, (exercise.name, i)
+            at += len(part)
+            if i < len(nodes):
+                stub = at
+                while lines[at].lstrip().startswith("#"):
+                    at += 1
+                assert lines[at].strip().startswith('raise NotImplementedError("lab exercise')
+                at += 1
+                assert "# Exercise: " in lines[stub] and all(
+                    len(line.rstrip("\n")) <= 100 for line in lines[stub:at])
+        assert at == len(lines)
+        assert all(lab.is_blank(copy, f) for f in exercise.functions)
+    again = lab_py(repo, "start", "packed_attention_mask")
+    assert again.returncode == 2 and again.stderr.count("\n") == 1
+    assert again.stderr.startswith("error: ") and "--force" in again.stderr
+    assert lab_py(repo, "start", "packed_attention_mask", "--force").returncode == 0
+    assert lab_runs["after_start"] == lab_runs["before"]["copy"]
+
+
+def test_every_start_copy_imports(lab_runs):
+    imported = finished(lab_runs, "import")
+    assert imported.returncode == 0, imported.stderr[-2000:]
+    assert f"imported {len(lab.EXERCISES)}" in imported.stdout
+
+
+def test_every_exercise_passes_on_the_reference(lab_runs):
+    """`check all` on the reference d3d.py: every exercise passes every test it ran (the slow
+    ones skipped here run in test_d3d.py itself)."""
+    run = finished(lab_runs, "reference")
+    assert run.returncode == 0, run.stdout[-3000:]
+    grades = grade_json(lab_runs, "reference.json")["exercises"]
+    assert [g["exercise"] for g in grades] == [e.name for e in lab.EXERCISES]
+    for g in grades:
+        assert g["passed"] and all(e["cases"] >= 1 for e in g["right"] + g["fast"]), g
+        assert {t.split("::")[1].split("[")[0] for t in g["not_run"]} <= set(lab.SLOW)
+    assert "PASS  mask and positions follow" in run.stdout and "FAIL" not in run.stdout
+
+
+@pytest.mark.parametrize("name", BLANK_CHECKS)
+def test_a_blank_copy_fails_every_test_that_grades_it(lab_runs, name):
+    run = finished(lab_runs, f"blank {name}")
+    assert run.returncode == 1, run.stdout[-2000:]
+    result = grade_json(lab_runs, f"blank-{name}.json")
+    entries = result["right"] + result["fast"]
+    assert result["full"] and len(entries) == len(lab.graded(lab.BY_NAME[name]))
+    assert all(e["failed"] == e["cases"] >= 1 for e in entries), entries
+    assert run.stdout.count("is still the blank stub: write its body") == len(entries)
+
+
+def test_a_handout_with_every_exercise_blank_fails_every_graded_test(lab_runs):
+    made = lab_runs["made"]["all"]
+    assert made.returncode == 0 and "has packed_attention_mask, d3d_loss" in made.stdout
+    run = finished(lab_runs, "blank all")
+    assert run.returncode == 1
+    grades = grade_json(lab_runs, "blank-all.json")["exercises"]
+    assert [g["exercise"] for g in grades] == [e.name for e in lab.EXERCISES]
+    for g in grades:
+        assert all(e["failed"] == e["cases"] >= 1 for e in g["right"] + g["fast"]), g["exercise"]
+
+
+@pytest.mark.parametrize("name", solution_files())
+def test_a_solution_passes_or_fails_as_it_says(lab_runs, name):
+    """A right solution written otherwise passes the check; a wrong one fails the tests it
+    names, each FAIL with its claim, the failing line and what went wrong."""
+    facts = solution_facts(name)
+    run = finished(lab_runs, name)
+    result = grade_json(lab_runs, f"{name}.json")
+    if facts["RIGHT"]:
+        assert run.returncode == 0 and result["passed"], run.stdout[-3000:]
+        return
+    assert run.returncode == 1, run.stdout[-3000:]
+    for entry in result["right"] + result["fast"]:
+        assert not entry["passed"], entry["test"]
+        message = entry["first_failure"]["message"]
+        assert "test_d3d.py:" in message and "blank stub" not in message, message
+        assert f"FAIL  {entry['claim']}" in run.stdout
+    assert {e["test"].split("::")[1] for e in result["right"] + result["fast"]} == set(
+        facts["FAILS"])
+
+
+def test_three_exercises_have_a_second_right_solution_and_two_wrong_ones():
+    counts = {}
+    for name in solution_files():
+        facts = solution_facts(name)
+        right, wrong = counts.setdefault(facts["EXERCISE"], [0, 0])
+        counts[facts["EXERCISE"]] = [right + facts["RIGHT"], wrong + (not facts["RIGHT"])]
+        assert facts["EXERCISE"] in lab.BY_NAME and (facts["RIGHT"] or facts["FAILS"])
+    assert len([e for e, (right, wrong) in counts.items() if right >= 1 and wrong >= 2]) >= 3
+
+
+def test_a_handout_grades_its_own_d3d_py_and_holds_no_answer(lab_runs):
+    """In a handout `check NAME` grades the handout's own d3d.py: with a solution written
+    into it, it passes. A handout holds neither the function's body nor the solutions; a
+    folder that is not empty, or one inside the repository, is refused."""
+    one, solved = lab_runs["handouts"]["one"], lab_runs["handouts"]["solved"]
+    assert lab_runs["made"]["one"].returncode == 0
+    assert json.loads((one / "lab-handout.json").read_text()) == {
+        "exercises": ["packed_attention_mask"]}
+    assert not (one / "tests" / "lab_solutions").exists()
+    assert not (one / "tests" / "test_lab.py").exists()
+    assert (one / "test_d3d.py").exists() and (one / "lab.py").exists()
+    reference = (lab_runs["repo"] / "d3d.py").read_text()
+    node = lab.find_function(ast.parse(reference), "packed_attention_mask")
+    body = "".join(reference.splitlines(keepends=True)[node.body[0].end_lineno: node.end_lineno])
+    handed = (one / "d3d.py").read_text()
+    assert body not in handed and lab.is_blank(handed, "packed_attention_mask")
+    assert not lab.is_blank((solved / "d3d.py").read_text(), "packed_attention_mask")
+    solved_run = finished(lab_runs, "handout solved")  # no runs/lab there: its own d3d.py
+    assert solved_run.returncode == 0, solved_run.stdout[-3000:]
+    assert "grading d3d.py as d3d: packed_attention_mask" in solved_run.stdout
+    assert grade_json(lab_runs, "handout-solved.json")["passed"]
+    again = lab_py(lab_runs["repo"], "handout", one)
+    assert again.returncode == 2 and "not empty" in again.stderr
+    inside = lab_py(lab_runs["repo"], "handout", lab_runs["repo"] / "class")
+    assert inside.returncode == 2 and "inside the repository" in inside.stderr
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["start", "nope"], "no exercise 'nope'"),
+    (["check", "nope"], "no exercise 'nope'"),
+    (["check", "cache_hit"], "runs/lab/cache_hit/d3d.py not found"),
+    (["check", "cache_hit", "missing.py"], "missing.py not found"),
+    (["check", "cache_hit", "README.md"], "README.md line"),
+    (["check", "cache_hit", "runtime.py"], "has no function cache_hit"),
+    (["check", "cache_hit", "d3d.py", "--test", "test_zero_new_tokens"], "not graded by"),
+    (["check", "cache_hit", "--timeout", "0"], "--timeout"),
+    (["handout", "out", "nope"], "no exercise 'nope'"),
+    (["check"], "NAME"),
+    (["grade", "x"], "invalid choice"),
+])
+def test_bad_input_is_one_line_and_exit_status_2(tmp_path, argv, says):
+    repo = tmp_path / "repo"
+    for name in ("lab.py", "d3d.py", "runtime.py", "README.md", "test_d3d.py"):
+        os.makedirs(repo, exist_ok=True)
+        (repo / name).write_bytes(open(os.path.join(ROOT, name), "rb").read())
+    run = lab_py(repo, *argv, timeout=60)
+    assert run.returncode == 2 and run.stdout == "", run
+    assert run.stderr.startswith("error: ") and run.stderr.count("\n") == 1, run.stderr
+    assert says in run.stderr and " — " in run.stderr and "Traceback" not in run.stderr
+
+
+def test_d3d_py_is_never_written(lab_runs):
+    """Last: after every start, handout and check, d3d.py has the bytes it had."""
+    for future in lab_runs["futures"].values():
+        future.result()
+    assert sha(os.path.join(ROOT, "d3d.py")) == lab_runs["before"]["repo"]
+    assert sha(lab_runs["repo"] / "d3d.py") == lab_runs["before"]["copy"]
