@@ -376,10 +376,14 @@ def fingerprint(folder: str, tok=None) -> dict:
 def read_recipe(folder: str) -> dict:
     path = os.path.join(folder, RECIPE)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no toy at {folder} ({RECIPE} is missing): `python toy.py --out {folder}` builds one; "
+        raise runtime.UserError(f"no toy at {folder} ({RECIPE} is missing): `python toy.py --out {folder}` builds one; "
                                 f"the repository's toy is {SHIPPED}")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise runtime.UserError(f"{path} is not valid JSON ({e.msg}) — restore it, or rebuild the "
+                                "toy with `python toy.py --out FOLDER`") from None
 
 
 def open_toy(folder: str = SHIPPED) -> dict:
@@ -389,20 +393,20 @@ def open_toy(folder: str = SHIPPED) -> dict:
     folder = os.path.abspath(folder)
     recipe, paths = read_recipe(folder), toy_paths(folder)
     if "files" not in recipe:
-        raise ValueError(f"{folder} is an unfinished toy ({RECIPE} records no files): rerun `python toy.py --out "
+        raise runtime.UserError(f"{folder} is an unfinished toy ({RECIPE} records no files): rerun `python toy.py --out "
                          f"{folder}` to finish it")
     restore = ("`git checkout -- toy-target` restores it" if folder == SHIPPED
                else f"`python toy.py --out {folder}` rebuilds it after you delete the folder")
     for key, name in DATA_FILES.items():
         if not os.path.isfile(paths[key]):
-            raise FileNotFoundError(f"{paths[key]} is missing from the toy; {restore}")
+            raise runtime.UserError(f"{paths[key]} is missing from the toy; {restore}")
         if sha256_file(paths[key]) != recipe["files"][name]:
-            raise ValueError(f"{paths[key]} does not match {os.path.join(folder, RECIPE)} (its sha256 differs): the "
+            raise runtime.UserError(f"{paths[key]} does not match {os.path.join(folder, RECIPE)} (its sha256 differs): the "
                              f"toy's prompts and the target's answers to them belong together; {restore}")
     found = fingerprint(folder)
     for key, what in (("weights_sha256", "weights"), ("tokenizer", "tokenizer")):
         if found[key] != recipe["fingerprint"][key]:
-            raise ValueError(f"the toy target's {what} in {folder} do not match {RECIPE}'s fingerprint "
+            raise runtime.UserError(f"the toy target's {what} in {folder} do not match {RECIPE}'s fingerprint "
                              f"({found[key][:16]} != {recipe['fingerprint'][key][:16]}); {restore}")
     return paths
 

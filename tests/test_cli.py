@@ -313,3 +313,13 @@ def test_a_recorded_path_that_is_gone_is_named(folders, tmp_path, capsys):
     (drafter / "train_args.json").write_text(json.dumps(recipe))
     err = fails_in_one_line(eval_entry, ["--drafter", drafter], capsys)
     assert "gone/prompts.jsonl is gone" in err, err
+
+
+def test_a_damaged_toy_is_named_in_one_line(tmp_path, capsys):
+    broken = tmp_path / "toy"
+    broken.mkdir()
+    (broken / "toy.json").write_text("{not json")
+    err = fails_in_one_line(train.cli_main, ["--toy", broken, "--out", tmp_path / "out"], capsys)
+    assert "toy.json is not valid JSON" in err, err
+    err = fails_in_one_line(train.cli_main, ["--toy", tmp_path / "nowhere"], capsys)
+    assert "no toy at" in err and "python toy.py" in err, err

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import runtime
 import toy
 
 LINE = re.compile(r"^(\d+) ([+\-*]) (\d+) = (\d+)$")
@@ -281,7 +282,7 @@ def test_open_toy_refuses_a_file_that_does_not_match_toy_json(tmp_path, victim):
         path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="does not match|do not match"):
         toy.open_toy(str(folder))
-    with pytest.raises(FileNotFoundError, match="python toy.py"):
+    with pytest.raises(runtime.UserError, match="python toy.py"):
         toy.open_toy(str(tmp_path / "nowhere"))
 
 
