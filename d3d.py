@@ -39,6 +39,7 @@ What the loops take from runtime.py, one line each, so that this file reads alon
 Shapes: b batch, L clean tokens, K anchors (blocks), B block size, V vocabulary, q packed query length, past tokens
 already in a KV cache. "ours" marks a reading where the paper is silent (README.md, "Departures and readings").
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,10 +56,26 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from runtime import (Caches, Clock, KVCache, Output, additive_mask, async_lanes, attention_pass, cache_len,
-                     causal_pass, check_request, finite_step, host_copy, in_logit_chunks, keep_layers, load_causal_lm,
-                     prefill, read_round, tokenizer_fingerprint)
-
+from runtime import (
+    Caches,
+    Clock,
+    KVCache,
+    Output,
+    additive_mask,
+    async_lanes,
+    attention_pass,
+    cache_len,
+    causal_pass,
+    check_request,
+    finite_step,
+    host_copy,
+    in_logit_chunks,
+    keep_layers,
+    load_causal_lm,
+    prefill,
+    read_round,
+    tokenizer_fingerprint,
+)
 
 MASK_TOKEN = "<|MASK|>"
 CONFIG_NAME = "d3d_config.json"
@@ -71,13 +88,24 @@ CONFIG_NAME = "d3d_config.json"
 @dataclass
 class D3DConfig:
     """The method's settings, saved as d3d_config.json next to every drafter."""
-    block_size: int = 16  # B: MASK tokens drafted in one pass (paper default 16; Table 4 compares 8/16/32)
+
+    block_size: int = (
+        16  # B: MASK tokens drafted in one pass (paper default 16; Table 4 compares 8/16/32)
+    )
     mask_token_id: int = -1  # id of MASK in the drafter's embedding table (set by make_drafter)
     num_anchors: int = 64  # K: blocks per training sequence (Table 5: tau saturates near 128-256)
-    ar_weight: float = 1.0  # lambda: weight of the auxiliary autoregressive loss (Table 3: 1.0 is best)
-    decay_gamma: float | None = None  # gamma: block position weights exp(-(i-1)/gamma); None = uniform
-    target_vocab_size: int = 0  # rows of the target's output layer; drafter logits are cut to this size
-    tokenizer_hash: str = ""  # fingerprint of the tokenizer the drafter was made for (drivers check the target's)
+    ar_weight: float = (
+        1.0  # lambda: weight of the auxiliary autoregressive loss (Table 3: 1.0 is best)
+    )
+    decay_gamma: float | None = (
+        None  # gamma: block position weights exp(-(i-1)/gamma); None = uniform
+    )
+    target_vocab_size: int = (
+        0  # rows of the target's output layer; drafter logits are cut to this size
+    )
+    tokenizer_hash: str = (
+        ""  # fingerprint of the tokenizer the drafter was made for (drivers check the target's)
+    )
     layer_ids: list[int] | None = None  # which layers of the initial checkpoint the drafter kept
     d1_from: str = "causal"  # where d_1 is read (draft_rows): "causal", the next-token head at x_n; "mask", MASK 1
 
@@ -112,22 +140,34 @@ class Drafter(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def hidden_states(self, input_ids, position_ids, attention_mask, past_key_values=None) -> torch.Tensor:
+    def hidden_states(
+        self, input_ids, position_ids, attention_mask, past_key_values=None
+    ) -> torch.Tensor:
         """Last hidden states (b, q, H); attention_mask: bool (b, 1, q, past+q), True = may attend."""
-        out = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
-                                       attention_mask=additive_mask(attention_mask, self.model),
-                                       cache=past_key_values, use_cache=past_key_values is not None)
+        out = self.model.get_decoder()(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=additive_mask(attention_mask, self.model),
+            cache=past_key_values,
+            use_cache=past_key_values is not None,
+        )
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float logits over the target's vocabulary, MASK excluded."""
-        logits = self.model.get_output_embeddings()(hidden)[..., : self.d3d_config.target_vocab_size].float()
+        logits = self.model.get_output_embeddings()(hidden)[
+            ..., : self.d3d_config.target_vocab_size
+        ].float()
         if self.d3d_config.mask_token_id < logits.shape[-1]:
             logits[..., self.d3d_config.mask_token_id] = float("-inf")  # MASK can never be drafted
         return logits
 
-    def forward(self, input_ids, position_ids, attention_mask, past_key_values=None) -> torch.Tensor:
-        return self.logits(self.hidden_states(input_ids, position_ids, attention_mask, past_key_values))
+    def forward(
+        self, input_ids, position_ids, attention_mask, past_key_values=None
+    ) -> torch.Tensor:
+        return self.logits(
+            self.hidden_states(input_ids, position_ids, attention_mask, past_key_values)
+        )
 
     def save_pretrained(self, path: str, tokenizer=None) -> None:
         os.makedirs(path, exist_ok=True)
@@ -138,52 +178,91 @@ class Drafter(nn.Module):
             tokenizer.save_pretrained(path)
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype=None, device=None, attn_implementation: str = "sdpa") -> "Drafter":
+    def from_pretrained(
+        cls, path: str, dtype=None, device=None, attn_implementation: str = "sdpa"
+    ) -> "Drafter":
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"no drafter folder at {path!r}: run python train.py, or save a d3d.make_drafter()")
+            raise FileNotFoundError(
+                f"no drafter folder at {path!r}: run python train.py, or save a d3d.make_drafter()"
+            )
         if not os.path.isfile(os.path.join(path, CONFIG_NAME)):
-            raise FileNotFoundError(f"{path!r} lacks {CONFIG_NAME}: a plain model, not a D3D drafter; see make_drafter")
-        return cls(load_causal_lm(path, dtype, device, attn_implementation=attn_implementation), D3DConfig.load(path))
+            raise FileNotFoundError(
+                f"{path!r} lacks {CONFIG_NAME}: a plain model, not a D3D drafter; see make_drafter"
+            )
+        return cls(
+            load_causal_lm(path, dtype, device, attn_implementation=attn_implementation),
+            D3DConfig.load(path),
+        )
 
 
-def make_drafter(model: nn.Module, mask_token_id: int | None = None, *, tokenizer, layers: list[int] | None = None,
-                 target_vocab_size: int | None = None, **config) -> Drafter:
+def make_drafter(
+    model: nn.Module,
+    mask_token_id: int | None = None,
+    *,
+    tokenizer,
+    layers: list[int] | None = None,
+    target_vocab_size: int | None = None,
+    **config,
+) -> Drafter:
     """Turn any HF causal LM with the target's tokenizer into a D3D drafter. MASK: `mask_token_id` (not a text token),
     else `<|MASK|>` if the tokenizer has it, else its first unused id (embeddings grow only if that id has no row).
     `layers`: decoder layers to keep; `target_vocab_size`: default this model's; other keywords go to D3DConfig."""
     rows = model.get_output_embeddings().weight.shape[0]
     text_vocab = len(tokenizer)
     if rows < text_vocab:
-        raise ValueError(f"the drafter's vocabulary ({rows} rows) does not cover the tokenizer's {text_vocab} "
-                         "tokens: initialise the drafter from a checkpoint of the target's family (same tokenizer)")
+        raise ValueError(
+            f"the drafter's vocabulary ({rows} rows) does not cover the tokenizer's {text_vocab} "
+            "tokens: initialise the drafter from a checkpoint of the target's family (same tokenizer)"
+        )
     target_vocab_size = target_vocab_size or rows
     if target_vocab_size > rows:
-        raise ValueError(f"the drafter's vocabulary ({rows} rows) does not cover the target's ({target_vocab_size}): "
-                         "initialise the drafter from a checkpoint with the target's tokenizer and vocabulary")
-    named_mask = tokenizer.convert_tokens_to_ids(MASK_TOKEN) if MASK_TOKEN in tokenizer.get_vocab() else None
+        raise ValueError(
+            f"the drafter's vocabulary ({rows} rows) does not cover the target's ({target_vocab_size}): "
+            "initialise the drafter from a checkpoint with the target's tokenizer and vocabulary"
+        )
+    named_mask = (
+        tokenizer.convert_tokens_to_ids(MASK_TOKEN) if MASK_TOKEN in tokenizer.get_vocab() else None
+    )
     if mask_token_id is None:
         mask_token_id = named_mask if named_mask is not None else text_vocab
     elif mask_token_id < text_vocab and mask_token_id != named_mask:
-        raise ValueError(f"mask_token_id {mask_token_id} is the text token "
-                         f"{tokenizer.convert_ids_to_tokens(mask_token_id)!r}: the target can produce it. Leave "
-                         f"mask_token_id=None to use a free id (>= {text_vocab})")
-    if mask_token_id >= rows:  # no free row: grow the embedding table (and a tied or separate output layer)
+        raise ValueError(
+            f"mask_token_id {mask_token_id} is the text token "
+            f"{tokenizer.convert_ids_to_tokens(mask_token_id)!r}: the target can produce it. Leave "
+            f"mask_token_id=None to use a free id (>= {text_vocab})"
+        )
+    if (
+        mask_token_id >= rows
+    ):  # no free row: grow the embedding table (and a tied or separate output layer)
         model.resize_token_embeddings(mask_token_id + 1, mean_resizing=False)
     if layers is not None and not layers:
         raise ValueError("a drafter keeps at least one decoder layer, got layers=[]")
     if layers is not None:
         keep_layers(model, list(layers))
-    return Drafter(model, D3DConfig(mask_token_id=mask_token_id, target_vocab_size=target_vocab_size,
-                                    tokenizer_hash=tokenizer_fingerprint(tokenizer),
-                                    layer_ids=list(layers) if layers is not None else None, **config))
+    return Drafter(
+        model,
+        D3DConfig(
+            mask_token_id=mask_token_id,
+            target_vocab_size=target_vocab_size,
+            tokenizer_hash=tokenizer_fingerprint(tokenizer),
+            layer_ids=list(layers) if layers is not None else None,
+            **config,
+        ),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Packed attention: one causal stream, blocks hanging off points of it (Fig. 1a)
 
 
-def packed_attention_mask(num_causal: int, anchors: torch.Tensor, block_size: int, *, prefix_len: int = 0,
-                          past_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_attention_mask(
+    num_causal: int,
+    anchors: torch.Tensor,
+    block_size: int,
+    *,
+    prefix_len: int = 0,
+    past_len: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask and position ids of a packed sequence [causal stream | segment 1 | segment 2 | ...].
 
     `num_causal` causal tokens at positions past_len, past_len+1, ... follow `past_len` cached tokens that all see.
@@ -208,20 +287,39 @@ def packed_attention_mask(num_causal: int, anchors: torch.Tensor, block_size: in
     anchors = anchors if anchors.dim() == 2 else anchors[None]
     device = anchors.device
     b, num_segments = anchors.shape
-    seg_len = prefix_len + block_size  # every segment has the same shape: sizes are host ints, nothing is read back
+    seg_len = (
+        prefix_len + block_size
+    )  # every segment has the same shape: sizes are host ints, nothing is read back
     token = torch.arange(num_segments * seg_len, device=device)
-    seg_of, idx_in_seg = token // seg_len, token % seg_len  # (T,) segment of each token, index inside it
+    seg_of, idx_in_seg = (
+        token // seg_len,
+        token % seg_len,
+    )  # (T,) segment of each token, index inside it
     is_prefix = idx_in_seg < prefix_len  # (T,)
     causal_idx = torch.arange(num_causal, device=device)
     seg_anchor = anchors[:, seg_of]  # (b, T) causal index each segment token hangs off
-    cc = (causal_idx[None, :] <= causal_idx[:, None]).expand(b, -1, -1)  # (b, N, N) causal rows: j <= i
-    cs = torch.zeros(b, num_causal, len(seg_of), dtype=torch.bool, device=device)  # (b, N, T) and no segment
-    sc = causal_idx[None, None, :] <= seg_anchor[:, :, None]  # (b, T, N) segment rows: the stream up to the anchor
+    cc = (causal_idx[None, :] <= causal_idx[:, None]).expand(
+        b, -1, -1
+    )  # (b, N, N) causal rows: j <= i
+    cs = torch.zeros(
+        b, num_causal, len(seg_of), dtype=torch.bool, device=device
+    )  # (b, N, T) and no segment
+    sc = (
+        causal_idx[None, None, :] <= seg_anchor[:, :, None]
+    )  # (b, T, N) segment rows: the stream up to the anchor
     same = seg_of[:, None] == seg_of[None, :]
-    ss = same & ((idx_in_seg[None, :] <= idx_in_seg[:, None]) | ~is_prefix[:, None])  # (T, T) own segment, MASK: all
-    mask = torch.cat([torch.cat([cc, cs], 2), torch.cat([sc, ss.expand(b, -1, -1)], 2)], 1)  # (b, q, q)
-    mask = torch.cat([torch.ones(b, mask.shape[1], past_len, dtype=torch.bool, device=device), mask], 2)
-    positions = torch.cat([causal_idx.expand(b, -1), seg_anchor + 1 + idx_in_seg], 1) + past_len  # (b, q)
+    ss = same & (
+        (idx_in_seg[None, :] <= idx_in_seg[:, None]) | ~is_prefix[:, None]
+    )  # (T, T) own segment, MASK: all
+    mask = torch.cat(
+        [torch.cat([cc, cs], 2), torch.cat([sc, ss.expand(b, -1, -1)], 2)], 1
+    )  # (b, q, q)
+    mask = torch.cat(
+        [torch.ones(b, mask.shape[1], past_len, dtype=torch.bool, device=device), mask], 2
+    )
+    positions = (
+        torch.cat([causal_idx.expand(b, -1), seg_anchor + 1 + idx_in_seg], 1) + past_len
+    )  # (b, q)
     return mask[:, None], positions
 
 
@@ -229,13 +327,17 @@ def packed_attention_mask(num_causal: int, anchors: torch.Tensor, block_size: in
 # Training: blockwise denoising + auxiliary autoregressive supervision (Fig. 1a)
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None):
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+):
     """K anchors per row, uniformly without replacement among positions p whose next token is a response token.
     Returns anchors (b, K) sorted, and valid (b, K) (False where a row has fewer than K candidates)."""
     b, length = loss_mask.shape
     candidate = torch.zeros_like(loss_mask, dtype=torch.bool)
     candidate[:, :-1] = loss_mask[:, 1:].bool()
-    scores = torch.rand(b, length, generator=generator, device=generator.device if generator else "cpu")
+    scores = torch.rand(
+        b, length, generator=generator, device=generator.device if generator else "cpu"
+    )
     scores = scores.to(loss_mask.device).masked_fill(~candidate, -1.0)
     top = scores.topk(min(num_anchors, length), dim=1)
     anchors, order = top.indices.sort(dim=1)
@@ -245,7 +347,9 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
 def _packed_hidden(drafter, input_ids, anchors, block_size):
     """Training-shape pass: hidden states of the causal stream (b, L, H) and of a MASK block per anchor (b, K, B, H)."""
     length, num_anchors = input_ids.shape[1], anchors.shape[1]
-    hidden = drafter.hidden_states(*_packed_inputs(drafter, input_ids, anchors, block_size))  # (b, L + K*B, H)
+    hidden = drafter.hidden_states(
+        *_packed_inputs(drafter, input_ids, anchors, block_size)
+    )  # (b, L + K*B, H)
     return hidden[:, :length], hidden[:, length:].unflatten(1, (num_anchors, block_size))
 
 
@@ -253,11 +357,17 @@ def _packed_inputs(drafter, input_ids, anchors, block_size):
     """(ids, positions, mask) of the packed sequence: the causal stream, then a block of B MASKs per anchor."""
     b, length = input_ids.shape
     mask, positions = packed_attention_mask(length, anchors, block_size)
-    masks = torch.full((b, anchors.shape[1] * block_size), drafter.d3d_config.mask_token_id, device=input_ids.device)
+    masks = torch.full(
+        (b, anchors.shape[1] * block_size),
+        drafter.d3d_config.mask_token_id,
+        device=input_ids.device,
+    )
     return torch.cat([input_ids, masks], 1), positions, mask
 
 
-def draft_rows(anchor: torch.Tensor, mask_start: torch.Tensor, block_size: int, d1_from: str) -> torch.Tensor:
+def draft_rows(
+    anchor: torch.Tensor, mask_start: torch.Tensor, block_size: int, d1_from: str
+) -> torch.Tensor:
     """Where a block's draft d_1 .. d_B is read, one rule for validation and decoding: rows (..., B) of a packed pass,
     its B MASK rows from `mask_start` on, except d_1 when d1_from is "causal" (ours): then d_1 is the causal
     stream's next-token prediction at `anchor`, the token the block hangs off (the head L_AR trains). "mask": MASK 1.
@@ -269,11 +379,15 @@ def draft_rows(anchor: torch.Tensor, mask_start: torch.Tensor, block_size: int, 
     return rows
 
 
-def cross_entropy(drafter: Drafter, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def cross_entropy(
+    drafter: Drafter, hidden: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row cross-entropy of the drafter's logits at `hidden` (N, H) against `labels` (N,), and its argmax (N,)."""
+
     def chunk(h, y):
         log_p = torch.log_softmax(drafter.logits(h), -1)  # (n, V), float32
         return -log_p.gather(-1, y[:, None])[:, 0], log_p.argmax(-1)
+
     return in_logit_chunks(drafter.d3d_config.target_vocab_size, chunk, hidden, labels)
 
 
@@ -287,9 +401,17 @@ def _block_labels(input_ids, loss_mask, anchors, valid, block_size):
     return labels, counts
 
 
-def d3d_loss(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor, *, num_anchors: int | None = None,
-             block_size: int | None = None, ar_weight: float | None = None, decay_gamma: float | None = None,
-             generator: torch.Generator | None = None):
+def d3d_loss(
+    drafter: Drafter,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    num_anchors: int | None = None,
+    block_size: int | None = None,
+    ar_weight: float | None = None,
+    decay_gamma: float | None = None,
+    generator: torch.Generator | None = None,
+):
     """L = L_block + lambda * L_AR on right-padded input_ids (b, L), loss_mask (b, L) True on response tokens. L_block:
     cross-entropy of block k position i against x_{a_k+i}, weighted exp(-(i-1)/gamma) if gamma is set; L_AR: the
     causal stream's next-token loss; settings default to the config's. Returns (loss, {loss_block, loss_ar,
@@ -299,43 +421,76 @@ def d3d_loss(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
     ar_weight = cfg.ar_weight if ar_weight is None else ar_weight
     decay_gamma = cfg.decay_gamma if decay_gamma is None else decay_gamma
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
-    causal_hidden, block_hidden = _packed_hidden(drafter, input_ids, anchors, block_size)  # (b, L, H), (b, K, B, H)
+    causal_hidden, block_hidden = _packed_hidden(
+        drafter, input_ids, anchors, block_size
+    )  # (b, L, H), (b, K, B, H)
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)  # (b, K, B)
     steps = torch.arange(block_size, device=input_ids.device)
-    weights = torch.exp(-steps / decay_gamma) if decay_gamma else torch.ones(block_size, device=input_ids.device)
-    token_loss, predicted = cross_entropy(drafter, block_hidden[counts], labels[counts])  # labelled block rows
+    weights = (
+        torch.exp(-steps / decay_gamma)
+        if decay_gamma
+        else torch.ones(block_size, device=input_ids.device)
+    )
+    token_loss, predicted = cross_entropy(
+        drafter, block_hidden[counts], labels[counts]
+    )  # labelled block rows
     w = (counts * weights)[counts]
     loss_block = (token_loss * w).sum() / w.sum().clamp(min=1e-8)
     loss_ar = torch.zeros((), device=input_ids.device)
     if ar_weight > 0:
         has_label = loss_mask[:, 1:].bool()  # causal row j predicts x_{j+1}: response tokens only
-        ar_tok, _ = cross_entropy(drafter, causal_hidden[:, :-1][has_label], input_ids[:, 1:][has_label])
+        ar_tok, _ = cross_entropy(
+            drafter, causal_hidden[:, :-1][has_label], input_ids[:, 1:][has_label]
+        )
         loss_ar = ar_tok.sum() / has_label.sum().clamp(min=1)
     with torch.no_grad():
         correct = torch.zeros_like(counts)
         correct[counts] = predicted == labels[counts]
         block_acc = correct.sum((0, 1)) / counts.sum((0, 1)).clamp(min=1)
-    return loss_block + ar_weight * loss_ar, {"loss_block": loss_block.detach(), "loss_ar": loss_ar.detach(),
-                                              "block_acc": block_acc}
+    return loss_block + ar_weight * loss_ar, {
+        "loss_block": loss_block.detach(),
+        "loss_ar": loss_ar.detach(),
+        "block_acc": block_acc,
+    }
 
 
 @torch.no_grad()
-def offline_tau(drafter: Drafter, input_ids, loss_mask, *, num_anchors: int = 32, block_size: int | None = None,
-                d1_from: str | None = None, generator: torch.Generator | None = None, at=None) -> torch.Tensor:
+def offline_tau(
+    drafter: Drafter,
+    input_ids,
+    loss_mask,
+    *,
+    num_anchors: int = 32,
+    block_size: int | None = None,
+    d1_from: str | None = None,
+    generator: torch.Generator | None = None,
+    at=None,
+) -> torch.Tensor:
     """Validation tau without the target (the responses are its greedy output): a block drafted at anchor a, d_1 as
     `d1_from` says (default: the config's), is accepted as far as it matches x_{a+1} .... `at`: (anchors, valid) as
     sample_anchors returns them (default: drawn here). Returns tau (accepted + 1) per valid anchor."""
     block_size = block_size or drafter.d3d_config.block_size
     anchors, valid = at or sample_anchors(loss_mask, num_anchors, generator)
     length, num_anchors = input_ids.shape[1], anchors.shape[1]
-    hidden = drafter.hidden_states(*_packed_inputs(drafter, input_ids, anchors, block_size))  # (b, L + K*B, H)
+    hidden = drafter.hidden_states(
+        *_packed_inputs(drafter, input_ids, anchors, block_size)
+    )  # (b, L + K*B, H)
     mask_starts = length + block_size * torch.arange(num_anchors, device=anchors.device)
-    rows = draft_rows(anchors, mask_starts, block_size, d1_from or drafter.d3d_config.d1_from)  # (b, K, B)
-    rows = hidden.gather(1, rows.flatten(1)[..., None].expand(-1, -1, hidden.shape[-1])).unflatten(1, rows.shape[1:])
+    rows = draft_rows(
+        anchors, mask_starts, block_size, d1_from or drafter.d3d_config.d1_from
+    )  # (b, K, B)
+    rows = hidden.gather(1, rows.flatten(1)[..., None].expand(-1, -1, hidden.shape[-1])).unflatten(
+        1, rows.shape[1:]
+    )
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
-    draft, = in_logit_chunks(drafter.d3d_config.target_vocab_size, lambda h: (drafter.logits(h).argmax(-1),),
-                             rows[valid].flatten(0, 1))  # the draft, a few rows of logits at a time
-    hit = (draft.view_as(labels[valid]) == labels[valid]) & counts[valid]  # (num_valid, B), past the end: a miss
+    (draft,) = in_logit_chunks(
+        drafter.d3d_config.target_vocab_size,
+        lambda h: (drafter.logits(h).argmax(-1),),
+        rows[valid].flatten(0, 1),
+    )  # the draft, a few rows of logits at a time
+    hit = (draft.view_as(labels[valid]) == labels[valid]) & counts[
+        valid
+    ]  # (num_valid, B), past the end: a miss
     return (hit.long().cumprod(-1).sum(-1) + 1).float()
 
 
@@ -359,8 +514,13 @@ def pick_tokens(logits: torch.Tensor, temperature: float, generator=None):
 
 
 @torch.no_grad()
-def draft_block(drafter: Drafter, cache: KVCache, new_tokens: torch.Tensor, block_size: int,
-                width: int | None = None) -> torch.Tensor:
+def draft_block(
+    drafter: Drafter,
+    cache: KVCache,
+    new_tokens: torch.Tensor,
+    block_size: int,
+    width: int | None = None,
+) -> torch.Tensor:
     """One drafter pass over the committed tokens it has not read, new_tokens (1, m) ending with x_n, + a MASK block
     off x_n (its KV dropped again). `width`: the causal part padded to this many tokens (one shape for every m; the
     pads come after x_n and no block sees them). Returns the draft logits (B, V): row i-1 drafts position n+i."""
@@ -369,17 +529,24 @@ def draft_block(drafter: Drafter, cache: KVCache, new_tokens: torch.Tensor, bloc
     last = torch.tensor([m - 1], device=device)  # x_n, the token the block hangs off
     mask, positions = packed_attention_mask(width, last, block_size, past_len=start)
     masks = torch.full((1, block_size), drafter.d3d_config.mask_token_id, device=device)
-    hidden = cache.run(torch.cat([F.pad(new_tokens, (0, width - m)), masks], 1), positions, mask)  # (width + B, H)
+    hidden = cache.run(
+        torch.cat([F.pad(new_tokens, (0, width - m)), masks], 1), positions, mask
+    )  # (width + B, H)
     cache.rewind(start + m)
-    return drafter.logits(hidden[draft_rows(last, last.new_full((1,), width), block_size,
-                                            drafter.d3d_config.d1_from)[0]])
+    return drafter.logits(
+        hidden[
+            draft_rows(last, last.new_full((1,), width), block_size, drafter.d3d_config.d1_from)[0]
+        ]
+    )
 
 
 @torch.no_grad()
 def verify_block(cache: KVCache, last_token: torch.Tensor, draft: torch.Tensor):
     """One target pass on [x_n, d_1 .. d_B] (cache holds x_0 .. x_{n-1}). Returns logits (B+1, V): row i is the
     target's distribution for the token after x_n, d_1 .. d_i."""
-    return causal_pass(cache, torch.cat([last_token.view(1), draft])[None])  # [shape 2]: draft is always (B,)
+    return causal_pass(
+        cache, torch.cat([last_token.view(1), draft])[None]
+    )  # [shape 2]: draft is always (B,)
 
 
 def _at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -387,14 +554,22 @@ def _at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, index.view(1))[0]
 
 
-def accept_draft(p_logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Tensor | None, temperature: float,
-                 generator=None, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_draft(
+    p_logits: torch.Tensor,
+    draft: torch.Tensor,
+    q_draft: torch.Tensor | None,
+    temperature: float,
+    generator=None,
+    length: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(num_accepted, next_token) as 0-d tensors, left on the device (the round reads them with its one host read).
     Greedy: accept d_i while it is the target's argmax, then take the argmax. Sampling (lossless): accept d_i with
     probability min(1, p(d_i) / q(d_i)); at the first rejection draw from max(p - q, 0) normalised; after full
     acceptance draw the bonus token from p. Only the first `length` tokens count (default all): pads never do."""
     block_size = draft.shape[0]
-    real = torch.arange(block_size, device=draft.device) < (block_size if length is None else length)  # (B,)
+    real = torch.arange(block_size, device=draft.device) < (
+        block_size if length is None else length
+    )  # (B,)
     if temperature == 0:
         target_tokens = p_logits.argmax(-1)  # (B+1,)
         num_accepted = ((draft == target_tokens[:block_size]) & real).long().cumprod(0).sum()
@@ -404,11 +579,19 @@ def accept_draft(p_logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Ten
     p_d, q_d = p_target[rows, draft], q_draft[rows, draft]
     device = p_d.device if generator is None else generator.device  # seeded: the generator's device
     u = torch.rand(block_size, generator=generator, device=device).to(p_d.device)
-    num_accepted = ((u * q_d <= p_d) & real).long().cumprod(0).sum()  # u < p/q without dividing by a tiny q
+    num_accepted = (
+        ((u * q_d <= p_d) & real).long().cumprod(0).sum()
+    )  # u < p/q without dividing by a tiny q
     p_next = _at(p_target, num_accepted)  # (V,) the target's law after the accepted prefix
-    residual = (p_next - _at(F.pad(q_draft, (0, 0, 0, 1)), num_accepted)).clamp(min=0)  # past the draft: q = 0
-    residual = torch.where(residual.sum() > 0, residual, p_next)  # p == q up to rounding: rejection had prob. ~0
-    law = torch.where(real.sum() == num_accepted, p_next, residual)  # all accepted: the bonus token from p
+    residual = (p_next - _at(F.pad(q_draft, (0, 0, 0, 1)), num_accepted)).clamp(
+        min=0
+    )  # past the draft: q = 0
+    residual = torch.where(
+        residual.sum() > 0, residual, p_next
+    )  # p == q up to rounding: rejection had prob. ~0
+    law = torch.where(
+        real.sum() == num_accepted, p_next, residual
+    )  # all accepted: the bonus token from p
     return num_accepted, _sample(law / law.sum(), generator)
 
 
@@ -416,7 +599,9 @@ def accept_draft(p_logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Ten
 # Decoding loops: target-only (the reference) and synchronous speculative decoding
 
 
-def _prefill(caches: Caches, input_ids, selection, out: Output, clock: Clock, temperature, generator) -> None:
+def _prefill(
+    caches: Caches, input_ids, selection, out: Output, clock: Clock, temperature, generator
+) -> None:
     """The target prefills the prompt (or the chunks selective prefill kept) and produces the first token itself;
     the drafter reads the prompt (selective prefill: it already has), so that its first draft starts at x_n."""
     ids, positions = input_ids, torch.arange(input_ids.shape[1], device=input_ids.device)[None]
@@ -443,20 +628,28 @@ def _decode_target(out: Output, caches: Caches, clock: Clock, temperature, gener
         out.commit(read_round([token], caches.target))  # [one read]
 
 
-def _decode_sync(drafter, out: Output, caches: Caches, clock: Clock, block_size, temperature, generator) -> None:
+def _decode_sync(
+    drafter, out: Output, caches: Caches, clock: Clock, block_size, temperature, generator
+) -> None:
     """Draft a block, verify it, commit, repeat. At the top of a round (committed x_0 .. x_n): target cache =
     x_0 .. x_{n-1} (x_n goes with the draft); drafter cache = x_0 .. x_{d-1}, n - B <= d <= n (it reads the rest,
     padded to B + 1 tokens, in its next pass)."""
     tc, dc = caches.target, caches.drafter
     while not out.done:
         with clock.span("draft"):
-            new_tokens = torch.tensor([out.tokens[dc.length:]], device=dc.device)
-            draft_logits = draft_block(drafter, dc, new_tokens, block_size, width=block_size + 1)  # [shape 3]
+            new_tokens = torch.tensor([out.tokens[dc.length :]], device=dc.device)
+            draft_logits = draft_block(
+                drafter, dc, new_tokens, block_size, width=block_size + 1
+            )  # [shape 3]
             draft, q_draft = pick_tokens(draft_logits, temperature, generator)
         with clock.span("verify"):
             p_logits = verify_block(tc, new_tokens[0, -1], draft)
-            num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator)
-        num_accepted, next_token, *tokens = read_round([num_accepted, next_token, draft], tc, dc)  # [one read]
+            num_accepted, next_token = accept_draft(
+                p_logits, draft, q_draft, temperature, generator
+            )
+        num_accepted, next_token, *tokens = read_round(
+            [num_accepted, next_token, draft], tc, dc
+        )  # [one read]
         out.commit_round(tokens[:num_accepted], next_token)
         tc.rewind(len(out.tokens) - 1)  # keep x_0 .. x_n, d_1 .. d_a
 
@@ -483,7 +676,13 @@ def default_budget(block_size: int) -> tuple[int, int]:
     return max(1, min(block_size, round(0.75 * block_size))), 2
 
 
-def plan_branches(draft_logits: torch.Tensor, draft: torch.Tensor, coverage: int, fanout: int, cover: str = "first"):
+def plan_branches(
+    draft_logits: torch.Tensor,
+    draft: torch.Tensor,
+    coverage: int,
+    fanout: int,
+    cover: str = "first",
+):
     """The outcomes that get a branch: C positions k x F candidates (the drafter's F likeliest tokens at k but d_k).
     cover="first": k = 1 .. C; "likely": the C largest r_k = prod_{j<k} c_j * (1 - c_k), c_j the drafter's probability
     of d_j (as in D2SD). Returns positions (C,) ascending and candidates (C, F), left on the device (no wait)."""
@@ -492,15 +691,28 @@ def plan_branches(draft_logits: torch.Tensor, draft: torch.Tensor, coverage: int
     if cover == "first":
         positions = torch.arange(1, coverage + 1, device=draft.device)
     else:  # "likely"
-        c = torch.softmax(draft_logits, -1).gather(1, draft[:, None])[:, 0]  # (B,) drafter's confidence in d_k
+        c = torch.softmax(draft_logits, -1).gather(1, draft[:, None])[
+            :, 0
+        ]  # (B,) drafter's confidence in d_k
         reach = torch.cat([torch.ones_like(c[:1]), torch.cumprod(c, 0)[:-1]])  # prod_{j<k} c_j
         positions = torch.topk(reach * (1 - c), coverage).indices.sort().values + 1
-    others = draft_logits.scatter(-1, draft[:, None], float("-inf"))  # d_k is never its own alternative
+    others = draft_logits.scatter(
+        -1, draft[:, None], float("-inf")
+    )  # d_k is never its own alternative
     return positions, others.topk(fanout, dim=-1).indices[positions - 1]  # (C,), (C, F)
 
 
-def build_branch_pass(drafter: Drafter, last_token, draft, positions, candidates, *, past_len: int, block_size: int,
-                      length: int | None = None):
+def build_branch_pass(
+    drafter: Drafter,
+    last_token,
+    draft,
+    positions,
+    candidates,
+    *,
+    past_len: int,
+    block_size: int,
+    length: int | None = None,
+):
     """Input of the packed pass that drafts the next block for each planned outcome of verifying `draft` (B,).
 
     Causal stream: x_n (`last_token`, (1,); the cache holds x_0 .. x_{n-1}), then d_1 .. d_B (the accepted drafts get
@@ -530,29 +742,59 @@ def build_branch_pass(drafter: Drafter, last_token, draft, positions, candidates
     candidates.flatten(), then full acceptance."""
     fanout = candidates.shape[1]
     length = draft.shape[0] if length is None else length
-    anchors = torch.cat([positions[:, None].expand(-1, fanout).flatten(), positions.new_full((1,), length)]) - 1
-    segments = torch.full((len(anchors), 1 + block_size), drafter.d3d_config.mask_token_id,
-                          device=draft.device)  # [shape 5]: S = C F + 1 segments whatever the draft
-    segments[:, 0] = torch.cat([candidates.flatten(), draft[length - 1: length]])
+    anchors = (
+        torch.cat(
+            [positions[:, None].expand(-1, fanout).flatten(), positions.new_full((1,), length)]
+        )
+        - 1
+    )
+    segments = torch.full(
+        (len(anchors), 1 + block_size), drafter.d3d_config.mask_token_id, device=draft.device
+    )  # [shape 5]: S = C F + 1 segments whatever the draft
+    segments[:, 0] = torch.cat([candidates.flatten(), draft[length - 1 : length]])
     num_causal = 1 + draft.shape[0]
     ids = torch.cat([last_token, draft, segments.flatten()])[None]
-    mask, position_ids = packed_attention_mask(num_causal, anchors, block_size, prefix_len=1, past_len=past_len)
-    mask_starts = num_causal + 1 + (1 + block_size) * torch.arange(len(anchors), device=draft.device)
-    return ids, position_ids, mask, draft_rows(mask_starts - 1, mask_starts, block_size, drafter.d3d_config.d1_from)
+    mask, position_ids = packed_attention_mask(
+        num_causal, anchors, block_size, prefix_len=1, past_len=past_len
+    )
+    mask_starts = (
+        num_causal + 1 + (1 + block_size) * torch.arange(len(anchors), device=draft.device)
+    )
+    return (
+        ids,
+        position_ids,
+        mask,
+        draft_rows(mask_starts - 1, mask_starts, block_size, drafter.d3d_config.d1_from),
+    )
 
 
-def cache_hit(drafter: Drafter, block_hidden, positions, candidates, num_accepted, next_token, length: int,
-              temperature: float, generator=None) -> torch.Tensor:
+def cache_hit(
+    drafter: Drafter,
+    block_hidden,
+    positions,
+    candidates,
+    num_accepted,
+    next_token,
+    length: int,
+    temperature: float,
+    generator=None,
+) -> torch.Tensor:
     """The cache hit: which segment of the packed pass was prepared for the outcome (a = num_accepted, c = next_token),
     as a 0-d device tensor; -1 on a miss. The branch planned for position k = a+1 and token t = c if there is one,
     else the full-acceptance segment if a = length and its first draft row guessed c (the bonus token: the causal head
     at d_L under d1_from="causal", MASK 1 under "mask"; it needs B > 1: the segment's other rows are the next draft).
     Computed on the device, so the round still reads the host once."""
     num_segments, block_size = block_hidden.shape[:2]
-    guess = pick_tokens(drafter.logits(block_hidden[-1, 0]), temperature, generator)[0]  # the bonus token's guess
-    branch = ((positions[:, None] == num_accepted + 1) & (candidates == next_token)).flatten()  # (C*F,)
+    guess = pick_tokens(drafter.logits(block_hidden[-1, 0]), temperature, generator)[
+        0
+    ]  # the bonus token's guess
+    branch = (
+        (positions[:, None] == num_accepted + 1) & (candidates == next_token)
+    ).flatten()  # (C*F,)
     full = (num_accepted == length) & (guess == next_token) & (block_size > 1)
-    first = (torch.cat([branch, full[None]]).long().cumsum(0) == 0).sum()  # index of the first match; S if none
+    first = (
+        torch.cat([branch, full[None]]).long().cumsum(0) == 0
+    ).sum()  # index of the first match; S if none
     return torch.where(first < num_segments, first, -1)
 
 
@@ -565,7 +807,9 @@ class _Lanes:
         self.streams, self.pool = device.type == "cuda" and lanes > 1, None
         if self.streams:
             self.main = torch.cuda.current_stream(device)
-            self.verify_stream = torch.cuda.Stream(device, priority=-1)  # the critical path goes first
+            self.verify_stream = torch.cuda.Stream(
+                device, priority=-1
+            )  # the critical path goes first
             self.draft_stream = torch.cuda.Stream(device)
         elif lanes > 1:
             self.pool, self.threads = ThreadPoolExecutor(1, "packed-pass"), torch.get_num_threads()
@@ -578,24 +822,44 @@ class _Lanes:
 
     def both(self, verify, packed, clock: Clock):
         with clock.span("both"):
-            if not self.streams:  # a worker thread (kernels release the GIL), or one pass after the other
+            if (
+                not self.streams
+            ):  # a worker thread (kernels release the GIL), or one pass after the other
                 future = self.pool.submit(clock.run, "packed_draft", packed) if self.pool else None
                 p_logits = clock.run("verify", verify)
                 return p_logits, future.result() if future else clock.run("packed_draft", packed)
-            self.verify_stream.wait_stream(self.main)  # both read what the main stream made: the draft, the input
+            self.verify_stream.wait_stream(
+                self.main
+            )  # both read what the main stream made: the draft, the input
             self.draft_stream.wait_stream(self.main)
             with torch.cuda.stream(self.verify_stream):
                 p_logits = clock.run("verify", verify)
             with torch.cuda.stream(self.draft_stream):
                 block_hidden = clock.run("packed_draft", packed)
-            for stream, result in ((self.verify_stream, p_logits), (self.draft_stream, block_hidden)):
+            for stream, result in (
+                (self.verify_stream, p_logits),
+                (self.draft_stream, block_hidden),
+            ):
                 self.main.wait_stream(stream)  # join: both are read on the main stream
-                result.record_stream(self.main)  # made on a side stream: the allocator must not reuse it early
+                result.record_stream(
+                    self.main
+                )  # made on a side stream: the allocator must not reuse it early
             return p_logits, block_hidden
 
 
-def _decode_async(drafter, out: Output, caches: Caches, clock: Clock, block_size, temperature, generator, coverage,
-                  fanout, cover, lanes: int) -> dict:
+def _decode_async(
+    drafter,
+    out: Output,
+    caches: Caches,
+    clock: Clock,
+    block_size,
+    temperature,
+    generator,
+    coverage,
+    fanout,
+    cover,
+    lanes: int,
+) -> dict:
     """While the target verifies [x_n, d_1 .. d_B], one packed drafter pass prepares the next draft for the likely
     outcomes. Each round: (a) plan and build the packed pass; (b) verify while it runs; (c) commit the accepted prefix
     and the target's token c; a prepared outcome's block is the next draft (a cache hit), else the drafter drafts it
@@ -606,34 +870,72 @@ def _decode_async(drafter, out: Output, caches: Caches, clock: Clock, block_size
     hits, misses = [0] * (block_size + 1), [0] * (block_size + 1)
     pad_full = 0  # padded drafts accepted whole: their bonus token is drawn at the pad's row
     lane = _Lanes(dc.device, lanes)
-    draft_logits, length = None, block_size  # the next draft (None: not prepared) and its real tokens
+    draft_logits, length = (
+        None,
+        block_size,
+    )  # the next draft (None: not prepared) and its real tokens
     try:
         while not out.done:
             n = len(out.tokens) - 1
             last = torch.tensor(out.tokens[n:], device=dc.device)  # (1,) x_n, copied to the device
-            if draft_logits is None:  # a fallback draft (a miss, or the first round): its pass reads x_n
+            if (
+                draft_logits is None
+            ):  # a fallback draft (a miss, or the first round): its pass reads x_n
                 with clock.span("fallback_draft"):
-                    draft_logits, length = draft_block(drafter, dc, last[None], block_size), block_size  # [shape 4]
-                    dc.rewind(n)  # x_n again in the packed pass, whose causal stream always starts there [shape 5]
+                    draft_logits, length = (
+                        draft_block(drafter, dc, last[None], block_size),
+                        block_size,
+                    )  # [shape 4]
+                    dc.rewind(
+                        n
+                    )  # x_n again in the packed pass, whose causal stream always starts there [shape 5]
             # (a) plan and build, on the device
-            draft, q_draft = pick_tokens(draft_logits, temperature, generator)  # (B,), padded if length < B
+            draft, q_draft = pick_tokens(
+                draft_logits, temperature, generator
+            )  # (B,), padded if length < B
             positions, candidates = plan_branches(draft_logits, draft, coverage, fanout, cover)
-            ids, position_ids, mask, block_rows = build_branch_pass(drafter, last, draft, positions, candidates,
-                                                                    past_len=dc.length, block_size=block_size,
-                                                                    length=length)
+            ids, position_ids, mask, block_rows = build_branch_pass(
+                drafter,
+                last,
+                draft,
+                positions,
+                candidates,
+                past_len=dc.length,
+                block_size=block_size,
+                length=length,
+            )
             # (b) verify while the packed pass prepares the next draft
-            p_logits, block_hidden = lane.both(lambda: verify_block(tc, last, draft),
-                                               lambda: dc.run(ids, position_ids, mask)[block_rows], clock)  # (S, B, H)
-            num_accepted, next_token = accept_draft(p_logits, draft, q_draft, temperature, generator, length)
-            hit = cache_hit(drafter, block_hidden, positions, candidates, num_accepted, next_token, length,
-                            temperature, generator)
+            p_logits, block_hidden = lane.both(
+                lambda: verify_block(tc, last, draft),
+                lambda: dc.run(ids, position_ids, mask)[block_rows],
+                clock,
+            )  # (S, B, H)
+            num_accepted, next_token = accept_draft(
+                p_logits, draft, q_draft, temperature, generator, length
+            )
+            hit = cache_hit(
+                drafter,
+                block_hidden,
+                positions,
+                candidates,
+                num_accepted,
+                next_token,
+                length,
+                temperature,
+                generator,
+            )
             num_accepted, next_token, hit, *tokens = read_round(
-                [num_accepted, next_token, hit, draft], tc, dc)  # [one read]
+                [num_accepted, next_token, hit, draft], tc, dc
+            )  # [one read]
             # (c) resolve: commit, rewind both caches; on a cache hit the prepared block is the next draft
             out.commit_round(tokens[:num_accepted], next_token)
             tc.rewind(len(out.tokens) - 1)
-            dc.rewind(n + 1 + num_accepted)  # keep x_0 .. x_n, d_1 .. d_a; drop rejected drafts and branches
-            (hits if hit >= 0 else misses)[block_size if num_accepted == length else num_accepted] += 1
+            dc.rewind(
+                n + 1 + num_accepted
+            )  # keep x_0 .. x_n, d_1 .. d_a; drop rejected drafts and branches
+            (hits if hit >= 0 else misses)[
+                block_size if num_accepted == length else num_accepted
+            ] += 1
             pad_full += length < block_size and num_accepted == length
             draft_logits = None
             if hit >= 0 and not out.done:
@@ -642,26 +944,48 @@ def _decode_async(drafter, out: Output, caches: Caches, clock: Clock, block_size
                 # never accepted) makes it B [shape 2, 5]; a rejection branch's B rows are the next draft as they are
                 full = hit == block_hidden.shape[0] - 1
                 draft_logits = drafter.logits(block_hidden[hit, 1:] if full else block_hidden[hit])
-                draft_logits, length = F.pad(draft_logits, (0, 0, 0, int(full))), block_size - int(full)
+                draft_logits, length = (
+                    F.pad(draft_logits, (0, 0, 0, int(full))),
+                    block_size - int(full),
+                )
     finally:
         lane.close()
-    return {"hits_per_position": hits, "misses_per_position": misses,
-            "pad_full_acceptances": pad_full, "coverage": coverage, "fanout": fanout,
-            "cover": cover, "lanes": lanes}
+    return {
+        "hits_per_position": hits,
+        "misses_per_position": misses,
+        "pad_full_acceptances": pad_full,
+        "coverage": coverage,
+        "fanout": fanout,
+        "cover": cover,
+        "lanes": lanes,
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Progressive layer pruning with recovery distillation (Fig. 1b)
 
 
-def adjusted_teacher(teacher_logits: torch.Tensor, labels: torch.Tensor, beta: float) -> torch.Tensor:
+def adjusted_teacher(
+    teacher_logits: torch.Tensor, labels: torch.Tensor, beta: float
+) -> torch.Tensor:
     """The recovery target (ours): q = (1 - beta) * softmax(teacher) + beta * onehot(label). Sums to one."""
     q = (1 - beta) * torch.softmax(teacher_logits.float(), -1)
-    return q.scatter_add(-1, labels[..., None], torch.full_like(q[..., :1], beta))  # + beta at the label, no one-hot
+    return q.scatter_add(
+        -1, labels[..., None], torch.full_like(q[..., :1], beta)
+    )  # + beta at the label, no one-hot
 
 
-def distill_loss(student: Drafter, teacher: Drafter, input_ids, loss_mask, *, beta: float = 0.5,
-                 num_anchors: int | None = None, block_size: int | None = None, generator=None) -> torch.Tensor:
+def distill_loss(
+    student: Drafter,
+    teacher: Drafter,
+    input_ids,
+    loss_mask,
+    *,
+    beta: float = 0.5,
+    num_anchors: int | None = None,
+    block_size: int | None = None,
+    generator=None,
+) -> torch.Tensor:
     """Cross-entropy of the student against the adjusted teacher (no gradients) on one packed batch: the blocks
     (targets x_{a+i}) and the causal stream (targets x_{j+1}), response tokens only, the two terms weighted alike."""
     cfg = student.d3d_config
@@ -676,26 +1000,43 @@ def distill_loss(student: Drafter, teacher: Drafter, input_ids, loss_mask, *, be
     def chunk(h, y, t_h):
         with torch.no_grad():
             q = adjusted_teacher(teacher.logits(t_h), y, beta)
-        log_p = torch.log_softmax(student.logits(h), -1).clamp(min=-1e4)  # MASK: q = 0, log_p = -inf; keep 0*-inf out
+        log_p = torch.log_softmax(student.logits(h), -1).clamp(
+            min=-1e4
+        )  # MASK: q = 0, log_p = -inf; keep 0*-inf out
         return (-(q * log_p).sum(-1),)
+
     loss = torch.zeros((), device=input_ids.device)
-    for s, t, y, where in ((s_block, t_block, labels, counts),
-                           (s_causal[:, :-1], t_causal[:, :-1], input_ids[:, 1:], has_label)):
-        token_loss, = in_logit_chunks(student.d3d_config.target_vocab_size, chunk, s[where], y[where], t[where])
+    for s, t, y, where in (
+        (s_block, t_block, labels, counts),
+        (s_causal[:, :-1], t_causal[:, :-1], input_ids[:, 1:], has_label),
+    ):
+        (token_loss,) = in_logit_chunks(
+            student.d3d_config.target_vocab_size, chunk, s[where], y[where], t[where]
+        )
         loss = loss + token_loss.sum() / where.sum().clamp(min=1)
     return loss
 
 
 @torch.no_grad()
-def validation_tau(drafter: Drafter, batches, *, num_anchors: int = 32, seed: int = 0) -> tuple[float, float]:
+def validation_tau(
+    drafter: Drafter, batches, *, num_anchors: int = 32, seed: int = 0
+) -> tuple[float, float]:
     """Mean offline tau and block cross-entropy over (input_ids, loss_mask) batches, on the same anchors every call
     (fixed seed) so that candidates are compared on identical blocks."""
     generator = torch.Generator().manual_seed(seed)
     taus, losses = [], []
     for input_ids, loss_mask in batches:
-        taus.append(offline_tau(drafter, input_ids, loss_mask, num_anchors=num_anchors, generator=generator))
-        _, metrics = d3d_loss(drafter, input_ids, loss_mask, num_anchors=num_anchors, ar_weight=0.0,
-                              generator=torch.Generator().manual_seed(seed))
+        taus.append(
+            offline_tau(drafter, input_ids, loss_mask, num_anchors=num_anchors, generator=generator)
+        )
+        _, metrics = d3d_loss(
+            drafter,
+            input_ids,
+            loss_mask,
+            num_anchors=num_anchors,
+            ar_weight=0.0,
+            generator=torch.Generator().manual_seed(seed),
+        )
         losses.append(metrics["loss_block"].item())
     return torch.cat(taus).mean().item(), sum(losses) / len(losses)
 
@@ -714,7 +1055,9 @@ def _only_layers(drafter: Drafter, layer_ids: list[int]):
 
 
 @torch.no_grad()
-def tau_without_each_layer(drafter: Drafter, batches, *, num_anchors: int = 32, seed: int = 0) -> dict[int, float]:
+def tau_without_each_layer(
+    drafter: Drafter, batches, *, num_anchors: int = 32, seed: int = 0
+) -> dict[int, float]:
     """{i: offline tau of the drafter without decoder layer i}, each from validation_tau on the same anchors.
     fast.tau_without_each_layer gives the same numbers from one recorded pass per batch, at a fraction of the cost."""
     scores, num_layers = {}, len(drafter.model.get_decoder().layers)
@@ -736,24 +1079,39 @@ def remove_layer(drafter: Drafter, index: int) -> None:
     drafter.d3d_config.layer_ids = [layer for i, layer in enumerate(original) if i != index]
 
 
-def least_costly_layer(drafter: Drafter, scores: dict[int, float], val_batches, *, num_anchors: int = 32,
-                       seed: int = 0) -> int:
+def least_costly_layer(
+    drafter: Drafter, scores: dict[int, float], val_batches, *, num_anchors: int = 32, seed: int = 0
+) -> int:
     """The layer whose removal costs least tau (`scores`: tau without each layer); ties, common for weak drafters, go
     to the smallest change in block loss (ours)."""
     tied = [i for i in scores if scores[i] == max(scores.values())]
     if len(tied) == 1:
         return tied[0]
-    num_layers, measure = len(drafter.model.get_decoder().layers), dict(num_anchors=num_anchors, seed=seed)
+    num_layers, measure = (
+        len(drafter.model.get_decoder().layers),
+        dict(num_anchors=num_anchors, seed=seed),
+    )
     _, base_loss = validation_tau(drafter, val_batches, **measure)
 
     def loss_change(index):
         with _only_layers(drafter, [i for i in range(num_layers) if i != index]):
             return abs(validation_tau(drafter, val_batches, **measure)[1] - base_loss)
+
     return min(tied, key=loss_change)
 
 
-def recover(drafter: Drafter, teacher: Drafter, train_batches, *, steps: int, lr: float = 5e-5, beta: float = 0.5,
-            num_anchors: int = 32, generator=None, checkpointing: bool = False) -> int:
+def recover(
+    drafter: Drafter,
+    teacher: Drafter,
+    train_batches,
+    *,
+    steps: int,
+    lr: float = 5e-5,
+    beta: float = 0.5,
+    num_anchors: int = 32,
+    generator=None,
+    checkpointing: bool = False,
+) -> int:
     """Recovery (Fig. 1b): `steps` AdamW steps distilling the pruned drafter toward the fixed unpruned one, its
     distribution adjusted toward the label (distill_loss, beta). A step whose gradient norm is not finite is skipped;
     returns how many were."""
@@ -761,14 +1119,23 @@ def recover(drafter: Drafter, teacher: Drafter, train_batches, *, steps: int, lr
         return 0
     drafter.train()
     if checkpointing:
-        drafter.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        drafter.model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     skipped = 0
     for step in tqdm(range(steps), desc="recover", leave=False):
         input_ids, loss_mask = train_batches[step % len(train_batches)]
-        loss = distill_loss(drafter, teacher, input_ids, loss_mask, beta=beta, num_anchors=num_anchors,
-                            generator=generator)
+        loss = distill_loss(
+            drafter,
+            teacher,
+            input_ids,
+            loss_mask,
+            beta=beta,
+            num_anchors=num_anchors,
+            generator=generator,
+        )
         loss.backward()
         skipped += not finite_step(optimizer, params, 1.0)
         torch.clear_autocast_cache()  # under a caller's autocast, later passes must not read stale bf16 copies
@@ -783,9 +1150,21 @@ def _undo_removal(drafter: Drafter, snapshot: Drafter, device) -> None:
     drafter.model, drafter.d3d_config = snapshot.model.to(device), snapshot.d3d_config
 
 
-def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: int | None = None,
-                  tau_floor: float | None = None, recovery_steps: int = 100, lr: float = 5e-5, beta: float = 0.5,
-                  num_anchors: int = 32, seed: int = 0, checkpointing: bool = False, score=None):
+def prune_drafter(
+    drafter: Drafter,
+    val_batches,
+    train_batches,
+    *,
+    min_layers: int | None = None,
+    tau_floor: float | None = None,
+    recovery_steps: int = 100,
+    lr: float = 5e-5,
+    beta: float = 0.5,
+    num_anchors: int = 32,
+    seed: int = 0,
+    checkpointing: bool = False,
+    score=None,
+):
     """Greedy progressive pruning, in place (Fig. 1b). Each iteration: score every layer by the
     offline tau without it (`score`: tau_without_each_layer, or fast.py's, which is quicker),
     remove the one that costs least, recover for `recovery_steps` steps distilled from the fixed
@@ -796,14 +1175,18 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
     removal waits in host memory; `checkpointing` recomputes each layer's activations in
     recovery's backward."""
     if min_layers is None and tau_floor is None:
-        raise ValueError("give a stopping rule: min_layers (a target depth) or tau_floor "
-                         "(fraction of unpruned tau)")
+        raise ValueError(
+            "give a stopping rule: min_layers (a target depth) or tau_floor "
+            "(fraction of unpruned tau)"
+        )
     if min_layers is not None and min_layers < 1:
-        raise ValueError(f"min_layers={min_layers}: a drafter keeps at least one decoder layer; "
-                         "give 1 or more")
+        raise ValueError(
+            f"min_layers={min_layers}: a drafter keeps at least one decoder layer; give 1 or more"
+        )
     if tau_floor is not None and not tau_floor > 0:
-        raise ValueError(f"tau_floor={tau_floor}: give a positive fraction of the unpruned tau "
-                         "(e.g. 0.9)")
+        raise ValueError(
+            f"tau_floor={tau_floor}: give a positive fraction of the unpruned tau (e.g. 0.9)"
+        )
     if recovery_steps < 0:
         raise ValueError(f"recovery_steps={recovery_steps}: give 0 (no recovery) or more")
 
@@ -812,9 +1195,16 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
         measure = dict(num_anchors=num_anchors, seed=seed)
         generator = torch.Generator().manual_seed(seed)
         tau0, _ = validation_tau(drafter, val_batches, **measure)
-        yield {"iteration": 0, "removed_layer": None,
-               "layers": len(drafter.model.get_decoder().layers), "tau_before_recovery": tau0,
-               "tau_after_recovery": tau0, "seconds": 0.0, "score_seconds": 0.0, "kept": True}
+        yield {
+            "iteration": 0,
+            "removed_layer": None,
+            "layers": len(drafter.model.get_decoder().layers),
+            "tau_before_recovery": tau0,
+            "tau_after_recovery": tau0,
+            "seconds": 0.0,
+            "score_seconds": 0.0,
+            "kept": True,
+        }
         iteration = 0
         while len(drafter.model.get_decoder().layers) > max(1, min_layers or 1):
             iteration, start, original = iteration + 1, time.perf_counter(), _original_ids(drafter)
@@ -824,9 +1214,17 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
             score_seconds = time.perf_counter() - start
             snapshot = host_copy(drafter) if tau_floor is not None else None
             remove_layer(drafter, best)  # 2. remove
-            skipped = recover(drafter, teacher, train_batches, steps=recovery_steps, lr=lr,
-                              beta=beta, num_anchors=num_anchors, generator=generator,
-                              checkpointing=checkpointing)  # 3. recover
+            skipped = recover(
+                drafter,
+                teacher,
+                train_batches,
+                steps=recovery_steps,
+                lr=lr,
+                beta=beta,
+                num_anchors=num_anchors,
+                generator=generator,
+                checkpointing=checkpointing,
+            )  # 3. recover
             # 4. re-measure (without recovery, the score is already the pruned drafter's tau)
             tau_after = scores[best]
             if recovery_steps > 0:
@@ -835,13 +1233,21 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
             if not kept:  # below the floor: undo this removal and stop
                 _undo_removal(drafter, snapshot, teacher.device)
             candidates = {original[i]: round(tau, 4) for i, tau in scores.items()}
-            yield {"iteration": iteration, "removed_layer": original[best],
-                   "layers": len(original) - 1, "tau_before_recovery": scores[best],
-                   "tau_after_recovery": tau_after, "seconds": time.perf_counter() - start,
-                   "score_seconds": score_seconds, "kept": kept, "recovery_skipped": skipped,
-                   "candidates": candidates}
+            yield {
+                "iteration": iteration,
+                "removed_layer": original[best],
+                "layers": len(original) - 1,
+                "tau_before_recovery": scores[best],
+                "tau_after_recovery": tau_after,
+                "seconds": time.perf_counter() - start,
+                "score_seconds": score_seconds,
+                "kept": kept,
+                "recovery_skipped": skipped,
+                "candidates": candidates,
+            }
             if not kept:
                 break
+
     return rows()
 
 
@@ -850,33 +1256,58 @@ def prune_drafter(drafter: Drafter, val_batches, train_batches, *, min_layers: i
 
 
 @torch.no_grad()
-def select_chunks(drafter: Drafter, input_ids: torch.Tensor, *, keep_ratio: float, chunk_size: int = 64,
-                  query_window: int = 32, cache: KVCache | None = None) -> dict:
+def select_chunks(
+    drafter: Drafter,
+    input_ids: torch.Tensor,
+    *,
+    keep_ratio: float,
+    chunk_size: int = 64,
+    query_window: int = 32,
+    cache: KVCache | None = None,
+) -> dict:
     """The drafter reads the whole prompt into its cache (`cache`, else a new one) and picks the chunks the target
     prefills: the first, the last, then the best by score (ours: attention from the last `query_window` prompt tokens,
     mean over layers, heads and queries) up to ceil(keep_ratio * num_chunks). Returns kept_ids and kept_positions
     (1, k), drafter_cache (full prompt), chunk_scores, kept_chunks, num_chunks, chunks_kept."""
     if not 0 < keep_ratio <= 1 or chunk_size < 1:
-        raise ValueError(f"need keep_ratio in (0, 1] and chunk_size >= 1, got {keep_ratio}, {chunk_size}")
+        raise ValueError(
+            f"need keep_ratio in (0, 1] and chunk_size >= 1, got {keep_ratio}, {chunk_size}"
+        )
     device, length = input_ids.device, input_ids.shape[1]
     window = min(query_window, length)
     cache = cache if cache is not None else KVCache(drafter, length)
     cache.rewind(0)
     if length > window:  # the bulk of the prompt with the fast attention path
         prefill(cache, input_ids[:, : length - window])
-    attentions = attention_pass(cache, input_ids[:, length - window:])  # per layer: (heads, window, length)
-    attention = torch.stack(attentions).mean((0, 1, 2))[:length]  # (L,): attention each prompt token receives
+    attentions = attention_pass(
+        cache, input_ids[:, length - window :]
+    )  # per layer: (heads, window, length)
+    attention = torch.stack(attentions).mean((0, 1, 2))[
+        :length
+    ]  # (L,): attention each prompt token receives
     num_chunks = math.ceil(length / chunk_size)
     scores = torch.zeros(num_chunks, device=device).index_add_(
-        0, torch.arange(length, device=device) // chunk_size, attention)
+        0, torch.arange(length, device=device) // chunk_size, attention
+    )
     num_keep = min(num_chunks, max(2, math.ceil(keep_ratio * num_chunks)))
     ranked = scores.clone()
     ranked[0] = ranked[-1] = float("inf")  # the first and the last chunk are always kept
     kept = sorted(torch.topk(ranked, num_keep).indices.tolist())
-    positions = torch.cat([torch.arange(c * chunk_size, min((c + 1) * chunk_size, length), device=device)
-                           for c in kept])
-    return {"kept_ids": input_ids[:, positions], "kept_positions": positions[None], "drafter_cache": cache,
-            "chunk_scores": scores.tolist(), "kept_chunks": kept, "num_chunks": num_chunks, "chunks_kept": len(kept)}
+    positions = torch.cat(
+        [
+            torch.arange(c * chunk_size, min((c + 1) * chunk_size, length), device=device)
+            for c in kept
+        ]
+    )
+    return {
+        "kept_ids": input_ids[:, positions],
+        "kept_positions": positions[None],
+        "drafter_cache": cache,
+        "chunk_scores": scores.tolist(),
+        "kept_chunks": kept,
+        "num_chunks": num_chunks,
+        "chunks_kept": len(kept),
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -887,11 +1318,26 @@ MODES = ("target", "sync", "async")
 
 
 @torch.no_grad()
-def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor, *, max_new_tokens: int,
-             mode: str = "sync", block_size: int | None = None, temperature: float = 0.0, eos_token_id=None,
-             generator: torch.Generator | None = None, coverage: int | None = None, fanout: int | None = None,
-             cover: str = "first", keep_ratio: float | None = None, chunk_size: int = 64, caches: Caches | None = None,
-             lanes: int | None = None, trace: bool = False):
+def generate(
+    target: nn.Module,
+    drafter: Drafter | None,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    mode: str = "sync",
+    block_size: int | None = None,
+    temperature: float = 0.0,
+    eos_token_id=None,
+    generator: torch.Generator | None = None,
+    coverage: int | None = None,
+    fanout: int | None = None,
+    cover: str = "first",
+    keep_ratio: float | None = None,
+    chunk_size: int = 64,
+    caches: Caches | None = None,
+    lanes: int | None = None,
+    trace: bool = False,
+):
     """Decode input_ids (1, prompt_len) until EOS (kept) or max_new_tokens. Returns (output_ids (1, prompt + new),
     stats: tau, accept_lengths, num_rounds, time per phase, ...; README.md lists every key). mode "target": the target
     alone (drafter may be None); "sync": D3D drafts, verified; "async": the drafter drafts during verification for
@@ -901,21 +1347,52 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
     fixed-size KV caches to reuse (default: per request); trace=True adds a Chrome trace. Batches: systems.batched"""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
-    block_size = check_request(target, drafter, input_ids, max_new_tokens, mode, block_size, temperature, coverage,
-                               fanout, cover, keep_ratio)  # a clear error for each bad input (runtime.py)
-    coverage, fanout = (d if v is None else v for v, d in zip((coverage, fanout), default_budget(block_size or 1)))
+    block_size = check_request(
+        target,
+        drafter,
+        input_ids,
+        max_new_tokens,
+        mode,
+        block_size,
+        temperature,
+        coverage,
+        fanout,
+        cover,
+        keep_ratio,
+    )  # a clear error for each bad input (runtime.py)
+    coverage, fanout = (
+        d if v is None else v for v, d in zip((coverage, fanout), default_budget(block_size or 1))
+    )
     use_drafter = drafter if mode != "target" or keep_ratio is not None else None
-    need = cache_len(input_ids.shape[1], max_new_tokens, block_size or 1, coverage * (mode == "async"), fanout)
-    caches = Caches.make(target, use_drafter, need) if caches is None else caches.check(target, use_drafter, need)
+    need = cache_len(
+        input_ids.shape[1], max_new_tokens, block_size or 1, coverage * (mode == "async"), fanout
+    )
+    caches = (
+        Caches.make(target, use_drafter, need)
+        if caches is None
+        else caches.check(target, use_drafter, need)
+    )
     # async's lanes by the rule decode.py follows too (runtime.py); the target's size matters only to its default
-    num_params = sum(p.numel() for p in target.parameters()) if mode == "async" and lanes is None else 0
-    lanes = async_lanes(input_ids.device.type, caches.compiled and mode == "async", lanes, num_params)
-    out, clock = Output(input_ids[0].tolist(), max_new_tokens, eos_token_id), Clock(input_ids.device)
+    num_params = (
+        sum(p.numel() for p in target.parameters()) if mode == "async" and lanes is None else 0
+    )
+    lanes = async_lanes(
+        input_ids.device.type, caches.compiled and mode == "async", lanes, num_params
+    )
+    out, clock = (
+        Output(input_ids[0].tolist(), max_new_tokens, eos_token_id),
+        Clock(input_ids.device),
+    )
     selection = None  # selective prefill: what the target prefills; the drafter's cache holds the full prompt
     if keep_ratio is not None:
         with clock.span("scoring"):
-            selection = select_chunks(drafter, input_ids, keep_ratio=keep_ratio, chunk_size=chunk_size,
-                                      cache=caches.drafter)
+            selection = select_chunks(
+                drafter,
+                input_ids,
+                keep_ratio=keep_ratio,
+                chunk_size=chunk_size,
+                cache=caches.drafter,
+            )
     _prefill(caches, input_ids, selection, out, clock, temperature, generator)
     stats = {}
     if mode == "target":
@@ -923,7 +1400,20 @@ def generate(target: nn.Module, drafter: Drafter | None, input_ids: torch.Tensor
     elif mode == "sync":
         _decode_sync(drafter, out, caches, clock, block_size, temperature, generator)
     else:
-        stats = _decode_async(drafter, out, caches, clock, block_size, temperature, generator, coverage, fanout,
-                              cover, lanes)
-    stats.update(out.stats(clock.totals(), mode, selection), **({"trace": clock.trace()} if trace else {}))
+        stats = _decode_async(
+            drafter,
+            out,
+            caches,
+            clock,
+            block_size,
+            temperature,
+            generator,
+            coverage,
+            fanout,
+            cover,
+            lanes,
+        )
+    stats.update(
+        out.stats(clock.totals(), mode, selection), **({"trace": clock.trace()} if trace else {})
+    )
     return torch.tensor([out.tokens], device=input_ids.device), stats

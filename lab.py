@@ -19,6 +19,7 @@ the handout's own d3d.py for those exercises (runs/lab/NAME/d3d.py for the other
 file imports only the standard library: it reads d3d.py and never imports it.
 LAB.md, "Write it yourself", walks through every exercise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,6 +58,7 @@ WIDTH = 100
 class Exercise:
     """A function of d3d.py (or two) to write, its place in the paper, the tests grading it.
     Tests are names of test functions in test_d3d.py, or "name[param=value]": those cases."""
+
     name: str
     functions: tuple[str, ...]
     paper: str
@@ -66,13 +68,18 @@ class Exercise:
     no_fast: str = ""  # why no speed rule is graded, where none is
 
 
-ONE_READ = ("test_a_round_reads_the_device_once pins one host read per round, but it "
-            "monkeypatches d3d.accept_draft: left out")  # cache_hit's speed rule
+ONE_READ = (
+    "test_a_round_reads_the_device_once pins one host read per round, but it "
+    "monkeypatches d3d.accept_draft: left out"
+)  # cache_hit's speed rule
 
 EXERCISES = (
     Exercise(
-        "packed_attention_mask", ("packed_attention_mask",), "Fig. 1a, packed attention",
-        {"packed_attention_mask": """
+        "packed_attention_mask",
+        ("packed_attention_mask",),
+        "Fig. 1a, packed attention",
+        {
+            "packed_attention_mask": """
             Number the q packed tokens: the causal stream 0 .. N-1, then S segments of
             prefix_len + B tokens each. A causal row sees the causal keys j <= i and no
             segment. A segment's rows see the causal keys up to their anchor, none after it,
@@ -80,108 +87,165 @@ EXERCISES = (
             segment. The past_len cached tokens come first, seen by every row. Positions:
             causal i -> past_len + i; segment token t (0-based) -> past_len + anchor + 1 + t.
             Every size is a host int: build it from torch.arange and comparisons, and read
-            no tensor back."""},
-        ("test_mask_matches_slow_reference", "test_mask_is_per_row_for_batched_anchors",
-         "test_packed_blocks_equal_separate_passes",
-         "test_a_prepared_block_is_the_draft_its_outcome_would_get"),
-        ("test_branch_pass_is_planned_and_built_without_reading_the_device",)),
+            no tensor back."""
+        },
+        (
+            "test_mask_matches_slow_reference",
+            "test_mask_is_per_row_for_batched_anchors",
+            "test_packed_blocks_equal_separate_passes",
+            "test_a_prepared_block_is_the_draft_its_outcome_would_get",
+        ),
+        ("test_branch_pass_is_planned_and_built_without_reading_the_device",),
+    ),
     Exercise(
-        "d3d_loss", ("_block_labels", "d3d_loss"), "Fig. 1a, L_block + lambda L_AR",
-        {"_block_labels": """
+        "d3d_loss",
+        ("_block_labels", "d3d_loss"),
+        "Fig. 1a, L_block + lambda L_AR",
+        {
+            "_block_labels": """
             Block k predicts x_{a_k + 1} .. x_{a_k + B}. Gather those labels (indices past
             the end clamped to the last token), and count a label only where it exists, is
             a response token (loss_mask) and its anchor is valid. Both (b, K, B).""",
-         "d3d_loss": """
+            "d3d_loss": """
             Settings default to the config's. sample_anchors; _packed_hidden gives the
             causal stream (b, L, H) and a block per anchor (b, K, B, H); _block_labels.
             L_block: the weighted mean of cross_entropy over the counted block rows,
             position i weighted exp(-(i-1)/gamma), 1 without gamma. L_AR (only if
             lambda > 0): causal row j against x_{j+1}, where x_{j+1} is a response token.
             block_acc (B,): per position, the share of counted rows whose argmax is the
-            label. The metrics detached."""},
-        ("test_loss_starts_near_log_vocab_and_falls", "test_loss_ignores_prompt_tokens",
-         "test_loss_weighs_the_ar_term_by_lambda",
-         "test_block_loss_weights_position_i_by_exp_minus_i_minus_1_over_gamma",
-         "test_loss_gives_gradients_to_drafter_only",
-         "test_offline_tau_drafts_the_d1_from_where_decoding_does"),
-        no_fast="training has no speed rule of its own"),
+            label. The metrics detached.""",
+        },
+        (
+            "test_loss_starts_near_log_vocab_and_falls",
+            "test_loss_ignores_prompt_tokens",
+            "test_loss_weighs_the_ar_term_by_lambda",
+            "test_block_loss_weights_position_i_by_exp_minus_i_minus_1_over_gamma",
+            "test_loss_gives_gradients_to_drafter_only",
+            "test_offline_tau_drafts_the_d1_from_where_decoding_does",
+        ),
+        no_fast="training has no speed rule of its own",
+    ),
     Exercise(
-        "draft_rows", ("draft_rows",), "Fig. 1a and ours, where d_1 is read",
-        {"draft_rows": """
+        "draft_rows",
+        ("draft_rows",),
+        "Fig. 1a and ours, where d_1 is read",
+        {
+            "draft_rows": """
             Broadcast anchor and mask_start together. Rows (..., B): mask_start + 0 .. B-1,
             the block's B MASK rows; with d1_from "causal" the first is the anchor's own row
-            instead (the causal head, which L_AR trains, drafts d_1). Tensor ops only."""},
-        ("test_packed_blocks_equal_separate_passes",
-         "test_offline_tau_drafts_the_d1_from_where_decoding_does",
-         "test_a_prepared_block_is_the_draft_its_outcome_would_get",
-         "test_sync_equals_target_greedy"),
-        ("test_branch_pass_is_planned_and_built_without_reading_the_device",)),
+            instead (the causal head, which L_AR trains, drafts d_1). Tensor ops only."""
+        },
+        (
+            "test_packed_blocks_equal_separate_passes",
+            "test_offline_tau_drafts_the_d1_from_where_decoding_does",
+            "test_a_prepared_block_is_the_draft_its_outcome_would_get",
+            "test_sync_equals_target_greedy",
+        ),
+        ("test_branch_pass_is_planned_and_built_without_reading_the_device",),
+    ),
     Exercise(
-        "accept_draft", ("accept_draft",), "Sec. 3, verification: greedy, then lossless",
-        {"accept_draft": """
+        "accept_draft",
+        ("accept_draft",),
+        "Sec. 3, verification: greedy, then lossless",
+        {
+            "accept_draft": """
             Only the first `length` draft tokens count (default all). Greedy: accept the
             leading d_i equal to the target's argmax, then take the argmax after them.
             Sampling at temperature T: p = softmax(p_logits / T); accept d_i while
             u_i q(d_i) <= p(d_i), u_i uniform; at the first rejection draw from max(p - q, 0)
             renormalised; after full acceptance draw the bonus token from p. Draw the u_i on
             the generator's device (the logits' without one). Return two 0-d tensors left on
-            the device: no .item(), no Python if on a tensor (_at and _sample help)."""},
-        ("test_sync_equals_target_greedy", "test_sync_stops_at_eos_inside_an_accepted_block",
-         "test_sync_with_real_drafters_equals_target", "test_async_equals_sync_and_target",
-         "test_eos_inside_an_accepted_block_is_committed_there", "test_accept_rule_is_lossless",
-         "test_sampling_matches_target_distribution",
-         "test_sampling_is_reproducible_with_a_generator",
-         "test_sampling_after_full_acceptance_hits_draws_the_bonus_from_the_target"),
-        ("test_accept_draft_without_a_generator_draws_on_the_logits_device",)),
+            the device: no .item(), no Python if on a tensor (_at and _sample help)."""
+        },
+        (
+            "test_sync_equals_target_greedy",
+            "test_sync_stops_at_eos_inside_an_accepted_block",
+            "test_sync_with_real_drafters_equals_target",
+            "test_async_equals_sync_and_target",
+            "test_eos_inside_an_accepted_block_is_committed_there",
+            "test_accept_rule_is_lossless",
+            "test_sampling_matches_target_distribution",
+            "test_sampling_is_reproducible_with_a_generator",
+            "test_sampling_after_full_acceptance_hits_draws_the_bonus_from_the_target",
+        ),
+        ("test_accept_draft_without_a_generator_draws_on_the_logits_device",),
+    ),
     Exercise(
-        "decode_sync", ("_decode_sync",), "Sec. 3 and Table 1, synchronous decoding",
-        {"_decode_sync": """
+        "decode_sync",
+        ("_decode_sync",),
+        "Sec. 3 and Table 1, synchronous decoding",
+        {
+            "_decode_sync": """
             Until out.done, one round: the drafter reads the committed tokens it has not
             read (out.tokens from dc.length on) and drafts a block after them (draft_block,
             padded to width B + 1, so that every round has one shape); pick_tokens; the
             target verifies [x_n, d_1 .. d_B] (verify_block); accept_draft; one read_round
             for the accepted count, the next token and the draft; out.commit_round; rewind
             the target's cache to the committed tokens but x_n. Time the two phases with
-            clock.span("draft") and clock.span("verify")."""},
-        ("test_sync_equals_target_greedy", "test_sync_stops_at_eos_inside_an_accepted_block",
-         "test_sync_with_real_drafters_equals_target", "test_zero_new_tokens",
-         "test_drafter_cache_holds_exactly_the_committed_tokens[mode=sync]",
-         "test_eos_inside_an_accepted_block_is_committed_there",
-         "test_keep_ratio_one_equals_ordinary_decoding",
-         "test_sampling_matches_target_distribution[mode=sync]",
-         "test_sampling_is_reproducible_with_a_generator[mode=sync]"),
-        ("test_every_pass_traces_as_one_graph_and_compiles_once",)),
+            clock.span("draft") and clock.span("verify")."""
+        },
+        (
+            "test_sync_equals_target_greedy",
+            "test_sync_stops_at_eos_inside_an_accepted_block",
+            "test_sync_with_real_drafters_equals_target",
+            "test_zero_new_tokens",
+            "test_drafter_cache_holds_exactly_the_committed_tokens[mode=sync]",
+            "test_eos_inside_an_accepted_block_is_committed_there",
+            "test_keep_ratio_one_equals_ordinary_decoding",
+            "test_sampling_matches_target_distribution[mode=sync]",
+            "test_sampling_is_reproducible_with_a_generator[mode=sync]",
+        ),
+        ("test_every_pass_traces_as_one_graph_and_compiles_once",),
+    ),
     Exercise(
-        "plan_branches", ("plan_branches",), "Fig. 1c and Fig. 3, which outcomes get a branch",
-        {"plan_branches": """
+        "plan_branches",
+        ("plan_branches",),
+        "Fig. 1c and Fig. 3, which outcomes get a branch",
+        {
+            "plan_branches": """
             Clip C to B and F to V - 1. Positions (C,), 1-based, ascending: 1 .. C for
             "first"; for "likely" the C largest r_k = prod_{j<k} c_j * (1 - c_k), c_j the
             drafter's probability of d_j. Candidates (C, F): at each planned k the drafter's
-            F likeliest tokens other than d_k. On the device: no .item(), no Python loop."""},
-        ("test_plan_branches_chooses_positions_and_candidates",
-         "test_likely_cover_ranks_positions_by_the_chance_the_first_rejection_is_there",
-         "test_async_equals_sync_and_target", "test_async_with_real_drafters_equals_target",
-         "test_async_stops_at_eos_inside_a_block"),
-        ("test_branch_pass_is_planned_and_built_without_reading_the_device",)),
+            F likeliest tokens other than d_k. On the device: no .item(), no Python loop."""
+        },
+        (
+            "test_plan_branches_chooses_positions_and_candidates",
+            "test_likely_cover_ranks_positions_by_the_chance_the_first_rejection_is_there",
+            "test_async_equals_sync_and_target",
+            "test_async_with_real_drafters_equals_target",
+            "test_async_stops_at_eos_inside_a_block",
+        ),
+        ("test_branch_pass_is_planned_and_built_without_reading_the_device",),
+    ),
     Exercise(
-        "cache_hit", ("cache_hit",), "Fig. 1c, the cache hit",
-        {"cache_hit": """
+        "cache_hit",
+        ("cache_hit",),
+        "Fig. 1c, the cache hit",
+        {
+            "cache_hit": """
             Segments: the C x F branches in candidates.flatten() order, then full
             acceptance. Branch (k, t) matches when k = num_accepted + 1 and t = next_token.
             The last segment matches when num_accepted = length, B > 1 and its first row's
             guess (pick_tokens on drafter.logits(block_hidden[-1, 0])) is next_token. Return
-            the first match's index as a 0-d device tensor, -1 if none: no .item()."""},
-        ("test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for",
-         "test_async_equals_sync_and_target",
-         "test_drafter_cache_holds_exactly_the_committed_tokens[mode=async]",
-         "test_async_stops_at_eos_inside_a_block",
-         "test_two_lanes_on_a_cpu_decode_the_same_tokens",
-         "test_sampling_after_full_acceptance_hits_draws_the_bonus_from_the_target",
-         "test_sampling_matches_target_distribution[mode=async]"),
-        no_fast=ONE_READ),
+            the first match's index as a 0-d device tensor, -1 if none: no .item()."""
+        },
+        (
+            "test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for",
+            "test_async_equals_sync_and_target",
+            "test_drafter_cache_holds_exactly_the_committed_tokens[mode=async]",
+            "test_async_stops_at_eos_inside_a_block",
+            "test_two_lanes_on_a_cpu_decode_the_same_tokens",
+            "test_sampling_after_full_acceptance_hits_draws_the_bonus_from_the_target",
+            "test_sampling_matches_target_distribution[mode=async]",
+        ),
+        no_fast=ONE_READ,
+    ),
     Exercise(
-        "prune_drafter", ("prune_drafter",), "Fig. 1b, progressive layer pruning",
-        {"prune_drafter": """
+        "prune_drafter",
+        ("prune_drafter",),
+        "Fig. 1b, progressive layer pruning",
+        {
+            "prune_drafter": """
             Check the arguments at the call, each a ValueError: a stopping rule, min_layers
             >= 1, tau_floor > 0, recovery_steps >= 0. Then return a generator of rows. The
             fixed teacher: a deep copy of the unpruned drafter, in eval mode, without
@@ -192,135 +256,116 @@ EXERCISES = (
             recovery steps the score is already the new tau); below tau_floor * tau0 undo
             the removal (_undo_removal) and stop. A row's keys: iteration, removed_layer (its
             original index), layers, tau_before_recovery, tau_after_recovery, seconds,
-            score_seconds, kept, recovery_skipped, candidates."""},
-        ("test_pruning_removes_one_layer_per_iteration_and_the_noop_layer_first",
-         "test_pruning_removes_the_layer_whose_removal_costs_least",
-         "test_recovery_with_activation_checkpointing_takes_the_same_steps",
-         "test_pruning_stops_where_the_rules_say",
-         "test_pruning_checks_its_arguments_at_the_call",
-         "test_pruned_drafter_saves_loads_and_decodes_losslessly"),
-        no_fast="pruning runs offline; systems/fast.py's quicker scorer has its own tests"),
+            score_seconds, kept, recovery_skipped, candidates."""
+        },
+        (
+            "test_pruning_removes_one_layer_per_iteration_and_the_noop_layer_first",
+            "test_pruning_removes_the_layer_whose_removal_costs_least",
+            "test_recovery_with_activation_checkpointing_takes_the_same_steps",
+            "test_pruning_stops_where_the_rules_say",
+            "test_pruning_checks_its_arguments_at_the_call",
+            "test_pruned_drafter_saves_loads_and_decodes_losslessly",
+        ),
+        no_fast="pruning runs offline; systems/fast.py's quicker scorer has its own tests",
+    ),
     Exercise(
-        "select_chunks", ("select_chunks",), "Appendix and Fig. 5, selective prefilling",
-        {"select_chunks": """
+        "select_chunks",
+        ("select_chunks",),
+        "Appendix and Fig. 5, selective prefilling",
+        {
+            "select_chunks": """
             Check keep_ratio and chunk_size. The drafter's cache (rewound to 0) reads the
             whole prompt: prefill all but the last query_window tokens, then attention_pass
             over those. A chunk's score: the attention its tokens receive, mean over layers,
             heads and queries. Keep the first chunk, the last, and the best others up to
-            max(2, ceil(keep_ratio * num_chunks)), in order. Return the docstring's keys."""},
-        ("test_kept_chunks_are_in_order_with_original_positions",
-         "test_the_chunk_the_drafter_attends_to_survives",
-         "test_selective_prefill_decodes_like_the_target_on_the_kept_chunks",
-         "test_keep_ratio_one_equals_ordinary_decoding"),
-        ("test_long_prompts_are_prefilled_in_chunks",)),
+            max(2, ceil(keep_ratio * num_chunks)), in order. Return the docstring's keys."""
+        },
+        (
+            "test_kept_chunks_are_in_order_with_original_positions",
+            "test_the_chunk_the_drafter_attends_to_survives",
+            "test_selective_prefill_decodes_like_the_target_on_the_kept_chunks",
+            "test_keep_ratio_one_equals_ordinary_decoding",
+        ),
+        ("test_long_prompts_are_prefilled_in_chunks",),
+    ),
 )
 BY_NAME = {exercise.name: exercise for exercise in EXERCISES}
 
 # Each graded test's claim in words; a test missing here is told by its docstring's first line
 CLAIMS = {
-    "test_mask_matches_slow_reference":
-        "mask and positions follow the docstring's rules, pair by pair",
-    "test_mask_is_per_row_for_batched_anchors":
-        "each row of a batch of anchors gets its own mask and positions",
-    "test_packed_blocks_equal_separate_passes":
-        "a block in the packed pass equals drafting it alone after its prefix",
-    "test_a_prepared_block_is_the_draft_its_outcome_would_get":
-        "each segment of the async packed pass drafts what a fresh draft_block would",
-    "test_branch_pass_is_planned_and_built_without_reading_the_device":
-        "planning and building the packed pass read no tensor back to the host",
-    "test_loss_starts_near_log_vocab_and_falls":
-        "an untrained drafter's losses start near log V and fall as it trains",
-    "test_loss_ignores_prompt_tokens":
-        "only response tokens carry loss; one label gives exactly its cross-entropy",
-    "test_loss_weighs_the_ar_term_by_lambda":
-        "the loss is L_block + lambda * L_AR",
-    "test_block_loss_weights_position_i_by_exp_minus_i_minus_1_over_gamma":
-        "L_block weighs block position i by exp(-(i-1)/gamma), evenly without gamma",
-    "test_loss_gives_gradients_to_drafter_only":
-        "finite gradients reach every drafter weight, MASK's row too, not the target",
-    "test_offline_tau_drafts_the_d1_from_where_decoding_does":
-        "offline tau reads d_1 where decoding does: the causal head's d_1 is accepted",
-    "test_sync_equals_target_greedy":
-        "greedy sync decoding is the target's; each round accepts what the drafter got right",
-    "test_sync_stops_at_eos_inside_an_accepted_block":
-        "sync decoding stops at an EOS inside an accepted block",
-    "test_sync_with_real_drafters_equals_target":
-        "sync decoding with real drafters gives the target's greedy tokens",
-    "test_async_equals_sync_and_target":
-        "async decoding equals sync and the target; prepared outcomes are cache hits",
-    "test_eos_inside_an_accepted_block_is_committed_there":
-        "an EOS inside an accepted block is committed there, in sync and async",
-    "test_accept_rule_is_lossless":
-        "the sampling rule is lossless: tokens follow the target's law, whatever q is",
-    "test_sampling_matches_target_distribution":
-        "sampled decoding through generate follows the target's exact law",
-    "test_sampling_is_reproducible_with_a_generator":
-        "sampling with a seeded generator repeats itself exactly",
-    "test_zero_new_tokens":
-        "max_new_tokens=0 gives back the prompt in every mode",
-    "test_drafter_cache_holds_exactly_the_committed_tokens":
-        "after every round the drafter's cache holds exactly the committed tokens",
-    "test_keep_ratio_one_equals_ordinary_decoding":
-        "keep_ratio=1 keeps every chunk and decodes like the target in every mode",
-    "test_every_pass_traces_as_one_graph_and_compiles_once":
-        "every pass keeps one shape: one graph each, no recompile on new prompts",
-    "test_plan_branches_chooses_positions_and_candidates":
-        "positions: the first C or the C likeliest rejections; candidates never d_k",
-    "test_async_with_real_drafters_equals_target":
-        "async decoding with real drafters gives the target's tokens, both covers",
-    "test_async_stops_at_eos_inside_a_block":
-        "async decoding stops at an EOS inside a block",
-    "test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for":
-        "a segment is a hit only for the position and token it was planned for",
-    "test_two_lanes_on_a_cpu_decode_the_same_tokens":
-        "two CPU lanes decode the same tokens, with the same hits, as one",
-    "test_pruning_removes_one_layer_per_iteration_and_the_noop_layer_first":
-        "one layer goes per iteration, a layer that does nothing first",
-    "test_pruning_removes_the_layer_whose_removal_costs_least":
-        "each iteration removes the layer whose removal costs least tau",
-    "test_recovery_with_activation_checkpointing_takes_the_same_steps":
-        "recovery with activation checkpointing takes the same steps",
-    "test_pruning_stops_where_the_rules_say":
-        "pruning stops at min_layers, undoes a removal below tau_floor, needs a rule",
-    "test_pruned_drafter_saves_loads_and_decodes_losslessly":
-        "a pruned drafter saves, loads and decodes losslessly",
-    "test_likely_cover_ranks_positions_by_the_chance_the_first_rejection_is_there":
-        "likely positions rank by prod_{j<k} c_j (1 - c_k): k the first rejection",
-    "test_accept_draft_without_a_generator_draws_on_the_logits_device":
-        "without a generator every draw is made on the logits' device, none on the host",
-    "test_sampling_after_full_acceptance_hits_draws_the_bonus_from_the_target":
-        "a padded draft accepted whole takes its bonus token from the target's p",
-    "test_pruning_checks_its_arguments_at_the_call":
-        "bad arguments are refused at the call, before any row is asked for",
-    "test_kept_chunks_are_in_order_with_original_positions":
-        "kept: the first, the last and the best chunks, in order, at their positions",
-    "test_the_chunk_the_drafter_attends_to_survives":
-        "the chunk the drafter attends to is kept, wherever it is",
-    "test_selective_prefill_decodes_like_the_target_on_the_kept_chunks":
-        "selective prefill decodes what the target reads from the kept chunks",
-    "test_long_prompts_are_prefilled_in_chunks":
-        "the prompt is read in prefill chunks, only the last window with attention",
+    "test_mask_matches_slow_reference": "mask and positions follow the docstring's rules, pair by pair",
+    "test_mask_is_per_row_for_batched_anchors": "each row of a batch of anchors gets its own mask and positions",
+    "test_packed_blocks_equal_separate_passes": "a block in the packed pass equals drafting it alone after its prefix",
+    "test_a_prepared_block_is_the_draft_its_outcome_would_get": "each segment of the async packed pass drafts what a fresh draft_block would",
+    "test_branch_pass_is_planned_and_built_without_reading_the_device": "planning and building the packed pass read no tensor back to the host",
+    "test_loss_starts_near_log_vocab_and_falls": "an untrained drafter's losses start near log V and fall as it trains",
+    "test_loss_ignores_prompt_tokens": "only response tokens carry loss; one label gives exactly its cross-entropy",
+    "test_loss_weighs_the_ar_term_by_lambda": "the loss is L_block + lambda * L_AR",
+    "test_block_loss_weights_position_i_by_exp_minus_i_minus_1_over_gamma": "L_block weighs block position i by exp(-(i-1)/gamma), evenly without gamma",
+    "test_loss_gives_gradients_to_drafter_only": "finite gradients reach every drafter weight, MASK's row too, not the target",
+    "test_offline_tau_drafts_the_d1_from_where_decoding_does": "offline tau reads d_1 where decoding does: the causal head's d_1 is accepted",
+    "test_sync_equals_target_greedy": "greedy sync decoding is the target's; each round accepts what the drafter got right",
+    "test_sync_stops_at_eos_inside_an_accepted_block": "sync decoding stops at an EOS inside an accepted block",
+    "test_sync_with_real_drafters_equals_target": "sync decoding with real drafters gives the target's greedy tokens",
+    "test_async_equals_sync_and_target": "async decoding equals sync and the target; prepared outcomes are cache hits",
+    "test_eos_inside_an_accepted_block_is_committed_there": "an EOS inside an accepted block is committed there, in sync and async",
+    "test_accept_rule_is_lossless": "the sampling rule is lossless: tokens follow the target's law, whatever q is",
+    "test_sampling_matches_target_distribution": "sampled decoding through generate follows the target's exact law",
+    "test_sampling_is_reproducible_with_a_generator": "sampling with a seeded generator repeats itself exactly",
+    "test_zero_new_tokens": "max_new_tokens=0 gives back the prompt in every mode",
+    "test_drafter_cache_holds_exactly_the_committed_tokens": "after every round the drafter's cache holds exactly the committed tokens",
+    "test_keep_ratio_one_equals_ordinary_decoding": "keep_ratio=1 keeps every chunk and decodes like the target in every mode",
+    "test_every_pass_traces_as_one_graph_and_compiles_once": "every pass keeps one shape: one graph each, no recompile on new prompts",
+    "test_plan_branches_chooses_positions_and_candidates": "positions: the first C or the C likeliest rejections; candidates never d_k",
+    "test_async_with_real_drafters_equals_target": "async decoding with real drafters gives the target's tokens, both covers",
+    "test_async_stops_at_eos_inside_a_block": "async decoding stops at an EOS inside a block",
+    "test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for": "a segment is a hit only for the position and token it was planned for",
+    "test_two_lanes_on_a_cpu_decode_the_same_tokens": "two CPU lanes decode the same tokens, with the same hits, as one",
+    "test_pruning_removes_one_layer_per_iteration_and_the_noop_layer_first": "one layer goes per iteration, a layer that does nothing first",
+    "test_pruning_removes_the_layer_whose_removal_costs_least": "each iteration removes the layer whose removal costs least tau",
+    "test_recovery_with_activation_checkpointing_takes_the_same_steps": "recovery with activation checkpointing takes the same steps",
+    "test_pruning_stops_where_the_rules_say": "pruning stops at min_layers, undoes a removal below tau_floor, needs a rule",
+    "test_pruned_drafter_saves_loads_and_decodes_losslessly": "a pruned drafter saves, loads and decodes losslessly",
+    "test_likely_cover_ranks_positions_by_the_chance_the_first_rejection_is_there": "likely positions rank by prod_{j<k} c_j (1 - c_k): k the first rejection",
+    "test_accept_draft_without_a_generator_draws_on_the_logits_device": "without a generator every draw is made on the logits' device, none on the host",
+    "test_sampling_after_full_acceptance_hits_draws_the_bonus_from_the_target": "a padded draft accepted whole takes its bonus token from the target's p",
+    "test_pruning_checks_its_arguments_at_the_call": "bad arguments are refused at the call, before any row is asked for",
+    "test_kept_chunks_are_in_order_with_original_positions": "kept: the first, the last and the best chunks, in order, at their positions",
+    "test_the_chunk_the_drafter_attends_to_survives": "the chunk the drafter attends to is kept, wherever it is",
+    "test_selective_prefill_decodes_like_the_target_on_the_kept_chunks": "selective prefill decodes what the target reads from the kept chunks",
+    "test_long_prompts_are_prefilled_in_chunks": "the prompt is read in prefill chunks, only the last window with attention",
 }
 
 # Over 10 s each on two cores: --quick skips them
-SLOW = ("test_sampling_matches_target_distribution",
-        "test_every_pass_traces_as_one_graph_and_compiles_once")
+SLOW = (
+    "test_sampling_matches_target_distribution",
+    "test_every_pass_traces_as_one_graph_and_compiles_once",
+)
 
 # Tests of these exercises' functions that grade nothing: each monkeypatches a function of
 # d3d.py, so its verdict would rest on how the reference is built (tests/test_lab.py checks
 # that each of them does, and that no graded test does). test name -> (what, exercises)
 LEFT_OUT = {
-    "test_a_round_reads_the_device_once":
-        ("wraps d3d.accept_draft or d3d.pick_tokens to mark the rounds",
-         ("accept_draft", "decode_sync", "cache_hit")),
-    "test_every_verification_and_packed_pass_keeps_one_shape_through_full_acceptance_hits":
-        ("wraps d3d.verify_block and d3d.build_branch_pass", ("plan_branches", "cache_hit")),
-    "test_recovery_distils_toward_the_label_adjusted_teacher":
-        ("wraps d3d.distill_loss", ("prune_drafter",)),
-    "test_the_tau_floor_is_a_fraction_of_the_unpruned_tau_and_keeps_a_removal_at_it":
-        ("replaces d3d.validation_tau", ("prune_drafter",)),
-    "test_generate_takes_lanes_from_the_rule_with_its_caches_compiled_or_not":
-        ("replaces d3d.async_lanes", ()),
+    "test_a_round_reads_the_device_once": (
+        "wraps d3d.accept_draft or d3d.pick_tokens to mark the rounds",
+        ("accept_draft", "decode_sync", "cache_hit"),
+    ),
+    "test_every_verification_and_packed_pass_keeps_one_shape_through_full_acceptance_hits": (
+        "wraps d3d.verify_block and d3d.build_branch_pass",
+        ("plan_branches", "cache_hit"),
+    ),
+    "test_recovery_distils_toward_the_label_adjusted_teacher": (
+        "wraps d3d.distill_loss",
+        ("prune_drafter",),
+    ),
+    "test_the_tau_floor_is_a_fraction_of_the_unpruned_tau_and_keeps_a_removal_at_it": (
+        "replaces d3d.validation_tau",
+        ("prune_drafter",),
+    ),
+    "test_generate_takes_lanes_from_the_rule_with_its_caches_compiled_or_not": (
+        "replaces d3d.async_lanes",
+        (),
+    ),
 }
 
 
@@ -348,8 +393,11 @@ def suite_functions(root: str = ROOT) -> dict:
         return {}
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read())
-    return {node.name: node for node in tree.body
-            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+    return {
+        node.name: node
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+    }
 
 
 def claim(name: str, root: str = ROOT) -> str:
@@ -365,8 +413,12 @@ def patches_d3d(node: ast.FunctionDef) -> list[str]:
     """What of d3d a test function monkeypatches or assigns ('?' where the name is computed)."""
     found = []
     for child in ast.walk(node):
-        if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) \
-                and child.func.attr == "setattr" and child.args:
+        if (
+            isinstance(child, ast.Call)
+            and isinstance(child.func, ast.Attribute)
+            and child.func.attr == "setattr"
+            and child.args
+        ):
             first = child.args[0]
             second = child.args[1] if len(child.args) > 1 else None
             if isinstance(first, ast.Name) and first.id == "d3d":
@@ -374,8 +426,13 @@ def patches_d3d(node: ast.FunctionDef) -> list[str]:
             elif isinstance(first, ast.Constant) and str(first.value).startswith("d3d."):
                 found.append(str(first.value)[4:])
         if isinstance(child, ast.Assign):
-            found += [t.attr for t in child.targets if isinstance(t, ast.Attribute)
-                      and isinstance(t.value, ast.Name) and t.value.id == "d3d"]
+            found += [
+                t.attr
+                for t in child.targets
+                if isinstance(t, ast.Attribute)
+                and isinstance(t.value, ast.Name)
+                and t.value.id == "d3d"
+            ]
     return found
 
 
@@ -412,8 +469,9 @@ def comments(lines: list[str]) -> list[str]:
 def comment_lines(indent: str, text: str, first: str, rest: str) -> list[str]:
     """`text` as comment lines no wider than WIDTH."""
     width = WIDTH - len(indent) - 2
-    lines = textwrap.wrap(" ".join(text.split()), width, initial_indent=first,
-                          subsequent_indent=rest)
+    lines = textwrap.wrap(
+        " ".join(text.split()), width, initial_indent=first, subsequent_indent=rest
+    )
     return [f"{indent}# {line}\n" for line in lines]
 
 
@@ -454,10 +512,13 @@ def is_blank(source: str, function: str) -> bool:
     except (LabError, SyntaxError):
         return False
     last = node.body[-1]
-    return (len(node.body) == 2 and isinstance(last, ast.Raise)
-            and isinstance(last.exc, ast.Call)
-            and getattr(last.exc.func, "id", "") == "NotImplementedError"
-            and "lab exercise" in ast.unparse(last.exc))
+    return (
+        len(node.body) == 2
+        and isinstance(last, ast.Raise)
+        and isinstance(last.exc, ast.Call)
+        and getattr(last.exc.func, "id", "") == "NotImplementedError"
+        and "lab exercise" in ast.unparse(last.exc)
+    )
 
 
 def splice(source: str, solution: str) -> str:
@@ -467,8 +528,8 @@ def splice(source: str, solution: str) -> str:
     for new in [n for n in ast.parse(solution).body if isinstance(n, ast.FunctionDef)]:
         lines = source.splitlines(keepends=True)
         old = find_function(ast.parse(source), new.name)
-        body = new_lines[new.lineno - 1: new.end_lineno]
-        source = "".join(lines[: old.lineno - 1] + body + lines[old.end_lineno:])
+        body = new_lines[new.lineno - 1 : new.end_lineno]
+        source = "".join(lines[: old.lineno - 1] + body + lines[old.end_lineno :])
     return source
 
 
@@ -481,8 +542,16 @@ def project_files(root: str) -> list[str]:
     untracked but not ignored; elsewhere every file. Never .git, runs/ or caches."""
     names = None
     if os.path.isdir(os.path.join(root, ".git")):
-        command = ["git", "-C", root, "ls-files", "-z", "--cached", "--others",
-                   "--exclude-standard"]
+        command = [
+            "git",
+            "-C",
+            root,
+            "ls-files",
+            "-z",
+            "--cached",
+            "--others",
+            "--exclude-standard",
+        ]
         try:
             listed = subprocess.run(command, capture_output=True, check=True, timeout=60)
             names = [n for n in listed.stdout.decode("utf-8").split("\0") if n]
@@ -491,8 +560,13 @@ def project_files(root: str) -> list[str]:
     if names is None:
         names = []
         for folder, dirs, files in os.walk(root):
-            dirs[:] = [d for d in dirs if d not in (".git", "__pycache__", ".pytest_cache")
-                       and not d.startswith(".venv") and not (folder == root and d == "runs")]
+            dirs[:] = [
+                d
+                for d in dirs
+                if d not in (".git", "__pycache__", ".pytest_cache")
+                and not d.startswith(".venv")
+                and not (folder == root and d == "runs")
+            ]
             names += [os.path.relpath(os.path.join(folder, f), root) for f in files]
     keep = []
     for name in sorted(set(names)):
@@ -552,8 +626,8 @@ def short_failure(text: str, root: str) -> str:
         if os.path.realpath(path).startswith(os.path.join(os.path.realpath(root), "")):
             source = lines[i + 1].strip() if i + 1 not in frames and i + 1 < len(lines) else ""
             where = f"{os.path.relpath(os.path.realpath(path), os.path.realpath(root))}:{number}: "
-            where = (where + source)[:WIDTH - 8]
-    rest = lines[frames[-1] + 2:] if frames else lines  # after the last frame and its source
+            where = (where + source)[: WIDTH - 8]
+    rest = lines[frames[-1] + 2 :] if frames else lines  # after the last frame and its source
     rest = [line for line in rest if line.strip() and set(line.strip()) - set("^~")]
     errors = [tidy(line[1:] if line.startswith("E ") else line) for line in rest]
     what = " / ".join(e for e in errors if e and not NOISE.match(e)) or "failed"
@@ -574,11 +648,27 @@ def run_suite(root: str, file: str, tests: list[str], timeout: float) -> dict:
         with open(spec, "w", encoding="utf-8") as f:
             json.dump({"tests": tests, "results": results}, f)
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", **{GRADE_ENV: spec})
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "lab", "-p", "no:cacheprovider",
-                   "--tb=native", SUITE]
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "lab",
+            "-p",
+            "no:cacheprovider",
+            "--tb=native",
+            SUITE,
+        ]
         with open(os.path.join(copy, ".lab-log"), "w+", encoding="utf-8") as log:
-            process = subprocess.Popen(command, cwd=copy, env=env, stdout=log,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
+            process = subprocess.Popen(
+                command,
+                cwd=copy,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             timed_out = False
             try:
                 process.wait(timeout=timeout)
@@ -596,8 +686,9 @@ def run_suite(root: str, file: str, tests: list[str], timeout: float) -> dict:
                 records = [json.loads(line) for line in f if line.strip()]
     if not any(r["kind"] in ("selected", "collect_error") for r in records):
         tail = " / ".join(line.strip() for line in output[-2:])
-        raise LabError(f"pytest selected none of the tests ({tail})",
-                       f"python -m pytest -q {SUITE} shows why")
+        raise LabError(
+            f"pytest selected none of the tests ({tail})", f"python -m pytest -q {SUITE} shows why"
+        )
     return gather(records, tests, timeout if timed_out else None, time.monotonic() - start)
 
 
@@ -621,13 +712,21 @@ def gather(records: list[dict], tests: list[str], timed_out, seconds: float) -> 
     for nodeid in started:
         for t in matched.get(nodeid, []):
             if nodeid not in grouped[t]:
-                message = f"did not finish within {timed_out:.0f} s: a loop that never ends?" \
-                    if timed_out else "the test process died here"
+                message = (
+                    f"did not finish within {timed_out:.0f} s: a loop that never ends?"
+                    if timed_out
+                    else "the test process died here"
+                )
                 grouped[t][nodeid] = {"nodeid": nodeid, "outcome": "failed", "message": message}
     covered = {t for names in matched.values() for t in names}
     results = {t: list(cases.values()) for t, cases in grouped.items()}
-    results.update({"_collect": collect, "_seconds": seconds,
-                    "_missing": [t for t in tests if t not in covered]})
+    results.update(
+        {
+            "_collect": collect,
+            "_seconds": seconds,
+            "_missing": [t for t in tests if t not in covered],
+        }
+    )
     return results
 
 
@@ -637,8 +736,13 @@ def grade(exercise: Exercise, results: dict, quick: bool = False, only=()) -> di
     for section, test in graded(exercise, quick, only):
         cases = results.get(test, [])
         failed = [c for c in cases if c["outcome"] != "passed"]
-        entry = {"test": f"{SUITE}::{test}", "claim": claim(parse_test(test)[0]),
-                 "cases": len(cases), "failed": len(failed), "passed": bool(cases) and not failed}
+        entry = {
+            "test": f"{SUITE}::{test}",
+            "claim": claim(parse_test(test)[0]),
+            "cases": len(cases),
+            "failed": len(failed),
+            "passed": bool(cases) and not failed,
+        }
         if failed:
             entry["first_failure"] = {"case": failed[0]["nodeid"], "message": failed[0]["message"]}
         elif not cases:
@@ -650,11 +754,19 @@ def grade(exercise: Exercise, results: dict, quick: bool = False, only=()) -> di
     everything = {t for _, t in graded(exercise)}
     taken = {t for _, t in graded(exercise, quick, only)}
     passed = all(e["passed"] for s in sections.values() for e in s) and not results["_collect"]
-    return {"exercise": exercise.name, "functions": list(exercise.functions),
-            "paper": exercise.paper, "passed": passed, "full": taken == everything,
-            "not_run": [f"{SUITE}::{t}" for t in sorted(everything - taken)],
-            "right": sections["right"], "fast": sections["fast"], "no_fast": exercise.no_fast,
-            "collect_errors": results["_collect"], "seconds": round(results["_seconds"], 1)}
+    return {
+        "exercise": exercise.name,
+        "functions": list(exercise.functions),
+        "paper": exercise.paper,
+        "passed": passed,
+        "full": taken == everything,
+        "not_run": [f"{SUITE}::{t}" for t in sorted(everything - taken)],
+        "right": sections["right"],
+        "fast": sections["fast"],
+        "no_fast": exercise.no_fast,
+        "collect_errors": results["_collect"],
+        "seconds": round(results["_seconds"], 1),
+    }
 
 
 def explain(message: str, exercise: Exercise) -> str:
@@ -670,8 +782,17 @@ def explain(message: str, exercise: Exercise) -> str:
 
 def say(text: str, indent: str) -> None:
     """Print `text` wrapped to WIDTH, its later lines indented two more."""
-    print("\n".join(textwrap.wrap(text, WIDTH, initial_indent=indent,
-                                  subsequent_indent=indent + "  ", break_long_words=False)))
+    print(
+        "\n".join(
+            textwrap.wrap(
+                text,
+                WIDTH,
+                initial_indent=indent,
+                subsequent_indent=indent + "  ",
+                break_long_words=False,
+            )
+        )
+    )
 
 
 def print_grade(result: dict, exercise: Exercise) -> None:
@@ -732,8 +853,10 @@ def reference_source() -> str:
 
 def cmd_list(args) -> int:
     handout = handout_exercises()
-    print(f"{len(EXERCISES)} exercises: python lab.py start NAME, write the body, "
-          "python lab.py check NAME.")
+    print(
+        f"{len(EXERCISES)} exercises: python lab.py start NAME, write the body, "
+        "python lab.py check NAME."
+    )
     print("Their tests run the other exercises' functions too: in a handout a FAIL that says")
     print("'needs X' names the function to write first.")
     for exercise in EXERCISES:
@@ -759,13 +882,17 @@ def cmd_start(args) -> int:
     exercise = exercise_named(args.name)
     dest = os.path.join(ROOT, RUNS, exercise.name, REFERENCE)
     if os.path.exists(dest) and not args.force:
-        raise LabError(f"{shown(dest)} exists",
-                       f"check it (python lab.py check {exercise.name}) or start over with --force")
+        raise LabError(
+            f"{shown(dest)} exists",
+            f"check it (python lab.py check {exercise.name}) or start over with --force",
+        )
     source = reference_source()
     for function in exercise.functions:
         if is_blank(source, function):
-            raise LabError(f"{function} is already blank in {REFERENCE}",
-                           f"write it there, then python lab.py check {exercise.name}")
+            raise LabError(
+                f"{function} is already blank in {REFERENCE}",
+                f"write it there, then python lab.py check {exercise.name}",
+            )
     text = blank(source, [exercise])
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     with open(dest, "w", encoding="utf-8") as f:
@@ -787,12 +914,15 @@ def read_checked(path: str, functions, missing_fix: str) -> str:
     try:
         tree = ast.parse(source)
     except SyntaxError as error:
-        raise LabError(f"{shown(path)} line {error.lineno}: {error.msg}",
-                       "fix the syntax and check again") from None
+        raise LabError(
+            f"{shown(path)} line {error.lineno}: {error.msg}", "fix the syntax and check again"
+        ) from None
     for function in functions:
         if not any(isinstance(n, ast.FunctionDef) and n.name == function for n in tree.body):
-            raise LabError(f"{shown(path)} has no function {function}",
-                           "start from python lab.py start, or a d3d.py of this repository")
+            raise LabError(
+                f"{shown(path)} has no function {function}",
+                "start from python lab.py start, or a d3d.py of this repository",
+            )
     return source
 
 
@@ -809,11 +939,15 @@ def cmd_check(args) -> int:
     names = {parse_test(t)[0] for _, t in graded(exercise)}
     for test in args.test:
         if test not in names:
-            raise LabError(f"{exercise.name} is not graded by {test}",
-                           "python lab.py list names its tests")
+            raise LabError(
+                f"{exercise.name} is not graded by {test}", "python lab.py list names its tests"
+            )
     path = args.file or default_file(exercise)
-    fix = f"python lab.py start {exercise.name} writes it" if args.file is None else \
-        "give the path of a d3d.py to grade"
+    fix = (
+        f"python lab.py start {exercise.name} writes it"
+        if args.file is None
+        else "give the path of a d3d.py to grade"
+    )
     source = read_checked(path, exercise.functions, fix)
     tests = [t for _, t in graded(exercise, args.quick, args.test)]
     print(f"grading {shown(path)} as d3d: {exercise.name} ({exercise.paper})")
@@ -836,8 +970,9 @@ def check_all(args) -> int:
     if args.test:
         raise LabError("--test picks tests of one exercise", "name the exercise, not all")
     path = args.file or os.path.join(ROOT, REFERENCE)
-    source = read_checked(path, [f for e in exercises for f in e.functions],
-                          "give the path of a d3d.py to grade")
+    source = read_checked(
+        path, [f for e in exercises for f in e.functions], "give the path of a d3d.py to grade"
+    )
     tests = sorted({t for e in exercises for _, t in graded(e, args.quick)})
     print(f"grading {shown(path)} as d3d: {', '.join(e.name for e in exercises)}")
     results = run_suite(ROOT, path, tests, args.timeout)
@@ -862,8 +997,10 @@ def cmd_handout(args) -> int:
         raise LabError(f"{shown(dest)} exists and is not empty", "give a new or an empty folder")
     inside = os.path.relpath(dest, ROOT).replace(os.sep, "/")
     if not inside.startswith("../") and not inside.startswith("runs/"):
-        raise LabError(f"{shown(dest)} is inside the repository",
-                       "write the handout outside it, or under runs/")
+        raise LabError(
+            f"{shown(dest)} is inside the repository",
+            "write the handout outside it, or under runs/",
+        )
     source = reference_source()
     for function in [f for e in exercises for f in e.functions]:
         if is_blank(source, function):
@@ -877,8 +1014,10 @@ def cmd_handout(args) -> int:
         json.dump({"exercises": [e.name for e in exercises]}, f, indent=2)
     names = ", ".join(e.name for e in exercises)
     print(f"wrote {shown(dest)}: {count} files; its {REFERENCE} has {names} blank")
-    print(f"there: python lab.py list, then python lab.py check {exercises[0].name} "
-          f"(it grades that {REFERENCE})")
+    print(
+        f"there: python lab.py list, then python lab.py check {exercises[0].name} "
+        f"(it grades that {REFERENCE})"
+    )
     return 0
 
 
@@ -899,14 +1038,28 @@ def parser() -> argparse.ArgumentParser:
     start.add_argument("--force", action="store_true", help="write over an earlier start")
     check = commands.add_parser("check", help="grade a d3d.py with NAME's tests")
     check.add_argument("name", metavar="NAME", help="an exercise, or all")
-    check.add_argument("file", metavar="FILE", nargs="?",
-                       help="default: runs/lab/NAME/d3d.py; in a handout, its d3d.py")
+    check.add_argument(
+        "file",
+        metavar="FILE",
+        nargs="?",
+        help="default: runs/lab/NAME/d3d.py; in a handout, its d3d.py",
+    )
     check.add_argument("--quick", action="store_true", help="skip the slow tests")
-    check.add_argument("--test", action="append", default=[], metavar="TEST",
-                       help="only this test of the exercise's (repeatable)")
+    check.add_argument(
+        "--test",
+        action="append",
+        default=[],
+        metavar="TEST",
+        help="only this test of the exercise's (repeatable)",
+    )
     check.add_argument("--json", metavar="PATH", help="write the grade there as JSON")
-    check.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
-                       help="stop the tests after this long (default 900)")
+    check.add_argument(
+        "--timeout",
+        type=float,
+        default=900.0,
+        metavar="SECONDS",
+        help="stop the tests after this long (default 900)",
+    )
     handout = commands.add_parser("handout", help="a copy of the repository, bodies blank")
     handout.add_argument("dir", metavar="DIR")
     handout.add_argument("names", metavar="NAME", nargs="*", help="default: every exercise")
@@ -916,8 +1069,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     if getattr(args, "timeout", 1.0) <= 0:
-        print("error: --timeout must be above 0 — give the seconds the tests may take",
-              file=sys.stderr)
+        print(
+            "error: --timeout must be above 0 — give the seconds the tests may take",
+            file=sys.stderr,
+        )
         return 2
     run = {"list": cmd_list, "start": cmd_start, "check": cmd_check, "handout": cmd_handout}
     try:

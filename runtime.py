@@ -4,6 +4,7 @@ weights (selective prefill's score), the clock that times the phases without wai
 tokens with their stop rules and a decode's stats, generate's input checks, loss logits made a few rows at a time,
 the tokenizer's fingerprint; which mode and how many lanes run when none are named (one rule for d3d.generate and
 decode.py); and loading, a guarded optimizer step and a host copy of a model, which training and pruning share."""
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,14 @@ class UserError(ValueError):
 def additive_mask(mask: torch.Tensor, model: nn.Module) -> torch.Tensor:
     """Bool mask (True = may attend) as HF's additive float mask, in attention's dtype (autocast's or the model's)."""
     kind = mask.device.type
-    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else next(model.parameters()).dtype
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    dtype = (
+        torch.get_autocast_dtype(kind)
+        if torch.is_autocast_enabled(kind)
+        else next(model.parameters()).dtype
+    )
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, torch.finfo(dtype).min
+    )
 
 
 class KVCache:
@@ -49,7 +56,10 @@ class KVCache:
 
     def __init__(self, model: nn.Module, max_len: int):
         from transformers import StaticCache
-        self.drafter = hasattr(model, "d3d_config")  # a d3d.Drafter: passes return hidden states, not logits
+
+        self.drafter = hasattr(
+            model, "d3d_config"
+        )  # a d3d.Drafter: passes return hidden states, not logits
         config = model.model.config if self.drafter else model.config
         self.model, self.max_len, self.length, self.skipped = model, max_len, 0, 0
         self.device = next(model.parameters()).device
@@ -61,21 +71,36 @@ class KVCache:
         states (q, H); a target: float logits (q, V)."""
         if self.drafter:
             return self.model.hidden_states(ids, positions, mask, self.hf)[0]
-        return self.model(input_ids=ids, position_ids=positions, attention_mask=additive_mask(mask, self.model),
-                          cache=self.hf, use_cache=True).logits[0].float()
+        return (
+            self.model(
+                input_ids=ids,
+                position_ids=positions,
+                attention_mask=additive_mask(mask, self.model),
+                cache=self.hf,
+                use_cache=True,
+            )
+            .logits[0]
+            .float()
+        )
 
     def run(self, ids, positions, mask, *, fixed: bool = True) -> torch.Tensor:
         """A pass over ids (1, q) written at slots length .. length+q-1; mask (1, 1, q, length+q) is widened to all
         slots (no query sees past its pass). fixed=False (a prefill: any length) always runs eagerly."""
         q = ids.shape[1]
-        if self.length + q > self.max_len:  # refused before the write: an overflowing write moves the position first
-            raise ValueError(f"KV cache full: {self.length} + {q} tokens > max_len {self.max_len}; make the cache "
-                             "larger (generate's caches=, decode.py --max-len)")
+        if (
+            self.length + q > self.max_len
+        ):  # refused before the write: an overflowing write moves the position first
+            raise ValueError(
+                f"KV cache full: {self.length} + {q} tokens > max_len {self.max_len}; make the cache "
+                "larger (generate's caches=, decode.py --max-len)"
+            )
         mask = F.pad(mask, (0, self.max_len - self.length - q))
         self.length += q
         try:
             return (self.step if fixed else self.forward)(ids, positions, mask)
-        except RuntimeError as error:  # a forward that drops its cache meets a mask wider than its own keys
+        except (
+            RuntimeError
+        ) as error:  # a forward that drops its cache meets a mask wider than its own keys
             if not self.hf.layers[0].is_initialized:
                 self.check([-1, -1])
             raise error
@@ -87,15 +112,24 @@ class KVCache:
     def written(self, device) -> torch.Tensor:
         """The cache's own length in its first and last layer (2,), left on the device for the round's one read."""
         layers = (self.hf.layers[0], self.hf.layers[-1])
-        return torch.stack([layer.cumulative_length.to(device) if layer.is_initialized
-                            else torch.tensor(-1, device=device) for layer in layers])
+        return torch.stack(
+            [
+                layer.cumulative_length.to(device)
+                if layer.is_initialized
+                else torch.tensor(-1, device=device)
+                for layer in layers
+            ]
+        )
 
     def check(self, written: list[int]) -> None:
         """A pass that ignored its cache (a model whose forward drops cache=) would decode wrong tokens without an
         error; its cache's own length then differs from the host's."""
         if any(n != self.length for n in written):
-            raise ignored_cache(f"{type(self.model).__name__}'s KV cache", f"{written} tokens (first, last layer)",
-                                self.length)
+            raise ignored_cache(
+                f"{type(self.model).__name__}'s KV cache",
+                f"{written} tokens (first, last layer)",
+                self.length,
+            )
 
     def rewind(self, length: int) -> None:
         """Keep the sequence's first `length` tokens (slots: length - skipped); the next pass
@@ -103,8 +137,10 @@ class KVCache:
         since those slots were never written."""
         if length - self.skipped > self.length:
             held = self.length + self.skipped
-            raise ValueError(f"cannot rewind the KV cache to {length} tokens: it holds {held}; "
-                             f"rewind drops tokens, so give a length of at most {held}")
+            raise ValueError(
+                f"cannot rewind the KV cache to {length} tokens: it holds {held}; "
+                f"rewind drops tokens, so give a length of at most {held}"
+            )
         if length - self.skipped < self.length:
             self.hf.crop(length - self.skipped - self.length)
             self.length = length - self.skipped
@@ -118,12 +154,15 @@ class KVCache:
 @dataclass
 class Caches:
     """The target's and the drafter's KVCache, kept across requests (decode.py makes one pair per run)."""
+
     target: KVCache
     drafter: KVCache | None
 
     @classmethod
     def make(cls, target: nn.Module, drafter: nn.Module | None, max_len: int) -> "Caches":
-        return cls(KVCache(target, max_len), KVCache(drafter, max_len) if drafter is not None else None)
+        return cls(
+            KVCache(target, max_len), KVCache(drafter, max_len) if drafter is not None else None
+        )
 
     @property
     def compiled(self) -> bool:
@@ -132,25 +171,38 @@ class Caches:
 
     def check(self, target: nn.Module, drafter: nn.Module | None, need: int) -> "Caches":
         """These caches, if they belong to these models and hold `need` slots; else a clear error."""
-        if self.target.model is not target or (drafter is not None and self.drafter.model is not drafter):
-            raise ValueError("caches were made for other models: Caches.make(target, drafter, max_len)")
+        if self.target.model is not target or (
+            drafter is not None and self.drafter.model is not drafter
+        ):
+            raise ValueError(
+                "caches were made for other models: Caches.make(target, drafter, max_len)"
+            )
         if need > self.target.max_len or (drafter is not None and need > self.drafter.max_len):
-            raise ValueError(f"this request needs KV caches of {need} slots (prompt + max_new_tokens + the widest "
-                             f"pass), the caches have {self.target.max_len}: make them larger (Caches.make(..., "
-                             "max_len), decode.py --max-len)")
+            raise ValueError(
+                f"this request needs KV caches of {need} slots (prompt + max_new_tokens + the widest "
+                f"pass), the caches have {self.target.max_len}: make them larger (Caches.make(..., "
+                "max_len), decode.py --max-len)"
+            )
         return self
 
 
-def cache_len(prompt_len: int, max_new_tokens: int, block_size: int = 1, coverage: int = 0, fanout: int = 0) -> int:
+def cache_len(
+    prompt_len: int, max_new_tokens: int, block_size: int = 1, coverage: int = 0, fanout: int = 0
+) -> int:
     """Slots a request needs: its tokens plus the widest pass written past them (async: the packed pass)."""
-    widest = max(2 * block_size + 1, 1 + block_size + (min(coverage, block_size) * fanout + 1) * (1 + block_size))
+    widest = max(
+        2 * block_size + 1,
+        1 + block_size + (min(coverage, block_size) * fanout + 1) * (1 + block_size),
+    )
     return prompt_len + max_new_tokens + widest
 
 
 def ignored_cache(cache: str, holds: str, written: int) -> RuntimeError:
     """The error for a cache that holds other than what was written into it: the model's forward ignored it."""
-    return RuntimeError(f"{cache} holds {holds} where {written} were written: the model's forward ignored the cache "
-                        "it was given (transformers outside the versions in requirements.txt?)")
+    return RuntimeError(
+        f"{cache} holds {holds} where {written} were written: the model's forward ignored the cache "
+        "it was given (transformers outside the versions in requirements.txt?)"
+    )
 
 
 def read_round(values: list[torch.Tensor], *caches: KVCache) -> list[int]:
@@ -160,7 +212,7 @@ def read_round(values: list[torch.Tensor], *caches: KVCache) -> list[int]:
     read = torch.cat([v.view(-1) for v in values] + [c.written(device) for c in caches]).tolist()
     n = len(read) - 2 * len(caches)
     for i, cache in enumerate(caches):
-        cache.check(read[n + 2 * i: n + 2 * i + 2])
+        cache.check(read[n + 2 * i : n + 2 * i + 2])
     return read[:n]
 
 
@@ -178,16 +230,18 @@ def causal_pass(cache: KVCache, ids: torch.Tensor) -> torch.Tensor:
 PREFILL_CHUNK = 512  # tokens a prefill pass reads: its mask is chunk x cache length, never prompt x prompt (32k: 1 GiB)
 
 
-def prefill(cache: KVCache, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+def prefill(
+    cache: KVCache, ids: torch.Tensor, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """Causal passes over a prompt, ids (1, n) at positions (1, n) (default: after what the cache holds), that write
     it into the cache PREFILL_CHUNK tokens at a time, eagerly (any length). Returns the last pass's output: its last
     row is the last token's."""
     if positions is None:
         positions = cache.positions(ids.shape[1], ids.device)
     for start in range(0, ids.shape[1], PREFILL_CHUNK):
-        chunk = ids[:, start: start + PREFILL_CHUNK]
+        chunk = ids[:, start : start + PREFILL_CHUNK]
         mask = causal_mask(chunk.shape[1], cache.length, ids.device)
-        out = cache.run(chunk, positions[:, start: start + PREFILL_CHUNK], mask, fixed=False)
+        out = cache.run(chunk, positions[:, start : start + PREFILL_CHUNK], mask, fixed=False)
     return out
 
 
@@ -200,8 +254,14 @@ def attention_pass(cache: KVCache, ids: torch.Tensor) -> list[torch.Tensor]:
     attn_implementation = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
-        out = model.get_decoder()(input_ids=ids, position_ids=positions, attention_mask=additive_mask(mask, model),
-                                  cache=cache.hf, use_cache=True, output_attentions=True)
+        out = model.get_decoder()(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=additive_mask(mask, model),
+            cache=cache.hf,
+            use_cache=True,
+            output_attentions=True,
+        )
         cache.length += q
     finally:
         model.set_attn_implementation(attn_implementation)
@@ -245,9 +305,13 @@ class Clock:
     def span(self, key: str):
         start, host, lane = self._mark(), time.perf_counter(), self._lane()
         yield
-        self.spans.append((key, start, self._mark(), lane))  # a list append: safe from a worker thread too
+        self.spans.append(
+            (key, start, self._mark(), lane)
+        )  # a list append: safe from a worker thread too
         if self.cuda:
-            self.host[key + "_launch"] = self.host.get(key + "_launch", 0.0) + time.perf_counter() - host
+            self.host[key + "_launch"] = (
+                self.host.get(key + "_launch", 0.0) + time.perf_counter() - host
+            )
 
     @torch.no_grad()  # also in a worker thread, where the caller's no_grad does not reach
     def run(self, key: str, fn):
@@ -270,12 +334,29 @@ class Clock:
         named by its key, times in microseconds from the clock's start. Read after the decode (totals waits)."""
         self.now()
         lanes = list(dict.fromkeys(lane for *_, lane in self.spans))
-        events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"d3d decode on {self.device}"}}]
-        events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": lane}}
-                   for i, lane in enumerate(lanes)]
+        events = [
+            {
+                "name": "process_name",
+                "ph": "M",
+                "pid": 0,
+                "args": {"name": f"d3d decode on {self.device}"},
+            }
+        ]
+        events += [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": lane}}
+            for i, lane in enumerate(lanes)
+        ]
         for key, start, end, lane in self.spans:
-            events.append({"name": key, "ph": "X", "pid": 0, "tid": lanes.index(lane),
-                           "ts": 1e6 * self._seconds(self.zero, start), "dur": 1e6 * self._seconds(start, end)})
+            events.append(
+                {
+                    "name": key,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": lanes.index(lane),
+                    "ts": 1e6 * self._seconds(self.zero, start),
+                    "dur": 1e6 * self._seconds(start, end),
+                }
+            )
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -287,27 +368,41 @@ class Output:
     """Committed tokens of one sequence, with the stop rules (EOS kept, max_new_tokens) and the tokens per round."""
 
     def __init__(self, prompt: list[int], max_new_tokens: int, eos_token_id):
-        self.tokens, self.prompt_len, self.max_new_tokens = list(prompt), len(prompt), max_new_tokens
+        self.tokens, self.prompt_len, self.max_new_tokens = (
+            list(prompt),
+            len(prompt),
+            max_new_tokens,
+        )
         eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
         self.eos = {int(e) for e in eos if e is not None}
         self.done = max_new_tokens <= 0
-        self.accept_lengths: list[int] = []  # per speculative round: tokens committed (accepted + 1)
+        self.accept_lengths: list[
+            int
+        ] = []  # per speculative round: tokens committed (accepted + 1)
 
     def commit(self, new: list[int]) -> list[int]:
         """Append tokens, cut at the first EOS (kept) or at max_new_tokens. Returns what was committed."""
         if self.done:  # a finished sequence takes no more tokens
-            raise RuntimeError("tokens committed to a finished sequence: a decoding loop lost track of its rows or of "
-                               "the stop rule")
+            raise RuntimeError(
+                "tokens committed to a finished sequence: a decoding loop lost track of its rows or of "
+                "the stop rule"
+            )
         new = new[: self.prompt_len + self.max_new_tokens - len(self.tokens)]
         for i, t in enumerate(new):
             if t in self.eos:
                 new = new[: i + 1]
                 break
         self.tokens.extend(new)
-        self.done = len(self.tokens) - self.prompt_len >= self.max_new_tokens or (bool(new) and new[-1] in self.eos)
-        if not new and not self.done:  # the sequence would stand still and the next round repeat this one forever
-            raise RuntimeError("a round committed no token and the sequence is not done: a decoding loop lost its "
-                               "tokens")
+        self.done = len(self.tokens) - self.prompt_len >= self.max_new_tokens or (
+            bool(new) and new[-1] in self.eos
+        )
+        if (
+            not new and not self.done
+        ):  # the sequence would stand still and the next round repeat this one forever
+            raise RuntimeError(
+                "a round committed no token and the sequence is not done: a decoding loop lost its "
+                "tokens"
+            )
         return new
 
     def commit_round(self, accepted: list[int], next_token: int) -> None:
@@ -315,24 +410,37 @@ class Output:
 
     def summary(self) -> dict:
         """tau (mean tokens committed per round), accept_lengths, num_rounds, num_new_tokens."""
-        return {"tau": mean(self.accept_lengths), "accept_lengths": self.accept_lengths,
-                "num_rounds": len(self.accept_lengths), "num_new_tokens": len(self.tokens) - self.prompt_len}
+        return {
+            "tau": mean(self.accept_lengths),
+            "accept_lengths": self.accept_lengths,
+            "num_rounds": len(self.accept_lengths),
+            "num_new_tokens": len(self.tokens) - self.prompt_len,
+        }
 
     def stats(self, seconds: dict, mode: str, selection) -> dict:
         """A single-sequence decode's stats, from its clock's seconds per phase (Clock.totals)."""
-        phases = {"target": (), "sync": ("draft", "verify"),
-                  "async": ("fallback_draft", "packed_draft", "verify", "both")}
-        stats = {**self.summary(), "time_total": seconds["total"],
-                 # time to first token: the target's prefill, the drafter's, and selective prefill's scoring
-                 "time_prefill": seconds.get("prefill", 0.0) + seconds.get("scoring", 0.0),
-                 **{f"time_{key}": seconds.get(key, 0.0) for key in phases[mode]},
-                 **{f"time_{key}": value for key, value in seconds.items() if key.endswith("_launch")}}
+        phases = {
+            "target": (),
+            "sync": ("draft", "verify"),
+            "async": ("fallback_draft", "packed_draft", "verify", "both"),
+        }
+        stats = {
+            **self.summary(),
+            "time_total": seconds["total"],
+            # time to first token: the target's prefill, the drafter's, and selective prefill's scoring
+            "time_prefill": seconds.get("prefill", 0.0) + seconds.get("scoring", 0.0),
+            **{f"time_{key}": seconds.get(key, 0.0) for key in phases[mode]},
+            **{f"time_{key}": value for key, value in seconds.items() if key.endswith("_launch")},
+        }
         if mode == "async":
             stats["time_draft"] = stats["time_fallback_draft"] + stats["time_packed_draft"]
         if selection is not None:
-            stats.update({key: selection[key] for key in ("num_chunks", "chunks_kept")},
-                         prompt_tokens_prefilled=selection["kept_ids"].shape[1], time_scoring=seconds["scoring"],
-                         time_target_prefill=seconds.get("prefill", 0.0))
+            stats.update(
+                {key: selection[key] for key in ("num_chunks", "chunks_kept")},
+                prompt_tokens_prefilled=selection["kept_ids"].shape[1],
+                time_scoring=seconds["scoring"],
+                time_target_prefill=seconds.get("prefill", 0.0),
+            )
         return stats
 
 
@@ -363,8 +471,10 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}: use auto, {', '.join(DTYPES)}")
     if DTYPES[name] == torch.bfloat16 and device.type == "cpu" and not native_bf16(device):
-        warnings.warn("bf16 on a CPU without AVX512-BF16/AMX runs on slow fallback kernels (measured on AVX2: a "
-                      "drafter training step 130 s instead of 5.9 s in fp32); --dtype auto picks fp32 here")
+        warnings.warn(
+            "bf16 on a CPU without AVX512-BF16/AMX runs on slow fallback kernels (measured on AVX2: a "
+            "drafter training step 130 s instead of 5.9 s in fp32); --dtype auto picks fp32 here"
+        )
     return DTYPES[name]
 
 
@@ -372,30 +482,54 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 # generate's input checks
 
 
-def check_request(target, drafter, input_ids, max_new_tokens, mode, block_size, temperature, coverage, fanout, cover,
-                  keep_ratio) -> int | None:
+def check_request(
+    target,
+    drafter,
+    input_ids,
+    max_new_tokens,
+    mode,
+    block_size,
+    temperature,
+    coverage,
+    fanout,
+    cover,
+    keep_ratio,
+) -> int | None:
     """d3d.generate's input checks: a clear error for each bad input. Returns the block size (default: the
     drafter's; None without a drafter)."""
     if isinstance(input_ids, (list, tuple)):
-        raise ValueError("d3d.generate decodes one prompt (1, prompt_len); a list of prompts decodes as one batch "
-                         "with systems.batched.generate")
+        raise ValueError(
+            "d3d.generate decodes one prompt (1, prompt_len); a list of prompts decodes as one batch "
+            "with systems.batched.generate"
+        )
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must have shape (1, prompt_len) (batch 1, not empty: at least one token), "
-                         f"got {tuple(input_ids.shape)}")
+        raise ValueError(
+            f"input_ids must have shape (1, prompt_len) (batch 1, not empty: at least one token), "
+            f"got {tuple(input_ids.shape)}"
+        )
     if max_new_tokens < 0 or temperature < 0:
-        raise ValueError(f"need max_new_tokens >= 0 and temperature >= 0, got {max_new_tokens}, {temperature}")
+        raise ValueError(
+            f"need max_new_tokens >= 0 and temperature >= 0, got {max_new_tokens}, {temperature}"
+        )
     if drafter is None and (mode != "target" or keep_ratio is not None):
-        raise ValueError(f"mode {mode!r} needs a drafter" + (" (it scores the prompt chunks)" if keep_ratio else ""))
+        raise ValueError(
+            f"mode {mode!r} needs a drafter"
+            + (" (it scores the prompt chunks)" if keep_ratio else "")
+        )
     if drafter is not None:
         target_rows = target.get_output_embeddings().weight.shape[0]
         if drafter.d3d_config.target_vocab_size != target_rows:
-            raise ValueError(f"the drafter was made for a target vocabulary of {drafter.d3d_config.target_vocab_size}"
-                             f" tokens, this target has {target_rows}: use a drafter made with the target's tokenizer")
+            raise ValueError(
+                f"the drafter was made for a target vocabulary of {drafter.d3d_config.target_vocab_size}"
+                f" tokens, this target has {target_rows}: use a drafter made with the target's tokenizer"
+            )
         block_size = drafter.d3d_config.block_size if block_size is None else block_size
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
     if (coverage or 0) < 0 or (fanout or 0) < 0 or cover not in ("first", "likely"):
-        raise ValueError(f"need coverage, fanout >= 0, cover 'first' or 'likely'; got {coverage}, {fanout}, {cover!r}")
+        raise ValueError(
+            f"need coverage, fanout >= 0, cover 'first' or 'likely'; got {coverage}, {fanout}, {cover!r}"
+        )
     return block_size
 
 
@@ -403,7 +537,9 @@ def check_request(target, drafter, input_ids, max_new_tokens, mode, block_size, 
 # Which mode, and how many lanes, where the caller names none: one rule for d3d.generate and decode.py
 
 
-TWO_LANES_MIN_PARAMS = 20_000_000  # a CPU's second thread pays from this target size on (a tiny model's passes hold
+TWO_LANES_MIN_PARAMS = (
+    20_000_000  # a CPU's second thread pays from this target size on (a tiny model's passes hold
+)
 # the GIL: two threads were measured slower, RESULTS.md, "Speed")
 
 
@@ -411,18 +547,24 @@ def default_mode(device_type: str) -> tuple[str, str]:
     """The speculative mode a run uses where none is named, and why: sync on every device until a measured run shows
     async faster there (d3d.generate's default is sync too)."""
     if device_type == "cuda":
-        return "sync", ("at batch 1 both the verification and the drafter's passes are bound by memory bandwidth: an "
-                        "async round streams both models' weights through the same memory at once, so overlap saves "
-                        "little and every miss adds a whole draft (an estimate until a GPU measures it: README, "
-                        "'Async on one GPU'; compare with --bench FILE --modes sync async)")
-    return "sync", ("on a CPU a pass costs in proportion to its tokens, so async's packed pass costs more than the "
-                    "draft a hit saves (RESULTS.md, Speed)")
+        return "sync", (
+            "at batch 1 both the verification and the drafter's passes are bound by memory bandwidth: an "
+            "async round streams both models' weights through the same memory at once, so overlap saves "
+            "little and every miss adds a whole draft (an estimate until a GPU measures it: README, "
+            "'Async on one GPU'; compare with --bench FILE --modes sync async)"
+        )
+    return "sync", (
+        "on a CPU a pass costs in proportion to its tokens, so async's packed pass costs more than the "
+        "draft a hit saves (RESULTS.md, Speed)"
+    )
 
 
 _compiled_lanes_on_cuda = False  # lifted only by unproven_compiled_lanes()
 
 
-def async_lanes(device_type: str, compiled: bool, lanes: int | None = None, num_params: int = 0) -> int:
+def async_lanes(
+    device_type: str, compiled: bool, lanes: int | None = None, num_params: int = 0
+) -> int:
     """How many lanes async decoding runs in: 1, the packed pass after the verification; 2, beside it (CUDA: a second
     stream; CPU: a second thread). lanes=None picks: 2 on a CPU for a target of TWO_LANES_MIN_PARAMS or more, else 1
     (on CUDA, eager passes are bound by kernel launches from one Python thread, so a second stream has nothing to
@@ -432,12 +574,16 @@ def async_lanes(device_type: str, compiled: bool, lanes: int | None = None, num_
     if lanes is None:
         lanes = 2 if device_type == "cpu" and num_params >= TWO_LANES_MIN_PARAMS else 1
     if lanes not in (1, 2):
-        raise ValueError(f"lanes must be 1 (one pass after the other) or 2 (a second stream or thread), got {lanes}")
+        raise ValueError(
+            f"lanes must be 1 (one pass after the other) or 2 (a second stream or thread), got {lanes}"
+        )
     if lanes == 2 and compiled and device_type == "cuda" and not _compiled_lanes_on_cuda:
-        raise ValueError("two lanes with compiled passes on CUDA are refused: their CUDA graphs share one memory pool, "
-                         "so verification and the packed pass replayed at once on two streams may overwrite each "
-                         "other's activations without an error. Use one lane (lanes=1; decode.py --lanes 1, or a mode "
-                         "without +2lanes) or eager passes (no --compile, no +compiled)")
+        raise ValueError(
+            "two lanes with compiled passes on CUDA are refused: their CUDA graphs share one memory pool, "
+            "so verification and the packed pass replayed at once on two streams may overwrite each "
+            "other's activations without an error. Use one lane (lanes=1; decode.py --lanes 1, or a mode "
+            "without +2lanes) or eager passes (no --compile, no +compiled)"
+        )
     return lanes
 
 
@@ -457,7 +603,10 @@ def unproven_compiled_lanes():
 # Loss logits in chunks
 
 
-LOGITS_PER_CHUNK = {"cpu": 2**25, "cuda": 2**28}  # fp32 logits alive at once in the loss: 128 MiB on a CPU, 1 GiB
+LOGITS_PER_CHUNK = {
+    "cpu": 2**25,
+    "cuda": 2**28,
+}  # fp32 logits alive at once in the loss: 128 MiB on a CPU, 1 GiB
 # on a GPU (Qwen3's 151,936 tokens: 220 or 1,766 rows; every chunk recasts the tied head and sums its gradient)
 
 
@@ -473,8 +622,10 @@ def in_logit_chunks(vocab_size: int, fn, *rows: torch.Tensor) -> tuple[torch.Ten
     recomputed in backward, not kept."""
     size = loss_chunk_rows(vocab_size, rows[0].device)
     outputs = []
-    for start in range(0, len(rows[0]) or 1, size):  # an empty batch still runs once: its loss stays in the graph
-        chunk = [r[start: start + size] for r in rows]
+    for start in range(
+        0, len(rows[0]) or 1, size
+    ):  # an empty batch still runs once: its loss stays in the graph
+        chunk = [r[start : start + size] for r in rows]
         if torch.is_grad_enabled() and rows[0].requires_grad:
             outputs.append(torch.utils.checkpoint.checkpoint(fn, *chunk, use_reentrant=False))
         else:
@@ -496,8 +647,10 @@ def check_tokenizer(drafter, tokenizer) -> None:
     """Raise if a d3d.Drafter was made for another tokenizer than `tokenizer` (the target's)."""
     expected = drafter.d3d_config.tokenizer_hash
     if expected and expected != tokenizer_fingerprint(tokenizer):
-        raise ValueError("the drafter was made for a different tokenizer than the target's: its drafts would be "
-                         "other tokens. Train a drafter for this target (python train.py --target ...)")
+        raise ValueError(
+            "the drafter was made for a different tokenizer than the target's: its drafts would be "
+            "other tokens. Train a drafter for this target (python train.py --target ...)"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -526,12 +679,15 @@ def load_causal_lm(path: str, dtype=None, device=None, **kwargs) -> nn.Module:
     """AutoModelForCausalLM.from_pretrained in `dtype` on `device`. On a GPU with `accelerate` installed the weights
     go straight there (device_map); without it they pass through host memory first (an 8B model in bf16: 16 GB)."""
     from transformers import AutoModelForCausalLM
+
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device, **kwargs)
     if device.type != "cpu":
-        warnings.warn(f"loading {path} through host memory first (pip install accelerate loads it straight to "
-                      f"{device})")
+        warnings.warn(
+            f"loading {path} through host memory first (pip install accelerate loads it straight to "
+            f"{device})"
+        )
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device)
 
 
@@ -561,8 +717,10 @@ def find_recorded(path: str | None, what: str, must_exist: bool = True) -> str |
     if os.path.exists(inside):
         return inside
     if must_exist:
-        raise UserError(f"{what} {path} is gone (looked in the current folder and in "
-                        f"{REPOSITORY}) — restore it, or train again")
+        raise UserError(
+            f"{what} {path} is gone (looked in the current folder and in "
+            f"{REPOSITORY}) — restore it, or train again"
+        )
     return path
 
 
@@ -580,6 +738,9 @@ def finite_step(optimizer: torch.optim.Optimizer, params, max_norm: float) -> bo
 
 def host_copy(module: nn.Module) -> nn.Module:
     """A deep copy in host memory, made tensor by tensor (never a second whole copy on the device)."""
-    memo = {id(p): nn.Parameter(p.detach().to("cpu", copy=True), p.requires_grad) for p in module.parameters()}
+    memo = {
+        id(p): nn.Parameter(p.detach().to("cpu", copy=True), p.requires_grad)
+        for p in module.parameters()
+    }
     memo.update({id(b): b.to("cpu", copy=True) for b in module.buffers()})
     return copy.deepcopy(module, memo)

@@ -2,6 +2,7 @@
 
 Run: python -m pytest -q test_d3d.py
 """
+
 import json
 import math
 import time
@@ -9,11 +10,17 @@ import time
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import d3d
-from systems import batched, fast
 import runtime
+from systems import batched, fast
 
 torch.set_num_threads(1)  # tiny models: one thread is fastest and leaves a core to the other tests
 TEXT_VOCAB = 90  # tokens the tokenizer knows; the models have 99 rows (free slots, like Qwen3's padded vocab)
@@ -28,16 +35,32 @@ def make_tokenizer(size=TEXT_VOCAB, prefix="t"):
 
 def tiny_qwen3(seed=0, vocab_size=99, layers=2, init=0.02):
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=37, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                         initializer_range=init, attn_implementation="sdpa")
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        initializer_range=init,
+        attn_implementation="sdpa",
+    )
     return Qwen3ForCausalLM(config).eval()
 
 
 def tiny_llama(seed=0, vocab_size=90):
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -66,11 +89,15 @@ class ScriptedDrafter(d3d.Drafter):
         super().__init__(drafter.model, drafter.d3d_config)
         self.reference, self.right_upto = reference, right_upto
         self.references = reference if isinstance(reference[0], list) else [reference]
-        self.right_uptos = right_upto if isinstance(right_upto, list) else [right_upto] * len(self.references)
+        self.right_uptos = (
+            right_upto if isinstance(right_upto, list) else [right_upto] * len(self.references)
+        )
         self.cache, self.rows, self.batch_sizes = None, [], []
 
     def hidden_states(self, input_ids, position_ids, attention_mask, past_key_values=None):
-        super().hidden_states(input_ids, position_ids, attention_mask, past_key_values)  # the cache moves as usual
+        super().hidden_states(
+            input_ids, position_ids, attention_mask, past_key_values
+        )  # the cache moves as usual
         self.follow(past_key_values, input_ids.shape[0])
         self.batch_sizes.append(input_ids.shape[0])
         scripted = torch.zeros(*input_ids.shape, self.d3d_config.target_vocab_size)
@@ -110,6 +137,7 @@ class ScriptedDrafter(d3d.Drafter):
             def keep(indices):
                 self.rows = [self.rows[i] for i in indices.tolist()]
                 select(indices)
+
             cache.batch_select_indices = keep
         assert len(self.rows) == batch_size
 
@@ -145,17 +173,29 @@ def slow_mask(num_causal, anchors, block_size, prefix_lens, past_len):
     return mask, torch.tensor(positions)
 
 
-@pytest.mark.parametrize("num_causal,anchors,block_size,prefix_len,past_len", [
-    (7, [0, 2, 3], 3, 0, 0),  # overlapping spans
-    (5, [1, 1, 4], 1, 0, 0),  # two blocks off the same point, block size 1
-    (9, [2, 3, 8], 5, 1, 4),  # async shape: branches with a causal prefix token, a cache
-    (4, [-1, 0, 3], 2, 1, 6),  # async after a fallback draft: x_n in the cache, a branch hanging off it (index -1)
-    (1, [0], 16, 0, 11),  # synchronous drafting: one token, one block
-])
+@pytest.mark.parametrize(
+    "num_causal,anchors,block_size,prefix_len,past_len",
+    [
+        (7, [0, 2, 3], 3, 0, 0),  # overlapping spans
+        (5, [1, 1, 4], 1, 0, 0),  # two blocks off the same point, block size 1
+        (9, [2, 3, 8], 5, 1, 4),  # async shape: branches with a causal prefix token, a cache
+        (
+            4,
+            [-1, 0, 3],
+            2,
+            1,
+            6,
+        ),  # async after a fallback draft: x_n in the cache, a branch hanging off it (index -1)
+        (1, [0], 16, 0, 11),  # synchronous drafting: one token, one block
+    ],
+)
 def test_mask_matches_slow_reference(num_causal, anchors, block_size, prefix_len, past_len):
-    mask, positions = d3d.packed_attention_mask(num_causal, torch.tensor(anchors), block_size,
-                                                prefix_len=prefix_len, past_len=past_len)
-    expected_mask, expected_pos = slow_mask(num_causal, anchors, block_size, [prefix_len] * len(anchors), past_len)
+    mask, positions = d3d.packed_attention_mask(
+        num_causal, torch.tensor(anchors), block_size, prefix_len=prefix_len, past_len=past_len
+    )
+    expected_mask, expected_pos = slow_mask(
+        num_causal, anchors, block_size, [prefix_len] * len(anchors), past_len
+    )
     assert torch.equal(mask[0, 0], expected_mask)
     assert torch.equal(positions[0], expected_pos)
 
@@ -165,7 +205,9 @@ def test_mask_is_per_row_for_batched_anchors():
     mask, positions = d3d.packed_attention_mask(6, anchors, 3)
     for row in range(2):
         expected_mask, expected_pos = slow_mask(6, anchors[row].tolist(), 3, [0, 0], 0)
-        assert torch.equal(mask[row, 0], expected_mask) and torch.equal(positions[row], expected_pos)
+        assert torch.equal(mask[row, 0], expected_mask) and torch.equal(
+            positions[row], expected_pos
+        )
 
 
 @pytest.mark.parametrize("d1_from", ["causal", "mask"])
@@ -175,22 +217,36 @@ def test_packed_blocks_equal_separate_passes(tok, d1_from):
     drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=5, d1_from=d1_from)
     x = torch.randint(0, TEXT_VOCAB, (2, 13), generator=torch.Generator().manual_seed(0))
     anchors = torch.tensor([[3, 6, 7], [5, 8, 10]])
-    hidden = drafter.hidden_states(*d3d._packed_inputs(drafter, x, anchors, 5))  # (2, 13 + 3 * 5, H)
+    hidden = drafter.hidden_states(
+        *d3d._packed_inputs(drafter, x, anchors, 5)
+    )  # (2, 13 + 3 * 5, H)
     logits = drafter.logits(hidden)
     causal_logits, block_logits = logits[:, :13], logits[:, 13:].unflatten(1, (3, 5))
     rows = d3d.draft_rows(anchors, 13 + 5 * torch.arange(3), 5, d1_from)  # (2, 3, 5)
     draft_logits = torch.stack([logits[i, rows[i]] for i in range(2)])  # (2, 3, 5, V)
-    anchor_logits = causal_logits.gather(1, anchors[..., None].expand(-1, -1, causal_logits.shape[-1]))
+    anchor_logits = causal_logits.gather(
+        1, anchors[..., None].expand(-1, -1, causal_logits.shape[-1])
+    )
     for row in range(2):
         for k, a in enumerate(anchors[row].tolist()):
             cache = runtime.KVCache(drafter, 32)
-            alone = d3d.draft_block(drafter, cache, x[row: row + 1, : a + 1], 5, width=a + 3)  # 2 pads after x_a
+            alone = d3d.draft_block(
+                drafter, cache, x[row : row + 1, : a + 1], 5, width=a + 3
+            )  # 2 pads after x_a
             torch.testing.assert_close(alone[:, :TEXT_VOCAB], draft_logits[row, k, :, :TEXT_VOCAB])
-            torch.testing.assert_close(alone[1:, :TEXT_VOCAB], block_logits[row, k, 1:, :TEXT_VOCAB])
-            assert cache.length == int(cache.hf.get_seq_length()) == a + 1  # pads and block KV dropped
+            torch.testing.assert_close(
+                alone[1:, :TEXT_VOCAB], block_logits[row, k, 1:, :TEXT_VOCAB]
+            )
+            assert (
+                cache.length == int(cache.hf.get_seq_length()) == a + 1
+            )  # pads and block KV dropped
     plain = drafter.model(x).logits[:, :, :TEXT_VOCAB]
-    torch.testing.assert_close(anchor_logits[..., :TEXT_VOCAB], plain.gather(1, anchors[..., None].expand(
-        -1, -1, TEXT_VOCAB)), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        anchor_logits[..., :TEXT_VOCAB],
+        plain.gather(1, anchors[..., None].expand(-1, -1, TEXT_VOCAB)),
+        atol=1e-5,
+        rtol=1e-5,
+    )
     if d1_from == "causal":
         torch.testing.assert_close(draft_logits[:, :, 0], anchor_logits)
     else:
@@ -213,7 +269,7 @@ def batch(seed=0, b=3, length=21, prompt_len=6):
     loss_mask = torch.zeros(b, length, dtype=torch.bool)
     loss_mask[:, prompt_len:] = True
     if b > 1:
-        loss_mask[1, length - 4:] = False  # a right-padded row
+        loss_mask[1, length - 4 :] = False  # a right-padded row
     return x, loss_mask
 
 
@@ -226,13 +282,30 @@ def test_offline_tau_drafts_the_d1_from_where_decoding_does(tok, target):
     input_ids, loss_mask = torch.tensor([ids]), torch.zeros(1, len(ids), dtype=torch.bool)
     loss_mask[0, 3:] = True
     drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=4)
-    taus = {first: d3d.offline_tau(drafter, input_ids, loss_mask, num_anchors=16, d1_from=first,
-                                   generator=torch.Generator().manual_seed(0)) for first in ("causal", "mask")}
+    taus = {
+        first: d3d.offline_tau(
+            drafter,
+            input_ids,
+            loss_mask,
+            num_anchors=16,
+            d1_from=first,
+            generator=torch.Generator().manual_seed(0),
+        )
+        for first in ("causal", "mask")
+    }
     assert len(taus["causal"]) == 16 and taus["causal"].min() >= 2
     assert taus["mask"].mean() < taus["causal"].mean()
     drafter.d3d_config.d1_from = "mask"  # the default comes from the config
-    assert torch.equal(d3d.offline_tau(drafter, input_ids, loss_mask, num_anchors=16,
-                                       generator=torch.Generator().manual_seed(0)), taus["mask"])
+    assert torch.equal(
+        d3d.offline_tau(
+            drafter,
+            input_ids,
+            loss_mask,
+            num_anchors=16,
+            generator=torch.Generator().manual_seed(0),
+        ),
+        taus["mask"],
+    )
 
 
 def test_loss_starts_near_log_vocab_and_falls(tok):
@@ -241,9 +314,13 @@ def test_loss_starts_near_log_vocab_and_falls(tok):
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     losses = []
     for step in range(25):
-        loss, metrics = d3d.d3d_loss(drafter, x, loss_mask, generator=torch.Generator().manual_seed(step))
+        loss, metrics = d3d.d3d_loss(
+            drafter, x, loss_mask, generator=torch.Generator().manual_seed(step)
+        )
         if step == 0:
-            assert abs(metrics["loss_block"].item() - math.log(TEXT_VOCAB)) < 0.3  # -inf on MASK: V-1 classes
+            assert (
+                abs(metrics["loss_block"].item() - math.log(TEXT_VOCAB)) < 0.3
+            )  # -inf on MASK: V-1 classes
             assert abs(metrics["loss_ar"].item() - math.log(TEXT_VOCAB)) < 0.3
             assert metrics["block_acc"].shape == (4,)
         optimizer.zero_grad()
@@ -261,9 +338,13 @@ def test_chunked_loss_equals_the_plain_computation(tok, monkeypatch):
     hidden = torch.randn(11, 32, generator=g, requires_grad=True)
     labels = torch.randint(0, TEXT_VOCAB, (11,), generator=g)
     weight = drafter.model.get_output_embeddings().weight
-    expected = torch.nn.functional.nll_loss(torch.log_softmax(drafter.logits(hidden), -1), labels, reduction="none")
+    expected = torch.nn.functional.nll_loss(
+        torch.log_softmax(drafter.logits(hidden), -1), labels, reduction="none"
+    )
     expected_grads = torch.autograd.grad(expected.sum(), [hidden, weight])
-    monkeypatch.setitem(runtime.LOGITS_PER_CHUNK, "cpu", 3 * 99)  # 3 rows per chunk: 4 chunks, the last one short
+    monkeypatch.setitem(
+        runtime.LOGITS_PER_CHUNK, "cpu", 3 * 99
+    )  # 3 rows per chunk: 4 chunks, the last one short
     loss, argmax = d3d.cross_entropy(drafter, hidden, labels)
     grads = torch.autograd.grad(loss.sum(), [hidden, weight])
     torch.testing.assert_close(loss, expected)
@@ -282,7 +363,9 @@ def test_chunked_distillation_equals_one_chunk(tok, monkeypatch):
     results = []
     for rows in (10**6, 3):
         monkeypatch.setitem(runtime.LOGITS_PER_CHUNK, "cpu", rows * 99)
-        loss = d3d.distill_loss(student, teacher, x, loss_mask, generator=torch.Generator().manual_seed(0))
+        loss = d3d.distill_loss(
+            student, teacher, x, loss_mask, generator=torch.Generator().manual_seed(0)
+        )
         results.append((loss, torch.autograd.grad(loss, list(student.parameters()))))
     torch.testing.assert_close(results[0][0], results[1][0])
     for a, b in zip(results[0][1], results[1][1]):
@@ -291,7 +374,9 @@ def test_chunked_distillation_equals_one_chunk(tok, monkeypatch):
 
 def test_loss_chunks_are_sized_by_device():
     assert runtime.loss_chunk_rows(151_936, "cpu") == 220  # 128 MiB of fp32 logits
-    assert runtime.loss_chunk_rows(151_936, torch.device("cuda", 1)) == 1766  # 1 GiB on a GPU, whatever its index
+    assert (
+        runtime.loss_chunk_rows(151_936, torch.device("cuda", 1)) == 1766
+    )  # 1 GiB on a GPU, whatever its index
     assert runtime.loss_chunk_rows(10**9, "cuda") == 1
 
 
@@ -317,15 +402,21 @@ def test_loss_ignores_prompt_tokens(tok):
         assert loss_mask[0, anchors[valid] + 1].all()
     only_last = torch.zeros_like(loss_mask)
     only_last[0, -1] = True
-    loss, metrics = d3d.d3d_loss(drafter, x, only_last, num_anchors=5, generator=torch.Generator().manual_seed(0))
+    loss, metrics = d3d.d3d_loss(
+        drafter, x, only_last, num_anchors=5, generator=torch.Generator().manual_seed(0)
+    )
     label = x[:, -1]
     causal = drafter.model(x).logits[0, -2, :99].float()
     causal[drafter.d3d_config.mask_token_id] = float("-inf")
-    torch.testing.assert_close(metrics["loss_ar"], torch.nn.functional.cross_entropy(causal[None], label))
+    torch.testing.assert_close(
+        metrics["loss_ar"], torch.nn.functional.cross_entropy(causal[None], label)
+    )
     mask, pos = d3d.packed_attention_mask(9, torch.tensor([7]), 3)
     inp = torch.cat([x, torch.full((1, 3), drafter.d3d_config.mask_token_id)], 1)
     block = drafter.logits(drafter.hidden_states(inp, pos, mask)[:, [9]])[0]
-    torch.testing.assert_close(metrics["loss_block"], torch.nn.functional.cross_entropy(block, label))
+    torch.testing.assert_close(
+        metrics["loss_block"], torch.nn.functional.cross_entropy(block, label)
+    )
 
 
 @pytest.mark.parametrize("ar_weight", [0.5, 1.5])
@@ -333,9 +424,12 @@ def test_loss_weighs_the_ar_term_by_lambda(tok, ar_weight):
     """L = L_block + lambda * L_AR at weights other than 0 and 1 (where a loss that ignored lambda would agree)."""
     drafter = d3d.make_drafter(tiny_qwen3(seed=2), tokenizer=tok, block_size=4)
     x, loss_mask = batch()
-    loss, metrics = d3d.d3d_loss(drafter, x, loss_mask, generator=torch.Generator().manual_seed(0),
-                                 ar_weight=ar_weight)
-    block_only, _ = d3d.d3d_loss(drafter, x, loss_mask, generator=torch.Generator().manual_seed(0), ar_weight=0)
+    loss, metrics = d3d.d3d_loss(
+        drafter, x, loss_mask, generator=torch.Generator().manual_seed(0), ar_weight=ar_weight
+    )
+    block_only, _ = d3d.d3d_loss(
+        drafter, x, loss_mask, generator=torch.Generator().manual_seed(0), ar_weight=0
+    )
     assert metrics["loss_ar"] > 1
     torch.testing.assert_close(loss, block_only + ar_weight * metrics["loss_ar"])
     torch.testing.assert_close(loss, metrics["loss_block"] + ar_weight * metrics["loss_ar"])
@@ -347,14 +441,25 @@ def test_block_loss_weights_position_i_by_exp_minus_i_minus_1_over_gamma(tok, ga
     computed here from the same anchors, one row at a time."""
     drafter = d3d.make_drafter(tiny_qwen3(seed=2), tokenizer=tok, block_size=4)
     x, loss_mask = batch()
-    _, metrics = d3d.d3d_loss(drafter, x, loss_mask, generator=torch.Generator().manual_seed(0), ar_weight=0,
-                              decay_gamma=gamma)
-    anchors, valid = d3d.sample_anchors(loss_mask, drafter.d3d_config.num_anchors, torch.Generator().manual_seed(0))
+    _, metrics = d3d.d3d_loss(
+        drafter,
+        x,
+        loss_mask,
+        generator=torch.Generator().manual_seed(0),
+        ar_weight=0,
+        decay_gamma=gamma,
+    )
+    anchors, valid = d3d.sample_anchors(
+        loss_mask, drafter.d3d_config.num_anchors, torch.Generator().manual_seed(0)
+    )
     labels, counts = d3d._block_labels(x, loss_mask, anchors, valid, 4)
     with torch.no_grad():
         _, block = d3d._packed_hidden(drafter, x, anchors, 4)
-        ce = torch.nn.functional.cross_entropy(drafter.logits(block).flatten(0, 2).float(), labels.flatten().clamp(
-            min=0), reduction="none").view(labels.shape)
+        ce = torch.nn.functional.cross_entropy(
+            drafter.logits(block).flatten(0, 2).float(),
+            labels.flatten().clamp(min=0),
+            reduction="none",
+        ).view(labels.shape)
     total = weight_sum = 0.0
     for b, k, i in counts.nonzero().tolist():
         w = math.exp(-i / gamma) if gamma else 1.0  # i is 0-based here: position i + 1 of the block
@@ -367,7 +472,9 @@ def test_block_loss_weights_position_i_by_exp_minus_i_minus_1_over_gamma(tok, ga
 
 
 def test_save_load_round_trip_gives_identical_logits(tok, tmp_path):
-    drafter = d3d.make_drafter(tiny_qwen3(seed=4), tokenizer=tok, block_size=7, num_anchors=9, decay_gamma=3.0)
+    drafter = d3d.make_drafter(
+        tiny_qwen3(seed=4), tokenizer=tok, block_size=7, num_anchors=9, decay_gamma=3.0
+    )
     drafter.save_pretrained(str(tmp_path))
     loaded = d3d.Drafter.from_pretrained(str(tmp_path))
     assert loaded.d3d_config == drafter.d3d_config
@@ -392,15 +499,24 @@ def test_a_config_saved_with_the_field_first_token_still_loads(tok, tmp_path):
 def test_models_load_straight_to_the_device_in_their_dtype(tmp_path, monkeypatch):
     """In the dtype asked for; on a GPU with accelerate, placed by from_pretrained itself (no host copy first)."""
     import importlib.util
+
     import transformers
 
     model = tiny_qwen3(seed=1)
     model.save_pretrained(tmp_path)
-    assert next(runtime.load_causal_lm(str(tmp_path), torch.bfloat16, "cpu").parameters()).dtype == torch.bfloat16
+    assert (
+        next(runtime.load_causal_lm(str(tmp_path), torch.bfloat16, "cpu").parameters()).dtype
+        == torch.bfloat16
+    )
     calls = []
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
-                        lambda path, **kwargs: calls.append(kwargs) or model)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "accelerate" else None)
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM,
+        "from_pretrained",
+        lambda path, **kwargs: calls.append(kwargs) or model,
+    )
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: object() if name == "accelerate" else None
+    )
     runtime.load_causal_lm(str(tmp_path), torch.bfloat16, "cuda:1")
     assert calls == [{"dtype": torch.bfloat16, "device_map": torch.device("cuda", 1)}]
 
@@ -409,11 +525,17 @@ def test_mask_token_uses_free_slot_or_resizes(tok):
     with_room = d3d.make_drafter(tiny_qwen3(), tokenizer=tok)
     assert with_room.d3d_config.mask_token_id == TEXT_VOCAB
     assert with_room.model.get_input_embeddings().weight.shape[0] == 99  # no resize
-    full = d3d.make_drafter(tiny_llama(vocab_size=TEXT_VOCAB), tokenizer=tok)  # SmolLM2-like: no free row
+    full = d3d.make_drafter(
+        tiny_llama(vocab_size=TEXT_VOCAB), tokenizer=tok
+    )  # SmolLM2-like: no free row
     assert full.d3d_config.mask_token_id == TEXT_VOCAB
     assert full.model.get_input_embeddings().weight.shape[0] == TEXT_VOCAB + 1
     assert full.d3d_config.target_vocab_size == TEXT_VOCAB
-    logits = full(torch.tensor([[1, 2, TEXT_VOCAB]]), torch.arange(3)[None], torch.ones(1, 1, 3, 3, dtype=torch.bool))
+    logits = full(
+        torch.tensor([[1, 2, TEXT_VOCAB]]),
+        torch.arange(3)[None],
+        torch.ones(1, 1, 3, 3, dtype=torch.bool),
+    )
     assert logits.shape[-1] == TEXT_VOCAB  # cut to the target's vocabulary: MASK is never drafted
 
 
@@ -427,7 +549,9 @@ def test_keep_layers_keeps_the_right_layers(tok):
     assert torch.equal(kept[1].mlp.up_proj.weight, originals[3])
     assert [layer.self_attn.layer_idx for layer in kept] == [0, 1]
     assert drafter.d3d_config.layer_ids == [0, 3]
-    out, _ = d3d.generate(tiny_qwen3(seed=1), drafter, torch.tensor([[3, 4, 5]]), max_new_tokens=9, block_size=3)
+    out, _ = d3d.generate(
+        tiny_qwen3(seed=1), drafter, torch.tensor([[3, 4, 5]]), max_new_tokens=9, block_size=3
+    )
     assert out.shape[1] == 12
     with pytest.raises(ValueError, match="at least one decoder layer"):
         d3d.make_drafter(tiny_qwen3(seed=5), tokenizer=tok, layers=[])
@@ -450,17 +574,24 @@ def test_target_mode_equals_transformers_greedy(target):
 @pytest.mark.parametrize("kind", ["oracle", "never", "partial"])
 def test_sync_equals_target_greedy(tok, target, block_size, prompt_len, kind):
     max_new = 23  # not a multiple of any block size here
-    prompt = torch.randint(0, TEXT_VOCAB, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+    prompt = torch.randint(
+        0, TEXT_VOCAB, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len)
+    )
     reference = reference_continuation(target, prompt, max_new + block_size + 2)
     right_upto = {"oracle": block_size, "never": 0, "partial": block_size // 2}[kind]
-    drafter = ScriptedDrafter(d3d.make_drafter(tiny_qwen3(seed=9), tokenizer=tok, block_size=block_size),
-                              reference, right_upto)
+    drafter = ScriptedDrafter(
+        d3d.make_drafter(tiny_qwen3(seed=9), tokenizer=tok, block_size=block_size),
+        reference,
+        right_upto,
+    )
     expected, _ = d3d.generate(target, None, prompt, max_new_tokens=max_new, mode="target")
     out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=max_new, mode="sync")
     assert out.tolist() == expected.tolist()
     full_rounds = stats["accept_lengths"][:-1]  # the last round may be cut short by max_new_tokens
     assert all(n == right_upto + 1 for n in full_rounds)
-    assert sum(stats["accept_lengths"]) == max_new - 1  # the first token comes from the target's prefill
+    assert (
+        sum(stats["accept_lengths"]) == max_new - 1
+    )  # the first token comes from the target's prefill
     if kind == "oracle" and len(full_rounds) > 0:
         assert stats["tau"] <= block_size + 1
 
@@ -472,9 +603,15 @@ def test_sync_stops_at_eos_inside_an_accepted_block(tok, target):
     # a token that first appears as the k-th new token, 2 < k < 16: inside the first accepted block of 16
     k = next(k for k in range(2, 15) if new[k] not in new[:k])
     eos, first = new[k], 5 + k
-    drafter = ScriptedDrafter(d3d.make_drafter(tiny_qwen3(seed=9), tokenizer=tok, block_size=16), reference, 16)
-    expected, _ = d3d.generate(target, None, prompt, max_new_tokens=40, mode="target", eos_token_id=eos)
-    out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode="sync", eos_token_id=eos)
+    drafter = ScriptedDrafter(
+        d3d.make_drafter(tiny_qwen3(seed=9), tokenizer=tok, block_size=16), reference, 16
+    )
+    expected, _ = d3d.generate(
+        target, None, prompt, max_new_tokens=40, mode="target", eos_token_id=eos
+    )
+    out, stats = d3d.generate(
+        target, drafter, prompt, max_new_tokens=40, mode="sync", eos_token_id=eos
+    )
     assert out.tolist() == expected.tolist() == [reference[: first + 1]]
     assert out[0, -1].item() == eos
 
@@ -510,34 +647,60 @@ def scripted(tok, target, prompt, block_size, kind, max_new):
     return ScriptedDrafter(drafter, reference, right_upto), right_upto
 
 
-@pytest.mark.parametrize("block_size,coverage,fanout,cover", [
-    (1, 1, 1, "first"), (5, 0, 2, "first"), (5, 2, 1, "first"), (5, 4, 2, "likely"), (16, 12, 2, "first"),
-    (16, 3, 3, "likely"),
-])
+@pytest.mark.parametrize(
+    "block_size,coverage,fanout,cover",
+    [
+        (1, 1, 1, "first"),
+        (5, 0, 2, "first"),
+        (5, 2, 1, "first"),
+        (5, 4, 2, "likely"),
+        (16, 12, 2, "first"),
+        (16, 3, 3, "likely"),
+    ],
+)
 @pytest.mark.parametrize("kind", ["oracle", "never", "partial"])
 def test_async_equals_sync_and_target(tok, target, block_size, coverage, fanout, cover, kind):
-    prompt = torch.randint(0, TEXT_VOCAB, (1, 6), generator=torch.Generator().manual_seed(block_size))
+    prompt = torch.randint(
+        0, TEXT_VOCAB, (1, 6), generator=torch.Generator().manual_seed(block_size)
+    )
     max_new = 29
     drafter, right_upto = scripted(tok, target, prompt, block_size, kind, max_new)
     expected, _ = d3d.generate(target, None, prompt, max_new_tokens=max_new, mode="target")
-    sync_out, sync_stats = d3d.generate(target, drafter, prompt, max_new_tokens=max_new, mode="sync")
-    out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=max_new, mode="async", coverage=coverage,
-                              fanout=fanout, cover=cover)
+    sync_out, sync_stats = d3d.generate(
+        target, drafter, prompt, max_new_tokens=max_new, mode="sync"
+    )
+    out, stats = d3d.generate(
+        target,
+        drafter,
+        prompt,
+        max_new_tokens=max_new,
+        mode="async",
+        coverage=coverage,
+        fanout=fanout,
+        cover=cover,
+    )
     assert out.tolist() == sync_out.tolist() == expected.tolist()
     # accounting: every round is one outcome, a hit or a miss, at one position
     hits, misses = stats["hits_per_position"], stats["misses_per_position"]
     assert sum(hits) + sum(misses) == stats["num_rounds"] == len(stats["accept_lengths"])
-    outcome_slot = block_size if right_upto == block_size else right_upto  # where this drafter is first rejected
-    assert hits[outcome_slot] + misses[outcome_slot] >= stats["num_rounds"] - 1  # the last round may be cut short
+    outcome_slot = (
+        block_size if right_upto == block_size else right_upto
+    )  # where this drafter is first rejected
+    assert (
+        hits[outcome_slot] + misses[outcome_slot] >= stats["num_rounds"] - 1
+    )  # the last round may be cut short
     prepared = (right_upto == block_size and block_size > 1) or (
-        coverage > right_upto and fanout >= 1 and cover == "first")
+        coverage > right_upto and fanout >= 1 and cover == "first"
+    )
     if prepared:  # the outcome was covered by a branch: every round but (maybe) the last is a hit
         assert hits[outcome_slot] >= stats["num_rounds"] - 1
     if coverage == 0 or fanout == 0:
         assert sum(hits[:block_size]) == 0  # no rejection branches at all
     if kind == "oracle" and block_size > 1:
         full_rounds = stats["accept_lengths"][:-1]
-        assert all(n == block_size + 1 for n in full_rounds[:1]) and all(n >= block_size for n in full_rounds)
+        assert all(n == block_size + 1 for n in full_rounds[:1]) and all(
+            n >= block_size for n in full_rounds
+        )
     assert stats["time_packed_draft"] > 0
 
 
@@ -546,8 +709,12 @@ def test_async_stops_at_eos_inside_a_block(tok, target):
     drafter, _ = scripted(tok, target, prompt, 16, "partial", 60)
     new = drafter.reference[5:]
     k = next(k for k in range(2, 15) if new[k] not in new[:k])
-    expected, _ = d3d.generate(target, None, prompt, max_new_tokens=40, mode="target", eos_token_id=new[k])
-    out, _ = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode="async", eos_token_id=new[k])
+    expected, _ = d3d.generate(
+        target, None, prompt, max_new_tokens=40, mode="target", eos_token_id=new[k]
+    )
+    out, _ = d3d.generate(
+        target, drafter, prompt, max_new_tokens=40, mode="async", eos_token_id=new[k]
+    )
     assert out.tolist() == expected.tolist() and out[0, -1].item() == new[k]
 
 
@@ -558,7 +725,9 @@ def test_async_with_real_drafters_equals_target(tok, target, d1_from):
     for model in (tiny_qwen3(seed=11), tiny_qwen3(seed=1)):  # random, and the target's own weights
         drafter = d3d.make_drafter(model, tokenizer=tok, block_size=4, d1_from=d1_from)
         for cover in ("first", "likely"):
-            out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=30, mode="async", cover=cover)
+            out, stats = d3d.generate(
+                target, drafter, prompt, max_new_tokens=30, mode="async", cover=cover
+            )
             assert out.tolist() == expected.tolist()
 
 
@@ -570,7 +739,9 @@ def test_plan_branches_chooses_positions_and_candidates():
     # confident at 2 (c ~ 1): a first rejection there is unlikely; position 1 (c ~ 0.7) and 3 are likelier
     assert plan(draft, 2, 1, "likely")[0] == [1, 3]
     assert plan(draft, 0, 2) == ([], [])
-    sampled = torch.tensor([2, 1, 3])  # at temperature > 0 d_k need not be the argmax: never a candidate
+    sampled = torch.tensor(
+        [2, 1, 3]
+    )  # at temperature > 0 d_k need not be the argmax: never a candidate
     assert plan(sampled, 1, 2) == ([1], [[0, 1]])
 
 
@@ -598,15 +769,23 @@ def test_branch_pass_is_planned_and_built_without_reading_the_device(tok, monkey
     drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=4)
     logits = torch.randn(4, 99, generator=torch.Generator().manual_seed(0))
     for name in ("item", "tolist", "__int__", "__bool__", "__index__", "__float__"):
-        monkeypatch.setattr(torch.Tensor, name, lambda *a, **k: pytest.fail("read back to the host"))
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda *a, **k: pytest.fail("read back to the host")
+        )
     last = torch.tensor([11])  # x_n
     for cover in ("first", "likely"):
         positions, candidates = d3d.plan_branches(logits, logits.argmax(-1), 3, 2, cover)
-        d3d.build_branch_pass(drafter, last, logits.argmax(-1), positions, candidates, past_len=5, block_size=4)
+        d3d.build_branch_pass(
+            drafter, last, logits.argmax(-1), positions, candidates, past_len=5, block_size=4
+        )
     monkeypatch.undo()
-    ids, position_ids, mask, rows = d3d.build_branch_pass(drafter, last, logits.argmax(-1), positions, candidates,
-                                                          past_len=5, block_size=4)
-    assert ids.shape == (1, 1 + 4 + 7 * 5) and rows.shape == (7, 4)  # 3 x 2 branches + the full block
+    ids, position_ids, mask, rows = d3d.build_branch_pass(
+        drafter, last, logits.argmax(-1), positions, candidates, past_len=5, block_size=4
+    )
+    assert ids.shape == (1, 1 + 4 + 7 * 5) and rows.shape == (
+        7,
+        4,
+    )  # 3 x 2 branches + the full block
     assert mask.shape == (1, 1, 40, 45)
 
 
@@ -626,13 +805,20 @@ def test_cuda_async_streams_equal_target(tok, lanes):
     for model in (tiny_qwen3(seed=11), tiny_qwen3(seed=1)):
         drafter = d3d.make_drafter(model, tokenizer=tok, block_size=6).cuda()
         for cover in ("first", "likely"):
-            out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode="async", cover=cover,
-                                      lanes=lanes)
+            out, stats = d3d.generate(
+                target, drafter, prompt, max_new_tokens=40, mode="async", cover=cover, lanes=lanes
+            )
             assert out.tolist() == expected.tolist()
-            verify, packed, saved = stats["time_verify"], stats["time_packed_draft"], overlap_saved(stats)
+            verify, packed, saved = (
+                stats["time_verify"],
+                stats["time_packed_draft"],
+                overlap_saved(stats),
+            )
             assert verify > 0 and packed > 0
-            print(f"\n[cuda] lanes {lanes}: verify {verify * 1e3:.2f} ms, packed {packed * 1e3:.2f} ms, "
-                  f"overlap {saved * 1e3:.3f} ms")
+            print(
+                f"\n[cuda] lanes {lanes}: verify {verify * 1e3:.2f} ms, packed {packed * 1e3:.2f} ms, "
+                f"overlap {saved * 1e3:.3f} ms"
+            )
             assert saved <= (1e-3 * (verify + packed) if lanes == 1 else min(verify, packed) + 1e-5)
 
 
@@ -648,13 +834,24 @@ def test_cuda_bf16_decoding_has_no_errors_in_the_greedy_check(tok, mode):
     drafter = drafter.cuda().to(torch.bfloat16)
     classes = []
     for seed in range(8):
-        prompt = torch.randint(0, TEXT_VOCAB, (1, 9), generator=torch.Generator().manual_seed(seed)).cuda()
+        prompt = torch.randint(
+            0, TEXT_VOCAB, (1, 9), generator=torch.Generator().manual_seed(seed)
+        ).cuda()
         reference, _ = d3d.generate(target, None, prompt, max_new_tokens=64, mode="target")
         out, _ = d3d.generate(target, drafter, prompt, max_new_tokens=64, mode=mode)
-        found = forensics.divergence(target, tok, prompt, reference[0, 9:].tolist(), out[0, 9:].tolist(),
-                                  {"temperature": 0.0})
+        found = forensics.divergence(
+            target,
+            tok,
+            prompt,
+            reference[0, 9:].tolist(),
+            out[0, 9:].tolist(),
+            {"temperature": 0.0},
+        )
         classes.append("identical" if found is None else found["class"])
-    print(f"\n[cuda] bf16 {mode}: " + ", ".join(f"{c} {classes.count(c)}" for c in ("identical", "near-tie", "error")))
+    print(
+        f"\n[cuda] bf16 {mode}: "
+        + ", ".join(f"{c} {classes.count(c)}" for c in ("identical", "near-tie", "error"))
+    )
     assert "error" not in classes
 
 
@@ -665,12 +862,26 @@ def test_cuda_training_step_at_qwen3_shapes_fits():
     80 GB GPU). Prints the peak and the time."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
-    with torch.device("cuda"):  # made on the GPU: 2B parameters initialised on the host take minutes
+    config = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    )
+    with torch.device(
+        "cuda"
+    ):  # made on the GPU: 2B parameters initialised on the host take minutes
         model = Qwen3ForCausalLM(config)
-    drafter = d3d.make_drafter(model, tokenizer=make_tokenizer(151643), block_size=16, num_anchors=64).train()
-    drafter.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    drafter = d3d.make_drafter(
+        model, tokenizer=make_tokenizer(151643), block_size=16, num_anchors=64
+    ).train()
+    drafter.model.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": False}
+    )
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-5)
     x = torch.randint(0, 151643, (8, 1024), device="cuda")
     loss_mask = torch.zeros_like(x, dtype=torch.bool)
@@ -684,8 +895,10 @@ def test_cuda_training_step_at_qwen3_shapes_fits():
     assert runtime.finite_step(optimizer, list(drafter.parameters()), 1.0)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2**30
-    print(f"\n[cuda] training step of the Qwen3-1.7B drafter (28 layers, batch 8 x 1024): loss {loss.item():.3f}, "
-          f"peak {peak:.2f} GiB, {time.perf_counter() - start:.2f} s")
+    print(
+        f"\n[cuda] training step of the Qwen3-1.7B drafter (28 layers, batch 8 x 1024): loss {loss.item():.3f}, "
+        f"peak {peak:.2f} GiB, {time.perf_counter() - start:.2f} s"
+    )
     assert torch.isfinite(loss) and peak < 80
 
 
@@ -701,12 +914,20 @@ def test_cuda_decode_times_launch_and_device(tok, mode):
     expected, _ = d3d.generate(target, None, prompt, max_new_tokens=200, mode="target")
     out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=200, mode=mode)
     assert out.tolist() == expected.tolist()
-    ms = {k: 1000 * v / stats["num_rounds"] for k, v in stats.items() if k.startswith("time_") and k != "time_prefill"}
-    print(f"\n[cuda] {mode}: tau {stats['tau']:.2f}, ms per round: "
-          + ", ".join(f"{k[5:]} {v:.3f}" for k, v in ms.items()))
+    ms = {
+        k: 1000 * v / stats["num_rounds"]
+        for k, v in stats.items()
+        if k.startswith("time_") and k != "time_prefill"
+    }
+    print(
+        f"\n[cuda] {mode}: tau {stats['tau']:.2f}, ms per round: "
+        + ", ".join(f"{k[5:]} {v:.3f}" for k, v in ms.items())
+    )
     phases = ["draft", "verify"] if mode == "sync" else ["fallback_draft", "both"]
     inner = [] if mode == "sync" else ["verify", "packed_draft"]
-    assert all(stats[f"time_{k}"] > 0 and stats[f"time_{k}_launch"] > 0 for k in phases + inner), stats
+    assert all(stats[f"time_{k}"] > 0 and stats[f"time_{k}_launch"] > 0 for k in phases + inner), (
+        stats
+    )
     assert stats["time_prefill"] + sum(stats[f"time_{k}"] for k in phases) <= stats["time_total"]
     assert all(stats[f"time_{k}"] <= stats["time_both"] * (1 + 1e-3) for k in inner)
 
@@ -751,7 +972,9 @@ def test_accept_rule_is_lossless():
     assert 0.1 * n < rejected_first < 0.9 * n  # both acceptance and residual draws happen
     assert chi_square_p_value(first, p_target[0]) > 1e-3
     assert chi_square_p_value(second, p_target[1]) > 1e-3
-    assert chi_square_p_value(first, q_draft[0]) < 1e-3  # the test has power: the drafter's law is rejected
+    assert (
+        chi_square_p_value(first, q_draft[0]) < 1e-3
+    )  # the test has power: the drafter's law is rejected
 
 
 def test_accept_draft_without_a_generator_draws_on_the_logits_device():
@@ -789,15 +1012,21 @@ def exact_law(target, prompt: list[int], temperature: float) -> torch.Tensor:
     with torch.no_grad():  # P(t1, t2, t3, t4) for all 16^4 continuations
         grid = torch.cartesian_prod(*[torch.arange(16)] * 3)  # (4096, 3)
         ids = torch.cat([torch.tensor(prompt).expand(len(grid), -1), grid], 1)
-        p = torch.softmax(target(ids).logits[:, len(prompt) - 1:].float() / temperature, -1)  # (4096, 4, 16)
+        p = torch.softmax(
+            target(ids).logits[:, len(prompt) - 1 :].float() / temperature, -1
+        )  # (4096, 4, 16)
         t1, t2, t3 = grid.T
         law = p[:, 0].gather(1, t1[:, None])[:, 0] * p[:, 1].gather(1, t2[:, None])[:, 0]
-        law = (law * p[:, 2].gather(1, t3[:, None])[:, 0])[:, None] * p[:, 3]  # (4096, 16): (t1, t2, t3) x t4
+        law = (law * p[:, 2].gather(1, t3[:, None])[:, 0])[:, None] * p[
+            :, 3
+        ]  # (4096, 16): (t1, t2, t3) x t4
         return law.view(16, 16, 16, 16).sum((0, 1))  # (t3, t4)
 
 
-@pytest.mark.parametrize("mode,block_size,d1_from", [("sync", 2, "causal"), ("async", 1, "causal"),
-                                                         ("async", 2, "causal"), ("async", 2, "mask")])
+@pytest.mark.parametrize(
+    "mode,block_size,d1_from",
+    [("sync", 2, "causal"), ("async", 1, "causal"), ("async", 2, "causal"), ("async", 2, "mask")],
+)
 def test_sampling_matches_target_distribution(mode, block_size, d1_from):
     """End to end through generate: the joint law of generated tokens 3 and 4 matches the target's exact law,
     computed by enumerating every (t1, t2, t3) in one batched pass. Tokens 3 and 4 come from the first and second
@@ -808,21 +1037,34 @@ def test_sampling_matches_target_distribution(mode, block_size, d1_from):
     vocab, temperature, num_samples = 8, 1.0, 600
     tok = make_tokenizer(vocab)
     target = tiny_qwen3(seed=21, vocab_size=16, init=0.6)
-    drafter = d3d.make_drafter(tiny_qwen3(seed=22, vocab_size=16, init=0.6), tokenizer=tok, block_size=block_size,
-                               d1_from=d1_from)
+    drafter = d3d.make_drafter(
+        tiny_qwen3(seed=22, vocab_size=16, init=0.6),
+        tokenizer=tok,
+        block_size=block_size,
+        d1_from=d1_from,
+    )
     prompt = [3, 1]
     joint = exact_law(target, prompt, temperature)
     counts = torch.zeros(16, 16)
     generator = torch.Generator().manual_seed(1234)
     rejections, hits, misses = 0, 0, 0
     for _ in range(num_samples):
-        out, stats = d3d.generate(target, drafter, torch.tensor([prompt]), max_new_tokens=4, mode=mode,
-                                  temperature=temperature, generator=generator)
+        out, stats = d3d.generate(
+            target,
+            drafter,
+            torch.tensor([prompt]),
+            max_new_tokens=4,
+            mode=mode,
+            temperature=temperature,
+            generator=generator,
+        )
         counts[out[0, 4], out[0, 5]] += 1
         rejections += sum(n <= block_size for n in stats["accept_lengths"][:-1])
         hits += sum(stats.get("hits_per_position", [0]))
         misses += sum(stats.get("misses_per_position", [0]))
-    assert rejections > 0.05 * num_samples  # residual draws happen (and acceptances: the drafter is not useless)
+    assert (
+        rejections > 0.05 * num_samples
+    )  # residual draws happen (and acceptances: the drafter is not useless)
     if mode == "async":
         assert hits > 0.05 * num_samples and misses > 0.05 * num_samples
     assert chi_square_p_value(counts.flatten(), joint.flatten()) > 1e-3
@@ -855,11 +1097,19 @@ def test_sampling_after_full_acceptance_hits_draws_the_bonus_from_the_target():
     vocab, block_size = 8, 2
     logits = torch.tensor([2.0, 0.1, 0.1, 0.1, 0.0, -0.5, -1.0, -30.0])  # id 7: the drafter's MASK
     p = torch.softmax(logits, -1)
-    drafter = d3d.make_drafter(prefix_free_target(logits), tokenizer=make_tokenizer(vocab - 1),
-                               block_size=block_size)
-    out, stats = d3d.generate(prefix_free_target(logits), drafter, torch.tensor([[3, 1]]),
-                              max_new_tokens=400, mode="async", temperature=1.0, lanes=1,
-                              generator=torch.Generator().manual_seed(0))
+    drafter = d3d.make_drafter(
+        prefix_free_target(logits), tokenizer=make_tokenizer(vocab - 1), block_size=block_size
+    )
+    out, stats = d3d.generate(
+        prefix_free_target(logits),
+        drafter,
+        torch.tensor([[3, 1]]),
+        max_new_tokens=400,
+        mode="async",
+        temperature=1.0,
+        lanes=1,
+        generator=torch.Generator().manual_seed(0),
+    )
     new, lengths = out[0, 2:].tolist(), stats["accept_lengths"]
     assert set(lengths[:-1]) <= {block_size, block_size + 1}  # every draft accepted whole
     ends = [1 + sum(lengths[: i + 1]) for i in range(len(lengths) - 1)]  # after prefill's token
@@ -878,8 +1128,18 @@ def test_sampling_after_full_acceptance_hits_draws_the_bonus_from_the_target():
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_sampling_is_reproducible_with_a_generator(tok, target, mode):
     drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=3)
-    runs = [d3d.generate(target, drafter, torch.tensor([[2, 3]]), max_new_tokens=12, temperature=0.8, mode=mode,
-                         generator=torch.Generator().manual_seed(7))[0] for _ in range(2)]
+    runs = [
+        d3d.generate(
+            target,
+            drafter,
+            torch.tensor([[2, 3]]),
+            max_new_tokens=12,
+            temperature=0.8,
+            mode=mode,
+            generator=torch.Generator().manual_seed(7),
+        )[0]
+        for _ in range(2)
+    ]
     assert torch.equal(*runs)
 
 
@@ -888,16 +1148,23 @@ def test_sampling_is_reproducible_with_a_generator(tok, target, mode):
 
 
 def batch_prompts(lengths=(1, 4, 9)):
-    return [torch.randint(0, TEXT_VOCAB, (n,), generator=torch.Generator().manual_seed(100 + n)) for n in lengths]
+    return [
+        torch.randint(0, TEXT_VOCAB, (n,), generator=torch.Generator().manual_seed(100 + n))
+        for n in lengths
+    ]
 
 
 def alone(target, prompt, max_new, eos=None) -> list[int]:
     """A 1-D prompt's own batch-1 target-only output."""
-    out, _ = d3d.generate(target, None, prompt[None], max_new_tokens=max_new, mode="target", eos_token_id=eos)
+    out, _ = d3d.generate(
+        target, None, prompt[None], max_new_tokens=max_new, mode="target", eos_token_id=eos
+    )
     return out[0].tolist()
 
 
-@pytest.mark.parametrize("mode,d1_from", [("target", "causal"), ("sync", "causal"), ("sync", "mask")])
+@pytest.mark.parametrize(
+    "mode,d1_from", [("target", "causal"), ("sync", "causal"), ("sync", "mask")]
+)
 def test_batch_rows_equal_their_own_greedy_output(tok, target, mode, d1_from):
     """Prompts of 1, 4 and 9 tokens decoded together: every row equals its own batch-1 target-only output. In sync
     mode the rows accept different lengths in the same round (a drafter always right, one never, one right up to
@@ -905,11 +1172,14 @@ def test_batch_rows_equal_their_own_greedy_output(tok, target, mode, d1_from):
     block_size, max_new = 5, 23
     prompts = batch_prompts()
     right_upto = [block_size, 0, 2]
-    drafter = ScriptedDrafter(d3d.make_drafter(tiny_qwen3(seed=9), tokenizer=tok, block_size=block_size,
-                                               d1_from=d1_from),
-                              [alone(target, p, max_new + block_size + 2) for p in prompts], right_upto)
-    outs, stats = batched.generate(target, drafter if mode == "sync" else None, prompts, max_new_tokens=max_new,
-                                   mode=mode)
+    drafter = ScriptedDrafter(
+        d3d.make_drafter(tiny_qwen3(seed=9), tokenizer=tok, block_size=block_size, d1_from=d1_from),
+        [alone(target, p, max_new + block_size + 2) for p in prompts],
+        right_upto,
+    )
+    outs, stats = batched.generate(
+        target, drafter if mode == "sync" else None, prompts, max_new_tokens=max_new, mode=mode
+    )
     assert [out.tolist() for out in outs] == [alone(target, p, max_new) for p in prompts]
     assert [row["num_new_tokens"] for row in stats["rows"]] == [max_new] * 3
     assert stats["num_new_tokens"] == 3 * max_new
@@ -917,7 +1187,10 @@ def test_batch_rows_equal_their_own_greedy_output(tok, target, mode, d1_from):
         assert stats["num_rounds"] == max_new - 1  # one pass per token after the prefill's
         return
     for row, upto in zip(stats["rows"], right_upto):
-        assert all(n == upto + 1 for n in row["accept_lengths"][:-1]) and sum(row["accept_lengths"]) == max_new - 1
+        assert (
+            all(n == upto + 1 for n in row["accept_lengths"][:-1])
+            and sum(row["accept_lengths"]) == max_new - 1
+        )
     # 22 tokens after the prefill: the oracle row needs 4 rounds (6 + 6 + 6 + 4), the partial one 8, the last 22
     assert drafter.batch_sizes == [3] * 4 + [2] * 4 + [1] * 14 and stats["num_rounds"] == 22
 
@@ -928,17 +1201,30 @@ def test_batch_eos_inside_an_accepted_block_stops_one_row(tok, target):
     block_size, max_new = 8, 30
     prompts = batch_prompts()
     references = [alone(target, p, max_new + 2 * block_size) for p in prompts]
-    new = [r[len(p):] for r, p in zip(references, prompts)]
+    new = [r[len(p) :] for r, p in zip(references, prompts)]
     # a token that first appears as row 0's k-th new token (1 < k < 8) and never among the other rows' new tokens
-    k = next(k for k in range(2, 8) if new[0][k] not in new[0][:k] and all(new[0][k] not in n for n in new[1:]))
+    k = next(
+        k
+        for k in range(2, 8)
+        if new[0][k] not in new[0][:k] and all(new[0][k] not in n for n in new[1:])
+    )
     eos = new[0][k]
-    drafter = ScriptedDrafter(d3d.make_drafter(tiny_qwen3(seed=9), tokenizer=tok, block_size=block_size),
-                              references, [block_size, 3, 0])
-    outs, stats = batched.generate(target, drafter, prompts, max_new_tokens=max_new, mode="sync", eos_token_id=eos)
+    drafter = ScriptedDrafter(
+        d3d.make_drafter(tiny_qwen3(seed=9), tokenizer=tok, block_size=block_size),
+        references,
+        [block_size, 3, 0],
+    )
+    outs, stats = batched.generate(
+        target, drafter, prompts, max_new_tokens=max_new, mode="sync", eos_token_id=eos
+    )
     assert [out.tolist() for out in outs] == [alone(target, p, max_new, eos) for p in prompts]
     assert outs[0].tolist() == references[0][: len(prompts[0]) + k + 1] and outs[0][-1] == eos
-    outs, _ = batched.generate(target, None, prompts, max_new_tokens=max_new, mode="target", eos_token_id=eos)
-    assert [out.tolist() for out in outs] == [alone(target, p, max_new, eos) for p in prompts]  # rows after row 0 left
+    outs, _ = batched.generate(
+        target, None, prompts, max_new_tokens=max_new, mode="target", eos_token_id=eos
+    )
+    assert [out.tolist() for out in outs] == [
+        alone(target, p, max_new, eos) for p in prompts
+    ]  # rows after row 0 left
     assert [row["num_new_tokens"] for row in stats["rows"]] == [k + 1, max_new, max_new]
     assert drafter.batch_sizes[:2] == [3, 2]
 
@@ -953,14 +1239,24 @@ def dropping_cache(model: torch.nn.Module, cut_mask: bool) -> torch.nn.Module:
         if cut_mask:
             attention_mask = attention_mask[..., : kwargs["input_ids"].shape[1]]
         return forward(*args, attention_mask=attention_mask, **kwargs)
+
     model.forward = without_cache
     return model
 
 
 @pytest.mark.parametrize("cut_mask", [False, True])
-@pytest.mark.parametrize("who,mode", [("target", "target"), ("target", "sync"), ("target", "async"),
-                                      ("drafter", "sync"), ("drafter", "async"), ("target", "batch"),
-                                      ("drafter", "batch")])
+@pytest.mark.parametrize(
+    "who,mode",
+    [
+        ("target", "target"),
+        ("target", "sync"),
+        ("target", "async"),
+        ("drafter", "sync"),
+        ("drafter", "async"),
+        ("target", "batch"),
+        ("drafter", "batch"),
+    ],
+)
 def test_a_model_that_ignores_its_cache_fails_loudly(tok, who, mode, cut_mask):
     target = tiny_qwen3(seed=1)
     drafter = d3d.make_drafter(tiny_qwen3(seed=2), tokenizer=tok, block_size=4)
@@ -968,8 +1264,12 @@ def test_a_model_that_ignores_its_cache_fails_loudly(tok, who, mode, cut_mask):
     prompts = batch_prompts((3, 6)) if mode == "batch" else torch.tensor([[7, 1, 9, 4]])
     with pytest.raises(RuntimeError, match="ignored the cache"):
         (batched.generate if mode == "batch" else d3d.generate)(
-            target, None if mode == "target" else drafter, prompts, max_new_tokens=12,
-            mode="sync" if mode == "batch" else mode)
+            target,
+            None if mode == "target" else drafter,
+            prompts,
+            max_new_tokens=12,
+            mode="sync" if mode == "batch" else mode,
+        )
 
 
 @pytest.mark.parametrize("d1_from", ["causal", "mask"])
@@ -994,27 +1294,43 @@ def test_batch_sampling_matches_target_distribution_per_row():
     vocab, temperature, num_samples = 8, 1.0, 400
     tok = make_tokenizer(vocab)
     target = tiny_qwen3(seed=21, vocab_size=16, init=0.6)
-    drafter = d3d.make_drafter(tiny_qwen3(seed=22, vocab_size=16, init=0.6), tokenizer=tok, block_size=2)
+    drafter = d3d.make_drafter(
+        tiny_qwen3(seed=22, vocab_size=16, init=0.6), tokenizer=tok, block_size=2
+    )
     prompts = [[3, 1], [5, 2, 6, 1]]
     laws = [exact_law(target, p, temperature).flatten() for p in prompts]
-    outs, stats = batched.generate(target, drafter, [torch.tensor(p) for p in prompts] * num_samples,
-                                   max_new_tokens=4, mode="sync", temperature=temperature,
-                                   generator=torch.Generator().manual_seed(1234))
+    outs, stats = batched.generate(
+        target,
+        drafter,
+        [torch.tensor(p) for p in prompts] * num_samples,
+        max_new_tokens=4,
+        mode="sync",
+        temperature=temperature,
+        generator=torch.Generator().manual_seed(1234),
+    )
     counts = torch.zeros(2, 16 * 16)
     for i, out in enumerate(outs):
         n = len(prompts[i % 2])
         counts[i % 2, 16 * out[n + 2] + out[n + 3]] += 1
     rejections = sum(n <= 2 for row in stats["rows"] for n in row["accept_lengths"][:-1])
     assert rejections > 0.05 * num_samples  # residual draws happen
-    assert chi_square_p_value(counts[0], laws[0]) > 1e-3 and chi_square_p_value(counts[1], laws[1]) > 1e-3
-    assert chi_square_p_value(counts[0], laws[1]) < 1e-3 and chi_square_p_value(counts[1], laws[0]) < 1e-3
+    assert (
+        chi_square_p_value(counts[0], laws[0]) > 1e-3
+        and chi_square_p_value(counts[1], laws[1]) > 1e-3
+    )
+    assert (
+        chi_square_p_value(counts[0], laws[1]) < 1e-3
+        and chi_square_p_value(counts[1], laws[0]) < 1e-3
+    )
 
 
 def test_batch_bad_inputs_raise_clear_errors(tok, target):
     drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok)
     prompt = torch.tensor([1, 2, 3])
     with pytest.raises(ValueError, match="empty"):
-        batched.generate(target, drafter, [prompt, torch.zeros(0, dtype=torch.long)], max_new_tokens=5)
+        batched.generate(
+            target, drafter, [prompt, torch.zeros(0, dtype=torch.long)], max_new_tokens=5
+        )
     for bad in ([prompt, prompt[None]], [], [prompt.tolist()], prompt):
         with pytest.raises(ValueError, match="list of 1-D id tensors"):
             batched.generate(target, drafter, bad, max_new_tokens=5)
@@ -1047,14 +1363,20 @@ def test_adjusted_teacher_sums_to_one_and_moves_mass_to_label():
 
 
 def test_distillation_leaves_the_teacher_untouched(tok):
-    teacher = d3d.make_drafter(tiny_qwen3(seed=5, layers=3), tokenizer=tok, block_size=3, num_anchors=4)
-    student = d3d.make_drafter(tiny_qwen3(seed=5, layers=3), tokenizer=tok, block_size=3, num_anchors=4)
+    teacher = d3d.make_drafter(
+        tiny_qwen3(seed=5, layers=3), tokenizer=tok, block_size=3, num_anchors=4
+    )
+    student = d3d.make_drafter(
+        tiny_qwen3(seed=5, layers=3), tokenizer=tok, block_size=3, num_anchors=4
+    )
     d3d.remove_layer(student, 1)
     teacher.requires_grad_(False)
     before = [p.clone() for p in teacher.parameters()]
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-2)
     for i, (x, loss_mask) in enumerate(prune_data()):
-        loss = d3d.distill_loss(student, teacher, x, loss_mask, generator=torch.Generator().manual_seed(i))
+        loss = d3d.distill_loss(
+            student, teacher, x, loss_mask, generator=torch.Generator().manual_seed(i)
+        )
         assert torch.isfinite(loss)
         optimizer.zero_grad()
         loss.backward()
@@ -1065,7 +1387,9 @@ def test_distillation_leaves_the_teacher_untouched(tok):
 
 
 def noop_layer_drafter(tok, layers=4, noop=2):
-    drafter = d3d.make_drafter(tiny_qwen3(seed=6, layers=layers), tokenizer=tok, block_size=3, num_anchors=4)
+    drafter = d3d.make_drafter(
+        tiny_qwen3(seed=6, layers=layers), tokenizer=tok, block_size=3, num_anchors=4
+    )
     layer = drafter.model.model.layers[noop]
     with torch.no_grad():  # both residual branches write zero: the layer changes nothing
         layer.self_attn.o_proj.weight.zero_()
@@ -1076,28 +1400,39 @@ def noop_layer_drafter(tok, layers=4, noop=2):
 def test_scoring_all_removals_in_one_pass_each_gives_the_full_passes_numbers(tok):
     """fast.tau_without_each_layer resumes from recorded layer inputs; it must equal, bit for bit, the tau of a full
     pass without that layer (d3d.tau_without_each_layer), first and last layer included."""
-    drafter = d3d.make_drafter(tiny_qwen3(seed=7, layers=4), tokenizer=tok, block_size=3, num_anchors=4)
+    drafter = d3d.make_drafter(
+        tiny_qwen3(seed=7, layers=4), tokenizer=tok, block_size=3, num_anchors=4
+    )
     data = prune_data(num_batches=3)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     for step in range(30):  # fit the data a little: taus above 1 that differ by layer
-        loss, _ = d3d.d3d_loss(drafter, *data[step % 3], generator=torch.Generator().manual_seed(step))
+        loss, _ = d3d.d3d_loss(
+            drafter, *data[step % 3], generator=torch.Generator().manual_seed(step)
+        )
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
     drafter.eval()
     quick = fast.tau_without_each_layer(drafter, data, num_anchors=4, seed=3)
     slow = d3d.tau_without_each_layer(drafter, data, num_anchors=4, seed=3)
-    assert quick == slow and len(set(quick.values())) > 1 and max(quick.values()) > 1  # layers differ, blocks hit
+    assert (
+        quick == slow and len(set(quick.values())) > 1 and max(quick.values()) > 1
+    )  # layers differ, blocks hit
     assert len(drafter.model.model.layers) == 4 == drafter.model.config.num_hidden_layers
     assert [layer.self_attn.layer_idx for layer in drafter.model.model.layers] == [0, 1, 2, 3]
-    assert d3d.validation_tau(drafter, data, num_anchors=4, seed=3) == d3d.validation_tau(drafter, data, num_anchors=4,
-                                                                                           seed=3)
+    assert d3d.validation_tau(drafter, data, num_anchors=4, seed=3) == d3d.validation_tau(
+        drafter, data, num_anchors=4, seed=3
+    )
 
 
 @pytest.mark.parametrize("noop", [1, 2])
 def test_pruning_removes_one_layer_per_iteration_and_the_noop_layer_first(tok, noop):
     drafter = noop_layer_drafter(tok, noop=noop)
-    table = list(d3d.prune_drafter(drafter, prune_data(), prune_data(seed=10), min_layers=2, recovery_steps=2))
+    table = list(
+        d3d.prune_drafter(
+            drafter, prune_data(), prune_data(seed=10), min_layers=2, recovery_steps=2
+        )
+    )
     assert [row["layers"] for row in table] == [4, 3, 2]
     assert table[1]["removed_layer"] == noop  # the no-op layer goes first
     assert len(drafter.model.model.layers) == 2 == drafter.model.config.num_hidden_layers
@@ -1115,10 +1450,19 @@ def test_pruning_removes_the_layer_whose_removal_costs_least(tok, monkeypatch):
         original = drafter.d3d_config.layer_ids or list(range(len(drafter.model.model.layers)))
         return {i: tau_without[layer] for i, layer in enumerate(original)}
 
-    drafter = d3d.make_drafter(tiny_qwen3(seed=3, layers=4), tokenizer=tok, block_size=3, num_anchors=4)
-    table = list(d3d.prune_drafter(drafter, prune_data(), prune_data(), min_layers=1, recovery_steps=0,
-                                   score=fixed_scores))
-    assert [row["removed_layer"] for row in table[1:]] == [2, 0, 1] and drafter.d3d_config.layer_ids == [3]
+    drafter = d3d.make_drafter(
+        tiny_qwen3(seed=3, layers=4), tokenizer=tok, block_size=3, num_anchors=4
+    )
+    table = list(
+        d3d.prune_drafter(
+            drafter, prune_data(), prune_data(), min_layers=1, recovery_steps=0, score=fixed_scores
+        )
+    )
+    assert [row["removed_layer"] for row in table[1:]] == [
+        2,
+        0,
+        1,
+    ] and drafter.d3d_config.layer_ids == [3]
 
 
 def test_recovery_with_activation_checkpointing_takes_the_same_steps(tok):
@@ -1128,9 +1472,19 @@ def test_recovery_with_activation_checkpointing_takes_the_same_steps(tok):
         drafter = noop_layer_drafter(tok, layers=3)
         count = [0]
         for layer in drafter.model.model.layers:
-            layer.mlp.register_forward_pre_hook(lambda module, _: count.__setitem__(0, count[0] + module.training))
-        list(d3d.prune_drafter(drafter, prune_data(), prune_data(seed=10), min_layers=2, recovery_steps=2,
-                               checkpointing=checkpointing))
+            layer.mlp.register_forward_pre_hook(
+                lambda module, _: count.__setitem__(0, count[0] + module.training)
+            )
+        list(
+            d3d.prune_drafter(
+                drafter,
+                prune_data(),
+                prune_data(seed=10),
+                min_layers=2,
+                recovery_steps=2,
+                checkpointing=checkpointing,
+            )
+        )
         assert not drafter.model.is_activation_checkpointing
         drafters.append(drafter)
         training_passes.append(count[0])
@@ -1150,16 +1504,22 @@ def test_a_step_with_a_non_finite_gradient_is_skipped():
     assert not runtime.finite_step(optimizer, list(layer.parameters()), 1.0)
     assert all(p.grad is None for p in layer.parameters())  # dropped: the next step starts clean
     assert all(torch.equal(a, b) for a, b in zip(weights, layer.parameters()))
-    assert all(torch.equal(optimizer.state[p]["exp_avg"], m) for p, m in zip(layer.parameters(), moments))
+    assert all(
+        torch.equal(optimizer.state[p]["exp_avg"], m) for p, m in zip(layer.parameters(), moments)
+    )
 
 
 def test_pruning_stops_where_the_rules_say(tok):
     drafter = noop_layer_drafter(tok, layers=3)
-    table = list(d3d.prune_drafter(drafter, prune_data(), prune_data(), min_layers=1, recovery_steps=0))
+    table = list(
+        d3d.prune_drafter(drafter, prune_data(), prune_data(), min_layers=1, recovery_steps=0)
+    )
     assert len(drafter.model.model.layers) == 1 and table[-1]["layers"] == 1
     drafter = noop_layer_drafter(tok, layers=3)
     before = [p.clone() for p in drafter.parameters()]
-    table = list(d3d.prune_drafter(drafter, prune_data(), prune_data(), tau_floor=10.0, recovery_steps=1))
+    table = list(
+        d3d.prune_drafter(drafter, prune_data(), prune_data(), tau_floor=10.0, recovery_steps=1)
+    )
     # an unreachable floor: the first removal is undone
     assert table[-1]["kept"] is False and len(table) == 2
     assert len(drafter.model.model.layers) == 3 and drafter.d3d_config.layer_ids is None
@@ -1168,8 +1528,9 @@ def test_pruning_stops_where_the_rules_say(tok):
         list(d3d.prune_drafter(drafter, prune_data(), prune_data()))
 
 
-def test_the_tau_floor_is_a_fraction_of_the_unpruned_tau_and_keeps_a_removal_at_it(tok,
-                                                                                    monkeypatch):
+def test_the_tau_floor_is_a_fraction_of_the_unpruned_tau_and_keeps_a_removal_at_it(
+    tok, monkeypatch
+):
     """Scripted taus: unpruned 2.0 and tau_floor 0.75, so the floor is 1.5; every removal scores
     1.0 before recovery. The first removal recovers to 1.5, exactly the floor: kept. The second
     recovers to 1.4: below the floor, so it is undone and pruning stops, though 1.4 is above
@@ -1183,10 +1544,14 @@ def test_the_tau_floor_is_a_fraction_of_the_unpruned_tau_and_keeps_a_removal_at_
         return {i: 1.0 - 0.1 * i for i in range(len(drafter.model.model.layers))}
 
     monkeypatch.setattr(d3d, "validation_tau", scripted_tau)
-    drafter = d3d.make_drafter(tiny_qwen3(seed=3, layers=4), tokenizer=tok, block_size=3,
-                               num_anchors=4)
-    table = list(d3d.prune_drafter(drafter, prune_data(), prune_data(), tau_floor=0.75,
-                                   recovery_steps=1, score=scores))
+    drafter = d3d.make_drafter(
+        tiny_qwen3(seed=3, layers=4), tokenizer=tok, block_size=3, num_anchors=4
+    )
+    table = list(
+        d3d.prune_drafter(
+            drafter, prune_data(), prune_data(), tau_floor=0.75, recovery_steps=1, score=scores
+        )
+    )
     assert [row["kept"] for row in table] == [True, True, False], table
     assert [row["tau_after_recovery"] for row in table] == [2.0, 1.5, 1.4]
     assert [row["tau_before_recovery"] for row in table[1:]] == [1.0, 1.0]
@@ -1199,8 +1564,11 @@ def test_pruning_checks_its_arguments_at_the_call(tok):
     data = prune_data(num_batches=1)
     with pytest.raises(ValueError, match="give a stopping rule"):
         d3d.prune_drafter(drafter, data, data)  # no next(): the call itself refuses
-    bad = [({"min_layers": 0}, "min_layers=0"), ({"tau_floor": 0.0}, "tau_floor=0.0"),
-           ({"min_layers": 1, "recovery_steps": -1}, "recovery_steps=-1")]
+    bad = [
+        ({"min_layers": 0}, "min_layers=0"),
+        ({"tau_floor": 0.0}, "tau_floor=0.0"),
+        ({"min_layers": 1, "recovery_steps": -1}, "recovery_steps=-1"),
+    ]
     for arguments, message in bad:
         with pytest.raises(ValueError, match=message):
             d3d.prune_drafter(drafter, data, data, **arguments)
@@ -1229,25 +1597,35 @@ def test_long_prompts_are_prefilled_in_chunks(tok, target, monkeypatch):
     and the chunked prefill decodes what one pass over the prompt does: every mode, and selective prefill."""
     drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=2)
     prompt = torch.randint(0, TEXT_VOCAB, (1, 11), generator=torch.Generator().manual_seed(5))
-    expected = {(mode, ratio): d3d.generate(target, drafter, prompt, max_new_tokens=9, mode=mode, keep_ratio=ratio,
-                                   chunk_size=4)[0].tolist() for mode in d3d.MODES for ratio in (None, 0.5)}
+    expected = {
+        (mode, ratio): d3d.generate(
+            target, drafter, prompt, max_new_tokens=9, mode=mode, keep_ratio=ratio, chunk_size=4
+        )[0].tolist()
+        for mode in d3d.MODES
+        for ratio in (None, 0.5)
+    }
     monkeypatch.setattr(runtime, "PREFILL_CHUNK", 3)
     widths, run = [], runtime.KVCache.run
 
-    def recording_run(self, ids, *rest, fixed=True):  # the tokens of every prefill pass (the eager ones)
+    def recording_run(
+        self, ids, *rest, fixed=True
+    ):  # the tokens of every prefill pass (the eager ones)
         if not fixed:
             widths.append(ids.shape[1])
         return run(self, ids, *rest, fixed=fixed)
+
     monkeypatch.setattr(runtime.KVCache, "run", recording_run)
     for mode in d3d.MODES:
         for ratio in (None, 0.5):
             widths.clear()
-            out, _ = d3d.generate(target, drafter, prompt, max_new_tokens=9, mode=mode, keep_ratio=ratio,
-                                  chunk_size=4)
+            out, _ = d3d.generate(
+                target, drafter, prompt, max_new_tokens=9, mode=mode, keep_ratio=ratio, chunk_size=4
+            )
             assert out.tolist() == expected[mode, ratio]
             # the target prefills 11 tokens or the 7 of 2 kept chunks; the drafter 11 (selective: one scoring pass)
             assert max(widths) == 3 and sum(widths) == (11 if ratio is None else 7) + (
-                11 if mode != "target" and ratio is None else 0)
+                11 if mode != "target" and ratio is None else 0
+            )
 
 
 def test_keep_ratio_one_equals_ordinary_decoding(tok, target):
@@ -1255,16 +1633,22 @@ def test_keep_ratio_one_equals_ordinary_decoding(tok, target):
     prompt = torch.randint(0, TEXT_VOCAB, (1, 37), generator=torch.Generator().manual_seed(3))
     expected, _ = d3d.generate(target, None, prompt, max_new_tokens=15, mode="target")
     for mode in d3d.MODES:
-        out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=15, mode=mode, keep_ratio=1.0,
-                                  chunk_size=8)
+        out, stats = d3d.generate(
+            target, drafter, prompt, max_new_tokens=15, mode=mode, keep_ratio=1.0, chunk_size=8
+        )
         assert out.tolist() == expected.tolist()
-        assert stats["chunks_kept"] == stats["num_chunks"] == 5 and stats["prompt_tokens_prefilled"] == 37
+        assert (
+            stats["chunks_kept"] == stats["num_chunks"] == 5
+            and stats["prompt_tokens_prefilled"] == 37
+        )
 
 
 def test_kept_chunks_are_in_order_with_original_positions(tok):
     drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok)
     prompt = torch.randint(0, TEXT_VOCAB, (1, 45), generator=torch.Generator().manual_seed(4))
-    sel = d3d.select_chunks(drafter, prompt, keep_ratio=0.4, chunk_size=7)  # 7 chunks (the last has 3 tokens)
+    sel = d3d.select_chunks(
+        drafter, prompt, keep_ratio=0.4, chunk_size=7
+    )  # 7 chunks (the last has 3 tokens)
     assert sel["num_chunks"] == 7 and sel["chunks_kept"] == 3
     kept = sel["kept_chunks"]
     assert kept == sorted(kept) and kept[0] == 0 and kept[-1] == 6
@@ -1280,14 +1664,24 @@ def needle_drafter(tok, needle):
     """A drafter whose first layer attends almost only to the token `needle` (a query bias aligned with that
     token's key, on the slowest-rotating RoPE pair so that distance hardly matters)."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         attention_bias=True, rope_theta=1e6)
+    config = LlamaConfig(
+        vocab_size=99,
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        attention_bias=True,
+        rope_theta=1e6,
+    )
     model = LlamaForCausalLM(config).eval()
     attn, head_dim = model.model.layers[0].self_attn, 8
     with torch.no_grad():
-        direction = model.model.embed_tokens.weight[needle] / model.model.embed_tokens.weight[needle].norm()
-        model.model.embed_tokens.weight[needle] = direction * 32 ** 0.5 * 0.02 * 10
+        direction = (
+            model.model.embed_tokens.weight[needle] / model.model.embed_tokens.weight[needle].norm()
+        )
+        model.model.embed_tokens.weight[needle] = direction * 32**0.5 * 0.02 * 10
         attn.q_proj.weight.zero_()
         attn.q_proj.bias.zero_()
         attn.k_proj.weight.zero_()
@@ -1308,7 +1702,11 @@ def test_the_chunk_the_drafter_attends_to_survives(tok):
     sel = d3d.select_chunks(drafter, prompt, keep_ratio=0.3, chunk_size=8)
     assert sel["kept_chunks"] == [0, 5, 9]
     prompt[0, 45], prompt[0, 21] = 7, needle  # move it to chunk 2: the choice follows
-    assert d3d.select_chunks(drafter, prompt, keep_ratio=0.3, chunk_size=8)["kept_chunks"] == [0, 2, 9]
+    assert d3d.select_chunks(drafter, prompt, keep_ratio=0.3, chunk_size=8)["kept_chunks"] == [
+        0,
+        2,
+        9,
+    ]
 
 
 def test_selective_prefill_decodes_like_the_target_on_the_kept_chunks(tok, target):
@@ -1316,8 +1714,9 @@ def test_selective_prefill_decodes_like_the_target_on_the_kept_chunks(tok, targe
     prompt = torch.randint(0, TEXT_VOCAB, (1, 61), generator=torch.Generator().manual_seed(6))
     outputs = {}
     for mode in d3d.MODES:
-        outputs[mode], stats = d3d.generate(target, drafter, prompt, max_new_tokens=17, mode=mode, keep_ratio=0.3,
-                                            chunk_size=6)
+        outputs[mode], stats = d3d.generate(
+            target, drafter, prompt, max_new_tokens=17, mode=mode, keep_ratio=0.3, chunk_size=6
+        )
         assert stats["chunks_kept"] == 4 and stats["prompt_tokens_prefilled"] < 61
         assert stats["time_prefill"] >= stats["time_scoring"] > 0
     assert outputs["sync"].tolist() == outputs["async"].tolist() == outputs["target"].tolist()
@@ -1330,9 +1729,11 @@ def test_selective_prefill_decodes_like_the_target_on_the_kept_chunks(tok, targe
     with torch.no_grad():
         logits = target(input_ids=ids, position_ids=positions).logits[0]
     k = sel["kept_ids"].shape[1]
-    assert logits[k - 1: -1].argmax(-1).tolist() == answer[0].tolist()
+    assert logits[k - 1 : -1].argmax(-1).tolist() == answer[0].tolist()
     full, _ = d3d.generate(target, None, prompt, max_new_tokens=17, mode="target")
-    assert full.tolist() != outputs["target"].tolist()  # dropping chunks does change this target's answer
+    assert (
+        full.tolist() != outputs["target"].tolist()
+    )  # dropping chunks does change this target's answer
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1360,11 +1761,17 @@ def test_bad_inputs_raise_clear_errors(tok, target, tmp_path):
         d3d.generate(target, None, prompt, max_new_tokens=5, mode="target", keep_ratio=0.5)
     with pytest.raises(ValueError, match="unknown mode"):
         d3d.generate(target, drafter, prompt, max_new_tokens=5, mode="fast")
-    with pytest.raises(ValueError, match="target vocabulary"):  # a drafter for a target with another vocabulary
+    with pytest.raises(
+        ValueError, match="target vocabulary"
+    ):  # a drafter for a target with another vocabulary
         d3d.generate(tiny_qwen3(vocab_size=120), drafter, prompt, max_new_tokens=5)
-    with pytest.raises(ValueError, match="does not cover"):  # drafter model smaller than the tokenizer
+    with pytest.raises(
+        ValueError, match="does not cover"
+    ):  # drafter model smaller than the tokenizer
         d3d.make_drafter(tiny_qwen3(vocab_size=64), tokenizer=tok)
-    with pytest.raises(ValueError, match="does not cover"):  # drafter model smaller than the target's vocabulary
+    with pytest.raises(
+        ValueError, match="does not cover"
+    ):  # drafter model smaller than the target's vocabulary
         d3d.make_drafter(tiny_qwen3(), tokenizer=tok, target_vocab_size=128)
     with pytest.raises(ValueError, match="text token"):  # MASK would collide with text
         d3d.make_drafter(tiny_qwen3(), 17, tokenizer=tok)
@@ -1401,12 +1808,19 @@ class AuditedDrafter(d3d.Drafter):
 
     def check(self, cache, length):
         from transformers import DynamicCache
-        assert int(cache.get_seq_length()) == length, "the cache holds another number of tokens than the pass assumes"
+
+        assert int(cache.get_seq_length()) == length, (
+            "the cache holds another number of tokens than the pass assumes"
+        )
         fresh = DynamicCache(config=self.model.config)
-        self.model.get_decoder()(input_ids=torch.tensor([self.committed[:length]]), cache=fresh, use_cache=True)
+        self.model.get_decoder()(
+            input_ids=torch.tensor([self.committed[:length]]), cache=fresh, use_cache=True
+        )
         for held, clean in zip(cache.layers, fresh.layers):
             torch.testing.assert_close(held.keys[:, :, :length], clean.keys, atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(held.values[:, :, :length], clean.values, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(
+                held.values[:, :, :length], clean.values, atol=1e-5, rtol=1e-4
+            )
         self.checked += 1
 
 
@@ -1419,17 +1833,24 @@ def test_drafter_cache_holds_exactly_the_committed_tokens(tok, target, mode, kin
     prompt = torch.tensor([[3, 14, 15, 92, 65]])
     expected, _ = d3d.generate(target, None, prompt, max_new_tokens=max_new, mode="target")
     if kind == "real":
-        inner = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=block_size)  # the target's weights
+        inner = d3d.make_drafter(
+            tiny_qwen3(seed=1), tokenizer=tok, block_size=block_size
+        )  # the target's weights
     else:
         inner, _ = scripted(tok, target, prompt, block_size, kind, max_new)
     drafter = AuditedDrafter(inner, expected[0].tolist())
     caches = runtime.Caches.make(target, drafter, 96)
     for _ in range(2):  # the second request finds the caches the first one left
-        out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=max_new, mode=mode, caches=caches)
+        out, stats = d3d.generate(
+            target, drafter, prompt, max_new_tokens=max_new, mode=mode, caches=caches
+        )
         assert out.tolist() == expected.tolist()
         drafter.check(caches.drafter.hf, caches.drafter.length)  # and after the last round
     assert drafter.checked >= 2 * stats["num_rounds"]
-    if mode == "async" and kind in ("oracle", "partial"):  # hits, so the cache after a hit is checked too
+    if mode == "async" and kind in (
+        "oracle",
+        "partial",
+    ):  # hits, so the cache after a hit is checked too
         assert sum(stats["hits_per_position"]) > 0
 
 
@@ -1441,9 +1862,13 @@ def test_eos_inside_an_accepted_block_is_committed_there(tok, target):
         drafter, _ = scripted(tok, target, prompt, 16, "oracle", 60)
         new = drafter.reference[5:]
         k = next(k for k in range(2, 15) if new[k] not in new[:k])
-        out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode=mode, eos_token_id=new[k])
+        out, stats = d3d.generate(
+            target, drafter, prompt, max_new_tokens=40, mode=mode, eos_token_id=new[k]
+        )
         assert out[0, 5:].tolist() == new[: k + 1]
-        assert stats["accept_lengths"] == [k]  # one round: tokens 2 .. k+1 (the first is the prefill's), EOS last
+        assert stats["accept_lengths"] == [
+            k
+        ]  # one round: tokens 2 .. k+1 (the first is the prefill's), EOS last
 
 
 def test_a_cache_rewinds_only_to_what_it_holds(target):
@@ -1467,8 +1892,9 @@ def test_a_cache_rewinds_only_to_what_it_holds(target):
     assert cache.length == 2
 
 
-@pytest.mark.parametrize("mode,temperature", [("target", 0), ("sync", 0), ("async", 0), ("sync", 1.0),
-                                              ("async", 1.0)])
+@pytest.mark.parametrize(
+    "mode,temperature", [("target", 0), ("sync", 0), ("async", 0), ("sync", 1.0), ("async", 1.0)]
+)
 def test_a_round_reads_the_device_once(tok, target, monkeypatch, mode, temperature):
     """No round waits for the device more than once (on CUDA each read stalls the host until the queue drains):
     between two acceptances (one per round) at most one .item(), .tolist(), int(), bool(), float() or index of a
@@ -1482,17 +1908,31 @@ def test_a_round_reads_the_device_once(tok, target, monkeypatch, mode, temperatu
         def counted(*args, __original=original, **kwargs):
             events.append("read")
             return __original(*args, **kwargs)
+
         monkeypatch.setattr(torch.Tensor, name, counted)
-    boundary = getattr(d3d, "pick_tokens" if mode == "target" else "accept_draft")  # once a round (target: a token)
+    boundary = getattr(
+        d3d, "pick_tokens" if mode == "target" else "accept_draft"
+    )  # once a round (target: a token)
 
     def marked(*args, **kwargs):
         events.append("round")
         return boundary(*args, **kwargs)
+
     monkeypatch.setattr(d3d, boundary.__name__, marked)
     generator = torch.Generator().manual_seed(0)
-    d3d.generate(target, drafter, prompt, max_new_tokens=25, mode=mode, temperature=temperature, generator=generator)
+    d3d.generate(
+        target,
+        drafter,
+        prompt,
+        max_new_tokens=25,
+        mode=mode,
+        temperature=temperature,
+        generator=generator,
+    )
     prefill, *rounds = [r.split().count("read") for r in " ".join(events).split("round")]
-    assert prefill <= 2 and len(rounds) > 4 and max(rounds) <= 1, events  # prefill: the prompt, the first token
+    assert prefill <= 2 and len(rounds) > 4 and max(rounds) <= 1, (
+        events
+    )  # prefill: the prompt, the first token
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1514,7 +1954,11 @@ def test_every_pass_traces_as_one_graph_and_compiles_once(tok, target, no_recomp
     break raises), then new prompts of other lengths reuse those graphs (a recompile raises); outputs equal target-only
     decoding. (A padded draft after a full-acceptance hit differs from others in data only, not in shape.)"""
     from systems import fast
-    prompts = [torch.tensor([[7, 1, 9, 4, 4]]), torch.tensor([[3, 2, 1, 5, 6, 7, 8, 9, 10, 11, 12]])]
+
+    prompts = [
+        torch.tensor([[7, 1, 9, 4, 4]]),
+        torch.tensor([[3, 2, 1, 5, 6, 7, 8, 9, 10, 11, 12]]),
+    ]
     drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=block_size)
     caches = runtime.Caches.make(target, drafter, 128)
     fast.compile_passes(caches, backend="eager")
@@ -1523,7 +1967,9 @@ def test_every_pass_traces_as_one_graph_and_compiles_once(tok, target, no_recomp
     for prompt in prompts:
         expected, _ = d3d.generate(target, None, prompt, max_new_tokens=40, mode="target")
         for mode in d3d.MODES:
-            out, _ = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode=mode, caches=caches)
+            out, _ = d3d.generate(
+                target, drafter, prompt, max_new_tokens=40, mode=mode, caches=caches
+            )
             assert out.tolist() == expected.tolist(), mode
 
 
@@ -1531,19 +1977,38 @@ def test_inductor_compiled_decoding_equals_eager(tok, target, no_recompiles):
     """The real compiler (inductor's generated code, on a CPU): sync and async equal target-only, greedy and sampled
     with the same seed as eager decoding, with no recompile after the warm-up."""
     from systems import fast
+
     prompt = torch.tensor([[7, 1, 9, 4, 4]])
     drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=3)
-    eager = {(mode, t): d3d.generate(target, drafter, prompt, max_new_tokens=30, mode=mode, temperature=t,
-                                     generator=torch.Generator().manual_seed(5))[0].tolist()
-             for mode in ("sync", "async") for t in (0, 1.0)}
+    eager = {
+        (mode, t): d3d.generate(
+            target,
+            drafter,
+            prompt,
+            max_new_tokens=30,
+            mode=mode,
+            temperature=t,
+            generator=torch.Generator().manual_seed(5),
+        )[0].tolist()
+        for mode in ("sync", "async")
+        for t in (0, 1.0)
+    }
     caches = runtime.Caches.make(target, drafter, 64)
     fast.compile_passes(caches)
     fast.warm_up(target, drafter, caches, prompt, ("sync", "async"))
     no_recompiles()
     expected, _ = d3d.generate(target, None, prompt, max_new_tokens=30, mode="target")
     for (mode, t), tokens in eager.items():
-        out, _ = d3d.generate(target, drafter, prompt, max_new_tokens=30, mode=mode, temperature=t, caches=caches,
-                              generator=torch.Generator().manual_seed(5))
+        out, _ = d3d.generate(
+            target,
+            drafter,
+            prompt,
+            max_new_tokens=30,
+            mode=mode,
+            temperature=t,
+            caches=caches,
+            generator=torch.Generator().manual_seed(5),
+        )
         assert out.tolist() == tokens and (t or tokens == expected.tolist()), (mode, t)
 
 
@@ -1557,7 +2022,9 @@ def test_two_lanes_on_a_cpu_decode_the_same_tokens(tok, target):
     one, one_stats = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode="async", lanes=1)
     two, two_stats = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode="async", lanes=2)
     assert one.tolist() == two.tolist() == expected.tolist()
-    assert one_stats["hits_per_position"] == two_stats["hits_per_position"] and two_stats["lanes"] == 2
+    assert (
+        one_stats["hits_per_position"] == two_stats["hits_per_position"] and two_stats["lanes"] == 2
+    )
     assert torch.get_num_threads() == threads
     with pytest.raises(ValueError, match="lanes"):
         d3d.generate(target, drafter, prompt, max_new_tokens=4, mode="async", lanes=3)
@@ -1566,10 +2033,16 @@ def test_two_lanes_on_a_cpu_decode_the_same_tokens(tok, target):
 def test_the_lanes_rule_refuses_two_compiled_lanes_on_cuda():
     """runtime.async_lanes, a pure function of (device type, compiled, lanes[, target size]): two lanes with compiled
     passes on CUDA are refused with the ways out named; everything else passes or gets the default."""
-    with pytest.raises(ValueError, match=r"refused.*CUDA graphs share one memory pool.*lanes=1.*eager passes"):
+    with pytest.raises(
+        ValueError, match=r"refused.*CUDA graphs share one memory pool.*lanes=1.*eager passes"
+    ):
         runtime.async_lanes("cuda", True, 2)
-    assert runtime.async_lanes("cuda", True, 1) == runtime.async_lanes("cuda", True) == 1  # compiled: one lane
-    assert runtime.async_lanes("cuda", False, 2) == 2 and runtime.async_lanes("cuda", False) == 1  # eager: allowed
+    assert (
+        runtime.async_lanes("cuda", True, 1) == runtime.async_lanes("cuda", True) == 1
+    )  # compiled: one lane
+    assert (
+        runtime.async_lanes("cuda", False, 2) == 2 and runtime.async_lanes("cuda", False) == 1
+    )  # eager: allowed
     assert runtime.async_lanes("cpu", True, 2) == 2  # a CPU has no graph pool to share
     assert runtime.async_lanes("cpu", False, None, runtime.TWO_LANES_MIN_PARAMS) == 2
     assert runtime.async_lanes("cpu", False, None, runtime.TWO_LANES_MIN_PARAMS - 1) == 1
@@ -1582,11 +2055,14 @@ def test_the_lanes_rule_refuses_two_compiled_lanes_on_cuda():
         runtime.async_lanes("cuda", True, 2)
 
 
-def test_generate_takes_lanes_from_the_rule_with_its_caches_compiled_or_not(tok, target, monkeypatch):
+def test_generate_takes_lanes_from_the_rule_with_its_caches_compiled_or_not(
+    tok, target, monkeypatch
+):
     """generate(lanes=None) asks runtime.async_lanes, telling it whether its caches are compiled: seen as a CUDA
     device here, async with compiled caches and two lanes is refused, one lane or eager caches decode; sync has no
     lanes to refuse."""
     from systems import fast
+
     monkeypatch.setattr(d3d, "async_lanes", lambda _, *args: runtime.async_lanes("cuda", *args))
     prompt = torch.tensor([[7, 1, 9, 4, 4]])
     drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=3)
@@ -1595,12 +2071,24 @@ def test_generate_takes_lanes_from_the_rule_with_its_caches_compiled_or_not(tok,
     fast.compile_passes(compiled, backend="eager")
     regional = runtime.Caches.make(target, drafter, 64)
     fast.compile_passes(regional, backend="eager", regional=True)
-    assert compiled.compiled and regional.compiled and not runtime.Caches.make(target, drafter, 64).compiled
+    assert (
+        compiled.compiled
+        and regional.compiled
+        and not runtime.Caches.make(target, drafter, 64).compiled
+    )
     with pytest.raises(ValueError, match="refused"):
-        d3d.generate(target, drafter, prompt, max_new_tokens=12, mode="async", lanes=2, caches=compiled)
-    for caches, lanes, mode in ((compiled, None, "async"), (compiled, 1, "async"), (None, 2, "async"),
-                                (compiled, 2, "sync")):
-        out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=12, mode=mode, lanes=lanes, caches=caches)
+        d3d.generate(
+            target, drafter, prompt, max_new_tokens=12, mode="async", lanes=2, caches=compiled
+        )
+    for caches, lanes, mode in (
+        (compiled, None, "async"),
+        (compiled, 1, "async"),
+        (None, 2, "async"),
+        (compiled, 2, "sync"),
+    ):
+        out, stats = d3d.generate(
+            target, drafter, prompt, max_new_tokens=12, mode=mode, lanes=lanes, caches=caches
+        )
         assert out.tolist() == expected.tolist() and stats.get("lanes", lanes) == (lanes or 1)
 
 
@@ -1611,17 +2099,32 @@ def test_trace_draws_each_lane_on_its_own_track(tok, target, lanes):
     main thread, the packed pass after the verification in every round."""
     prompt = torch.tensor([[7, 1, 9, 4, 4]])
     drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=3)
-    _, stats = d3d.generate(target, drafter, prompt, max_new_tokens=20, mode="async", lanes=lanes, trace=True)
+    _, stats = d3d.generate(
+        target, drafter, prompt, max_new_tokens=20, mode="async", lanes=lanes, trace=True
+    )
     events = stats["trace"]["traceEvents"]
     tracks = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
-    spans = {key: [e for e in events if e["name"] == key] for key in ("verify", "packed_draft", "both")}
-    assert len(spans["verify"]) == len(spans["packed_draft"]) == len(spans["both"]) == stats["num_rounds"] > 1
+    spans = {
+        key: [e for e in events if e["name"] == key] for key in ("verify", "packed_draft", "both")
+    }
+    assert (
+        len(spans["verify"])
+        == len(spans["packed_draft"])
+        == len(spans["both"])
+        == stats["num_rounds"]
+        > 1
+    )
     worker = "thread packed-pass_0" if lanes == 2 else "thread MainThread"
     assert {tracks[e["tid"]] for e in spans["packed_draft"]} == {worker}
     assert {tracks[e["tid"]] for e in spans["verify"] + spans["both"]} == {"thread MainThread"}
-    for verify, packed, both in zip(*spans.values()):  # both passes inside their round's "both" span
+    for verify, packed, both in zip(
+        *spans.values()
+    ):  # both passes inside their round's "both" span
         assert both["ts"] <= min(verify["ts"], packed["ts"])
-        assert max(verify["ts"] + verify["dur"], packed["ts"] + packed["dur"]) <= both["ts"] + both["dur"] + 1
+        assert (
+            max(verify["ts"] + verify["dur"], packed["ts"] + packed["dur"])
+            <= both["ts"] + both["dur"] + 1
+        )
         if lanes == 1:
             assert verify["ts"] + verify["dur"] <= packed["ts"] + 1  # one after the other
     assert json.loads(json.dumps(stats["trace"])) == stats["trace"]
@@ -1637,7 +2140,10 @@ def test_a_request_the_caches_cannot_hold_is_refused_up_front(tok, target):
     with pytest.raises(ValueError, match="other models"):
         d3d.generate(tiny_qwen3(seed=2), drafter, prompt, max_new_tokens=3, caches=caches)
     out, _ = d3d.generate(target, drafter, prompt, max_new_tokens=20, mode="sync", caches=caches)
-    assert out.tolist() == d3d.generate(target, None, prompt, max_new_tokens=20, mode="target")[0].tolist()
+    assert (
+        out.tolist()
+        == d3d.generate(target, None, prompt, max_new_tokens=20, mode="target")[0].tolist()
+    )
     with pytest.raises(ValueError, match="KV cache full"):
         runtime.causal_pass(caches.target, torch.zeros(1, 41, dtype=torch.long))
 
@@ -1647,8 +2153,9 @@ def test_a_request_the_caches_cannot_hold_is_refused_up_front(tok, target):
 
 
 @pytest.mark.parametrize("per_layer", [False, True])
-def test_regional_compilation_traces_each_layer_class_and_shape_once(tok, target, no_recompiles, monkeypatch,
-                                                                     per_layer):
+def test_regional_compilation_traces_each_layer_class_and_shape_once(
+    tok, target, no_recompiles, monkeypatch, per_layer
+):
     """The fullgraph test above (every mode, new prompts without a recompile, outputs equal target-only) compiled
     regionally, counting dynamo's graphs: one per pass width, shared by every layer of both models (one layer class).
     per_layer: the compiled layer handed the whole StaticCache, whose list index is then a guarded constant, traces
@@ -1667,11 +2174,14 @@ def test_regional_compilation_traces_each_layer_class_and_shape_once(tok, target
         compile_passes(caches, backend=counting, regional=True)
         for cache in (caches.target, caches.drafter):
             cache.step = recorded(cache.step)
+
     monkeypatch.setattr(fast, "compile_passes", regional)
     if per_layer:
         monkeypatch.setattr(fast, "_OneLayer", lambda cache, index: cache)
     test_every_pass_traces_as_one_graph_and_compiles_once(tok, target, no_recompiles, block_size=4)
-    assert len(widths) == 4  # target 1 and B + 1, drafter 2B + 1, 1 + B (the target's B + 1) and the packed pass
+    assert (
+        len(widths) == 4
+    )  # target 1 and B + 1, drafter 2B + 1, 1 + B (the target's B + 1) and the packed pass
     assert len(graphs) == len(widths) * (len(target.model.layers) if per_layer else 1)
 
 
@@ -1679,7 +2189,9 @@ def test_regional_inductor_decoding_equals_eager(tok, target, no_recompiles, mon
     """The inductor test above (sync and async, greedy equal to target-only, sampled equal to eager with the same
     seed, no recompile after the warm-up), with each layer compiled regionally."""
     compile_passes = fast.compile_passes
-    monkeypatch.setattr(fast, "compile_passes", lambda caches: compile_passes(caches, regional=True))
+    monkeypatch.setattr(
+        fast, "compile_passes", lambda caches: compile_passes(caches, regional=True)
+    )
     test_inductor_compiled_decoding_equals_eager(tok, target, no_recompiles)
 
 
@@ -1693,21 +2205,37 @@ def test_a_prepared_block_is_the_draft_its_outcome_would_get(tok, d1_from):
     draft_block gives after the prefix its outcome commits (branch (k, t): x_0 .. x_n, d_1 .. d_(k-1), t; full
     acceptance: x_0 .. x_n, d_1 .. d_B), d_1 read where draft_block reads it (the causal head, or MASK 1)."""
     block_size = 4
-    drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=block_size, d1_from=d1_from)
+    drafter = d3d.make_drafter(
+        tiny_qwen3(seed=3), tokenizer=tok, block_size=block_size, d1_from=d1_from
+    )
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, TEXT_VOCAB, (1, 7), generator=g)  # x_0 .. x_n
     draft = torch.randint(0, TEXT_VOCAB, (block_size,), generator=g)
     positions, candidates = torch.tensor([1, 3]), torch.tensor([[5, 9], [2, 8]])
     cache = runtime.KVCache(drafter, 64)
     with torch.no_grad():
-        d3d.draft_block(drafter, cache, prefix[:, :-1], block_size)  # the cache holds x_0 .. x_(n-1)
-        ids, position_ids, mask, rows = d3d.build_branch_pass(drafter, prefix[0, -1:], draft, positions, candidates,
-                                                              past_len=cache.length, block_size=block_size)
+        d3d.draft_block(
+            drafter, cache, prefix[:, :-1], block_size
+        )  # the cache holds x_0 .. x_(n-1)
+        ids, position_ids, mask, rows = d3d.build_branch_pass(
+            drafter,
+            prefix[0, -1:],
+            draft,
+            positions,
+            candidates,
+            past_len=cache.length,
+            block_size=block_size,
+        )
         prepared = drafter.logits(cache.run(ids, position_ids, mask)[rows])  # (C * F + 1, B, V)
-        outcomes = [torch.cat([prefix[0], draft[: k - 1], t.view(1)]) for k, c in zip(positions, candidates)
-                    for t in c] + [torch.cat([prefix[0], draft])]
+        outcomes = [
+            torch.cat([prefix[0], draft[: k - 1], t.view(1)])
+            for k, c in zip(positions, candidates)
+            for t in c
+        ] + [torch.cat([prefix[0], draft])]
         for segment, committed in enumerate(outcomes):
-            fresh = d3d.draft_block(drafter, runtime.KVCache(drafter, 64), committed[None], block_size)
+            fresh = d3d.draft_block(
+                drafter, runtime.KVCache(drafter, 64), committed[None], block_size
+            )
             torch.testing.assert_close(prepared[segment, :, :TEXT_VOCAB], fresh[:, :TEXT_VOCAB])
 
 
@@ -1716,26 +2244,48 @@ def test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for(to
     never reused because its token happens to match."""
     drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=4)
     block_hidden = torch.randn(5, 4, 32, generator=torch.Generator().manual_seed(1))
-    guess = int(drafter.logits(block_hidden[-1, 0]).argmax())  # the full-acceptance segment's bonus-token guess
+    guess = int(
+        drafter.logits(block_hidden[-1, 0]).argmax()
+    )  # the full-acceptance segment's bonus-token guess
     positions, candidates = torch.tensor([1, 2]), torch.tensor([[5, 6], [5, 7]])
-    hit = lambda a, c: int(d3d.cache_hit(drafter, block_hidden, positions, candidates,  # noqa: E731
-                                                torch.tensor(a), torch.tensor(c), 4, 0.0))
+    hit = lambda a, c: int(
+        d3d.cache_hit(
+            drafter,
+            block_hidden,
+            positions,
+            candidates,  # noqa: E731
+            torch.tensor(a),
+            torch.tensor(c),
+            4,
+            0.0,
+        )
+    )
     assert hit(0, 5) == 0 and hit(0, 6) == 1 and hit(1, 5) == 2 and hit(1, 7) == 3
-    assert hit(0, 7) == -1 and hit(1, 6) == -1 and hit(2, 5) == -1  # the token, at another position: a miss
+    assert (
+        hit(0, 7) == -1 and hit(1, 6) == -1 and hit(2, 5) == -1
+    )  # the token, at another position: a miss
     assert hit(4, guess) == 4 and hit(4, (guess + 1) % TEXT_VOCAB) == -1 and hit(3, guess) == -1
 
 
-def test_every_verification_and_packed_pass_keeps_one_shape_through_full_acceptance_hits(tok, target, monkeypatch):
+def test_every_verification_and_packed_pass_keeps_one_shape_through_full_acceptance_hits(
+    tok, target, monkeypatch
+):
     """After a full-acceptance hit the next draft has B - 1 real tokens and a pad: verification and the packed pass
     keep their shapes (a compiled pass would otherwise compile a new graph, a CUDA graph be captured again)."""
     block_size, prompt = 5, torch.tensor([[3, 1, 4, 1, 5]])
     drafter, _ = scripted(tok, target, prompt, block_size, "oracle", 40)
     shapes = {"verify": set(), "packed": set()}
     verify, build = d3d.verify_block, d3d.build_branch_pass
-    monkeypatch.setattr(d3d, "verify_block", lambda c, last, draft: shapes["verify"].add(tuple(draft.shape)) or
-                        verify(c, last, draft))
-    monkeypatch.setattr(d3d, "build_branch_pass", lambda *a, **k: (lambda r: shapes["packed"].add(tuple(r[0].shape))
-                                                                   or r)(build(*a, **k)))
+    monkeypatch.setattr(
+        d3d,
+        "verify_block",
+        lambda c, last, draft: shapes["verify"].add(tuple(draft.shape)) or verify(c, last, draft),
+    )
+    monkeypatch.setattr(
+        d3d,
+        "build_branch_pass",
+        lambda *a, **k: (lambda r: shapes["packed"].add(tuple(r[0].shape)) or r)(build(*a, **k)),
+    )
     out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=40, mode="async")
     assert stats["hits_per_position"][block_size] >= 3  # full-acceptance hits happened
     assert shapes["verify"] == {(block_size,)} and len(shapes["packed"]) == 1
@@ -1746,6 +2296,7 @@ def test_two_cpu_lanes_run_both_passes_at_once(lanes):
     """With two lanes verification and the packed pass are in flight together: two callables that wait for each
     other at a barrier both get through; one after the other, the first waits alone and the barrier breaks."""
     import threading
+
     barrier = threading.Barrier(2, timeout=5 if lanes == 2 else 0.5)
     lane = d3d._Lanes(torch.device("cpu"), lanes)
     meet = lambda value: lambda: barrier.wait() * 0 + torch.tensor(value)  # noqa: E731
@@ -1773,31 +2324,56 @@ def test_the_packed_pass_builds_no_autograd_graph_in_either_lane(lanes):
         lane.close()
     assert not verified.requires_grad and not packed.requires_grad
     threads = {key: thread for key, _, _, thread in clock.spans}
-    assert (threads["packed_draft"] != threads["verify"]) == (lanes == 2)  # two lanes: the worker ran it
+    assert (threads["packed_draft"] != threads["verify"]) == (
+        lanes == 2
+    )  # two lanes: the worker ran it
 
 
 def test_recovery_distils_toward_the_label_adjusted_teacher(tok, monkeypatch):
     """The recovery target is (1 - beta) * teacher + beta * label, and the loss is linear in it: at beta = 1 it is the
     cross-entropy on the labels alone, at 0.5 the mean of beta = 0 and 1. prune_drafter passes its beta on."""
-    student = d3d.make_drafter(tiny_qwen3(seed=5, layers=3), tokenizer=tok, block_size=3, num_anchors=4)
-    teacher = d3d.make_drafter(tiny_qwen3(seed=7, layers=3), tokenizer=tok, block_size=3, num_anchors=4)
+    student = d3d.make_drafter(
+        tiny_qwen3(seed=5, layers=3), tokenizer=tok, block_size=3, num_anchors=4
+    )
+    teacher = d3d.make_drafter(
+        tiny_qwen3(seed=7, layers=3), tokenizer=tok, block_size=3, num_anchors=4
+    )
     x, loss_mask = prune_data()[0]
-    loss = {beta: d3d.distill_loss(student, teacher, x, loss_mask, beta=beta,
-                                   generator=torch.Generator().manual_seed(3)).item() for beta in (0.0, 0.5, 1.0)}
+    loss = {
+        beta: d3d.distill_loss(
+            student, teacher, x, loss_mask, beta=beta, generator=torch.Generator().manual_seed(3)
+        ).item()
+        for beta in (0.0, 0.5, 1.0)
+    }
     anchors, valid = d3d.sample_anchors(loss_mask, 4, torch.Generator().manual_seed(3))
     labels, counts = d3d._block_labels(x, loss_mask, anchors, valid, 3)
     with torch.no_grad():
         causal, block = d3d._packed_hidden(student, x, anchors, 3)
         ce = lambda h, y: torch.nn.functional.cross_entropy(student.logits(h).float(), y).item()  # noqa: E731
         has_label = loss_mask[:, 1:].bool()
-        labels_only = ce(block[counts], labels[counts]) + ce(causal[:, :-1][has_label], x[:, 1:][has_label])
+        labels_only = ce(block[counts], labels[counts]) + ce(
+            causal[:, :-1][has_label], x[:, 1:][has_label]
+        )
     assert loss[1.0] == pytest.approx(labels_only, rel=1e-5)
-    assert loss[0.5] == pytest.approx((loss[0.0] + loss[1.0]) / 2, rel=1e-5) and loss[0.0] != pytest.approx(loss[1.0])
+    assert loss[0.5] == pytest.approx((loss[0.0] + loss[1.0]) / 2, rel=1e-5) and loss[
+        0.0
+    ] != pytest.approx(loss[1.0])
     betas = []
     real = d3d.distill_loss
-    monkeypatch.setattr(d3d, "distill_loss", lambda *a, **k: betas.append(k["beta"]) or real(*a, **k))
-    list(d3d.prune_drafter(student, prune_data(), prune_data(seed=10), min_layers=2, recovery_steps=1, beta=0.7,
-                           num_anchors=4))
+    monkeypatch.setattr(
+        d3d, "distill_loss", lambda *a, **k: betas.append(k["beta"]) or real(*a, **k)
+    )
+    list(
+        d3d.prune_drafter(
+            student,
+            prune_data(),
+            prune_data(seed=10),
+            min_layers=2,
+            recovery_steps=1,
+            beta=0.7,
+            num_anchors=4,
+        )
+    )
     assert betas and set(betas) == {0.7}
 
 
@@ -1808,17 +2384,26 @@ def test_a_round_that_commits_no_token_is_an_error_not_a_loop(tok, target, mode,
     prompt = torch.tensor([[2, 7, 1, 8]])
     reference = reference_continuation(target, prompt, 20)
     eos = reference[prompt.shape[1] + 3]  # the target's fourth new token
-    drafter, _ = scripted(tok, target, prompt, 4, "never", 20)  # rejected at d_1: every round commits one token
+    drafter, _ = scripted(
+        tok, target, prompt, 4, "never", 20
+    )  # rejected at d_1: every round commits one token
     real, calls = runtime.Output.commit, []
 
     def loses_eos(self, new):
         calls.append(1)
         assert len(calls) < 200, "the decode looped"
         return real(self, [t for t in new if t not in self.eos])
+
     monkeypatch.setattr(runtime.Output, "commit", loses_eos)
     with pytest.raises(RuntimeError, match="committed no token"):
-        d3d.generate(target, None if mode == "target" else drafter, prompt, max_new_tokens=20, mode=mode,
-                     eos_token_id=eos)
+        d3d.generate(
+            target,
+            None if mode == "target" else drafter,
+            prompt,
+            max_new_tokens=20,
+            mode=mode,
+            eos_token_id=eos,
+        )
 
 
 def test_a_finished_sequence_takes_no_more_tokens():
@@ -1834,11 +2419,17 @@ def test_d3d_names_only_what_d3d_defines():
     `runtime.X`, so a reader knows which file to open."""
     import ast
     import os
+
     root = os.path.dirname(os.path.abspath(__file__))
     tree = ast.parse(open(os.path.join(root, "d3d.py")).read())
     defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-    defined |= {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
-                if isinstance(t, ast.Name)}
+    defined |= {
+        t.id
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
     wrong = []
     for folder, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("runs", "__pycache__")]
@@ -1847,8 +2438,12 @@ def test_d3d_names_only_what_d3d_defines():
             if not name.endswith(".py") or path == os.path.join(root, "d3d.py"):
                 continue
             for node in ast.walk(ast.parse(open(path).read())):
-                if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "d3d"
-                        and node.attr not in defined):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == "d3d"
+                    and node.attr not in defined
+                ):
                     wrong.append(f"{os.path.relpath(path, root)}:{node.lineno} d3d.{node.attr}")
     assert not wrong, wrong
 
@@ -1859,13 +2454,27 @@ def test_modules_form_layers_without_cycles():
     function, where a cycle would hide (tests aside)."""
     import ast
     import os
+
     root = os.path.dirname(os.path.abspath(__file__))
-    modules = {name[:-3]: name for name in os.listdir(root) if name.endswith(".py") and not name.startswith("test_")}
-    modules |= {f"systems.{name[:-3]}": os.path.join("systems", name)
-                for name in os.listdir(os.path.join(root, "systems")) if name.endswith(".py") and name != "__init__.py"}
-    allowed = {"runtime": set(), "d3d": {"runtime"}, "toy": {"runtime", "systems"},
-               "systems": {"runtime", "d3d", "systems"}, "train": {"runtime", "d3d", "toy", "systems"},
-               "decode": {"runtime", "d3d", "toy", "systems"}, "lab": {"runtime", "d3d", "toy", "systems"}}
+    modules = {
+        name[:-3]: name
+        for name in os.listdir(root)
+        if name.endswith(".py") and not name.startswith("test_")
+    }
+    modules |= {
+        f"systems.{name[:-3]}": os.path.join("systems", name)
+        for name in os.listdir(os.path.join(root, "systems"))
+        if name.endswith(".py") and name != "__init__.py"
+    }
+    allowed = {
+        "runtime": set(),
+        "d3d": {"runtime"},
+        "toy": {"runtime", "systems"},
+        "systems": {"runtime", "d3d", "systems"},
+        "train": {"runtime", "d3d", "toy", "systems"},
+        "decode": {"runtime", "d3d", "toy", "systems"},
+        "lab": {"runtime", "d3d", "toy", "systems"},
+    }
     graph, wrong = {}, []
     for module, path in modules.items():
         tree = ast.parse(open(os.path.join(root, path)).read())
@@ -1891,13 +2500,16 @@ def test_modules_form_layers_without_cycles():
 
     def visit(module):
         if module in active:
-            wrong.append("import cycle: " + " -> ".join(active[active.index(module):] + [module]))
+            wrong.append("import cycle: " + " -> ".join(active[active.index(module) :] + [module]))
         elif module not in done:
             active.append(module)
             for other in sorted(graph[module]):
                 visit(other)
             done.add(active.pop())
+
     for module in sorted(graph):
         visit(module)
-    assert {"runtime", "d3d", "train", "decode", "lab", "systems.fast", "systems.batched"} <= set(graph)
+    assert {"runtime", "d3d", "train", "decode", "lab", "systems.fast", "systems.batched"} <= set(
+        graph
+    )
     assert not wrong, wrong

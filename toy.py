@@ -109,7 +109,12 @@ ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
 SPECIAL_TOKENS = [PAD, EOS, UNK] + ROLE_TOKENS
 # Every character the task uses, plus lowercase letters and some punctuation so that ordinary short text
 # (e.g. a system prompt) still round-trips. Anything else maps to <|unk|>.
-CHARS = list("0123456789+-*/=#()") + [" ", "\n"] + list("abcdefghijklmnopqrstuvwxyz") + list(".,:;?!'\"")
+CHARS = (
+    list("0123456789+-*/=#()")
+    + [" ", "\n"]
+    + list("abcdefghijklmnopqrstuvwxyz")
+    + list(".,:;?!'\"")
+)
 
 # "<|role|>\n" + content + "<|end|>\n" per message; the generation prompt is "<|assistant|>\n", so the
 # prompt ids end exactly where the answer begins, and the model ends its answer with <|end|> (eos).
@@ -144,7 +149,9 @@ def make_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 
 def _prompt_text(tok, question: str) -> str:
-    return tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    return tok.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def _prompt_ids(tok, question: str) -> list[int]:
@@ -152,6 +159,7 @@ def _prompt_ids(tok, question: str) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------- model
+
 
 def _padded_vocab_size(n: int) -> int:
     """Strictly more than n and a multiple of 16 (free embedding slots, as in Qwen3's padded vocabulary)."""
@@ -186,6 +194,7 @@ def _make_model(tok) -> transformers.Qwen3ForCausalLM:
 
 
 # ----------------------------------------------------------------------------------------- prompts
+
 
 def _make_prompt_sets(seed: int, n_train: int, n_test: int) -> tuple[list[dict], list[dict]]:
     """Unique questions, test first, train disjoint from test. Deterministic given the seed."""
@@ -223,6 +232,7 @@ def _read_jsonl(path: str) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------- training
 
+
 def _batch(tok, problems: list[tuple[str, str]], device) -> dict[str, torch.Tensor]:
     """Right-padded (prompt + answer + eos); labels only on answer + eos."""
     seqs, labels = [], []
@@ -239,7 +249,11 @@ def _batch(tok, problems: list[tuple[str, str]], device) -> dict[str, torch.Tens
         ids[i, : len(s)] = torch.tensor(s)
         lab[i, : len(l)] = torch.tensor(l)
         mask[i, : len(s)] = 1
-    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": lab.to(device)}
+    return {
+        "input_ids": ids.to(device),
+        "attention_mask": mask.to(device),
+        "labels": lab.to(device),
+    }
 
 
 def _batches(tok, rng: random.Random, exclude: set[str], batch_size: int, device):
@@ -252,14 +266,24 @@ def _batches(tok, rng: random.Random, exclude: set[str], batch_size: int, device
             if q not in exclude:
                 pool.append((q, a))
         pool.sort(key=lambda qa: len(qa[0]) + len(qa[1]))
-        batches = [pool[i: i + batch_size] for i in range(0, len(pool), batch_size)]
+        batches = [pool[i : i + batch_size] for i in range(0, len(pool), batch_size)]
         rng.shuffle(batches)
         for problems in batches:
             yield _batch(tok, problems, device)
 
 
-def _train(model, tok, *, seed: int, exclude: set[str], train_steps: int, batch_size: int, lr: float, warmup: int,
-           device) -> tuple[int, float]:
+def _train(
+    model,
+    tok,
+    *,
+    seed: int,
+    exclude: set[str],
+    train_steps: int,
+    batch_size: int,
+    lr: float,
+    warmup: int,
+    device,
+) -> tuple[int, float]:
     """AdamW with warmup, a constant rate, then a linear decay to 10 % over the last DECAY_SHARE of the steps. Returns
     (steps, last smoothed loss)."""
     rng = random.Random(f"toy-train-{seed}")
@@ -294,18 +318,31 @@ MAX_NEW_TOKENS = 128  # every toy answer ends well before this (at most 80 chara
 
 
 @torch.no_grad()
-def answer_ids(model, tok, prompt_ids: list[list[int]], *, max_new_tokens: int = MAX_NEW_TOKENS,
-               batch_size: int = 64, desc: str = "target answers") -> list[list[int]]:
+def answer_ids(
+    model,
+    tok,
+    prompt_ids: list[list[int]],
+    *,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    batch_size: int = 64,
+    desc: str = "target answers",
+) -> list[list[int]]:
     """The target's greedy response to each prompt, as token ids ending with EOS where it stopped. Batches of similar
     lengths, left-padded, so that every prompt ends where its answer begins."""
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     out: list[list[int]] = [[] for _ in prompt_ids]
     for s in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch", dynamic_ncols=True):
-        idx = order[s: s + batch_size]
+        idx = order[s : s + batch_size]
         ids, real = batched.left_pad([prompt_ids[i] for i in idx], model.device)
-        gen = model.generate(input_ids=ids, attention_mask=real.long(), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        for i, row in zip(idx, gen[:, ids.shape[1]:].tolist()):
+        gen = model.generate(
+            input_ids=ids,
+            attention_mask=real.long(),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        for i, row in zip(idx, gen[:, ids.shape[1] :].tolist()):
             out[i] = row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
     return out
 
@@ -317,13 +354,23 @@ def _final_number(answer: str) -> str | None:
 
 def score(tok, rows: list[dict], responses: list[list[int]]) -> dict:
     """Exact match of the answers against the references, final-number match, and the share ending with EOS."""
-    texts = [tok.decode([t for t in r if t != tok.eos_token_id], skip_special_tokens=True) for r in responses]
+    texts = [
+        tok.decode([t for t in r if t != tok.eos_token_id], skip_special_tokens=True)
+        for r in responses
+    ]
     n = max(len(rows), 1)
     exact = sum(a == r["reference_answer"] for a, r in zip(texts, rows))
-    final = sum(_final_number(a) == _final_number(r["reference_answer"]) for a, r in zip(texts, rows))
+    final = sum(
+        _final_number(a) == _final_number(r["reference_answer"]) for a, r in zip(texts, rows)
+    )
     ended = sum(tok.eos_token_id in r for r in responses)
-    return {"n": len(rows), "exact_match": exact / n, "final_answer": final / n, "ends_with_eos": ended / n,
-            "answers": texts}
+    return {
+        "n": len(rows),
+        "exact_match": exact / n,
+        "final_answer": final / n,
+        "ends_with_eos": ended / n,
+        "answers": texts,
+    }
 
 
 def evaluate(model, tok, rows: list[dict]) -> dict:
@@ -331,10 +378,14 @@ def evaluate(model, tok, rows: list[dict]) -> dict:
     return score(tok, rows, answer_ids(model, tok, [_prompt_ids(tok, r["question"]) for r in rows]))
 
 
-def write_answers(path: str, header: dict, prompt_ids: list[list[int]], responses: list[list[int]]) -> None:
+def write_answers(
+    path: str, header: dict, prompt_ids: list[list[int]], responses: list[list[int]]
+) -> None:
     """An answers file, the format train.py reads and caches: a header line naming the target, the tokenizer's
     fingerprint and the generation limit, then one line per prompt: {"i", "prompt", "response"} as token ids."""
-    rows = [header] + [{"i": i, "prompt": p, "response": r} for i, (p, r) in enumerate(zip(prompt_ids, responses))]
+    rows = [header] + [
+        {"i": i, "prompt": p, "response": r} for i, (p, r) in enumerate(zip(prompt_ids, responses))
+    ]
     _write_jsonl(path, rows)
 
 
@@ -344,10 +395,16 @@ TRAIN_STEPS = 3000  # the toy target's optimizer steps: enough to solve its own 
 BATCH_SIZE, LR, WARMUP, DECAY_SHARE = 16, 5e-3, 30, 0.3
 POOL_BATCHES = 8  # batches drawn at once and sorted by length (little padding)
 RECIPE = "toy.json"  # in every toy folder: how it was built, how well it answers, and the fingerprints of its files
-SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy-target")  # the toy in the repository
+SHIPPED = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "toy-target"
+)  # the toy in the repository
 DEFAULT_OUT = "runs/toy-target"  # where `python toy.py` builds one
-DATA_FILES = {"train": "prompts-train.jsonl", "test": "prompts-test.jsonl",
-              "train_answers": "answers-train.jsonl", "test_answers": "answers-test.jsonl"}
+DATA_FILES = {
+    "train": "prompts-train.jsonl",
+    "test": "prompts-test.jsonl",
+    "train_answers": "answers-train.jsonl",
+    "test_answers": "answers-test.jsonl",
+}
 FLOAT_ORDER_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 
 
@@ -355,7 +412,10 @@ def toy_paths(folder: str) -> dict:
     """{"target": the HF folder, "train"/"test": the prompt files, "train_answers"/"test_answers": the target's
     answers to them}: all in one folder."""
     folder = os.path.abspath(folder)
-    return {"target": folder, **{key: os.path.join(folder, name) for key, name in DATA_FILES.items()}}
+    return {
+        "target": folder,
+        **{key: os.path.join(folder, name) for key, name in DATA_FILES.items()},
+    }
 
 
 def sha256_file(path: str) -> str:
@@ -369,21 +429,27 @@ def sha256_file(path: str) -> str:
 def fingerprint(folder: str, tok=None) -> dict:
     """What identifies a toy target: the sha256 of its weights file and its tokenizer's fingerprint."""
     tok = tok if tok is not None else transformers.AutoTokenizer.from_pretrained(folder)
-    return {"weights_sha256": sha256_file(os.path.join(folder, "model.safetensors")),
-            "tokenizer": runtime.tokenizer_fingerprint(tok)}
+    return {
+        "weights_sha256": sha256_file(os.path.join(folder, "model.safetensors")),
+        "tokenizer": runtime.tokenizer_fingerprint(tok),
+    }
 
 
 def read_recipe(folder: str) -> dict:
     path = os.path.join(folder, RECIPE)
     if not os.path.isfile(path):
-        raise runtime.UserError(f"no toy at {folder} ({RECIPE} is missing): `python toy.py --out {folder}` builds one; "
-                                f"the repository's toy is {SHIPPED}")
+        raise runtime.UserError(
+            f"no toy at {folder} ({RECIPE} is missing): `python toy.py --out {folder}` builds one; "
+            f"the repository's toy is {SHIPPED}"
+        )
     try:
         with open(path) as f:
             return json.load(f)
     except json.JSONDecodeError as e:
-        raise runtime.UserError(f"{path} is not valid JSON ({e.msg}) — restore it, or rebuild the "
-                                "toy with `python toy.py --out FOLDER`") from None
+        raise runtime.UserError(
+            f"{path} is not valid JSON ({e.msg}) — restore it, or rebuild the "
+            "toy with `python toy.py --out FOLDER`"
+        ) from None
 
 
 def open_toy(folder: str = SHIPPED) -> dict:
@@ -393,27 +459,43 @@ def open_toy(folder: str = SHIPPED) -> dict:
     folder = os.path.abspath(folder)
     recipe, paths = read_recipe(folder), toy_paths(folder)
     if "files" not in recipe:
-        raise runtime.UserError(f"{folder} is an unfinished toy ({RECIPE} records no files): rerun `python toy.py --out "
-                         f"{folder}` to finish it")
-    restore = ("`git checkout -- toy-target` restores it" if folder == SHIPPED
-               else f"`python toy.py --out {folder}` rebuilds it after you delete the folder")
+        raise runtime.UserError(
+            f"{folder} is an unfinished toy ({RECIPE} records no files): rerun `python toy.py --out "
+            f"{folder}` to finish it"
+        )
+    restore = (
+        "`git checkout -- toy-target` restores it"
+        if folder == SHIPPED
+        else f"`python toy.py --out {folder}` rebuilds it after you delete the folder"
+    )
     for key, name in DATA_FILES.items():
         if not os.path.isfile(paths[key]):
             raise runtime.UserError(f"{paths[key]} is missing from the toy; {restore}")
         if sha256_file(paths[key]) != recipe["files"][name]:
-            raise runtime.UserError(f"{paths[key]} does not match {os.path.join(folder, RECIPE)} (its sha256 differs): the "
-                             f"toy's prompts and the target's answers to them belong together; {restore}")
+            raise runtime.UserError(
+                f"{paths[key]} does not match {os.path.join(folder, RECIPE)} (its sha256 differs): the "
+                f"toy's prompts and the target's answers to them belong together; {restore}"
+            )
     found = fingerprint(folder)
     for key, what in (("weights_sha256", "weights"), ("tokenizer", "tokenizer")):
         if found[key] != recipe["fingerprint"][key]:
-            raise runtime.UserError(f"the toy target's {what} in {folder} do not match {RECIPE}'s fingerprint "
-                             f"({found[key][:16]} != {recipe['fingerprint'][key][:16]}); {restore}")
+            raise runtime.UserError(
+                f"the toy target's {what} in {folder} do not match {RECIPE}'s fingerprint "
+                f"({found[key][:16]} != {recipe['fingerprint'][key][:16]}); {restore}"
+            )
     return paths
 
 
-def build_toy(out_dir: str = DEFAULT_OUT, *, seed: int = 0, num_train_prompts: int = 2000,
-              num_test_prompts: int = 200, train_steps: int = TRAIN_STEPS, device: str = "cpu",
-              num_threads: int | None = None) -> dict:
+def build_toy(
+    out_dir: str = DEFAULT_OUT,
+    *,
+    seed: int = 0,
+    num_train_prompts: int = 2000,
+    num_test_prompts: int = 200,
+    train_steps: int = TRAIN_STEPS,
+    device: str = "cpu",
+    num_threads: int | None = None,
+) -> dict:
     """Builds a toy folder (see `toy_paths`): a normal HF folder (AutoModelForCausalLM and AutoTokenizer both load it,
     with a chat template) holding also the prompt files, the target's greedy answers to them and toy.json. Skips what
     is already there (rerun = instant; an interrupted build resumes after the training). Returns the paths; prints
@@ -425,8 +507,10 @@ def build_toy(out_dir: str = DEFAULT_OUT, *, seed: int = 0, num_train_prompts: i
     Never writes over the repository's toy."""
     out_dir = os.path.abspath(out_dir)
     if os.path.realpath(out_dir) == os.path.realpath(SHIPPED):
-        raise ValueError(f"{out_dir} is the repository's toy, built once and kept as it is; build into another folder "
-                         f"(default {DEFAULT_OUT})")
+        raise ValueError(
+            f"{out_dir} is the repository's toy, built once and kept as it is; build into another folder "
+            f"(default {DEFAULT_OUT})"
+        )
     paths = toy_paths(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     recipe = read_recipe(out_dir) if os.path.isfile(os.path.join(out_dir, RECIPE)) else {}
@@ -434,7 +518,9 @@ def build_toy(out_dir: str = DEFAULT_OUT, *, seed: int = 0, num_train_prompts: i
         wanted = {"seed": seed, "train_steps": train_steps}
         if {k: recipe.get(k) for k in wanted} != wanted:
             built = {k: recipe.get(k) for k in wanted}
-            print(f"[toy] WARNING: reusing {out_dir}, built with {built}, not {wanted}. Delete it to rebuild.")
+            print(
+                f"[toy] WARNING: reusing {out_dir}, built with {built}, not {wanted}. Delete it to rebuild."
+            )
         else:
             print(f"[toy] already there: {out_dir}")
         return paths
@@ -445,8 +531,10 @@ def build_toy(out_dir: str = DEFAULT_OUT, *, seed: int = 0, num_train_prompts: i
         train_rows, test_rows = _make_prompt_sets(seed, num_train_prompts, num_test_prompts)
         _write_jsonl(paths["test"], test_rows)
         _write_jsonl(paths["train"], train_rows)
-        print(f"[toy] wrote {len(train_rows)} train prompts to {paths['train']}\n"
-              f"[toy] wrote {len(test_rows)} test prompts to {paths['test']}")
+        print(
+            f"[toy] wrote {len(train_rows)} train prompts to {paths['train']}\n"
+            f"[toy] wrote {len(test_rows)} test prompts to {paths['test']}"
+        )
     old_threads = torch.get_num_threads()
     if num_threads:
         torch.set_num_threads(num_threads)
@@ -468,17 +556,33 @@ def _build_target(paths: dict, *, seed: int, train_steps: int, device: str) -> d
         torch.manual_seed(seed)
         model = _make_model(tok).to(device)
         n_params = sum(p.numel() for p in model.parameters())
-        print(f"[toy] training a {n_params / 1e6:.2f}M-parameter Qwen3 target from scratch ({train_steps} steps, "
-              f"seed {seed}) on {device}")
+        print(
+            f"[toy] training a {n_params / 1e6:.2f}M-parameter Qwen3 target from scratch ({train_steps} steps, "
+            f"seed {seed}) on {device}"
+        )
         t0 = time.monotonic()
-        steps, loss = _train(model, tok, seed=seed, exclude={r["question"] for r in test_rows},
-                             train_steps=train_steps, batch_size=BATCH_SIZE, lr=LR, warmup=WARMUP, device=device)
+        steps, loss = _train(
+            model,
+            tok,
+            seed=seed,
+            exclude={r["question"] for r in test_rows},
+            train_steps=train_steps,
+            batch_size=BATCH_SIZE,
+            lr=LR,
+            warmup=WARMUP,
+            device=device,
+        )
     print(f"[toy] trained {steps} steps in {time.monotonic() - t0:.0f} s, final loss {loss:.4f}")
-    recipe = {"seed": seed, "train_steps": train_steps, "final_loss": round(loss, 4),
-              "train_seconds": round(time.monotonic() - t0), "threads": torch.get_num_threads(),
-              "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-              "float_order_env": {k: os.environ[k] for k in FLOAT_ORDER_ENV if k in os.environ},
-              "torch": torch.__version__.split("+")[0]}
+    recipe = {
+        "seed": seed,
+        "train_steps": train_steps,
+        "final_loss": round(loss, 4),
+        "train_seconds": round(time.monotonic() - t0),
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "float_order_env": {k: os.environ[k] for k in FLOAT_ORDER_ENV if k in os.environ},
+        "torch": torch.__version__.split("+")[0],
+    }
     model.to("cpu").to(torch.float32).save_pretrained(paths["target"])
     tok.save_pretrained(paths["target"])
     _write_json(os.path.join(paths["target"], RECIPE), recipe)
@@ -491,10 +595,17 @@ def finish_toy(folder: str, recipe: dict, device: str = "cpu") -> dict:
     the files' sha256 go into toy.json, which then marks the toy finished. Returns the recipe."""
     paths = toy_paths(folder)
     tok = transformers.AutoTokenizer.from_pretrained(folder)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        .to(device)
+        .eval()
+    )
     recipe = {**recipe, "fingerprint": fingerprint(folder, tok), "max_new_tokens": MAX_NEW_TOKENS}
-    header = {"answers_of": f"toy target {recipe['fingerprint']['weights_sha256'][:16]}",
-              "tokenizer": recipe["fingerprint"]["tokenizer"], "max_new_tokens": MAX_NEW_TOKENS}
+    header = {
+        "answers_of": f"toy target {recipe['fingerprint']['weights_sha256'][:16]}",
+        "tokenizer": recipe["fingerprint"]["tokenizer"],
+        "max_new_tokens": MAX_NEW_TOKENS,
+    }
     t0 = time.monotonic()
     for split in ("test", "train"):
         rows = _read_jsonl(paths[split])
@@ -502,15 +613,26 @@ def finish_toy(folder: str, recipe: dict, device: str = "cpu") -> dict:
         responses = answer_ids(model, tok, prompt_ids, desc=f"target answers ({split})")
         write_answers(paths[f"{split}_answers"], header, prompt_ids, responses)
         res = score(tok, rows, responses)
-        recipe.update({f"{split}_exact_match": res["exact_match"], f"{split}_final_answer": res["final_answer"]})
-        print(f"[toy] greedy answers to {res['n']} {split} prompts: exact match {res['exact_match']:.1%}, final "
-              f"answer {res['final_answer']:.1%}, ended with EOS {res['ends_with_eos']:.0%} -> "
-              f"{paths[f'{split}_answers']}")
+        recipe.update(
+            {
+                f"{split}_exact_match": res["exact_match"],
+                f"{split}_final_answer": res["final_answer"],
+            }
+        )
+        print(
+            f"[toy] greedy answers to {res['n']} {split} prompts: exact match {res['exact_match']:.1%}, final "
+            f"answer {res['final_answer']:.1%}, ended with EOS {res['ends_with_eos']:.0%} -> "
+            f"{paths[f'{split}_answers']}"
+        )
         if split == "test" and rows:
-            print(f"[toy] sample question: {rows[0]['question']}\n[toy] target answer:\n{res['answers'][0]}\n"
-                  f"[toy] reference answer:\n{rows[0]['reference_answer']}")
+            print(
+                f"[toy] sample question: {rows[0]['question']}\n[toy] target answer:\n{res['answers'][0]}\n"
+                f"[toy] reference answer:\n{rows[0]['reference_answer']}"
+            )
     recipe["answer_seconds"] = round(time.monotonic() - t0)
-    recipe["files"] = {name: sha256_file(os.path.join(folder, name)) for name in DATA_FILES.values()}
+    recipe["files"] = {
+        name: sha256_file(os.path.join(folder, name)) for name in DATA_FILES.values()
+    }
     _write_json(os.path.join(folder, RECIPE), recipe)
     print(f"[toy] finished {folder} ({RECIPE}: recipe, accuracy, fingerprints)")
     return recipe
@@ -519,14 +641,20 @@ def finish_toy(folder: str, recipe: dict, device: str = "cpu") -> dict:
 def compare_with_shipped(folder: str) -> dict | None:
     """How a built toy compares with the repository's: held-out accuracy, fingerprints, and the share of prompts the
     two targets answer alike (where their prompt files agree). Printed; None if the repository's toy is absent."""
-    if not os.path.isfile(os.path.join(SHIPPED, RECIPE)) or os.path.realpath(folder) == os.path.realpath(SHIPPED):
+    if not os.path.isfile(os.path.join(SHIPPED, RECIPE)) or os.path.realpath(
+        folder
+    ) == os.path.realpath(SHIPPED):
         return None
     mine, shipped = read_recipe(folder), read_recipe(SHIPPED)
-    result = {"exact_match": (mine.get("test_exact_match"), shipped.get("test_exact_match")),
-              "same_weights": mine["fingerprint"] == shipped["fingerprint"]}
-    print(f"[toy] against the repository's toy ({SHIPPED}, built under {shipped.get('cpu_capability')}): held-out "
-          f"problems solved {mine.get('test_exact_match', 0):.1%} here, {shipped.get('test_exact_match', 0):.1%} "
-          f"there; weights {'identical' if result['same_weights'] else 'differ'}")
+    result = {
+        "exact_match": (mine.get("test_exact_match"), shipped.get("test_exact_match")),
+        "same_weights": mine["fingerprint"] == shipped["fingerprint"],
+    }
+    print(
+        f"[toy] against the repository's toy ({SHIPPED}, built under {shipped.get('cpu_capability')}): held-out "
+        f"problems solved {mine.get('test_exact_match', 0):.1%} here, {shipped.get('test_exact_match', 0):.1%} "
+        f"there; weights {'identical' if result['same_weights'] else 'differ'}"
+    )
     for split in ("test", "train"):
         a, b = (toy_paths(f)[f"{split}_answers"] for f in (folder, SHIPPED))
         rows_a, rows_b = _read_jsonl(a)[1:], _read_jsonl(b)[1:]
@@ -535,7 +663,9 @@ def compare_with_shipped(folder: str) -> dict | None:
             continue
         same = sum(x["response"] == y["response"] for x, y in zip(rows_a, rows_b))
         result[f"{split}_same_answers"] = (same, len(rows_a))
-        print(f"[toy] {split}: {same} of {len(rows_a)} answers identical to the repository's target's")
+        print(
+            f"[toy] {split}: {same} of {len(rows_a)} answers identical to the repository's target's"
+        )
     return result
 
 
@@ -548,13 +678,21 @@ def _write_json(path: str, obj) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description="Build a toy target (the repository ships one, toy-target/): prompts, a "
-                                             "target trained from scratch, its answers, toy.json.")
+    ap = argparse.ArgumentParser(
+        description="Build a toy target (the repository ships one, toy-target/): prompts, a "
+        "target trained from scratch, its answers, toy.json."
+    )
     ap.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default: {DEFAULT_OUT})")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=TRAIN_STEPS, help=f"training steps (default: {TRAIN_STEPS})")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: 1, as the repository's toy "
-                                                           "was built)")
+    ap.add_argument(
+        "--steps", type=int, default=TRAIN_STEPS, help=f"training steps (default: {TRAIN_STEPS})"
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default: 1, as the repository's toy was built)",
+    )
     args = ap.parse_args(argv)
     return build_toy(args.out, seed=args.seed, train_steps=args.steps, num_threads=args.threads)
 

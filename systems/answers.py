@@ -6,6 +6,7 @@ and its tokenizer, then one line per prompt), so a rerun or an interrupted run o
 ships its target's answers (toy-target/, see toy.py), read as they are. collate makes training and evaluation batches
 of (prompt, response) pairs.
 """
+
 from __future__ import annotations
 
 import glob
@@ -31,8 +32,10 @@ def read_prompts(path: str, field: str) -> list[list[dict]]:
     rows = cli.read_jsonl("prompts file", path, expected)
     for n, row in enumerate(rows, 1):
         if field not in row:
-            raise runtime.UserError(f"{path} row {n} has no field {field!r} (its fields: "
-                                    f"{sorted(row)}) — name the prompt field with --prompt-field")
+            raise runtime.UserError(
+                f"{path} row {n} has no field {field!r} (its fields: "
+                f"{sorted(row)}) — name the prompt field with --prompt-field"
+            )
         value = row[field]
         if isinstance(value, list) and value and isinstance(value[0], dict):
             chats.append(value[:-1] if value[-1].get("role") == "assistant" else value)
@@ -51,8 +54,11 @@ def load_target(path: str, device, dtype=None):
 
 def answers_header(target: str, tokenizer, max_new_tokens: int) -> dict:
     """The first line of an answers file: whose answers, in which tokenizer's ids, cut at how many tokens."""
-    return {"answers_of": target, "tokenizer": runtime.tokenizer_fingerprint(tokenizer),
-            "max_new_tokens": max_new_tokens}
+    return {
+        "answers_of": target,
+        "tokenizer": runtime.tokenizer_fingerprint(tokenizer),
+        "max_new_tokens": max_new_tokens,
+    }
 
 
 def _read_cache(paths: list[str], tokenizer) -> dict[int, tuple[list[int], list[int]]]:
@@ -73,10 +79,12 @@ def _read_cache(paths: list[str], tokenizer) -> dict[int, tuple[list[int], list[
                         ) from None
                     if "answers_of" in row:
                         if row["tokenizer"] != mine:
-                            raise runtime.UserError(f"{path} holds the answers of {row['answers_of']} in the ids of a "
-                                             f"tokenizer with fingerprint {row['tokenizer']}, but this tokenizer's is "
-                                             f"{mine}: its ids would decode to other text. Use the target that wrote "
-                                             "it, or delete the file to answer again")
+                            raise runtime.UserError(
+                                f"{path} holds the answers of {row['answers_of']} in the ids of a "
+                                f"tokenizer with fingerprint {row['tokenizer']}, but this tokenizer's is "
+                                f"{mine}: its ids would decode to other text. Use the target that wrote "
+                                "it, or delete the file to answer again"
+                            )
                         continue
                     done[row["i"]] = (row["prompt"], row["response"])
     return done
@@ -86,7 +94,12 @@ class _Throughput:
     """A transformers streamer that shows the new tokens per second of the unfinished rows, at every step."""
 
     def __init__(self, bar, eos: set[int]):
-        self.bar, self.eos, self.num_tokens, self.start = bar, torch.tensor(sorted(eos)), 0, time.perf_counter()
+        self.bar, self.eos, self.num_tokens, self.start = (
+            bar,
+            torch.tensor(sorted(eos)),
+            0,
+            time.perf_counter(),
+        )
 
     def put(self, tokens: torch.Tensor):
         if tokens.dim() == 2:  # generate hands over the prompts first
@@ -94,7 +107,9 @@ class _Throughput:
             return
         self.num_tokens += int(self.alive.sum())
         self.alive &= ~torch.isin(tokens, self.eos)
-        self.bar.set_postfix(tok_per_s=f"{self.num_tokens / (time.perf_counter() - self.start):.0f}", refresh=False)
+        self.bar.set_postfix(
+            tok_per_s=f"{self.num_tokens / (time.perf_counter() - self.start):.0f}", refresh=False
+        )
         self.bar.update(0)  # redraws at most every bar.mininterval seconds
 
     def end(self):
@@ -102,8 +117,19 @@ class _Throughput:
 
 
 @torch.no_grad()
-def answer_prompts(target_path: str, tokenizer, prompt_ids: list[list[int]], cache: str, *, max_new_tokens: int,
-                   batch_size: int, device, dtype=None, rank: int = 0, world: int = 1) -> list[list[int]]:
+def answer_prompts(
+    target_path: str,
+    tokenizer,
+    prompt_ids: list[list[int]],
+    cache: str,
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+    device,
+    dtype=None,
+    rank: int = 0,
+    world: int = 1,
+) -> list[list[int]]:
     """The target's greedy response (token ids, ending with EOS when it stopped) to each prompt. Every finished
     batch is appended to `cache` (under DDP each rank answers its share into cache.rankR), so a rerun resumes."""
     parts = [cache] + sorted(glob.glob(glob.escape(cache) + ".rank*"))
@@ -114,9 +140,15 @@ def answer_prompts(target_path: str, tokenizer, prompt_ids: list[list[int]], cac
         eos = target.generation_config.eos_token_id or tokenizer.eos_token_id
         eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-        gen_config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(eos),
-                                      pad_token_id=pad)  # fresh: the checkpoint's sampling defaults do not apply
-        todo.sort(key=lambda i: len(prompt_ids[i]))  # similar lengths in a batch: little left padding
+        gen_config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=sorted(eos),
+            pad_token_id=pad,
+        )  # fresh: the checkpoint's sampling defaults do not apply
+        todo.sort(
+            key=lambda i: len(prompt_ids[i])
+        )  # similar lengths in a batch: little left padding
         bar = tqdm(total=len(todo), desc="target answers", unit="prompt", disable=rank > 0)
         throughput = _Throughput(bar, eos)
         mine = cache if world == 1 else f"{cache}.rank{rank}"
@@ -127,15 +159,23 @@ def answer_prompts(target_path: str, tokenizer, prompt_ids: list[list[int]], cac
             if f.tell() == 0:
                 f.write(json.dumps(answers_header(target_path, tokenizer, max_new_tokens)) + "\n")
             for s in range(0, len(todo), batch_size):
-                idx = todo[s: s + batch_size]
+                idx = todo[s : s + batch_size]
                 # left padding: every prompt ends where its answer begins
                 ids, real = batched.left_pad([prompt_ids[i] for i in idx], device)
-                out = target.generate(input_ids=ids, attention_mask=real.long(), generation_config=gen_config,
-                                      streamer=throughput)[:, ids.shape[1]:].tolist()
+                out = target.generate(
+                    input_ids=ids,
+                    attention_mask=real.long(),
+                    generation_config=gen_config,
+                    streamer=throughput,
+                )[:, ids.shape[1] :].tolist()
                 for i, response in zip(idx, out):
                     stop = next((k for k, t in enumerate(response) if t in eos), None)
-                    response = response if stop is None else response[: stop + 1]  # keep EOS, drop padding
-                    f.write(json.dumps({"i": i, "prompt": prompt_ids[i], "response": response}) + "\n")
+                    response = (
+                        response if stop is None else response[: stop + 1]
+                    )  # keep EOS, drop padding
+                    f.write(
+                        json.dumps({"i": i, "prompt": prompt_ids[i], "response": response}) + "\n"
+                    )
                 f.flush()
                 bar.update(len(idx))
         bar.close()
@@ -146,32 +186,70 @@ def answer_prompts(target_path: str, tokenizer, prompt_ids: list[list[int]], cac
     return [done[i][1] for i in range(len(prompt_ids))]
 
 
-def load_data(target: str, tokenizer, prompts: str, *, prompt_field: str = "question", num_prompts: int | None = None,
-              thinking: bool = False, cache_dir: str = ".", max_new_tokens: int = 256, gen_batch_size: int = 64,
-              device="cpu", dtype=None, rank: int = 0, world: int = 1,
-              answers: str | None = None) -> list[tuple[list[int], list[int]]]:
+def load_data(
+    target: str,
+    tokenizer,
+    prompts: str,
+    *,
+    prompt_field: str = "question",
+    num_prompts: int | None = None,
+    thinking: bool = False,
+    cache_dir: str = ".",
+    max_new_tokens: int = 256,
+    gen_batch_size: int = 64,
+    device="cpu",
+    dtype=None,
+    rank: int = 0,
+    world: int = 1,
+    answers: str | None = None,
+) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids) for the first `num_prompts` prompts of a JSON Lines file, answered by the target;
     `answers`: a file of the target's answers to these prompts (the toy's), read as it is, never written."""
     chats = read_prompts(prompts, prompt_field)[:num_prompts]
-    texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
-             for c in chats]
-    prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]  # the template has the specials
+    texts = [
+        tokenizer.apply_chat_template(
+            c, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+        )
+        for c in chats
+    ]
+    prompt_ids = [
+        tokenizer.encode(t, add_special_tokens=False) for t in texts
+    ]  # the template has the specials
     if answers is not None:
         done = _read_cache([answers], tokenizer)
         for i, p in enumerate(prompt_ids):
             if i not in done or done[i][0] != p:
                 why = "no answer" if i not in done else "its prompt ids differ"
-                raise runtime.UserError(f"{answers} does not answer line {i + 1} of {prompts} ({why}): the answers belong "
-                                 "to other prompts, another chat template or another tokenizer")
+                raise runtime.UserError(
+                    f"{answers} does not answer line {i + 1} of {prompts} ({why}): the answers belong "
+                    "to other prompts, another chat template or another tokenizer"
+                )
         return [(p, done[i][1]) for i, p in enumerate(prompt_ids)]
     # the cache belongs to one target and one generation setting; the prompts are checked line by line
-    key = json.dumps([os.path.abspath(target) if os.path.exists(target) else target,
-                      runtime.tokenizer_fingerprint(tokenizer), max_new_tokens])
+    key = json.dumps(
+        [
+            os.path.abspath(target) if os.path.exists(target) else target,
+            runtime.tokenizer_fingerprint(tokenizer),
+            max_new_tokens,
+        ]
+    )
     name = os.path.splitext(os.path.basename(prompts))[0]
-    cache = os.path.join(cache_dir, f"answers-{name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}.jsonl")
+    cache = os.path.join(
+        cache_dir, f"answers-{name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}.jsonl"
+    )
     os.makedirs(cache_dir, exist_ok=True)
-    responses = answer_prompts(target, tokenizer, prompt_ids, cache, max_new_tokens=max_new_tokens,
-                               batch_size=gen_batch_size, device=device, dtype=dtype, rank=rank, world=world)
+    responses = answer_prompts(
+        target,
+        tokenizer,
+        prompt_ids,
+        cache,
+        max_new_tokens=max_new_tokens,
+        batch_size=gen_batch_size,
+        device=device,
+        dtype=dtype,
+        rank=rank,
+        world=world,
+    )
     if rank == 0:
         print(f"[data] {len(chats)} answers of the target to {prompts} in {cache}")
     return list(zip(prompt_ids, responses))
@@ -185,5 +263,5 @@ def collate(examples, pad_id: int, max_len: int):
     loss_mask = torch.zeros((len(seqs), width), dtype=torch.bool)
     for row, ((prompt, _), seq) in enumerate(zip(examples, seqs)):
         input_ids[row, : len(seq)] = torch.tensor(seq)
-        loss_mask[row, len(prompt): len(seq)] = True
+        loss_mask[row, len(prompt) : len(seq)] = True
     return input_ids, loss_mask

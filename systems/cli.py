@@ -7,6 +7,7 @@ exit status 2 (`run`). Any other exception is a bug and keeps its traceback.
     check_ranges(vars(args), RANGES)         # raises UserError naming the flag and its range
     rows = read_jsonl("--prompts", path)     # a broken line names the file and its line
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,6 @@ import sys
 from dataclasses import dataclass
 
 from runtime import UserError
-
 
 # ---------------------------------------------------------------------------------------------
 # Flags: one range each
@@ -89,8 +89,10 @@ def check_ranges(values: dict, ranges: dict[str, Range], flags: dict[str, str] |
         items = value if allowed.each else [value]
         for item in items:
             if not allowed.holds(item):
-                raise UserError(f"{flag} must be {allowed.kind.__name__} {allowed.describe()}, "
-                                f"got {item!r} — give a value {allowed.describe()}")
+                raise UserError(
+                    f"{flag} must be {allowed.kind.__name__} {allowed.describe()}, "
+                    f"got {item!r} — give a value {allowed.describe()}"
+                )
 
 
 class Parser(argparse.ArgumentParser):
@@ -143,11 +145,13 @@ def read_jsonl(flag: str, path: str, fields: str = "a JSON object") -> list[dict
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise UserError(f"{flag} {path} line {n}: not JSON ({e.msg}) — each line must be "
-                            f"{fields}") from None
+            raise UserError(
+                f"{flag} {path} line {n}: not JSON ({e.msg}) — each line must be {fields}"
+            ) from None
         if not isinstance(row, dict):
-            raise UserError(f"{flag} {path} line {n}: not a JSON object — each line must be "
-                            f"{fields}")
+            raise UserError(
+                f"{flag} {path} line {n}: not a JSON object — each line must be {fields}"
+            )
         rows.append(row)
     if not rows:
         raise UserError(f"{flag} {path} holds no JSON lines — give a file with one object a line")
@@ -182,13 +186,16 @@ def check_safetensors(flag: str, path: str) -> None:
         try:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise UserError(f"{flag}: {path} is not a safetensors file — restore or re-save it") \
-                from None
+            raise UserError(
+                f"{flag}: {path} is not a safetensors file — restore or re-save it"
+            ) from None
     ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
     data_end = max(ends, default=0)
     if 8 + header_len + data_end != size:
-        raise UserError(f"{flag}: {path} is cut short ({size} of {8 + header_len + data_end} "
-                        "bytes) — restore or re-save it")
+        raise UserError(
+            f"{flag}: {path} is cut short ({size} of {8 + header_len + data_end} "
+            "bytes) — restore or re-save it"
+        )
 
 
 def looks_like_hub_name(path: str) -> bool:
@@ -208,13 +215,17 @@ def check_model_folder(flag: str, path: str, what: str = "an HF model") -> str:
     if not os.path.isdir(path):
         raise UserError(f"{flag} {path} is a file, not a folder — give {what} folder")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise UserError(f"{flag} {path} is not {what} folder (no config.json) — give a folder "
-                        "that save_pretrained wrote")
+        raise UserError(
+            f"{flag} {path} is not {what} folder (no config.json) — give a folder "
+            "that save_pretrained wrote"
+        )
     read_json(flag, os.path.join(path, "config.json"))
     weights = [n for n in os.listdir(path) if n.endswith(".safetensors")]
     if not weights and not any(n.endswith(".bin") for n in os.listdir(path)):
-        raise UserError(f"{flag} {path} holds no weights (no .safetensors file) — give a folder "
-                        "that save_pretrained wrote")
+        raise UserError(
+            f"{flag} {path} holds no weights (no .safetensors file) — give a folder "
+            "that save_pretrained wrote"
+        )
     for name in sorted(weights):
         check_safetensors(flag, os.path.join(path, name))
     return path
@@ -224,12 +235,16 @@ def check_drafter_folder(flag: str, path: str) -> str:
     """A D3D drafter folder: an HF model folder plus d3d_config.json."""
     if not os.path.isdir(path):
         if os.path.exists(path):
-            raise UserError(f"{flag} {path} is a file, not a folder — give a drafter folder "
-                            "that train.py wrote")
-        raise UserError(f"{flag} {path}: no such folder — train one with `python train.py`, or "
-                        "check the path")
+            raise UserError(
+                f"{flag} {path} is a file, not a folder — give a drafter folder that train.py wrote"
+            )
+        raise UserError(
+            f"{flag} {path}: no such folder — train one with `python train.py`, or check the path"
+        )
     if not os.path.isfile(os.path.join(path, "d3d_config.json")):
-        raise UserError(f"{flag} {path} is not a D3D drafter (no d3d_config.json) — give a "
-                        "folder that train.py wrote")
+        raise UserError(
+            f"{flag} {path} is not a D3D drafter (no d3d_config.json) — give a "
+            "folder that train.py wrote"
+        )
     read_json(flag, os.path.join(path, "d3d_config.json"))
     return check_model_folder(flag, path, what="a D3D drafter")

@@ -6,6 +6,7 @@ sharded drafter gathered back into one; checkpoints written in pieces by one pro
 AdamW moment), or by every process together under FSDP (a torch.distributed.checkpoint folder). DDP itself is
 PyTorch's DistributedDataParallel, wrapped around the training loss in train.py.
 """
+
 from __future__ import annotations
 
 import collections
@@ -18,8 +19,13 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 from transformers import AutoModelForCausalLM
@@ -27,24 +33,32 @@ from transformers import AutoModelForCausalLM
 import d3d
 import runtime
 
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Process group
 
 
-def start_process_group(device: torch.device, fsdp: bool, timeout_minutes: float) -> tuple[torch.device, int, int]:
+def start_process_group(
+    device: torch.device, fsdp: bool, timeout_minutes: float
+) -> tuple[torch.device, int, int]:
     """The process group of a run, if it needs one: under torchrun (WORLD_SIZE > 1) all its processes, each on its
     own GPU (cuda:LOCAL_RANK) on CUDA; with `fsdp` and one process, a group of one. NCCL on CUDA, else gloo; a process
     waits `timeout_minutes` for the others in a collective before the run fails. Returns (device, rank, world)."""
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    backend, timeout = "nccl" if device.type == "cuda" else "gloo", datetime.timedelta(minutes=timeout_minutes)
+    backend, timeout = (
+        "nccl" if device.type == "cuda" else "gloo",
+        datetime.timedelta(minutes=timeout_minutes),
+    )
     if world > 1:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
         dist.init_process_group(backend, timeout=timeout)
-    elif fsdp:  # one process without torchrun: FSDP over a group of one (resumes a sharded checkpoint, too)
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    elif (
+        fsdp
+    ):  # one process without torchrun: FSDP over a group of one (resumes a sharded checkpoint, too)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
     return device, rank, world
 
 
@@ -67,10 +81,15 @@ def shard_model(model: torch.nn.Module, decoder_layers, bf16: bool, device: torc
     would gather fp32 and cast at every op; gradients are reduced in fp32 into the fp32 master shards.
     On several processes only rank 0 holds the weights (ranks > 0 built the model on the meta device: one host copy,
     not one a process); they reach every rank's shards on `device` by broadcast_from_rank0."""
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
-        MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
     several = dist.get_world_size() > 1
-    full = model.state_dict() if several and dist.get_rank() == 0 else {}  # references to the weights, no copy
+    full = (
+        model.state_dict() if several and dist.get_rank() == 0 else {}
+    )  # references to the weights, no copy
     for layer in decoder_layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
@@ -80,8 +99,12 @@ def shard_model(model: torch.nn.Module, decoder_layers, bf16: bool, device: torc
 
 def non_persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The buffers a state dict leaves out (rotary frequencies), by name."""
-    return [(name, buffer) for name, buffer in module.named_buffers()
-            if name.rpartition(".")[2] in module.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set]
+    return [
+        (name, buffer)
+        for name, buffer in module.named_buffers()
+        if name.rpartition(".")[2]
+        in module.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set
+    ]
 
 
 def broadcast_from_rank0(model: torch.nn.Module, full: dict, device: torch.device) -> None:
@@ -91,7 +114,9 @@ def broadcast_from_rank0(model: torch.nn.Module, full: dict, device: torch.devic
     uninitialised on ranks > 0."""
     if dist.get_rank() > 0:
         model.to_empty(device=device)
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(
+        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
     for _, buffer in non_persistent_buffers(model):
         dist.broadcast(buffer, src=0)
 
@@ -102,11 +127,17 @@ def freeze_sharded_rows(weight: torch.nn.Parameter, keep: torch.Tensor) -> None:
     .grad (a plain tensor hook on it never fires: autograd only sees the gathered copy). The mask is cut the way the
     weight is (torch.chunk of dim 0: rank r holds rows r*ceil(V/N) on), so each rank zeroes its own frozen rows;
     AdamW then moves them not at all (zero moments, no weight decay in their group), as with the hook."""
-    local = distribute_tensor(keep, weight.device_mesh, weight.placements, src_data_rank=None).to_local()
+    local = distribute_tensor(
+        keep, weight.device_mesh, weight.placements, src_data_rank=None
+    ).to_local()
     if local.shape[0] != weight.to_local().shape[0]:
-        raise RuntimeError(f"frozen-row mask has {local.shape[0]} rows, the local shard {weight.to_local().shape[0]}:"
-                           " FSDP sharded the embedding another way")
-    weight.register_post_accumulate_grad_hook(lambda param: param.grad.to_local().mul_(local.to(param.grad.dtype)))
+        raise RuntimeError(
+            f"frozen-row mask has {local.shape[0]} rows, the local shard {weight.to_local().shape[0]}:"
+            " FSDP sharded the embedding another way"
+        )
+    weight.register_post_accumulate_grad_hook(
+        lambda param: param.grad.to_local().mul_(local.to(param.grad.dtype))
+    )
 
 
 def gather_drafter(model: torch.nn.Module, drafter: d3d.Drafter) -> d3d.Drafter | None:
@@ -114,7 +145,9 @@ def gather_drafter(model: torch.nn.Module, drafter: d3d.Drafter) -> d3d.Drafter 
     rank 0, None elsewhere. Built on the meta device and filled with the gathered weights, so the host holds one
     copy; the buffers not in the state dict (rotary frequencies) are copied from the sharded model, which keeps them
     whole."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if dist.get_rank() != 0:
         return None
     full = {key.removeprefix("drafter."): value for key, value in full.items()}
@@ -150,8 +183,14 @@ def save_checkpoint(out: str, step: int, training_state: dict, optimizer_state: 
         for key, value in per_param.items():
             moments[key][index] = value
     steps = moments.pop("step", {})  # small: kept with the weights
-    pieces = {"checkpoint.pt": {**training_state, "param_groups": optimizer_state["param_groups"],
-                                "adam_steps": steps, "moment_keys": sorted(moments)}}
+    pieces = {
+        "checkpoint.pt": {
+            **training_state,
+            "param_groups": optimizer_state["param_groups"],
+            "adam_steps": steps,
+            "moment_keys": sorted(moments),
+        }
+    }
     pieces.update({f"optimizer-{key}.pt": value for key, value in moments.items()})
     for name, piece in pieces.items():
         path = os.path.join(out, name)
@@ -168,7 +207,9 @@ def load_checkpoint(out: str) -> tuple[dict, dict | None]:
         return {}, None
     saved = torch.load(path, map_location="cpu", weights_only=True)
     if "piece" not in saved:
-        raise runtime.UserError(f"{path} is not a checkpoint of this train.py: move it away or rerun with --no-resume")
+        raise runtime.UserError(
+            f"{path} is not a checkpoint of this train.py: move it away or rerun with --no-resume"
+        )
     state, step = saved["piece"], saved["step"]
     moments = {}
     for key in state["moment_keys"]:
@@ -178,18 +219,26 @@ def load_checkpoint(out: str) -> tuple[dict, dict | None]:
             return {**state, "step": step}, None
         piece = torch.load(piece_path, map_location="cpu", weights_only=True)
         if piece["step"] != step:
-            print(f"[train] AdamW {key} is from step {piece['step']}, the weights from step {step} (a save was cut "
-                  "short): resuming with it")
+            print(
+                f"[train] AdamW {key} is from step {piece['step']}, the weights from step {step} (a save was cut "
+                "short): resuming with it"
+            )
         moments[key] = piece["piece"]
-    per_param = {index: {"step": count, **{key: moments[key][index] for key in moments}}
-                 for index, count in state["adam_steps"].items()}
+    per_param = {
+        index: {"step": count, **{key: moments[key][index] for key in moments}}
+        for index, count in state["adam_steps"].items()
+    }
     return {**state, "step": step}, {"state": per_param, "param_groups": state["param_groups"]}
 
 
-SHARDED_CHECKPOINT = "checkpoint-fsdp"  # under --fsdp: a torch.distributed.checkpoint folder, one file per process
+SHARDED_CHECKPOINT = (
+    "checkpoint-fsdp"  # under --fsdp: a torch.distributed.checkpoint folder, one file per process
+)
 
 
-def save_sharded_checkpoint(out: str, step: int, model: torch.nn.Module, optimizer, training_state: dict) -> None:
+def save_sharded_checkpoint(
+    out: str, step: int, model: torch.nn.Module, optimizer, training_state: dict
+) -> None:
     """--fsdp's checkpoint, by every process together: torch.distributed.checkpoint (DCP) writes the weights and
     AdamW state, each process its own shards, into out/checkpoint-fsdp.tmp, with train_state.pt (step, schedule,
     skipped steps, every rank's RNG, world size); once all is written, rank 0 renames the folder over the last one
@@ -207,9 +256,13 @@ def save_sharded_checkpoint(out: str, step: int, model: torch.nn.Module, optimiz
     dist.barrier()
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path + ".tmp")
     if rank == 0:
-        torch.save({**training_state, "step": step, "world": world, "rngs": rngs},
-                   os.path.join(path + ".tmp", "train_state.pt"))
-        if os.path.exists(path):  # a kill between the two renames leaves .old whole: load_sharded_checkpoint reads it
+        torch.save(
+            {**training_state, "step": step, "world": world, "rngs": rngs},
+            os.path.join(path + ".tmp", "train_state.pt"),
+        )
+        if os.path.exists(
+            path
+        ):  # a kill between the two renames leaves .old whole: load_sharded_checkpoint reads it
             shutil.rmtree(path + ".old", ignore_errors=True)
             os.replace(path, path + ".old")
         os.replace(path + ".tmp", path)
@@ -226,8 +279,10 @@ def load_sharded_checkpoint(out: str, model: torch.nn.Module, optimizer, check=N
         path += ".old"
     if not os.path.exists(os.path.join(path, "train_state.pt")):
         if os.path.exists(os.path.join(out, "checkpoint.pt")):
-            raise runtime.UserError(f"{out} holds a checkpoint of a run without --fsdp (checkpoint.pt): resume it without "
-                             "--fsdp, or start afresh with --no-resume")
+            raise runtime.UserError(
+                f"{out} holds a checkpoint of a run without --fsdp (checkpoint.pt): resume it without "
+                "--fsdp, or start afresh with --no-resume"
+            )
         return {}
     state = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu", weights_only=True)
     if check is not None:  # the recipe, before any tensor of another shape is read
@@ -235,7 +290,9 @@ def load_sharded_checkpoint(out: str, model: torch.nn.Module, optimizer, check=N
     model_state, optimizer_state = get_state_dict(model, optimizer)
     saved = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(saved, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
+    set_state_dict(
+        model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"]
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     torch_rng, python_rng = state["rngs"][rank if world == state["world"] else 0]
     return {**state, "rng": torch_rng, "python_rng": python_rng, "path": path}

@@ -11,6 +11,7 @@ of a cache. Prefills (any length) and the drafter's selective-prefill scoring st
 `compile_passes(caches, regional=True)` compiles one decoder layer per (layer class, shape) instead, reused by every
 layer of both models, the rest of each pass eager: compile time no longer grows with depth.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,8 +25,9 @@ import d3d
 import runtime
 
 
-def compile_passes(caches: runtime.Caches, mode: str | None = None, backend="inductor",
-                   regional: bool = False) -> None:
+def compile_passes(
+    caches: runtime.Caches, mode: str | None = None, backend="inductor", regional: bool = False
+) -> None:
     """Each cache's fixed-shape pass through torch.compile(fullgraph=True, dynamic=False): one graph per shape, and a
     graph break is an error, not a silent slow path. mode: "reduce-overhead" (CUDA graphs) on CUDA, inductor's
     default elsewhere; backend "eager" traces the same graphs without generating code (the tests' quick check), a
@@ -44,7 +46,9 @@ def compile_passes(caches: runtime.Caches, mode: str | None = None, backend="ind
     # one code object (KVCache.forward, or _layer_forward) serves both caches and every shape: allow that many graphs
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     if regional:
-        layer_pass = torch.compile(_layer_forward, fullgraph=True, dynamic=False, backend=backend, mode=mode)
+        layer_pass = torch.compile(
+            _layer_forward, fullgraph=True, dynamic=False, backend=backend, mode=mode
+        )
     for cache in (caches.target, caches.drafter):
         if cache is None:
             continue
@@ -53,8 +57,13 @@ def compile_passes(caches: runtime.Caches, mode: str | None = None, backend="ind
             cache.step = functools.partial(_regional_step, cache, layer_pass)
             continue
         cuda = next(cache.model.parameters()).device.type == "cuda"
-        compiled = torch.compile(cache.forward, fullgraph=True, dynamic=False, backend=backend,
-                                 mode=mode or ("reduce-overhead" if cuda and backend == "inductor" else None))
+        compiled = torch.compile(
+            cache.forward,
+            fullgraph=True,
+            dynamic=False,
+            backend=backend,
+            mode=mode or ("reduce-overhead" if cuda and backend == "inductor" else None),
+        )
         # a CUDA graph's outputs live in its pool and the next replay overwrites them: hand out a copy
         cache.step = (lambda *args, _f=compiled: _f(*args).clone()) if cuda else compiled
 
@@ -77,7 +86,9 @@ def _layer_forward(layer, *args, **kwargs):
 
 
 def _through(layer_pass, layer, index: int, *args, cache=None, **kwargs):
-    return layer_pass(layer, *args, cache=None if cache is None else _OneLayer(cache, index), **kwargs)
+    return layer_pass(
+        layer, *args, cache=None if cache is None else _OneLayer(cache, index), **kwargs
+    )
 
 
 def _regional_step(cache, layer_pass, ids, positions, mask):
@@ -93,14 +104,25 @@ def _regional_step(cache, layer_pass, ids, positions, mask):
             del layer.forward
 
 
-def warm_up(target, drafter, caches: runtime.Caches, prompt: torch.Tensor, modes, **settings) -> float:
+def warm_up(
+    target, drafter, caches: runtime.Caches, prompt: torch.Tensor, modes, **settings
+) -> float:
     """Decode `prompt` briefly in every mode of `modes` (with generate's `settings`), so that each pass shape they use
     is compiled before anything is timed. Returns the seconds it took (compile time, reported apart)."""
     start = time.perf_counter()
-    block_size = settings.get("block_size") or (drafter.d3d_config.block_size if drafter is not None else 1)
+    block_size = settings.get("block_size") or (
+        drafter.d3d_config.block_size if drafter is not None else 1
+    )
     for mode in modes:  # two rounds at least: a first draft, then a draft after a verification
-        d3d.generate(target, drafter, prompt, mode=mode, max_new_tokens=2 * block_size + 3, caches=caches,
-                     **settings)
+        d3d.generate(
+            target,
+            drafter,
+            prompt,
+            mode=mode,
+            max_new_tokens=2 * block_size + 3,
+            caches=caches,
+            **settings,
+        )
     return time.perf_counter() - start
 
 
@@ -115,8 +137,11 @@ def _recording_layer_inputs(drafter: d3d.Drafter):
 
     def record(_, args, kwargs):
         entering.append(args[0] if args else kwargs["hidden_states"])
-    handles = [layer.register_forward_pre_hook(record, with_kwargs=True)
-               for layer in drafter.model.get_decoder().layers]
+
+    handles = [
+        layer.register_forward_pre_hook(record, with_kwargs=True)
+        for layer in drafter.model.get_decoder().layers
+    ]
     try:
         yield entering
     finally:
@@ -127,11 +152,18 @@ def _recording_layer_inputs(drafter: d3d.Drafter):
 @contextlib.contextmanager
 def _resumed_at(drafter: d3d.Drafter, start: int, hidden: torch.Tensor):
     """Run only layers start.. (and the final norm) on `hidden` instead of the embedded input, for the duration."""
-    with d3d._only_layers(drafter, list(range(start, len(drafter.model.get_decoder().layers)))) as decoder:
+    with d3d._only_layers(
+        drafter, list(range(start, len(drafter.model.get_decoder().layers)))
+    ) as decoder:
         first = decoder.layers[0] if len(decoder.layers) else decoder.norm
 
         def swap_input(_, args, kwargs):
-            return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+            return (
+                ((hidden, *args[1:]), kwargs)
+                if args
+                else (args, {**kwargs, "hidden_states": hidden})
+            )
+
         handle = first.register_forward_pre_hook(swap_input, with_kwargs=True)
         try:
             yield
@@ -140,14 +172,18 @@ def _resumed_at(drafter: d3d.Drafter, start: int, hidden: torch.Tensor):
 
 
 @torch.no_grad()
-def tau_without_each_layer(drafter: d3d.Drafter, batches, *, num_anchors: int = 32, seed: int = 0) -> dict[int, float]:
+def tau_without_each_layer(
+    drafter: d3d.Drafter, batches, *, num_anchors: int = 32, seed: int = 0
+) -> dict[int, float]:
     """d3d.tau_without_each_layer's numbers, bit for bit (same anchors, same operations), at less cost: per batch one
     full pass records what enters each layer; the drafter without layer i then resumes from what entered layer i and
     runs layers i+1.. only. A greedy step over n layers costs n(n-1)/2 layer passes instead of 2n(n-1) (validation_tau
     also makes a second pass for the block loss)."""
     num_layers = len(drafter.model.get_decoder().layers)
     block_size = drafter.d3d_config.block_size
-    generator = torch.Generator().manual_seed(seed)  # as validation_tau: one generator through the batches
+    generator = torch.Generator().manual_seed(
+        seed
+    )  # as validation_tau: one generator through the batches
     taus = {i: [] for i in range(num_layers)}
     bar = tqdm(total=len(batches) * num_layers, desc=f"score {num_layers} layers", leave=False)
     for input_ids, loss_mask in batches:
@@ -156,7 +192,9 @@ def tau_without_each_layer(drafter: d3d.Drafter, batches, *, num_anchors: int = 
             drafter.hidden_states(*d3d._packed_inputs(drafter, input_ids, anchors, block_size))
         for i in range(num_layers):
             with _resumed_at(drafter, i + 1, entering[i]):
-                tau = d3d.offline_tau(drafter, input_ids, loss_mask, block_size=block_size, at=(anchors, valid))
+                tau = d3d.offline_tau(
+                    drafter, input_ids, loss_mask, block_size=block_size, at=(anchors, valid)
+                )
                 taus[i].append(tau)
             bar.update()
     bar.close()

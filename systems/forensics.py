@@ -1,11 +1,15 @@
 """The greedy check's forensics: where a greedy output leaves target-only decoding's (first_difference, divergence),
 and whether the target's own logits call that rounding at a near-tie or an error (tie_tolerance, classify_divergence);
 greedy_check's summary line."""
+
 from __future__ import annotations
 
 import torch
 
-TIE_EPS_MULTIPLE, TIE_EPS_FLOOR = 8, 2.0 ** -16  # the greedy check's rounding allowance: see tie_tolerance
+TIE_EPS_MULTIPLE, TIE_EPS_FLOOR = (
+    8,
+    2.0**-16,
+)  # the greedy check's rounding allowance: see tie_tolerance
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -16,7 +20,10 @@ def first_difference(reference: list[int], other: list[int]) -> int | None:
     """Index of the first differing token (None if equal; the shorter length if one output is a prefix)."""
     if reference == other:
         return None
-    return next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other)))
+    return next(
+        (i for i, (a, b) in enumerate(zip(reference, other)) if a != b),
+        min(len(reference), len(other)),
+    )
 
 
 def tie_tolerance(logits: torch.Tensor, dtype: torch.dtype) -> float:
@@ -36,32 +43,58 @@ def tie_tolerance(logits: torch.Tensor, dtype: torch.dtype) -> float:
 
 
 @torch.no_grad()
-def classify_divergence(target, ids: torch.Tensor, reference: list[int], other: list[int], position: int,
-                        tolerance: float | None = None) -> dict:
+def classify_divergence(
+    target,
+    ids: torch.Tensor,
+    reference: list[int],
+    other: list[int],
+    position: int,
+    tolerance: float | None = None,
+) -> dict:
     """Class of a greedy output that leaves target-only's at new token `position`: one teacher-forced target pass
     over prompt + the shared tokens gives the target's margin there, logit(target-only token) - logit(other
     token). "near-tie" if |margin| <= tolerance (tie_tolerance unless given), else "error"; an output that is a
     strict prefix of the other (no token to compare) is an error."""
     if position >= min(len(reference), len(other)):
-        return {"class": "error", "margin": None, "tolerance": tolerance, "reason": "outputs differ in length only"}
+        return {
+            "class": "error",
+            "margin": None,
+            "tolerance": tolerance,
+            "reason": "outputs differ in length only",
+        }
     prefix = torch.tensor([reference[:position]], dtype=ids.dtype, device=ids.device)
     logits = target(input_ids=torch.cat([ids, prefix], 1), logits_to_keep=1).logits[0, -1]
-    tolerance = tie_tolerance(logits, target.dtype) if tolerance is None else tolerance  # the weights' precision
+    tolerance = (
+        tie_tolerance(logits, target.dtype) if tolerance is None else tolerance
+    )  # the weights' precision
     logits = logits.float()
     margin = (logits[reference[position]] - logits[other[position]]).item()
-    return {"class": "near-tie" if abs(margin) <= tolerance else "error", "margin": margin, "tolerance": tolerance,
-            "max_abs_logit": logits.abs().max().item()}
+    return {
+        "class": "near-tie" if abs(margin) <= tolerance else "error",
+        "margin": margin,
+        "tolerance": tolerance,
+        "max_abs_logit": logits.abs().max().item(),
+    }
 
 
-def divergence(target, tok, ids: torch.Tensor, reference: list[int], other: list[int], opts: dict, **where):
+def divergence(
+    target, tok, ids: torch.Tensor, reference: list[int], other: list[int], opts: dict, **where
+):
     """None if a greedy output equals target-only's, else where it leaves it (tokens shown) and its class."""
     pos = first_difference(reference, other)
     if opts["temperature"] or pos is None:
         return None
-    show = [{"id": t[pos], "text": tok.decode(t[pos:pos + 1])} if pos < len(t) else "end of output"
-            for t in (reference, other)]
-    return {**where, "position": pos, "target_token": show[0], "mode_token": show[1],
-            **classify_divergence(target, ids, reference, other, pos, opts.get("tie_tolerance"))}
+    show = [
+        {"id": t[pos], "text": tok.decode(t[pos : pos + 1])} if pos < len(t) else "end of output"
+        for t in (reference, other)
+    ]
+    return {
+        **where,
+        "position": pos,
+        "target_token": show[0],
+        "mode_token": show[1],
+        **classify_divergence(target, ids, reference, other, pos, opts.get("tie_tolerance")),
+    }
 
 
 def greedy_check(divergences: list[dict], checked: int, against: str = "target-only") -> str:
@@ -69,12 +102,19 @@ def greedy_check(divergences: list[dict], checked: int, against: str = "target-o
     ties = [d for d in divergences if d["class"] == "near-tie"]
     errors = [d for d in divergences if d["class"] == "error"]
     largest = f" (largest margin {max(abs(d['margin']) for d in ties):.3g})" if ties else ""
-    text = (f"greedy check: identical {checked - len(divergences)}, near-tie divergences {len(ties)}{largest}, "
-            f"errors {len(errors)} (of {checked} outputs against {against})")
+    text = (
+        f"greedy check: identical {checked - len(divergences)}, near-tie divergences {len(ties)}{largest}, "
+        f"errors {len(errors)} (of {checked} outputs against {against})"
+    )
     if errors:
         x = errors[0]
-        margin = (f"margin {x['margin']:.3g} > tolerance {x['tolerance']:.3g}" if x["margin"] is not None
-                  else x["reason"])
-        text += (f"\n  first error: {x['dataset']} prompt {x['prompt_index']}, {x['mode']}, new token {x['position']}: "
-                 f"target {x['target_token']} vs {x['mode']} {x['mode_token']}, {margin}")
+        margin = (
+            f"margin {x['margin']:.3g} > tolerance {x['tolerance']:.3g}"
+            if x["margin"] is not None
+            else x["reason"]
+        )
+        text += (
+            f"\n  first error: {x['dataset']} prompt {x['prompt_index']}, {x['mode']}, new token {x['position']}: "
+            f"target {x['target_token']} vs {x['mode']} {x['mode_token']}, {margin}"
+        )
     return text

@@ -1,4 +1,5 @@
 """Memory of training and pruning: the peak a run measured, and what a step is estimated to hold at its peak."""
+
 from __future__ import annotations
 
 import sys
@@ -26,8 +27,16 @@ def peak_memory_gib(device, reset: bool = False) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
 
 
-def prune_memory_estimate(num_params: int, hidden: int, layers: int, batch: int, seq_len: int, vocab: int,
-                          checkpointing: bool, device_type: str) -> dict[str, float]:
+def prune_memory_estimate(
+    num_params: int,
+    hidden: int,
+    layers: int,
+    batch: int,
+    seq_len: int,
+    vocab: int,
+    checkpointing: bool,
+    device_type: str,
+) -> dict[str, float]:
     """GiB at the peak of a recovery step of `prune`, per part and "total". seq_len: tokens of one packed sequence
     (answer + K x B MASKs). The drafter is fp32 (weights, gradients, two AdamW moments) and so is its teacher copy;
     the snapshot that --tau-floor undoes to stays on the CPU and is not counted. Activations: ~26 x hidden values
@@ -42,15 +51,30 @@ def prune_memory_estimate(num_params: int, hidden: int, layers: int, batch: int,
         activations = layers * tokens * hidden * 4 + layer_activations
     else:
         activations = layers * layer_activations
-    parts = {"weights": 4 * num_params, "gradients": 4 * num_params, "adamw_moments": 8 * num_params,
-             "teacher": 4 * num_params, "activations": activations,
-             "logits": 4 * runtime.loss_chunk_rows(vocab, device_type) * vocab * 4}
+    parts = {
+        "weights": 4 * num_params,
+        "gradients": 4 * num_params,
+        "adamw_moments": 8 * num_params,
+        "teacher": 4 * num_params,
+        "activations": activations,
+        "logits": 4 * runtime.loss_chunk_rows(vocab, device_type) * vocab * 4,
+    }
     gib = {name: size / 2**30 for name, size in parts.items()}
     return {**gib, "total": sum(gib.values())}
 
 
-def fsdp_memory_estimate(num_params: float, root_params: float, layer_params: float, hidden: int, layers: int,
-                         batch: int, seq_len: int, vocab: int, world: int, checkpointing: bool = True) -> dict:
+def fsdp_memory_estimate(
+    num_params: float,
+    root_params: float,
+    layer_params: float,
+    hidden: int,
+    layers: int,
+    batch: int,
+    seq_len: int,
+    vocab: int,
+    world: int,
+    checkpointing: bool = True,
+) -> dict:
     """GiB per GPU at the peak of a `train.py --fsdp` step on CUDA in bf16, per part and "total", on `world` GPUs.
     Sharded (/world): fp32 weights (4 bytes a parameter), fp32 gradients (4), AdamW's two fp32 moments (8).
     Gathered whole, in bf16: the root (embeddings and head, `root_params`), gathered for the whole forward and
@@ -61,10 +85,19 @@ def fsdp_memory_estimate(num_params: float, root_params: float, layer_params: fl
     K x B MASKs). A rough guide, not a bound: fragmentation, the CUDA context and NCCL buffers come on top."""
     tokens = batch * seq_len
     layer_activations = tokens * hidden * 26 * 2
-    activations = layers * tokens * hidden * 2 + layer_activations if checkpointing else layers * layer_activations
-    parts = {"weights": 4 * num_params / world, "gradients": 4 * num_params / world,
-             "adamw_moments": 8 * num_params / world, "gathered_weights": 2 * (root_params + 2 * layer_params),
-             "gathered_gradients": (2 + 4) * root_params, "activations": activations,
-             "logits": 4 * runtime.loss_chunk_rows(vocab, "cuda") * vocab * 4}
+    activations = (
+        layers * tokens * hidden * 2 + layer_activations
+        if checkpointing
+        else layers * layer_activations
+    )
+    parts = {
+        "weights": 4 * num_params / world,
+        "gradients": 4 * num_params / world,
+        "adamw_moments": 8 * num_params / world,
+        "gathered_weights": 2 * (root_params + 2 * layer_params),
+        "gathered_gradients": (2 + 4) * root_params,
+        "activations": activations,
+        "logits": 4 * runtime.loss_chunk_rows(vocab, "cuda") * vocab * 4,
+    }
     gib = {name: size / 2**30 for name, size in parts.items()}
     return {**gib, "total": sum(gib.values())}

@@ -1,6 +1,7 @@
 """The transformers peers of D3D, benchmarked beside it on the same prompts and timed by the same rule (hf_decode):
 plain generate (hf), assisted generation with the drafter's causal LM as the assistant (hf-assisted, assistant_model)
 and prompt lookup (hf-lookup)."""
+
 from __future__ import annotations
 
 import copy
@@ -47,12 +48,20 @@ def assistant_model(drafter: d3d.Drafter, vocab_size: int) -> torch.nn.Module:
     model = drafter.model
     if model not in _ASSISTANTS:
         shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
-        assistant = copy.deepcopy(model, memo=shared)  # new modules and configs around the same tensors
+        assistant = copy.deepcopy(
+            model, memo=shared
+        )  # new modules and configs around the same tensors
         emb, head = assistant.get_input_embeddings(), assistant.get_output_embeddings()
         if head.weight.shape[0] > vocab_size:
             tied = head.weight is emb.weight
-            emb.weight = torch.nn.Parameter(emb.weight[:vocab_size], requires_grad=False)  # a view: no copy
-            head.weight = emb.weight if tied else torch.nn.Parameter(head.weight[:vocab_size], requires_grad=False)
+            emb.weight = torch.nn.Parameter(
+                emb.weight[:vocab_size], requires_grad=False
+            )  # a view: no copy
+            head.weight = (
+                emb.weight
+                if tied
+                else torch.nn.Parameter(head.weight[:vocab_size], requires_grad=False)
+            )
             if head.bias is not None:
                 head.bias = torch.nn.Parameter(head.bias[:vocab_size], requires_grad=False)
             emb.num_embeddings = head.out_features = vocab_size
@@ -75,25 +84,47 @@ def hf_decode(models, ids: torch.Tensor, mode: str, opts: dict, max_new_tokens: 
     left out as D3D leaves out its prefill."""
     target, drafter, tok, eos, _ = models
     block_size = opts["block_size"] or drafter.d3d_config.block_size
-    kwargs = {"attention_mask": torch.ones_like(ids), "do_sample": False, "num_beams": 1, "eos_token_id": eos,
-              "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else eos[0]}
+    kwargs = {
+        "attention_mask": torch.ones_like(ids),
+        "do_sample": False,
+        "num_beams": 1,
+        "eos_token_id": eos,
+        "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else eos[0],
+    }
     if mode == "hf-assisted":
         assistant = assistant_model(drafter, target.get_output_embeddings().weight.shape[0])
-        assistant.generation_config.update(num_assistant_tokens=block_size, num_assistant_tokens_schedule="constant",
-                                           assistant_confidence_threshold=0.0)
+        assistant.generation_config.update(
+            num_assistant_tokens=block_size,
+            num_assistant_tokens_schedule="constant",
+            assistant_confidence_threshold=0.0,
+        )
         kwargs["assistant_model"] = assistant
     elif mode == "hf-lookup":
         kwargs["prompt_lookup_num_tokens"] = block_size
-    rounds = _Rounds() if mode != "hf" else None  # plain generate: one token per pass, no streamer in its loop
+    rounds = (
+        _Rounds() if mode != "hf" else None
+    )  # plain generate: one token per pass, no streamer in its loop
     times = []
     for n in sorted({1, max(max_new_tokens, 1)}):
         clock = runtime.Clock(ids.device)
         out = target.generate(ids, max_new_tokens=n, streamer=rounds if n > 1 else None, **kwargs)
         times.append(clock.now() - clock.start)
-    new = out[0, ids.shape[1]:].tolist()[:max_new_tokens]
-    accept = rounds.sizes[2:] if rounds is not None else []  # [prompt, first pass, the rounds after]
+    new = out[0, ids.shape[1] :].tolist()[:max_new_tokens]
+    accept = (
+        rounds.sizes[2:] if rounds is not None else []
+    )  # [prompt, first pass, the rounds after]
     decode_time = times[-1] - times[0]
-    return {"new_tokens": new, "num_new_tokens": len(new), "accept_lengths": accept, "num_rounds": len(accept),
-            "tau": sum(accept) / len(accept) if accept else math.nan, "time_prefill": times[0],
-            "time_total": times[-1], "decode_time": decode_time, "decode_tokens": max(len(new) - 1, 0),
-            "tokens_per_s": (len(new) - 1) / decode_time if len(new) > 1 and decode_time > 0 else math.nan}
+    return {
+        "new_tokens": new,
+        "num_new_tokens": len(new),
+        "accept_lengths": accept,
+        "num_rounds": len(accept),
+        "tau": sum(accept) / len(accept) if accept else math.nan,
+        "time_prefill": times[0],
+        "time_total": times[-1],
+        "decode_time": decode_time,
+        "decode_tokens": max(len(new) - 1, 0),
+        "tokens_per_s": (len(new) - 1) / decode_time
+        if len(new) > 1 and decode_time > 0
+        else math.nan,
+    }

@@ -21,6 +21,7 @@ The two mask pictures need no model (prints the paths it wrote):
     python -m systems.pictures masks --block-size 4 --num-anchors 3 --coverage 2 --fanout 1 \
         --out DIR
 """
+
 from __future__ import annotations
 
 import argparse
@@ -104,8 +105,10 @@ def spread_anchors(length: int, num_anchors: int, block_size: int) -> list[int]:
     targets x_{a+1} .. x_{a+B} lie in the stream; over 0 .. L-2 where L < B + K leaves no room
     (the last blocks then reach past the stream, where training gives them no label)."""
     if not 1 <= num_anchors <= length - 1:
-        raise PicturesUnavailable(f"K = {num_anchors} anchors need 1 <= K <= L - 1 = {length - 1}"
-                                  " — give fewer anchors or a longer stream")
+        raise PicturesUnavailable(
+            f"K = {num_anchors} anchors need 1 <= K <= L - 1 = {length - 1}"
+            " — give fewer anchors or a longer stream"
+        )
     last = length - 1 - block_size if length - block_size >= num_anchors else length - 2
     if num_anchors == 1:
         return [last // 2]
@@ -118,8 +121,12 @@ def default_length(block_size: int, num_anchors: int) -> int:
     return block_size + 2 * num_anchors - 1
 
 
-def training_mask_data(block_size: int = 4, num_anchors: int = 3, length: int | None = None,
-                       anchors: list[int] | None = None) -> MaskPicture:
+def training_mask_data(
+    block_size: int = 4,
+    num_anchors: int = 3,
+    length: int | None = None,
+    anchors: list[int] | None = None,
+) -> MaskPicture:
     """The training mask (Fig. 1a) as d3d.packed_attention_mask builds it: a causal stream of L
     clean tokens x_0 .. x_{L-1}, then K blocks of B MASKs, block k hanging off anchor a_k.
 
@@ -140,12 +147,17 @@ def training_mask_data(block_size: int = 4, num_anchors: int = 3, length: int | 
         if a + block_size >= length:
             name += f" (x_{length} on: past the stream, no label)"
         segments.append((start, start + block_size, name))
-    return MaskPicture(mask=mask[0, 0].tolist(), tokens=tokens, positions=positions[0].tolist(),
-                       past_tokens=[], segments=segments,
-                       tags=[str(k + 1) for k in range(len(anchors))], anchors=anchors,
-                       draft_rows=None,
-                       title=f"Training mask (Fig. 1a): L = {length}, K = {len(anchors)}, "
-                             f"B = {block_size}")
+    return MaskPicture(
+        mask=mask[0, 0].tolist(),
+        tokens=tokens,
+        positions=positions[0].tolist(),
+        past_tokens=[],
+        segments=segments,
+        tags=[str(k + 1) for k in range(len(anchors))],
+        anchors=anchors,
+        draft_rows=None,
+        title=f"Training mask (Fig. 1a): L = {length}, K = {len(anchors)}, B = {block_size}",
+    )
 
 
 def _candidate_name(k: int, f: int, fanout: int) -> str:
@@ -153,8 +165,14 @@ def _candidate_name(k: int, f: int, fanout: int) -> str:
     return f"t_{k}" if fanout == 1 else f"t_{k},{f + 1}"
 
 
-def branch_pass_data(block_size: int = 4, coverage: int = 2, fanout: int = 1, *,
-                     past_len: int = 2, d1_from: str = "causal") -> MaskPicture:
+def branch_pass_data(
+    block_size: int = 4,
+    coverage: int = 2,
+    fanout: int = 1,
+    *,
+    past_len: int = 2,
+    d1_from: str = "causal",
+) -> MaskPicture:
     """The asynchronous packed pass (Fig. 1c) as d3d.build_branch_pass builds it, for a plan from
     d3d.plan_branches (cover="first": positions k = 1 .. C) over made-up draft logits whose F
     likeliest other tokens at each k are distinct ids, so every token's role reads off its id.
@@ -163,21 +181,29 @@ def branch_pass_data(block_size: int = 4, coverage: int = 2, fanout: int = 1, *,
     holds past_len tokens x_{n-past_len} .. x_{n-1}. Returns a MaskPicture whose mask is
     build_branch_pass's (1, 1, q, past_len + q) mask[0, 0], with its draft rows."""
     if block_size < 1 or not 0 <= coverage <= block_size or fanout < 1 or past_len < 0:
-        raise PicturesUnavailable(f"B = {block_size}, C = {coverage}, F = {fanout}, past = "
-                                  f"{past_len} — need B >= 1, 0 <= C <= B, F >= 1, past >= 0")
+        raise PicturesUnavailable(
+            f"B = {block_size}, C = {coverage}, F = {fanout}, past = "
+            f"{past_len} — need B >= 1, 0 <= C <= B, F >= 1, past >= 0"
+        )
     x_n, draft = 0, torch.arange(1, block_size + 1)  # ids: x_n = 0, d_k = k
     vocab = 1 + block_size + block_size * fanout
     logits = torch.zeros(block_size, vocab)
     logits[torch.arange(block_size), draft] = 10.0
     for k in range(block_size):  # the F runners-up at d_k: ids of their own, in order
         first = 1 + block_size + k * fanout
-        logits[k, first: first + fanout] = 5.0 - torch.arange(fanout, dtype=torch.float)
+        logits[k, first : first + fanout] = 5.0 - torch.arange(fanout, dtype=torch.float)
     positions, candidates = d3d.plan_branches(logits, draft, coverage, fanout, cover="first")
     config = d3d.D3DConfig(block_size=block_size, mask_token_id=vocab, d1_from=d1_from)
     drafter = types.SimpleNamespace(d3d_config=config)  # all build_branch_pass reads of a drafter
     ids, position_ids, mask, rows = d3d.build_branch_pass(
-        drafter, torch.tensor([x_n]), draft, positions, candidates, past_len=past_len,
-        block_size=block_size)
+        drafter,
+        torch.tensor([x_n]),
+        draft,
+        positions,
+        candidates,
+        past_len=past_len,
+        block_size=block_size,
+    )
     names = {x_n: "x_n", vocab: "MASK", **{k: f"d_{k}" for k in range(1, block_size + 1)}}
     for k in range(1, block_size + 1):
         for f in range(fanout):
@@ -196,13 +222,18 @@ def branch_pass_data(block_size: int = 4, coverage: int = 2, fanout: int = 1, *,
     name = f"S{len(segments) + 1}: full acceptance, d_1 .. d_{block_size} accepted"
     segments.append((start, start + seg_len, name))
     anchors.append(block_size - 1)
-    return MaskPicture(mask=mask[0, 0].tolist(), tokens=tokens,
-                       positions=position_ids[0].tolist(),
-                       past_tokens=[f"x_n-{past_len - j}" for j in range(past_len)],
-                       segments=segments, tags=[f"S{s + 1}" for s in range(len(segments))],
-                       anchors=anchors, draft_rows=rows.tolist(),
-                       title=f"Asynchronous packed pass (Fig. 1c): B = {block_size}, "
-                             f"C = {coverage}, F = {fanout}, d_1 from {d1_from!r}")
+    return MaskPicture(
+        mask=mask[0, 0].tolist(),
+        tokens=tokens,
+        positions=position_ids[0].tolist(),
+        past_tokens=[f"x_n-{past_len - j}" for j in range(past_len)],
+        segments=segments,
+        tags=[f"S{s + 1}" for s in range(len(segments))],
+        anchors=anchors,
+        draft_rows=rows.tolist(),
+        title=f"Asynchronous packed pass (Fig. 1c): B = {block_size}, "
+        f"C = {coverage}, F = {fanout}, d_1 from {d1_from!r}",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,9 +292,11 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
     cells = torch.tensor(picture.mask, dtype=torch.float).numpy()
     rows, cols = cells.shape
     if max(rows, cols) > MAX_CELLS:
-        raise PicturesUnavailable(f"a {rows} x {cols} mask is too large to read as a picture "
-                                  f"(at most {MAX_CELLS} rows and columns) — give a smaller B, "
-                                  "K, L, C or F")
+        raise PicturesUnavailable(
+            f"a {rows} x {cols} mask is too large to read as a picture "
+            f"(at most {MAX_CELLS} rows and columns) — give a smaller B, "
+            "K, L, C or F"
+        )
     past = len(picture.past_tokens)
     cell, font = _cell_size(max(rows, cols))
     longest = max(len(name) for _, _, name in picture.segments)
@@ -272,19 +305,30 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
     for tag, anchor in zip(picture.tags, picture.anchors):
         tags_at[past + anchor].append(tag)
     tag_length = max(len(", ".join(tags)) for tags in tags_at.values())
-    notes = ["rows: token (position id); columns: the same tokens"
-             + (", after the cached ones (left of the dashed line; the cache is seen by all)"
-                if past else ""),
-             (f"white dot, and the {unit}'s tag below its column: its anchor, the last causal "
-              f"token the {unit} sees")]
+    notes = [
+        "rows: token (position id); columns: the same tokens"
+        + (
+            ", after the cached ones (left of the dashed line; the cache is seen by all)"
+            if past
+            else ""
+        ),
+        (
+            f"white dot, and the {unit}'s tag below its column: its anchor, the last causal "
+            f"token the {unit} sees"
+        ),
+    ]
     if picture.draft_rows is not None:
-        notes.append("◀ i right of a row: its hidden state drafts token i of the segment's "
-                     "block; on a hit that block is the next draft")
-        notes.append("    (full acceptance: token 1 guesses the bonus token, 2 .. B are the "
-                     "next draft)")
+        notes.append(
+            "◀ i right of a row: its hidden state drafts token i of the segment's "
+            "block; on a hit that block is the next draft"
+        )
+        notes.append(
+            "    (full acceptance: token 1 guesses the bonus token, 2 .. B are the next draft)"
+        )
     else:
-        notes.append("a causal row x_j predicts x_{j+1} (L_AR); a MASK at position p predicts x_p "
-                     "(L_block)")
+        notes.append(
+            "a causal row x_j predicts x_{j+1} (L_AR); a MASK at position p predicts x_p (L_block)"
+        )
     left, top = 1.3, 0.9 + 0.17 * len(notes)  # inches around the cells
     bottom = 0.45 + tag_length * font * 0.6 / 72
     right = 0.75 + longest * FONT * 0.55 / 72
@@ -293,10 +337,18 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
     figure = _new_figure(width, height)
     box = (left / width, bottom / height, cols * cell / width, rows * cell / height)
     ax = figure.add_axes(box)
-    ax.imshow(cells, cmap=ListedColormap(["white", ON]), vmin=0, vmax=1, aspect="auto",
-              interpolation="nearest")
-    labels = [f"{_math(t)} ({_position(p, past, relative)})"
-              for t, p in zip(picture.tokens, picture.positions)]
+    ax.imshow(
+        cells,
+        cmap=ListedColormap(["white", ON]),
+        vmin=0,
+        vmax=1,
+        aspect="auto",
+        interpolation="nearest",
+    )
+    labels = [
+        f"{_math(t)} ({_position(p, past, relative)})"
+        for t, p in zip(picture.tokens, picture.positions)
+    ]
     ax.set_yticks(range(rows), labels, fontsize=font)
     column_names = [_math(t) for t in picture.past_tokens + picture.tokens]
     ax.set_xticks(range(cols), column_names, fontsize=font, rotation=90)
@@ -314,34 +366,89 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
         ax.axvline(past - 0.5, color="black", linewidth=1.0, linestyle=(0, (3, 2)))
     for (start, stop, name), anchor in zip(picture.segments, picture.anchors):
         middle = 1 - ((start + stop) / 2) / rows
-        ax.annotate(_math_names(name), (1.0, middle), xycoords="axes fraction",
-                    xytext=(24, 0), textcoords="offset points", va="center", fontsize=FONT)
+        ax.annotate(
+            _math_names(name),
+            (1.0, middle),
+            xycoords="axes fraction",
+            xytext=(24, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=FONT,
+        )
         column = past + anchor
-        ax.plot([column] * (stop - start), range(start, stop), linestyle="none", marker="o",
-                markersize=2.6, color="white", markeredgewidth=0)
+        ax.plot(
+            [column] * (stop - start),
+            range(start, stop),
+            linestyle="none",
+            marker="o",
+            markersize=2.6,
+            color="white",
+            markeredgewidth=0,
+        )
     for column, tags in tags_at.items():  # below each anchor column, read downwards
-        ax.annotate(", ".join(tags), (column, rows - 0.5), xytext=(0, -3),
-                    textcoords="offset points", ha="center", va="top", fontsize=font,
-                    rotation=-90 if tag_length > 2 else 0)
+        ax.annotate(
+            ", ".join(tags),
+            (column, rows - 0.5),
+            xytext=(0, -3),
+            textcoords="offset points",
+            ha="center",
+            va="top",
+            fontsize=font,
+            rotation=-90 if tag_length > 2 else 0,
+        )
     for segment_rows in picture.draft_rows or []:
         for i, r in enumerate(segment_rows):
-            ax.annotate(f"◀ {i + 1}", (1.0, 1 - (r + 0.5) / rows), xycoords="axes fraction",
-                        xytext=(2, 0), textcoords="offset points", va="center", fontsize=font)
+            ax.annotate(
+                f"◀ {i + 1}",
+                (1.0, 1 - (r + 0.5) / rows),
+                xycoords="axes fraction",
+                xytext=(2, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=font,
+            )
     ax.set_xlim(-0.5, cols - 0.5)
     ax.set_ylim(rows - 0.5, -0.5)
-    key = [Patch(facecolor=ON, edgecolor="0.5", label="row may attend to column"),
-           Patch(facecolor="white", edgecolor="0.5", label="masked")]
-    figure.legend(handles=key, loc="lower left", fontsize=FONT, frameon=False, ncols=2,
-                  bbox_to_anchor=(0.0, 0.0))
-    figure.text(0.1 / width, 1 - 0.1 / height, _math_names(picture.title), ha="left", va="top",
-                fontsize=FONT + 2.5, weight="bold")
-    figure.text(0.1 / width, 1 - 0.38 / height, "\n".join(_math_names(n) for n in notes),
-                ha="left", va="top", fontsize=FONT, linespacing=1.5)
+    key = [
+        Patch(facecolor=ON, edgecolor="0.5", label="row may attend to column"),
+        Patch(facecolor="white", edgecolor="0.5", label="masked"),
+    ]
+    figure.legend(
+        handles=key,
+        loc="lower left",
+        fontsize=FONT,
+        frameon=False,
+        ncols=2,
+        bbox_to_anchor=(0.0, 0.0),
+    )
+    figure.text(
+        0.1 / width,
+        1 - 0.1 / height,
+        _math_names(picture.title),
+        ha="left",
+        va="top",
+        fontsize=FONT + 2.5,
+        weight="bold",
+    )
+    figure.text(
+        0.1 / width,
+        1 - 0.38 / height,
+        "\n".join(_math_names(n) for n in notes),
+        ha="left",
+        va="top",
+        fontsize=FONT,
+        linespacing=1.5,
+    )
     return figure
 
 
-def draw_training_mask(path: str, block_size: int = 4, num_anchors: int = 3,
-                       length: int | None = None, anchors: list[int] | None = None) -> str:
+def draw_training_mask(
+    path: str,
+    block_size: int = 4,
+    num_anchors: int = 3,
+    length: int | None = None,
+    anchors: list[int] | None = None,
+) -> str:
     """Draw training_mask_data(block_size, num_anchors, length, anchors) as a PNG at path.
     Returns the path."""
     _need_matplotlib()
@@ -349,8 +456,15 @@ def draw_training_mask(path: str, block_size: int = 4, num_anchors: int = 3,
     return _save(mask_figure(picture), path)
 
 
-def draw_branch_pass(path: str, block_size: int = 4, coverage: int = 2, fanout: int = 1, *,
-                     past_len: int = 2, d1_from: str = "causal") -> str:
+def draw_branch_pass(
+    path: str,
+    block_size: int = 4,
+    coverage: int = 2,
+    fanout: int = 1,
+    *,
+    past_len: int = 2,
+    d1_from: str = "causal",
+) -> str:
     """Draw branch_pass_data(block_size, coverage, fanout, ...) as a PNG at path, positions
     relative to x_n. Returns the path."""
     _need_matplotlib()
@@ -379,8 +493,10 @@ def block_accuracy_data(block_acc) -> dict:
     for name, values in series.items():
         values = _as_floats(values)
         if not values or not all(0.0 <= v <= 1.0 for v in values):
-            raise PicturesUnavailable(f"{name}: {values} — give per-position accuracies as "
-                                      "fractions in [0, 1], one per block position")
+            raise PicturesUnavailable(
+                f"{name}: {values} — give per-position accuracies as "
+                "fractions in [0, 1], one per block position"
+            )
         percent[name] = [100.0 * v for v in values]
     sizes = {len(v) for v in percent.values()}
     if len(sizes) != 1:
@@ -390,14 +506,23 @@ def block_accuracy_data(block_acc) -> dict:
 
 def _label_bars(ax, bars, texts=None) -> None:
     """Each bar's value above it, on white so that a line behind it cannot hide it."""
-    ax.bar_label(bars, texts, fontsize=7, padding=1.5,
-                 bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.4})
+    ax.bar_label(
+        bars,
+        texts,
+        fontsize=7,
+        padding=1.5,
+        bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.4},
+    )
 
 
 def _style(index: int) -> dict:
     """Bar fill of series `index`: a grey of the ramp and a hatch, both black-and-white safe."""
-    return {"color": GREYS[index % len(GREYS)], "hatch": HATCHES[index % len(HATCHES)],
-            "edgecolor": "black", "linewidth": 0.6}
+    return {
+        "color": GREYS[index % len(GREYS)],
+        "hatch": HATCHES[index % len(HATCHES)],
+        "edgecolor": "black",
+        "linewidth": 0.6,
+    }
 
 
 def draw_block_accuracy(path: str, block_acc, *, title: str | None = None) -> str:
@@ -424,8 +549,7 @@ def block_accuracy_figure(block_acc, *, title: str | None = None):
     ax.set_ylim(0, 100)
     ax.set_xlabel("position i in the block (the MASK that drafts $x_{a+i}$)")
     ax.set_ylabel("accuracy (%)")
-    ax.set_title(title or f"Block accuracy by position (B = {len(positions)})", fontsize=10,
-                 pad=10)
+    ax.set_title(title or f"Block accuracy by position (B = {len(positions)})", fontsize=10, pad=10)
     ax.grid(axis="y", color="0.85", linewidth=0.6)
     ax.set_axisbelow(True)
     if len(series) > 1:
@@ -453,19 +577,26 @@ def acceptance_data(stats: dict, block_size: int | None = None) -> dict:
         raise PicturesUnavailable("a sync run's stats do not say B — pass block_size")
     too_long = [n for n in lengths if not 1 <= n <= block_size + 1]
     if too_long:
-        raise PicturesUnavailable(f"accept lengths {too_long[:5]} outside 1 .. B+1 = "
-                                  f"{block_size + 1} — pass the B the run decoded with")
+        raise PicturesUnavailable(
+            f"accept lengths {too_long[:5]} outside 1 .. B+1 = "
+            f"{block_size + 1} — pass the B the run decoded with"
+        )
     count = collections.Counter(lengths)
     tau = list(range(1, block_size + 2))
-    return {"block_size": block_size, "tau": tau, "counts": [count[t] for t in tau],
-            "mean_tau": sum(lengths) / len(lengths) if lengths else math.nan,
-            "outcomes": list(range(block_size + 1)),
-            "hits": None if hits is None else list(hits),
-            "misses": None if misses is None else list(misses)}
+    return {
+        "block_size": block_size,
+        "tau": tau,
+        "counts": [count[t] for t in tau],
+        "mean_tau": sum(lengths) / len(lengths) if lengths else math.nan,
+        "outcomes": list(range(block_size + 1)),
+        "hits": None if hits is None else list(hits),
+        "misses": None if misses is None else list(misses),
+    }
 
 
-def draw_acceptance(path: str, stats: dict, block_size: int | None = None, *,
-                    title: str | None = None) -> str:
+def draw_acceptance(
+    path: str, stats: dict, block_size: int | None = None, *, title: str | None = None
+) -> str:
     """Draw acceptance_data(stats, block_size): the τ histogram and, for an async run, hits and
     misses per verification outcome beside it. Returns the path."""
     _need_matplotlib()
@@ -484,26 +615,34 @@ def acceptance_figure(stats: dict, block_size: int | None = None, *, title: str 
     ax = axes[0]
     bars = ax.bar(data["tau"], data["counts"], 0.7, **_style(1))
     _label_bars(ax, bars)
-    ax.axvline(data["mean_tau"], color="black", linestyle=(0, (4, 2)), linewidth=1.0,
-               label=f"mean τ = {data['mean_tau']:.2f}")
+    ax.axvline(
+        data["mean_tau"],
+        color="black",
+        linestyle=(0, (4, 2)),
+        linewidth=1.0,
+        label=f"mean τ = {data['mean_tau']:.2f}",
+    )
     ax.set_xticks(data["tau"])
     ax.set_xlabel("τ: tokens committed in a round (accepted + 1)")
     ax.set_ylabel("rounds")
-    ax.set_title(f"Acceptance lengths ({sum(data['counts'])} rounds, B = {size - 1})",
-                 fontsize=10)
+    ax.set_title(f"Acceptance lengths ({sum(data['counts'])} rounds, B = {size - 1})", fontsize=10)
     ax.legend(fontsize=8, frameon=False, loc="best")
     if panels == 2:
         ax = axes[1]
         x = data["outcomes"]
-        hit_bars = ax.bar([a - 0.19 for a in x], data["hits"], 0.38, label="hit: prepared block",
-                          **_style(0))
-        miss_bars = ax.bar([a + 0.19 for a in x], data["misses"], 0.38,
-                           label="miss: fallback draft", **_style(3))
+        hit_bars = ax.bar(
+            [a - 0.19 for a in x], data["hits"], 0.38, label="hit: prepared block", **_style(0)
+        )
+        miss_bars = ax.bar(
+            [a + 0.19 for a in x], data["misses"], 0.38, label="miss: fallback draft", **_style(3)
+        )
         _label_bars(ax, hit_bars)
         _label_bars(ax, miss_bars)
         ax.set_xticks(x)
-        ax.set_xlabel("verification outcome: drafts accepted a\n"
-                      "(a < B: $d_{a+1}$ rejected; a = B: all accepted)")
+        ax.set_xlabel(
+            "verification outcome: drafts accepted a\n"
+            "(a < B: $d_{a+1}$ rejected; a = B: all accepted)"
+        )
         ax.set_ylabel("rounds")
         total = sum(data["hits"]) + sum(data["misses"])
         rate = sum(data["hits"]) / total if total else math.nan
@@ -534,17 +673,23 @@ def pruning_curve_data(rows) -> dict:
     curves."""
     rows = list(rows)
     if not rows or rows[0]["removed_layer"] is not None:
-        raise PicturesUnavailable("the rows do not start with the unpruned drafter's — give every"
-                                  " row prune_drafter yields, the first included")
-    return {"layers": [r["layers"] for r in rows],
-            "tau_before": [r["tau_before_recovery"] for r in rows],
-            "tau_after": [r["tau_after_recovery"] for r in rows],
-            "removed": [r["removed_layer"] for r in rows], "kept": [r["kept"] for r in rows],
-            "tau0": rows[0]["tau_after_recovery"]}
+        raise PicturesUnavailable(
+            "the rows do not start with the unpruned drafter's — give every"
+            " row prune_drafter yields, the first included"
+        )
+    return {
+        "layers": [r["layers"] for r in rows],
+        "tau_before": [r["tau_before_recovery"] for r in rows],
+        "tau_after": [r["tau_after_recovery"] for r in rows],
+        "removed": [r["removed_layer"] for r in rows],
+        "kept": [r["kept"] for r in rows],
+        "tau0": rows[0]["tau_after_recovery"],
+    }
 
 
-def draw_pruning_curve(path: str, rows, *, tau_floor: float | None = None,
-                       title: str | None = None) -> str:
+def draw_pruning_curve(
+    path: str, rows, *, tau_floor: float | None = None, title: str | None = None
+) -> str:
     """Draw pruning_curve_data(rows): τ before and after recovery against the drafter's depth,
     pruning going left to right, the unpruned τ as a reference line (and tau_floor x it, the
     stopping rule, if given). Returns the path."""
@@ -560,20 +705,46 @@ def pruning_curve_figure(rows, *, tau_floor: float | None = None, title: str | N
     layers = data["layers"]
     figure = _new_figure(max(4.8, 1.6 + 0.7 * len(layers)), 3.8)
     ax = figure.add_subplot()
-    ax.axhline(data["tau0"], color="0.5", linewidth=0.8, linestyle=(0, (1, 2)),
-               label=f"unpruned τ = {data['tau0']:.3f}")
+    ax.axhline(
+        data["tau0"],
+        color="0.5",
+        linewidth=0.8,
+        linestyle=(0, (1, 2)),
+        label=f"unpruned τ = {data['tau0']:.3f}",
+    )
     if tau_floor is not None:
-        ax.axhline(tau_floor * data["tau0"], color="0.3", linewidth=0.8, linestyle=(0, (6, 3)),
-                   label=f"floor: {tau_floor} × unpruned τ")
-    ax.plot(layers, data["tau_before"], color="0.45", linestyle=(0, (4, 2)), marker="s",
-            markerfacecolor="white", markeredgecolor="0.25", markersize=6,
-            label="before recovery (right after the removal)")
-    ax.plot(layers, data["tau_after"], color="black", marker="o", markersize=5,
-            label="after recovery")
+        ax.axhline(
+            tau_floor * data["tau0"],
+            color="0.3",
+            linewidth=0.8,
+            linestyle=(0, (6, 3)),
+            label=f"floor: {tau_floor} × unpruned τ",
+        )
+    ax.plot(
+        layers,
+        data["tau_before"],
+        color="0.45",
+        linestyle=(0, (4, 2)),
+        marker="s",
+        markerfacecolor="white",
+        markeredgecolor="0.25",
+        markersize=6,
+        label="before recovery (right after the removal)",
+    )
+    ax.plot(
+        layers, data["tau_after"], color="black", marker="o", markersize=5, label="after recovery"
+    )
     for i in range(1, len(layers)):
         if not data["kept"][i]:
-            ax.plot(layers[i], data["tau_after"][i], marker="x", color="black", markersize=11,
-                    linestyle="none", label="undone: below the floor")
+            ax.plot(
+                layers[i],
+                data["tau_after"][i],
+                marker="x",
+                color="black",
+                markersize=11,
+                linestyle="none",
+                label="undone: below the floor",
+            )
     ticks = [f"{layers[0]}\nunpruned"]
     ticks += [f"{n}\n−layer {r}" for n, r in zip(layers[1:], data["removed"][1:])]
     ax.set_xticks(layers, ticks, fontsize=8)
@@ -582,8 +753,11 @@ def pruning_curve_figure(rows, *, tau_floor: float | None = None, title: str | N
     high = max(data["tau_before"] + data["tau_after"] + [data["tau0"]])
     span = max(high - low, 0.5)  # a flat curve still gets a readable axis
     ax.set_ylim(max(0.9, low - 0.15 * span), high + 0.25 * span)  # τ >= 1: never far below 1
-    ax.set_xlabel("decoder layers left, and the layer that step removed\n"
-                  "(its index in the unpruned drafter; pruning goes left to right)", fontsize=9)
+    ax.set_xlabel(
+        "decoder layers left, and the layer that step removed\n"
+        "(its index in the unpruned drafter; pruning goes left to right)",
+        fontsize=9,
+    )
     ax.set_ylabel("offline τ (accepted + 1)")
     ax.set_title(title or "Progressive layer pruning with recovery (Fig. 1b)", fontsize=10)
     ax.grid(color="0.88", linewidth=0.6)
@@ -606,28 +780,49 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line of `python -m systems.pictures`."""
-    ap = _Parser(prog="python -m systems.pictures",
-                 description="Draw the paper's pictures that need no model.")
+    ap = _Parser(
+        prog="python -m systems.pictures",
+        description="Draw the paper's pictures that need no model.",
+    )
     commands = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    masks = commands.add_parser("masks", help="the training mask (Fig. 1a) and the asynchronous "
-                                "packed pass's mask (Fig. 1c), as PNGs",
-                                description="Draw the training mask and the asynchronous packed "
-                                "pass's mask as d3d.py builds them.")
+    masks = commands.add_parser(
+        "masks",
+        help="the training mask (Fig. 1a) and the asynchronous "
+        "packed pass's mask (Fig. 1c), as PNGs",
+        description="Draw the training mask and the asynchronous packed "
+        "pass's mask as d3d.py builds them.",
+    )
     masks.add_argument("--block-size", type=int, default=4, help="B: MASKs per block (default: 4)")
-    masks.add_argument("--num-anchors", type=int, default=3,
-                       help="K: blocks of the training mask (default: 3)")
-    masks.add_argument("--length", type=int,
-                       help="L: clean tokens of the training mask (default: B + 2 K - 1)")
-    masks.add_argument("--coverage", type=int, default=2,
-                       help="C: positions with rejection branches, 0 .. B (default: 2)")
-    masks.add_argument("--fanout", type=int, default=1,
-                       help="F: candidate tokens per position, >= 1 (default: 1)")
-    masks.add_argument("--past", type=int, default=2,
-                       help="cached tokens before x_n in the packed pass (default: 2)")
-    masks.add_argument("--d1-from", choices=["causal", "mask"], default="causal",
-                       help="which rows draft d_1 of a branch's block (default: causal)")
-    masks.add_argument("--out", default="runs/pictures",
-                       help="folder for the PNGs (default: runs/pictures)")
+    masks.add_argument(
+        "--num-anchors", type=int, default=3, help="K: blocks of the training mask (default: 3)"
+    )
+    masks.add_argument(
+        "--length", type=int, help="L: clean tokens of the training mask (default: B + 2 K - 1)"
+    )
+    masks.add_argument(
+        "--coverage",
+        type=int,
+        default=2,
+        help="C: positions with rejection branches, 0 .. B (default: 2)",
+    )
+    masks.add_argument(
+        "--fanout", type=int, default=1, help="F: candidate tokens per position, >= 1 (default: 1)"
+    )
+    masks.add_argument(
+        "--past",
+        type=int,
+        default=2,
+        help="cached tokens before x_n in the packed pass (default: 2)",
+    )
+    masks.add_argument(
+        "--d1-from",
+        choices=["causal", "mask"],
+        default="causal",
+        help="which rows draft d_1 of a branch's block (default: causal)",
+    )
+    masks.add_argument(
+        "--out", default="runs/pictures", help="folder for the PNGs (default: runs/pictures)"
+    )
     return ap.parse_args(argv)
 
 
@@ -636,18 +831,24 @@ def check_mask_args(args: argparse.Namespace) -> None:
     length = args.length
     if length is None:
         length = default_length(args.block_size, args.num_anchors)
-    checks = [("--block-size", args.block_size, args.block_size >= 1, ">= 1"),
-              ("--num-anchors", args.num_anchors, args.num_anchors >= 1, ">= 1"),
-              ("--length", length, length >= args.num_anchors + 1,
-               f">= K + 1 = {args.num_anchors + 1}"),
-              ("--coverage", args.coverage, 0 <= args.coverage <= args.block_size,
-               f"in 0 .. B = {args.block_size}"),
-              ("--fanout", args.fanout, args.fanout >= 1, ">= 1"),
-              ("--past", args.past, args.past >= 0, ">= 0")]
+    checks = [
+        ("--block-size", args.block_size, args.block_size >= 1, ">= 1"),
+        ("--num-anchors", args.num_anchors, args.num_anchors >= 1, ">= 1"),
+        ("--length", length, length >= args.num_anchors + 1, f">= K + 1 = {args.num_anchors + 1}"),
+        (
+            "--coverage",
+            args.coverage,
+            0 <= args.coverage <= args.block_size,
+            f"in 0 .. B = {args.block_size}",
+        ),
+        ("--fanout", args.fanout, args.fanout >= 1, ">= 1"),
+        ("--past", args.past, args.past >= 0, ">= 0"),
+    ]
     for flag, value, ok, allowed in checks:
         if not ok:
-            raise PicturesUnavailable(f"{flag} must be {allowed}, got {value} — give a value "
-                                      f"{allowed}")
+            raise PicturesUnavailable(
+                f"{flag} must be {allowed}, got {value} — give a value {allowed}"
+            )
 
 
 def main(argv=None) -> list[str]:
@@ -657,12 +858,19 @@ def main(argv=None) -> list[str]:
     check_mask_args(args)
     _need_matplotlib()
     name = f"training_mask_B{args.block_size}_K{args.num_anchors}.png"
-    training = draw_training_mask(os.path.join(args.out, name), args.block_size,
-                                  args.num_anchors, args.length)
+    training = draw_training_mask(
+        os.path.join(args.out, name), args.block_size, args.num_anchors, args.length
+    )
     print(training)
     name = f"branch_pass_B{args.block_size}_C{args.coverage}_F{args.fanout}.png"
-    branch = draw_branch_pass(os.path.join(args.out, name), args.block_size, args.coverage,
-                              args.fanout, past_len=args.past, d1_from=args.d1_from)
+    branch = draw_branch_pass(
+        os.path.join(args.out, name),
+        args.block_size,
+        args.coverage,
+        args.fanout,
+        past_len=args.past,
+        d1_from=args.d1_from,
+    )
     print(branch)
     return [training, branch]
 

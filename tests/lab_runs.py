@@ -29,8 +29,16 @@ from tqdm.auto import tqdm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORDERS = {
     "native": {},
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-    "sse": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    },
+    "sse": {
+        "ATEN_CPU_CAPABILITY": "default",
+        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+        "ONEDNN_MAX_CPU_ISA": "SSE41",
+    },
 }
 # name: (LAB exercise, train.py flags); the slowest first, so that two workers finish together
 RUNS = {
@@ -49,7 +57,9 @@ RUNS = {
 def available_orders() -> list[str]:
     """avx2 is a float order of its own only on a CPU with AVX-512 (elsewhere it is the native one)."""
     native = torch.backends.cpu.get_cpu_capability()
-    return ["native", "sse"] if native in ("AVX2", "DEFAULT", "NO AVX") else ["native", "avx2", "sse"]
+    return (
+        ["native", "sse"] if native in ("AVX2", "DEFAULT", "NO AVX") else ["native", "avx2", "sse"]
+    )
 
 
 def run_one(out: str, order: str, name: str, seed: int, extra: list[str]) -> dict:
@@ -57,21 +67,51 @@ def run_one(out: str, order: str, name: str, seed: int, extra: list[str]) -> dic
     record = os.path.join(folder, "train_args.json")
     if not os.path.isfile(record):
         os.makedirs(folder, exist_ok=True)
-        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--seed", str(seed), "--threads", "1",
-               *RUNS[name][1], *extra, "--out", folder]
+        cmd = [
+            sys.executable,
+            os.path.join(ROOT, "train.py"),
+            "--seed",
+            str(seed),
+            "--threads",
+            "1",
+            *RUNS[name][1],
+            *extra,
+            "--out",
+            folder,
+        ]
         with open(os.path.join(folder, "log.txt"), "w") as log:
             t0 = time.monotonic()
-            done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **ORDERS[order]}, stdout=log,
-                                  stderr=subprocess.STDOUT)
-            log.write(f"\n[lab_runs] {' '.join(cmd)}: exit {done.returncode} after {time.monotonic() - t0:.0f} s\n")
+            done = subprocess.run(
+                cmd,
+                cwd=ROOT,
+                env={**os.environ, **ORDERS[order]},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            log.write(
+                f"\n[lab_runs] {' '.join(cmd)}: exit {done.returncode} after {time.monotonic() - t0:.0f} s\n"
+            )
         if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed (exit {done.returncode}): see {folder}/log.txt")
+            raise RuntimeError(
+                f"{' '.join(cmd)} failed (exit {done.returncode}): see {folder}/log.txt"
+            )
     with open(record) as f:
         r = json.load(f)
-    head, mask = (r["offline_tau"], r["offline_tau_d1_from_mask"]) if r["d1_from"] == "causal" else \
-        (r["offline_tau_d1_from_causal"], r["offline_tau"])
-    return {"order": order, "run": name, "seed": seed, "tau": r["offline_tau"], "tau_d1_head": head,
-            "tau_d1_mask": mask, "train_seconds": r["train_seconds"], "folder": folder}
+    head, mask = (
+        (r["offline_tau"], r["offline_tau_d1_from_mask"])
+        if r["d1_from"] == "causal"
+        else (r["offline_tau_d1_from_causal"], r["offline_tau"])
+    )
+    return {
+        "order": order,
+        "run": name,
+        "seed": seed,
+        "tau": r["offline_tau"],
+        "tau_d1_head": head,
+        "tau_d1_mask": mask,
+        "train_seconds": r["train_seconds"],
+        "folder": folder,
+    }
 
 
 def ranges(results: list[dict]) -> list[tuple[str, float, float, int]]:
@@ -82,7 +122,9 @@ def ranges(results: list[dict]) -> list[tuple[str, float, float, int]]:
         rows = [r for r in results if r["run"] == name]
         if not rows:
             continue
-        keys = ["tau"] + (["tau_d1_mask"] if name == "base" else ["tau_d1_head"] if name == "lam0" else [])
+        keys = ["tau"] + (
+            ["tau_d1_mask"] if name == "base" else ["tau_d1_head"] if name == "lam0" else []
+        )
         for key in keys:
             values = [r[key] for r in rows]
             out.append((f"{name} {key}", min(values), max(values), len(values)))
@@ -92,31 +134,53 @@ def ranges(results: list[dict]) -> list[tuple[str, float, float, int]]:
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="folder for the drafters, their logs and runs.json")
-    ap.add_argument("--orders", nargs="+", choices=list(ORDERS), help="float orders (default: all this CPU offers)")
+    ap.add_argument(
+        "--orders",
+        nargs="+",
+        choices=list(ORDERS),
+        help="float orders (default: all this CPU offers)",
+    )
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (default: 2)")
-    ap.add_argument("--extra", default="", help="more train.py flags for every run, e.g. '--steps 800'")
+    ap.add_argument(
+        "--extra", default="", help="more train.py flags for every run, e.g. '--steps 800'"
+    )
     args = ap.parse_args(argv)
     orders = args.orders or available_orders()
     jobs = [(o, n, s) for n in args.runs for o in orders for s in args.seeds]
-    print(f"[lab] {len(jobs)} runs ({', '.join(args.runs)} x float orders {', '.join(orders)} x seeds "
-          f"{args.seeds}), {args.jobs} at a time, into {os.path.abspath(args.out)}")
+    print(
+        f"[lab] {len(jobs)} runs ({', '.join(args.runs)} x float orders {', '.join(orders)} x seeds "
+        f"{args.seeds}), {args.jobs} at a time, into {os.path.abspath(args.out)}"
+    )
     results = []
-    with ThreadPoolExecutor(args.jobs) as pool, tqdm(total=len(jobs), desc="lab runs", unit="run") as bar:
+    with (
+        ThreadPoolExecutor(args.jobs) as pool,
+        tqdm(total=len(jobs), desc="lab runs", unit="run") as bar,
+    ):
         futures = [pool.submit(run_one, args.out, o, n, s, args.extra.split()) for o, n, s in jobs]
         for future in futures:
             results.append(future.result())
             bar.update(1)
     for r in results:
-        print(f"{r['run']:>6} {r['order']:>6} seed {r['seed']}: tau {r['tau']:.2f} (d_1 from the head "
-              f"{r['tau_d1_head']:.2f}, from MASK 1 {r['tau_d1_mask']:.2f}), {r['train_seconds']:.0f} s")
+        print(
+            f"{r['run']:>6} {r['order']:>6} seed {r['seed']}: tau {r['tau']:.2f} (d_1 from the head "
+            f"{r['tau_d1_head']:.2f}, from MASK 1 {r['tau_d1_mask']:.2f}), {r['train_seconds']:.0f} s"
+        )
     print("outcome                 range over runs")
     for key, lo, hi, n in ranges(results):
         print(f"{key:<22} {lo:.2f} - {hi:.2f}  ({n} runs)")
     with open(os.path.join(args.out, "runs.json"), "w") as f:
-        json.dump({"cpu_capability": torch.backends.cpu.get_cpu_capability(), "orders": orders,
-                   "extra": args.extra, "runs": results}, f, indent=1)
+        json.dump(
+            {
+                "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                "orders": orders,
+                "extra": args.extra,
+                "runs": results,
+            },
+            f,
+            indent=1,
+        )
     print(f"[lab] wrote {os.path.join(os.path.abspath(args.out), 'runs.json')}")
     return results
 

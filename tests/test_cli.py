@@ -2,6 +2,7 @@
 the edges of its range and just past them, every path flag at a missing file, a folder, an empty
 file and a cut-short one. Past the edge: one line `error: ...`, exit status 2, `--out` untouched.
 At the edge: the value is accepted as given."""
+
 from __future__ import annotations
 
 import argparse
@@ -98,9 +99,16 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     tok = toy.make_tokenizer()
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=(len(tok) // 16 + 1) * 16, hidden_size=32,
-                         intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    config = Qwen3Config(
+        vocab_size=(len(tok) // 16 + 1) * 16,
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
     model = Qwen3ForCausalLM(config)
     for name in ("model", "cut"):
         model.save_pretrained(root / name)
@@ -120,8 +128,9 @@ def folders(tmp_path_factory):
 
 
 @pytest.mark.parametrize("driver,name,flag,allowed", list(cases()))
-def test_every_flag_is_refused_just_past_its_range_in_one_line(driver, name, flag, allowed,
-                                                                 folders, capsys):
+def test_every_flag_is_refused_just_past_its_range_in_one_line(
+    driver, name, flag, allowed, folders, capsys
+):
     entry = DRIVERS[driver][0]
     _, outside = edges(allowed)
     out = folders / "out"
@@ -251,7 +260,9 @@ def fill(argv, root):
     return [names.get(a, a) for a in argv]
 
 
-@pytest.mark.parametrize("driver,flag,extra", FILE_FLAGS, ids=[f"{d} {f}" for d, f, _ in FILE_FLAGS])
+@pytest.mark.parametrize(
+    "driver,flag,extra", FILE_FLAGS, ids=[f"{d} {f}" for d, f, _ in FILE_FLAGS]
+)
 def test_every_file_flag_names_the_file_in_one_line(driver, flag, extra, folders, capsys):
     entry = DRIVERS[driver][0]
     out = folders / "out"
@@ -267,8 +278,9 @@ def test_every_file_flag_names_the_file_in_one_line(driver, flag, extra, folders
     assert snapshot(out) == before
 
 
-@pytest.mark.parametrize("driver,flag,extra", FOLDER_FLAGS,
-                         ids=[f"{d} {f}" for d, f, _ in FOLDER_FLAGS])
+@pytest.mark.parametrize(
+    "driver,flag,extra", FOLDER_FLAGS, ids=[f"{d} {f}" for d, f, _ in FOLDER_FLAGS]
+)
 def test_every_folder_flag_names_the_folder_in_one_line(driver, flag, extra, folders, capsys):
     entry = DRIVERS[driver][0]
     out = folders / "out"
@@ -306,10 +318,19 @@ def test_a_recorded_path_that_is_gone_is_named(folders, tmp_path, capsys):
     for name in os.listdir(folders / "model"):
         (drafter / name).write_bytes((folders / "model" / name).read_bytes())
     (drafter / "d3d_config.json").write_text(json.dumps({"block_size": 4}))
-    recipe = {"target": str(folders / "model"), "prompts": "gone/prompts.jsonl",
-              "prompt_field": "question", "thinking": False, "max_new_tokens": 4,
-              "gen_batch_size": 2, "num_prompts": None, "num_val": 2, "max_len": 64,
-              "val_anchors": 4, "val_fraction": 0.5}
+    recipe = {
+        "target": str(folders / "model"),
+        "prompts": "gone/prompts.jsonl",
+        "prompt_field": "question",
+        "thinking": False,
+        "max_new_tokens": 4,
+        "gen_batch_size": 2,
+        "num_prompts": None,
+        "num_val": 2,
+        "max_len": 64,
+        "val_anchors": 4,
+        "val_fraction": 0.5,
+    }
     (drafter / "train_args.json").write_text(json.dumps(recipe))
     err = fails_in_one_line(eval_entry, ["--drafter", drafter], capsys)
     assert "gone/prompts.jsonl is gone" in err, err

@@ -4,6 +4,7 @@ parsed. A flag renamed in the code and not in the docs fails here.
 
 Run: python -m pytest -q tests/test_docs.py
 """
+
 import argparse
 import os
 import re
@@ -32,14 +33,19 @@ def fenced_lines(text: str) -> list[str]:
 def is_pattern(span: str) -> bool:
     """An inline span that shows a pattern, not a command: [optional parts], ..., or placeholders such as N, F1, λ."""
     return any(mark in span for mark in ("[", "...", "…", "λ", "$")) or any(
-        re.fullmatch(r"[A-Z][A-Z0-9]*", token) for token in span.split())
+        re.fullmatch(r"[A-Z][A-Z0-9]*", token) for token in span.split()
+    )
 
 
 def commands(doc: str) -> list[tuple[str, list[str]]]:
     """(script, argv) of every command the doc shows."""
     text = open(os.path.join(ROOT, doc)).read()
     candidates = fenced_lines(text)
-    candidates += [span for span in re.findall(r"`([^`\n]*(?:python|torchrun)[^`\n]*)`", text) if not is_pattern(span)]
+    candidates += [
+        span
+        for span in re.findall(r"`([^`\n]*(?:python|torchrun)[^`\n]*)`", text)
+        if not is_pattern(span)
+    ]
     loops = re.findall(r"\bfor (\w+) in (\S+)", text)  # a shell loop's variable: its first value
     found = []
     for candidate in candidates:
@@ -50,10 +56,16 @@ def commands(doc: str) -> list[tuple[str, list[str]]]:
                 tokens = shlex.split(part, comments=True)
             except ValueError:
                 continue
-            tokens = tokens[: next((i for i, t in enumerate(tokens) if t.startswith((">", "2>", "|"))), len(tokens))]
+            tokens = tokens[
+                : next(
+                    (i for i, t in enumerate(tokens) if t.startswith((">", "2>", "|"))), len(tokens)
+                )
+            ]
             script = next((i for i, t in enumerate(tokens) if t in SCRIPTS), None)
-            if script is not None and any(t in ("python", "python3", "torchrun") for t in tokens[:script]):
-                found.append((tokens[script], tokens[script + 1:]))
+            if script is not None and any(
+                t in ("python", "python3", "torchrun") for t in tokens[:script]
+            ):
+                found.append((tokens[script], tokens[script + 1 :]))
     return found
 
 
@@ -67,6 +79,7 @@ def parse_only(script: str, argv: list[str]) -> argparse.Namespace:
 
     def stop_after_parsing(self, args=None, namespace=None):
         raise Parsed(real(self, args, namespace))
+
     saved = sys.argv
     sys.argv = [script] + argv
     argparse.ArgumentParser.parse_args = stop_after_parsing
@@ -86,13 +99,32 @@ ALL = [(doc, script, argv) for doc in DOCS for script, argv in commands(doc)]
 def test_the_docs_show_the_commands_of_every_script():
     assert len(ALL) > 40
     assert {script for _, script, _ in ALL} == set(SCRIPTS)
-    assert ("README.md", "train.py", ["prune", "--drafter", "runs/smollm2/full", "--min-layers", "15",
-                                      "--recovery-steps", "4", "--num-val", "12", "--val-anchors", "16",
-                                      "--batch-size", "4", "--dtype", "bfloat16"]) in [
-        (doc, script, argv[:15]) for doc, script, argv in ALL]
+    assert (
+        "README.md",
+        "train.py",
+        [
+            "prune",
+            "--drafter",
+            "runs/smollm2/full",
+            "--min-layers",
+            "15",
+            "--recovery-steps",
+            "4",
+            "--num-val",
+            "12",
+            "--val-anchors",
+            "16",
+            "--batch-size",
+            "4",
+            "--dtype",
+            "bfloat16",
+        ],
+    ) in [(doc, script, argv[:15]) for doc, script, argv in ALL]
 
 
-@pytest.mark.parametrize("doc,script,argv", ALL, ids=[f"{d}:{s} {' '.join(a)[:60]}" for d, s, a in ALL])
+@pytest.mark.parametrize(
+    "doc,script,argv", ALL, ids=[f"{d}:{s} {' '.join(a)[:60]}" for d, s, a in ALL]
+)
 def test_every_documented_command_parses(doc, script, argv, monkeypatch):
     monkeypatch.chdir(ROOT)
     parse_only(script, argv)
@@ -104,4 +136,6 @@ def test_lab_md_shows_every_lab_command_and_a_start_and_check_of_every_exercise(
     shown = [argv for doc, script, argv in ALL if doc == "LAB.md" and script == "lab.py"]
     assert {argv[0] for argv in shown} == {"list", "start", "check", "handout"}
     for exercise in runpy.run_path(os.path.join(ROOT, "lab.py"))["EXERCISES"]:
-        assert ["start", exercise.name] in shown and ["check", exercise.name] in shown, exercise.name
+        assert ["start", exercise.name] in shown and ["check", exercise.name] in shown, (
+            exercise.name
+        )

@@ -3,6 +3,7 @@ makes its step FAILED and the script's exit non-zero.
 
 Run: python -m pytest -q tests/test_gpu_check.py
 """
+
 import json
 import os
 import subprocess
@@ -13,8 +14,14 @@ CHECK = os.path.join(ROOT, "tests", "gpu_check.py")
 
 
 def run_check(out, *args, env=None):
-    return subprocess.run([sys.executable, CHECK, "--tiny", str(out), *args], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT, env=env)
+    return subprocess.run(
+        [sys.executable, CHECK, "--tiny", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=env,
+    )
 
 
 def test_tiny_check_passes_and_writes_each_step_and_the_trace(tmp_path):
@@ -23,21 +30,34 @@ def test_tiny_check_passes_and_writes_each_step_and_the_trace(tmp_path):
     run = run_check(tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     statuses = {}
-    for n, name in ((0, "environment"), (1, "passes"), (2, "shared-pool"), (3, "compiled-path"), (4, "sanitizer")):
+    for n, name in (
+        (0, "environment"),
+        (1, "passes"),
+        (2, "shared-pool"),
+        (3, "compiled-path"),
+        (4, "sanitizer"),
+    ):
         first = (tmp_path / f"{n}-{name}.txt").read_text().splitlines()[0]
         statuses[n] = first.split(": ", 1)[1].split(" ")[0]
         assert first in run.stdout  # what it prints is what it wrote
     assert statuses == {0: "PASSED", 1: "PASSED", 2: "SKIPPED", 3: "PASSED", 4: "SKIPPED"}
     assert "skip   one graph pool for two streams: graph pools and streams need CUDA" in run.stdout
     step3 = (tmp_path / "3-compiled-path.txt").read_text()
-    for check in ("no recompile after the warm-up", "rejection branches and the full-acceptance block both hit",
-                  "two compiled lanes decode the same tokens as one"):
+    for check in (
+        "no recompile after the warm-up",
+        "rejection branches and the full-acceptance block both hit",
+        "two compiled lanes decode the same tokens as one",
+    ):
         assert f"ok     {check}" in step3
     assert "5 steps, 0 failed" in (tmp_path / "summary.txt").read_text()
     trace = json.loads((tmp_path / "trace-async.json").read_text())
-    tracks = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
-    on = {key: {tracks[e["tid"]] for e in trace["traceEvents"] if e["name"] == key}
-          for key in ("verify", "packed_draft")}
+    tracks = {
+        e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"
+    }
+    on = {
+        key: {tracks[e["tid"]] for e in trace["traceEvents"] if e["name"] == key}
+        for key in ("verify", "packed_draft")
+    }
     assert on == {"verify": {"thread MainThread"}, "packed_draft": {"thread packed-pass_0"}}
 
 
@@ -51,8 +71,12 @@ def test_a_failing_check_fails_its_step_and_the_exit(tmp_path):
         "def one_too_many(p_logits, draft, *args, **kwargs):\n"
         "    num_accepted, next_token = _accept(p_logits, draft, *args, **kwargs)\n"
         "    return torch.clamp(num_accepted + 1, max=draft.shape[0]), next_token\n\n\n"
-        "d3d.accept_draft = one_too_many\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plant), ROOT, os.environ.get("PYTHONPATH", "")])}
+        "d3d.accept_draft = one_too_many\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(plant), ROOT, os.environ.get("PYTHONPATH", "")]),
+    }
     run = run_check(tmp_path / "out", "--steps", "3", env=env)
     assert run.returncode != 0
     step3 = (tmp_path / "out" / "3-compiled-path.txt").read_text()

@@ -7,6 +7,7 @@ lab.py runs in a copy of the repository (the real runs/lab/ is never touched), i
 two at a time, each a pytest subprocess: about two minutes on two cores.
 Run: python -m pytest -q tests/test_lab.py
 """
+
 import ast
 import concurrent.futures
 import hashlib
@@ -39,14 +40,21 @@ def solution_facts(name: str) -> dict:
     """EXERCISE, RIGHT and FAILS of a solution file, read without running it."""
     with open(os.path.join(SOLUTIONS, name), encoding="utf-8") as f:
         tree = ast.parse(f.read())
-    return {node.targets[0].id: ast.literal_eval(node.value) for node in tree.body
-            if isinstance(node, ast.Assign)
-            and node.targets[0].id in ("EXERCISE", "RIGHT", "FAILS")}
+    return {
+        node.targets[0].id: ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and node.targets[0].id in ("EXERCISE", "RIGHT", "FAILS")
+    }
 
 
 def lab_py(cwd, *argv, timeout=600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "lab.py", *map(str, argv)], cwd=cwd, text=True,
-                          capture_output=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "lab.py", *map(str, argv)],
+        cwd=cwd,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
 
 
 IMPORT_ALL = """
@@ -70,37 +78,76 @@ def lab_runs(tmp_path_factory):
     before = {"repo": sha(os.path.join(ROOT, "d3d.py")), "copy": sha(repo / "d3d.py")}
     starts = {e.name: lab_py(repo, "start", e.name) for e in lab.EXERCISES}
     after_start = sha(repo / "d3d.py")
-    handouts = {"all": base / "handout-all", "one": base / "handout-one",
-                "solved": base / "handout-solved"}
-    made = {"all": lab_py(repo, "handout", handouts["all"]),
-            "one": lab_py(repo, "handout", handouts["one"], "packed_attention_mask"),
-            "solved": lab_py(repo, "handout", handouts["solved"], "packed_attention_mask")}
+    handouts = {
+        "all": base / "handout-all",
+        "one": base / "handout-one",
+        "solved": base / "handout-solved",
+    }
+    made = {
+        "all": lab_py(repo, "handout", handouts["all"]),
+        "one": lab_py(repo, "handout", handouts["one"], "packed_attention_mask"),
+        "solved": lab_py(repo, "handout", handouts["solved"], "packed_attention_mask"),
+    }
     reference = (repo / "d3d.py").read_text()
     right_mask = open(os.path.join(SOLUTIONS, "packed_attention_mask_by_key_kind.py")).read()
     solved = handouts["solved"] / "d3d.py"
     solved.write_text(lab.splice(solved.read_text(), right_mask))
-    checks = {"reference": (repo, "check", "all", "d3d.py", "--quick", "--json",
-                            base / "reference.json"),
-              "blank all": (handouts["all"], "check", "all", "--quick", "--json",
-                            base / "blank-all.json"),
-              "handout solved": (handouts["solved"], "check", "packed_attention_mask", "--json",
-                                 base / "handout-solved.json")}
+    checks = {
+        "reference": (repo, "check", "all", "d3d.py", "--quick", "--json", base / "reference.json"),
+        "blank all": (
+            handouts["all"],
+            "check",
+            "all",
+            "--quick",
+            "--json",
+            base / "blank-all.json",
+        ),
+        "handout solved": (
+            handouts["solved"],
+            "check",
+            "packed_attention_mask",
+            "--json",
+            base / "handout-solved.json",
+        ),
+    }
     for name in solution_files():
         facts = solution_facts(name)
         path = base / name
         path.write_text(lab.splice(reference, open(os.path.join(SOLUTIONS, name)).read()))
         only = [] if facts["RIGHT"] else [a for t in facts["FAILS"] for a in ("--test", t)]
-        checks[name] = (repo, "check", facts["EXERCISE"], path, "--quick", *only, "--json",
-                        base / f"{name}.json")
+        checks[name] = (
+            repo,
+            "check",
+            facts["EXERCISE"],
+            path,
+            "--quick",
+            *only,
+            "--json",
+            base / f"{name}.json",
+        )
     for name in BLANK_CHECKS:
         checks[f"blank {name}"] = (repo, "check", name, "--json", base / f"blank-{name}.json")
     pool = concurrent.futures.ThreadPoolExecutor(2)
     futures = {key: pool.submit(lab_py, *argv) for key, argv in checks.items()}
     copies = [repo / "runs" / "lab" / e.name / "d3d.py" for e in lab.EXERCISES]
-    futures["import"] = pool.submit(subprocess.run, [sys.executable, "-c", IMPORT_ALL, *copies],
-                                    cwd=repo, text=True, capture_output=True, timeout=300)
-    yield {"base": base, "repo": repo, "before": before, "after_start": after_start,
-           "starts": starts, "handouts": handouts, "made": made, "futures": futures}
+    futures["import"] = pool.submit(
+        subprocess.run,
+        [sys.executable, "-c", IMPORT_ALL, *copies],
+        cwd=repo,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
+    yield {
+        "base": base,
+        "repo": repo,
+        "before": before,
+        "after_start": after_start,
+        "starts": starts,
+        "handouts": handouts,
+        "made": made,
+        "futures": futures,
+    }
     pool.shutdown(wait=True)
 
 
@@ -134,34 +181,46 @@ def test_every_graded_test_is_in_the_suite_and_patches_nothing_of_d3d():
 
 
 def test_the_plugin_selects_by_name_and_parameters_and_keeps_the_worst_outcome():
-    item = types.SimpleNamespace(originalname="test_x", name="test_x[sync-2]",
-                                 callspec=types.SimpleNamespace(params={"mode": "sync", "b": 2}))
-    assert lab._tests_of(item, ["test_x", "test_x[mode=sync]", "test_x[mode=async]", "test_y"]) \
-        == ["test_x", "test_x[mode=sync]"]
-    records = [{"kind": "selected", "nodeid": "a[1]", "tests": ["test_a"]},
-               {"kind": "selected", "nodeid": "a[2]", "tests": ["test_a"]},
-               {"kind": "start", "nodeid": "a[1]"},
-               {"kind": "case", "nodeid": "a[1]", "outcome": "passed", "message": ""},
-               {"kind": "case", "nodeid": "a[1]", "outcome": "failed", "message": "teardown"},
-               {"kind": "start", "nodeid": "a[2]"}]
+    item = types.SimpleNamespace(
+        originalname="test_x",
+        name="test_x[sync-2]",
+        callspec=types.SimpleNamespace(params={"mode": "sync", "b": 2}),
+    )
+    assert lab._tests_of(item, ["test_x", "test_x[mode=sync]", "test_x[mode=async]", "test_y"]) == [
+        "test_x",
+        "test_x[mode=sync]",
+    ]
+    records = [
+        {"kind": "selected", "nodeid": "a[1]", "tests": ["test_a"]},
+        {"kind": "selected", "nodeid": "a[2]", "tests": ["test_a"]},
+        {"kind": "start", "nodeid": "a[1]"},
+        {"kind": "case", "nodeid": "a[1]", "outcome": "passed", "message": ""},
+        {"kind": "case", "nodeid": "a[1]", "outcome": "failed", "message": "teardown"},
+        {"kind": "start", "nodeid": "a[2]"},
+    ]
     results = lab.gather(records, ["test_a", "test_b"], 30, 1.0)
     assert [c["outcome"] for c in results["test_a"]] == ["failed", "failed"]
     assert "within 30 s" in results["test_a"][1]["message"] and results["_missing"] == ["test_b"]
-    text = ('Traceback (most recent call last):\n'
-            '  File "/lib/_pytest/python.py", line 187, in pytest_pyfunc_call\n'
-            '    result = testfunction(**testargs)\n'
-            '             ^^^^^^^^^^^^^^^^^^^^^^^^\n'
-            '  File "/copy/test_d3d.py", line 159, in test_m\n'
-            '    assert torch.equal(a, b)\n'
-            'AssertionError: assert False\n'
-            ' +  where False = <built-in method equal of type object at 0x7f00>(x, y)\n'
-            ' +    where <built-in method equal of type object at 0x7f00> = torch.equal')
-    assert lab.short_failure(text, "/copy") == ("test_d3d.py:159: assert torch.equal(a, b)\n"
-                                                "AssertionError: assert False / + where False = "
-                                                "equal(x, y)")
+    text = (
+        "Traceback (most recent call last):\n"
+        '  File "/lib/_pytest/python.py", line 187, in pytest_pyfunc_call\n'
+        "    result = testfunction(**testargs)\n"
+        "             ^^^^^^^^^^^^^^^^^^^^^^^^\n"
+        '  File "/copy/test_d3d.py", line 159, in test_m\n'
+        "    assert torch.equal(a, b)\n"
+        "AssertionError: assert False\n"
+        " +  where False = <built-in method equal of type object at 0x7f00>(x, y)\n"
+        " +    where <built-in method equal of type object at 0x7f00> = torch.equal"
+    )
+    assert lab.short_failure(text, "/copy") == (
+        "test_d3d.py:159: assert torch.equal(a, b)\n"
+        "AssertionError: assert False / + where False = "
+        "equal(x, y)"
+    )
     mask = lab.BY_NAME["packed_attention_mask"]
-    assert "still the blank stub" in lab.explain("lab exercise packed_attention_mask: write "
-                                                 "packed_attention_mask", mask)
+    assert "still the blank stub" in lab.explain(
+        "lab exercise packed_attention_mask: write packed_attention_mask", mask
+    )
     blocked = lab.explain("lab exercise draft_rows: write draft_rows", mask)
     assert "check draft_rows first" in blocked
 
@@ -186,13 +245,14 @@ def test_start_blanks_one_body_and_keeps_every_other_byte(lab_runs):
         assert lab_runs["starts"][exercise.name].returncode == 0
         assert f"python lab.py check {exercise.name}" in lab_runs["starts"][exercise.name].stdout
         copy = (repo / "runs" / "lab" / exercise.name / "d3d.py").read_text()
-        nodes = sorted((lab.find_function(tree, f) for f in exercise.functions),
-                       key=lambda node: node.lineno)
+        nodes = sorted(
+            (lab.find_function(tree, f) for f in exercise.functions), key=lambda node: node.lineno
+        )
         cuts = [0] + [i for n in nodes for i in (n.body[0].end_lineno, n.end_lineno)]
         kept = [reference[a:b] for a, b in zip(cuts[::2], cuts[1::2] + [len(reference)])]
         lines, at = copy.splitlines(keepends=True), 0
         for i, part in enumerate(kept):  # the reference's lines, each body a stub between them
-            assert lines[at: at + len(part)] == part, (exercise.name, i)
+            assert lines[at : at + len(part)] == part, (exercise.name, i)
             at += len(part)
             if i < len(nodes):
                 stub = at
@@ -201,7 +261,8 @@ def test_start_blanks_one_body_and_keeps_every_other_byte(lab_runs):
                 assert lines[at].strip().startswith('raise NotImplementedError("lab exercise')
                 at += 1
                 assert "# Exercise: " in lines[stub] and all(
-                    len(line.rstrip("\n")) <= 100 for line in lines[stub:at])
+                    len(line.rstrip("\n")) <= 100 for line in lines[stub:at]
+                )
         assert at == len(lines)
         assert all(lab.is_blank(copy, f) for f in exercise.functions)
     again = lab_py(repo, "start", "packed_attention_mask")
@@ -269,7 +330,8 @@ def test_a_solution_passes_or_fails_as_it_says(lab_runs, name):
         assert "test_d3d.py:" in message and "blank stub" not in message, message
         assert f"FAIL  {entry['claim']}" in run.stdout
     assert {e["test"].split("::")[1] for e in result["right"] + result["fast"]} == set(
-        facts["FAILS"])
+        facts["FAILS"]
+    )
 
 
 def test_three_exercises_have_a_second_right_solution_and_two_wrong_ones():
@@ -289,13 +351,14 @@ def test_a_handout_grades_its_own_d3d_py_and_holds_no_answer(lab_runs):
     one, solved = lab_runs["handouts"]["one"], lab_runs["handouts"]["solved"]
     assert lab_runs["made"]["one"].returncode == 0
     assert json.loads((one / "lab-handout.json").read_text()) == {
-        "exercises": ["packed_attention_mask"]}
+        "exercises": ["packed_attention_mask"]
+    }
     assert not (one / "tests" / "lab_solutions").exists()
     assert not (one / "tests" / "test_lab.py").exists()
     assert (one / "test_d3d.py").exists() and (one / "lab.py").exists()
     reference = (lab_runs["repo"] / "d3d.py").read_text()
     node = lab.find_function(ast.parse(reference), "packed_attention_mask")
-    body = "".join(reference.splitlines(keepends=True)[node.body[0].end_lineno: node.end_lineno])
+    body = "".join(reference.splitlines(keepends=True)[node.body[0].end_lineno : node.end_lineno])
     handed = (one / "d3d.py").read_text()
     assert body not in handed and lab.is_blank(handed, "packed_attention_mask")
     assert not lab.is_blank((solved / "d3d.py").read_text(), "packed_attention_mask")
@@ -309,19 +372,22 @@ def test_a_handout_grades_its_own_d3d_py_and_holds_no_answer(lab_runs):
     assert inside.returncode == 2 and "inside the repository" in inside.stderr
 
 
-@pytest.mark.parametrize("argv,says", [
-    (["start", "nope"], "no exercise 'nope'"),
-    (["check", "nope"], "no exercise 'nope'"),
-    (["check", "cache_hit"], "runs/lab/cache_hit/d3d.py not found"),
-    (["check", "cache_hit", "missing.py"], "missing.py not found"),
-    (["check", "cache_hit", "README.md"], "README.md line"),
-    (["check", "cache_hit", "runtime.py"], "has no function cache_hit"),
-    (["check", "cache_hit", "d3d.py", "--test", "test_zero_new_tokens"], "not graded by"),
-    (["check", "cache_hit", "--timeout", "0"], "--timeout"),
-    (["handout", "out", "nope"], "no exercise 'nope'"),
-    (["check"], "NAME"),
-    (["grade", "x"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["start", "nope"], "no exercise 'nope'"),
+        (["check", "nope"], "no exercise 'nope'"),
+        (["check", "cache_hit"], "runs/lab/cache_hit/d3d.py not found"),
+        (["check", "cache_hit", "missing.py"], "missing.py not found"),
+        (["check", "cache_hit", "README.md"], "README.md line"),
+        (["check", "cache_hit", "runtime.py"], "has no function cache_hit"),
+        (["check", "cache_hit", "d3d.py", "--test", "test_zero_new_tokens"], "not graded by"),
+        (["check", "cache_hit", "--timeout", "0"], "--timeout"),
+        (["handout", "out", "nope"], "no exercise 'nope'"),
+        (["check"], "NAME"),
+        (["grade", "x"], "invalid choice"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_status_2(tmp_path, argv, says):
     repo = tmp_path / "repo"
     for name in ("lab.py", "d3d.py", "runtime.py", "README.md", "test_d3d.py"):

@@ -4,6 +4,7 @@ test_d3d.py's configs, CPU, a few seconds in all.
 
 Run: python -m pytest -q tests/test_pictures.py
 """
+
 import collections
 
 import pytest
@@ -44,8 +45,9 @@ def line(figure, label: str):
 # The mask pictures
 
 
-@pytest.mark.parametrize("block_size,num_anchors,length", [(4, 3, None), (8, 3, None),
-                                                           (1, 1, 2), (5, 2, 4)])
+@pytest.mark.parametrize(
+    "block_size,num_anchors,length", [(4, 3, None), (8, 3, None), (1, 1, 2), (5, 2, 4)]
+)
 def test_training_mask_picture_is_packed_attention_mask(block_size, num_anchors, length):
     picture = pictures.training_mask_data(block_size, num_anchors, length)
     length = length or pictures.default_length(block_size, num_anchors)
@@ -54,7 +56,8 @@ def test_training_mask_picture_is_packed_attention_mask(block_size, num_anchors,
     assert picture.mask == mask[0, 0].tolist()
     assert picture.positions == positions[0].tolist()
     assert picture.tokens == [f"x_{j}" for j in range(length)] + ["MASK"] * (
-        num_anchors * block_size)
+        num_anchors * block_size
+    )
     assert len(set(picture.anchors)) == num_anchors
     for (start, stop, _), anchor in zip(picture.segments, picture.anchors):
         assert stop - start == block_size
@@ -68,10 +71,10 @@ def test_training_mask_cells_drawn_are_the_mask(mpl, block_size, num_anchors):
     assert drawn_mask(picture) == picture.mask
 
 
-@pytest.mark.parametrize("block_size,coverage,fanout,past_len", [(4, 2, 1, 2), (5, 3, 2, 0),
-                                                                 (6, 0, 1, 3), (1, 1, 1, 1)])
-def test_branch_pass_picture_is_build_branch_pass_mask(tok, block_size, coverage, fanout,
-                                                       past_len):
+@pytest.mark.parametrize(
+    "block_size,coverage,fanout,past_len", [(4, 2, 1, 2), (5, 3, 2, 0), (6, 0, 1, 3), (1, 1, 1, 1)]
+)
+def test_branch_pass_picture_is_build_branch_pass_mask(tok, block_size, coverage, fanout, past_len):
     """Against a real drafter and random draft logits: the mask depends on B, C, F only."""
     picture = pictures.branch_pass_data(block_size, coverage, fanout, past_len=past_len)
     drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=block_size)
@@ -79,8 +82,14 @@ def test_branch_pass_picture_is_build_branch_pass_mask(tok, block_size, coverage
     draft = logits.argmax(-1)
     positions, candidates = d3d.plan_branches(logits, draft, coverage, fanout)
     ids, position_ids, mask, rows = d3d.build_branch_pass(
-        drafter, torch.tensor([5]), draft, positions, candidates, past_len=past_len,
-        block_size=block_size)
+        drafter,
+        torch.tensor([5]),
+        draft,
+        positions,
+        candidates,
+        past_len=past_len,
+        block_size=block_size,
+    )
     assert picture.mask == mask[0, 0].tolist()
     assert picture.positions == position_ids[0].tolist()
     assert picture.draft_rows == rows.tolist()
@@ -91,7 +100,7 @@ def test_branch_pass_picture_is_build_branch_pass_mask(tok, block_size, coverage
     assert all(t.startswith("t_") for t in firsts[:-1]) and firsts[-1] == f"d_{block_size}"
     for (start, stop, _), anchor in zip(picture.segments, picture.anchors):
         assert stop - start == 1 + block_size
-        seen = picture.mask[start][past_len: past_len + 1 + block_size]  # the causal columns
+        seen = picture.mask[start][past_len : past_len + 1 + block_size]  # the causal columns
         assert seen == [j <= anchor for j in range(1 + block_size)]
 
 
@@ -109,8 +118,9 @@ def async_stats(tok):
     """A tiny async decode: the drafter has the target's weights, so some drafts are accepted."""
     target, model = tiny_qwen3(seed=1), tiny_qwen3(seed=1)
     drafter = d3d.make_drafter(model, tokenizer=tok, block_size=4)
-    _, stats = d3d.generate(target, drafter, torch.tensor([[7, 1, 9]]), max_new_tokens=24,
-                            mode="async")
+    _, stats = d3d.generate(
+        target, drafter, torch.tensor([[7, 1, 9]]), max_new_tokens=24, mode="async"
+    )
     return stats
 
 
@@ -153,10 +163,14 @@ def test_block_accuracy_bars_are_the_accuracies_in_percent(mpl):
 @pytest.fixture(scope="module")
 def prune_rows(tok):
     """Every row d3d.prune_drafter yields on a tiny 3-layer drafter, one recovery step each."""
-    drafter = d3d.make_drafter(tiny_qwen3(seed=6, layers=3), tokenizer=tok, block_size=3,
-                               num_anchors=4)
-    return list(d3d.prune_drafter(drafter, prune_data(), prune_data(seed=10), min_layers=1,
-                                  recovery_steps=1))
+    drafter = d3d.make_drafter(
+        tiny_qwen3(seed=6, layers=3), tokenizer=tok, block_size=3, num_anchors=4
+    )
+    return list(
+        d3d.prune_drafter(
+            drafter, prune_data(), prune_data(seed=10), min_layers=1, recovery_steps=1
+        )
+    )
 
 
 def test_pruning_curve_points_are_the_rows(mpl, prune_rows):
@@ -166,8 +180,10 @@ def test_pruning_curve_points_are_the_rows(mpl, prune_rows):
     assert data["tau_after"] == [r["tau_after_recovery"] for r in prune_rows]
     assert data["tau_before"][0] == data["tau_after"][0] == data["tau0"]  # the starting point
     figure = pictures.pruning_curve_figure(prune_rows)
-    for label, key in (("before recovery", "tau_before_recovery"),
-                       ("after recovery", "tau_after_recovery")):
+    for label, key in (
+        ("before recovery", "tau_before_recovery"),
+        ("after recovery", "tau_after_recovery"),
+    ):
         points = line(figure, label)
         assert list(points.get_xdata()) == [r["layers"] for r in prune_rows]
         assert list(points.get_ydata()) == [r[key] for r in prune_rows]
@@ -181,17 +197,23 @@ def test_pruning_curve_points_are_the_rows(mpl, prune_rows):
 
 def test_every_png_has_its_size_and_is_not_blank(mpl, tmp_path, async_stats, prune_rows):
     from matplotlib.image import imread
+
     drawn = {
-        pictures.draw_training_mask(str(tmp_path / "a" / "mask.png"), 4, 3):
-            pictures.mask_figure(pictures.training_mask_data(4, 3)),
-        pictures.draw_branch_pass(str(tmp_path / "branch.png"), 4, 2, 1):
-            pictures.mask_figure(pictures.branch_pass_data(4, 2, 1), relative=True),
-        pictures.draw_block_accuracy(str(tmp_path / "acc.png"), [0.9, 0.6, 0.3, 0.1]):
-            pictures.block_accuracy_figure([0.9, 0.6, 0.3, 0.1]),
-        pictures.draw_acceptance(str(tmp_path / "tau.png"), async_stats):
-            pictures.acceptance_figure(async_stats),
-        pictures.draw_pruning_curve(str(tmp_path / "prune.png"), prune_rows):
-            pictures.pruning_curve_figure(prune_rows),
+        pictures.draw_training_mask(str(tmp_path / "a" / "mask.png"), 4, 3): pictures.mask_figure(
+            pictures.training_mask_data(4, 3)
+        ),
+        pictures.draw_branch_pass(str(tmp_path / "branch.png"), 4, 2, 1): pictures.mask_figure(
+            pictures.branch_pass_data(4, 2, 1), relative=True
+        ),
+        pictures.draw_block_accuracy(
+            str(tmp_path / "acc.png"), [0.9, 0.6, 0.3, 0.1]
+        ): pictures.block_accuracy_figure([0.9, 0.6, 0.3, 0.1]),
+        pictures.draw_acceptance(
+            str(tmp_path / "tau.png"), async_stats
+        ): pictures.acceptance_figure(async_stats),
+        pictures.draw_pruning_curve(
+            str(tmp_path / "prune.png"), prune_rows
+        ): pictures.pruning_curve_figure(prune_rows),
     }
     for path, figure in drawn.items():
         pixels = imread(path)
@@ -202,20 +224,38 @@ def test_every_png_has_its_size_and_is_not_blank(mpl, tmp_path, async_stats, pru
 
 
 def test_masks_command_writes_both_pictures_and_prints_their_paths(mpl, tmp_path, capsys):
-    argv = ["masks", "--block-size", "5", "--num-anchors", "2", "--coverage", "3", "--fanout",
-            "2", "--out", str(tmp_path / "pics")]
+    argv = [
+        "masks",
+        "--block-size",
+        "5",
+        "--num-anchors",
+        "2",
+        "--coverage",
+        "3",
+        "--fanout",
+        "2",
+        "--out",
+        str(tmp_path / "pics"),
+    ]
     assert pictures.cli(argv) == 0
     paths = capsys.readouterr().out.split()
-    assert [p.rsplit("/", 1)[1] for p in paths] == ["training_mask_B5_K2.png",
-                                                    "branch_pass_B5_C3_F2.png"]
+    assert [p.rsplit("/", 1)[1] for p in paths] == [
+        "training_mask_B5_K2.png",
+        "branch_pass_B5_C3_F2.png",
+    ]
     assert all((tmp_path / "pics" / p.rsplit("/", 1)[1]).stat().st_size > 0 for p in paths)
 
 
-@pytest.mark.parametrize("argv,flag", [(["--block-size", "0"], "--block-size"),
-                                       (["--coverage", "5"], "--coverage"),
-                                       (["--fanout", "0"], "--fanout"),
-                                       (["--num-anchors", "6", "--length", "4"], "--length"),
-                                       (["--block-size", "four"], "--block-size")])
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--block-size", "0"], "--block-size"),
+        (["--coverage", "5"], "--coverage"),
+        (["--fanout", "0"], "--fanout"),
+        (["--num-anchors", "6", "--length", "4"], "--length"),
+        (["--block-size", "four"], "--block-size"),
+    ],
+)
 def test_masks_command_names_a_bad_value_in_one_line(tmp_path, capsys, argv, flag):
     assert pictures.cli(["masks", *argv, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -223,20 +263,24 @@ def test_masks_command_names_a_bad_value_in_one_line(tmp_path, capsys, argv, fla
     assert not list(tmp_path.iterdir())
 
 
-def test_without_matplotlib_every_picture_says_how_to_install_it(monkeypatch, tmp_path, capsys,
-                                                                  async_stats):
+def test_without_matplotlib_every_picture_says_how_to_install_it(
+    monkeypatch, tmp_path, capsys, async_stats
+):
     monkeypatch.setattr(pictures, "matplotlib", None)
-    calls = [lambda p: pictures.draw_training_mask(p),
-             lambda p: pictures.draw_branch_pass(p),
-             lambda p: pictures.draw_block_accuracy(p, [0.5]),
-             lambda p: pictures.draw_acceptance(p, async_stats),
-             lambda p: pictures.draw_pruning_curve(p, [{"removed_layer": None}])]
+    calls = [
+        lambda p: pictures.draw_training_mask(p),
+        lambda p: pictures.draw_branch_pass(p),
+        lambda p: pictures.draw_block_accuracy(p, [0.5]),
+        lambda p: pictures.draw_acceptance(p, async_stats),
+        lambda p: pictures.draw_pruning_curve(p, [{"removed_layer": None}]),
+    ]
     for draw in calls:
         with pytest.raises(ValueError) as error:
             draw(str(tmp_path / "x.png"))
         assert str(error.value) == pictures.MISSING
-        assert str(error.value) == ("matplotlib is not installed — pip install -r "
-                                    "requirements-plots.txt")
+        assert str(error.value) == (
+            "matplotlib is not installed — pip install -r requirements-plots.txt"
+        )
     assert not list(tmp_path.iterdir())
     assert pictures.cli(["masks", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err == f"error: {pictures.MISSING}\n"

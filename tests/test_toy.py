@@ -48,15 +48,20 @@ def _check(question, answer):
         assert z == {"+": x + y, "-": x - y, "*": x * y}[o], line
         acc = z
     assert last == f"#### {acc}"
-    assert acc == eval(question)  # usual precedence (the string is checked above to be digits and + - * only)
+    assert acc == eval(
+        question
+    )  # usual precedence (the string is checked above to be digits and + - * only)
 
 
 def _prompt_ids(tok, question):
-    out = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    out = tok.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True
+    )
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
 # ------------------------------------------------------------------------------------------ problems
+
 
 def test_problems_are_right():
     for q, a in _problems(500):
@@ -78,6 +83,7 @@ def test_problems_shape_and_determinism():
 
 # ----------------------------------------------------------------------------------------- tokenizer
 
+
 def test_tokenizer_round_trip_is_character_level():
     tok = toy.make_tokenizer()
     for q, a in _problems(50):
@@ -86,9 +92,12 @@ def test_tokenizer_round_trip_is_character_level():
             assert len(ids) == len(text)  # one token per character
             assert tok.unk_token_id not in ids
             assert tok.decode(ids) == text
-    assert tok.encode("12", add_special_tokens=False) == tok.encode("1", add_special_tokens=False) + tok.encode(
-        "2", add_special_tokens=False)
-    assert tok.encode("1 + 2", add_special_tokens=True) == tok.encode("1 + 2", add_special_tokens=False)  # no bos
+    assert tok.encode("12", add_special_tokens=False) == tok.encode(
+        "1", add_special_tokens=False
+    ) + tok.encode("2", add_special_tokens=False)
+    assert tok.encode("1 + 2", add_special_tokens=True) == tok.encode(
+        "1 + 2", add_special_tokens=False
+    )  # no bos
 
 
 def test_special_tokens_and_vocab():
@@ -97,8 +106,12 @@ def test_special_tokens_and_vocab():
     assert tok.pad_token_id != tok.eos_token_id
     assert "<|MASK|>" not in tok.get_vocab()
     assert len(set(tok.get_vocab().values())) == len(tok)
-    assert toy._padded_vocab_size(len(tok)) > len(tok) and toy._padded_vocab_size(len(tok)) % 16 == 0
-    assert toy._padded_vocab_size(64) == 80  # strictly larger even when len is already a multiple of 16
+    assert (
+        toy._padded_vocab_size(len(tok)) > len(tok) and toy._padded_vocab_size(len(tok)) % 16 == 0
+    )
+    assert (
+        toy._padded_vocab_size(64) == 80
+    )  # strictly larger even when len is already a multiple of 16
 
 
 def test_chat_template_prompt_ends_where_answer_begins():
@@ -107,8 +120,9 @@ def test_chat_template_prompt_ends_where_answer_begins():
     prompt = _prompt_ids(tok, q)
     assert prompt == toy._prompt_ids(tok, q)
     assert tok.decode(prompt) == f"<|user|>\n{q}<|end|>\n<|assistant|>\n"
-    full = tok.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": a}],
-                                   tokenize=False)
+    full = tok.apply_chat_template(
+        [{"role": "user", "content": q}, {"role": "assistant", "content": a}], tokenize=False
+    )
     full_ids = tok.encode(full, add_special_tokens=False)
     answer_ids = tok.encode(a, add_special_tokens=False)
     n = len(prompt) + len(answer_ids)
@@ -134,13 +148,15 @@ def test_tokenizer_save_load_same_ids(tmp_path):
 
 # ------------------------------------------------------------------------------------------- build_toy
 
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, _one_thread):
     out = tmp_path_factory.mktemp("toy")
     torch.manual_seed(123)
     state = torch.random.get_rng_state()
-    paths = toy.build_toy(str(out), seed=0, num_train_prompts=40, num_test_prompts=8, train_steps=3,
-                          num_threads=1)
+    paths = toy.build_toy(
+        str(out), seed=0, num_train_prompts=40, num_test_prompts=8, train_steps=3, num_threads=1
+    )
     assert torch.equal(state, torch.random.get_rng_state())  # caller's RNG left alone
     return out, paths
 
@@ -159,17 +175,29 @@ def test_build_toy_writes_files(built):
     train_q, test_q = {r["question"] for r in train}, {r["question"] for r in test}
     assert len(train_q) == 40 and len(test_q) == 8 and not train_q & test_q
     assert os.path.isfile(os.path.join(paths["target"], "config.json"))
-    recipe = json.load(open(os.path.join(paths["target"], toy.RECIPE)))  # how it was built, and how well it answers
-    assert recipe["train_steps"] == 3 and recipe["threads"] == 1 and 0 <= recipe["test_exact_match"] <= 1
+    recipe = json.load(
+        open(os.path.join(paths["target"], toy.RECIPE))
+    )  # how it was built, and how well it answers
+    assert (
+        recipe["train_steps"] == 3
+        and recipe["threads"] == 1
+        and 0 <= recipe["test_exact_match"] <= 1
+    )
     assert recipe["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     # the answers: a header, then one line per prompt, its ids as the chat template makes them, ending with EOS
     tok = AutoTokenizer.from_pretrained(paths["target"])
     header, *rows = [json.loads(l) for l in open(paths["test_answers"])]
-    assert header["tokenizer"] == recipe["fingerprint"]["tokenizer"] and header["max_new_tokens"] == toy.MAX_NEW_TOKENS
+    assert (
+        header["tokenizer"] == recipe["fingerprint"]["tokenizer"]
+        and header["max_new_tokens"] == toy.MAX_NEW_TOKENS
+    )
     assert [r["i"] for r in rows] == list(range(8))
     assert [r["prompt"] for r in rows] == [toy._prompt_ids(tok, q["question"]) for q in test]
-    assert all(r["response"] and (r["response"][-1] == tok.eos_token_id or len(r["response"]) == toy.MAX_NEW_TOKENS)
-               for r in rows)
+    assert all(
+        r["response"]
+        and (r["response"][-1] == tok.eos_token_id or len(r["response"]) == toy.MAX_NEW_TOKENS)
+        for r in rows
+    )
     assert toy.open_toy(str(out)) == paths  # its own toy.json vouches for every file
 
 
@@ -195,10 +223,17 @@ def test_built_target_loads_and_generates(built):
     assert cfg.bos_token_id is not None
     gc = model.generation_config
     assert (gc.eos_token_id, gc.pad_token_id) == (tok.eos_token_id, tok.pad_token_id)
-    enc = tok.apply_chat_template([{"role": "user", "content": "3 * 4 + 5 - 1"}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": "3 * 4 + 5 - 1"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     out = model.generate(**enc, max_new_tokens=8, do_sample=False)
-    assert out.shape[0] == 1 and enc["input_ids"].shape[1] < out.shape[1] <= enc["input_ids"].shape[1] + 8
+    assert (
+        out.shape[0] == 1
+        and enc["input_ids"].shape[1] < out.shape[1] <= enc["input_ids"].shape[1] + 8
+    )
     assert int(out.max()) < cfg.vocab_size
 
 
@@ -219,14 +254,21 @@ def test_answers_are_the_targets_greedy_answers():
     target, whose answers have clear margins: a barely trained one would flip near-ties between batch shapes)."""
     tok = AutoTokenizer.from_pretrained(toy.SHIPPED)
     model = AutoModelForCausalLM.from_pretrained(toy.SHIPPED).eval()
-    questions = [json.loads(l)["question"] for l in open(os.path.join(toy.SHIPPED, "prompts-test.jsonl"))][:6]
+    questions = [
+        json.loads(l)["question"] for l in open(os.path.join(toy.SHIPPED, "prompts-test.jsonl"))
+    ][:6]
     prompts = [toy._prompt_ids(tok, q) for q in questions]
     assert len({len(p) for p in prompts}) > 1  # some left padding in the batch
     batched = toy.answer_ids(model, tok, prompts, batch_size=6)
     for prompt, response in zip(prompts, batched):
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=toy.MAX_NEW_TOKENS, do_sample=False,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        assert out[0, len(prompt):].tolist() == response and response[-1] == tok.eos_token_id
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=toy.MAX_NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        assert out[0, len(prompt) :].tolist() == response and response[-1] == tok.eos_token_id
 
 
 def test_build_toy_never_writes_over_the_shipped_toy(tmp_path):
@@ -252,12 +294,15 @@ def test_a_built_toy_says_how_it_compares_with_the_shipped_one(built, capsys):
 
 # ------------------------------------------------------------------------------------- the shipped toy
 
+
 def test_the_shipped_toy_matches_its_fingerprint_and_solves_its_problems():
     """toy-target/ loads, every file matches toy.json, and greedy batched answers solve >= 90 % of the 200 held-out
     problems on this machine's float order (it was built and measured under the one toy.json names)."""
     paths = toy.open_toy()
     recipe = toy.read_recipe(toy.SHIPPED)
-    assert recipe["test_exact_match"] >= 0.94 and recipe["cpu_capability"]  # the build's own measure
+    assert (
+        recipe["test_exact_match"] >= 0.94 and recipe["cpu_capability"]
+    )  # the build's own measure
     tok = AutoTokenizer.from_pretrained(paths["target"])
     model = AutoModelForCausalLM.from_pretrained(paths["target"]).eval()
     assert sum(p.numel() for p in model.parameters()) < 1_000_000 and model.dtype == torch.float32
@@ -267,7 +312,9 @@ def test_the_shipped_toy_matches_its_fingerprint_and_solves_its_problems():
     assert result["exact_match"] >= 0.90, result["exact_match"]
 
 
-@pytest.mark.parametrize("victim", ["prompts-train.jsonl", "answers-test.jsonl", "model.safetensors"])
+@pytest.mark.parametrize(
+    "victim", ["prompts-train.jsonl", "answers-test.jsonl", "model.safetensors"]
+)
 def test_open_toy_refuses_a_file_that_does_not_match_toy_json(tmp_path, victim):
     folder = tmp_path / "toy"
     shutil.copytree(toy.SHIPPED, folder)
@@ -316,8 +363,17 @@ def test_training_is_deterministic_with_seed():
     for _ in range(2):
         torch.manual_seed(0)
         model = toy._make_model(tok)
-        toy._train(model, tok, seed=0, exclude=set(), train_steps=2, batch_size=4, lr=1e-3,
-                   warmup=1, device="cpu")
+        toy._train(
+            model,
+            tok,
+            seed=0,
+            exclude=set(),
+            train_steps=2,
+            batch_size=4,
+            lr=1e-3,
+            warmup=1,
+            device="cpu",
+        )
         weights.append(model.model.embed_tokens.weight.detach().clone())
     assert torch.equal(weights[0], weights[1])
 
@@ -328,11 +384,15 @@ def test_training_batches_are_fresh_problems_of_like_length():
     held_out = {toy.make_problem(random.Random(1))[0]}
     batches = toy._batches(tok, rng, held_out, 16, "cpu")
     pool = [next(batches) for _ in range(2 * toy.POOL_BATCHES)]
-    padding = sum(int((b["attention_mask"] == 0).sum()) for b in pool) / sum(b["attention_mask"].numel() for b in pool)
+    padding = sum(int((b["attention_mask"] == 0).sum()) for b in pool) / sum(
+        b["attention_mask"].numel() for b in pool
+    )
     assert padding < 0.05  # random batches of 16 pad about a fifth of their tokens
     widths = [b["input_ids"].shape[1] for b in pool[: toy.POOL_BATCHES]]
     assert widths != sorted(widths)  # the batches of a pool come shuffled, not shortest first
-    texts = {tok.decode(row, skip_special_tokens=True) for b in pool for row in b["input_ids"].tolist()}
+    texts = {
+        tok.decode(row, skip_special_tokens=True) for b in pool for row in b["input_ids"].tolist()
+    }
     assert not any(text.startswith(next(iter(held_out)) + "\n") for text in texts)
 
 
@@ -340,14 +400,35 @@ def test_lab_runs_gives_one_range_per_outcome_over_every_run(monkeypatch):
     """tests/lab_runs.py, the sweep behind LAB's ranges: each outcome's range covers all its runs, and AVX2 counts as
     a float order of its own only where the CPU has AVX-512."""
     import sys
+
     sys.path.insert(0, os.path.dirname(__file__))
     import lab_runs
-    runs = [{"run": "base", "order": o, "seed": s, "tau": t, "tau_d1_head": t, "tau_d1_mask": m}
-            for o, s, t, m in [("native", 0, 4.1, 3.7), ("sse", 0, 4.2, 3.8), ("native", 1, 3.9, 3.5),
-                               ("sse", 1, 3.95, 3.6)]]
-    runs.append({"run": "lam0", "order": "native", "seed": 0, "tau": 3.2, "tau_d1_head": 1.9, "tau_d1_mask": 3.2})
-    assert lab_runs.ranges(runs) == [("base tau", 3.9, 4.2, 4), ("base tau_d1_mask", 3.5, 3.8, 4),
-                                     ("lam0 tau", 3.2, 3.2, 1), ("lam0 tau_d1_head", 1.9, 1.9, 1)]
+
+    runs = [
+        {"run": "base", "order": o, "seed": s, "tau": t, "tau_d1_head": t, "tau_d1_mask": m}
+        for o, s, t, m in [
+            ("native", 0, 4.1, 3.7),
+            ("sse", 0, 4.2, 3.8),
+            ("native", 1, 3.9, 3.5),
+            ("sse", 1, 3.95, 3.6),
+        ]
+    ]
+    runs.append(
+        {
+            "run": "lam0",
+            "order": "native",
+            "seed": 0,
+            "tau": 3.2,
+            "tau_d1_head": 1.9,
+            "tau_d1_mask": 3.2,
+        }
+    )
+    assert lab_runs.ranges(runs) == [
+        ("base tau", 3.9, 4.2, 4),
+        ("base tau_d1_mask", 3.5, 3.8, 4),
+        ("lam0 tau", 3.2, 3.2, 1),
+        ("lam0 tau_d1_head", 1.9, 1.9, 1),
+    ]
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert lab_runs.available_orders() == ["native", "avx2", "sse"]
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")

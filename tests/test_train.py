@@ -1,9 +1,10 @@
 """Tests of train.py with tiny models built from configs (CPU, seconds; nothing downloaded)."""
+
 import contextlib
 import copy
 import json
-import re
 import os
+import re
 import socket
 import warnings
 
@@ -18,11 +19,35 @@ import toy
 import train
 from systems import answers, evaluation, memory, pruning
 
-
-QUESTIONS = ["1 + 2", "3 * 4 - 5", "7 - 2 + 9", "12 + 30 * 2", "8 * 3", "40 - 17", "5 + 5 + 5", "9 * 9 - 1",
-             "2 + 3 * 4", "11 - 1", "6 * 7", "25 + 25"]
-FAST = dict(dtype="float32", max_new_tokens=10, gen_batch_size=4, batch_size=4, num_anchors=6, block_size=4,
-            val_anchors=4, max_len=64, lr=1e-2, warmup=1, eval_every=1000, num_val=3, device="cpu")
+QUESTIONS = [
+    "1 + 2",
+    "3 * 4 - 5",
+    "7 - 2 + 9",
+    "12 + 30 * 2",
+    "8 * 3",
+    "40 - 17",
+    "5 + 5 + 5",
+    "9 * 9 - 1",
+    "2 + 3 * 4",
+    "11 - 1",
+    "6 * 7",
+    "25 + 25",
+]
+FAST = dict(
+    dtype="float32",
+    max_new_tokens=10,
+    gen_batch_size=4,
+    batch_size=4,
+    num_anchors=6,
+    block_size=4,
+    val_anchors=4,
+    max_len=64,
+    lr=1e-2,
+    warmup=1,
+    eval_every=1000,
+    num_val=3,
+    device="cpu",
+)
 
 
 def _write_jsonl(path, rows):
@@ -32,9 +57,18 @@ def _write_jsonl(path, rows):
 
 def _tiny_model(tok, layers=4, seed=0):
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=(len(tok) // 16 + 1) * 16, hidden_size=32, intermediate_size=37,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = Qwen3Config(
+        vocab_size=(len(tok) // 16 + 1) * 16,
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     return Qwen3ForCausalLM(config).eval()
 
 
@@ -46,11 +80,18 @@ def setup(tmp_path_factory):
     _tiny_model(tok).save_pretrained(root / "target")
     tok.save_pretrained(root / "target")
     _write_jsonl(root / "prompts.jsonl", [{"question": q} for q in QUESTIONS])
-    return {"root": root, "target": str(root / "target"), "prompts": str(root / "prompts.jsonl"), "tok": tok}
+    return {
+        "root": root,
+        "target": str(root / "target"),
+        "prompts": str(root / "prompts.jsonl"),
+        "tok": tok,
+    }
 
 
 def _run(setup, out, **kw):
-    return train.main(target=setup["target"], prompts=setup["prompts"], out=str(out), **{**FAST, **kw})
+    return train.main(
+        target=setup["target"], prompts=setup["prompts"], out=str(out), **{**FAST, **kw}
+    )
 
 
 def test_data_is_cached_and_resumed(setup, tmp_path, monkeypatch):
@@ -69,15 +110,22 @@ def test_data_is_cached_and_resumed(setup, tmp_path, monkeypatch):
     assert json.loads(lines[0]) == answers.answers_header(setup["target"], setup["tok"], 6)
     cache.write_text("".join(lines[:6]) + lines[6][:10])
     assert answers.load_data(setup["target"], prompts=setup["prompts"], **kw) == first
-    assert len(calls) == 2 and len(cache.read_text().splitlines()) == 1 + 5 + 7  # the cut line was dropped
+    assert (
+        len(calls) == 2 and len(cache.read_text().splitlines()) == 1 + 5 + 7
+    )  # the cut line was dropped
 
 
 def test_loss_mask_covers_response_only():
     examples = [([1, 2, 3], [4, 5]), ([6], [7, 8, 9, 10])]
     input_ids, loss_mask = answers.collate(examples, pad_id=0, max_len=64)
     assert input_ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
-    assert loss_mask.tolist() == [[False, False, False, True, True], [False, True, True, True, True]]
-    input_ids, loss_mask = answers.collate([([1, 2], [3]), ([4], [5, 6, 7, 8])], pad_id=0, max_len=4)
+    assert loss_mask.tolist() == [
+        [False, False, False, True, True],
+        [False, True, True, True, True],
+    ]
+    input_ids, loss_mask = answers.collate(
+        [([1, 2], [3]), ([4], [5, 6, 7, 8])], pad_id=0, max_len=4
+    )
     assert input_ids.tolist() == [[1, 2, 3, 0], [4, 5, 6, 7]]  # right padding; cut at max_len
     assert loss_mask.tolist() == [[False, False, True, False], [False, True, True, True]]
 
@@ -85,14 +133,21 @@ def test_loss_mask_covers_response_only():
 def test_layer_selection_keeps_the_right_layers(setup):
     assert train.select_layers(30, 8) == [0, 4, 8, 12, 17, 21, 25, 29]
     assert train.select_layers(4, 2) == [0, 3] and train.select_layers(4, 4) == [0, 1, 2, 3]
-    assert train.select_layers(30, "0,14,29") == [0, 14, 29] and train.select_layers(30, None) is None
+    assert (
+        train.select_layers(30, "0,14,29") == [0, 14, 29] and train.select_layers(30, None) is None
+    )
     with pytest.raises(ValueError):
         train.select_layers(4, 5)
     full = _tiny_model(setup["tok"], layers=4)
-    drafter = train.build_drafter(setup["target"], setup["tok"], target_vocab_size=full.config.vocab_size, layers="3")
+    drafter = train.build_drafter(
+        setup["target"], setup["tok"], target_vocab_size=full.config.vocab_size, layers="3"
+    )
     assert drafter.d3d_config.layer_ids == [0, 2, 3] and drafter.model.config.num_hidden_layers == 3
     for new, old in enumerate([0, 2, 3]):
-        a, b = drafter.model.model.layers[new].mlp.up_proj.weight, full.model.layers[old].mlp.up_proj.weight
+        a, b = (
+            drafter.model.model.layers[new].mlp.up_proj.weight,
+            full.model.layers[old].mlp.up_proj.weight,
+        )
         assert torch.equal(a, b)
 
 
@@ -104,8 +159,12 @@ def test_training_on_from_a_drafter_keeps_its_layer_ids_and_mask(setup, tmp_path
     again = train.build_drafter(str(tmp_path / "d"), setup["tok"], target_vocab_size=vocab)
     assert again.d3d_config.layer_ids == [0, 2, 3]
     assert again.d3d_config.mask_token_id == first.d3d_config.mask_token_id
-    torch.testing.assert_close(again.model.get_input_embeddings().weight, first.model.get_input_embeddings().weight)
-    fewer = train.build_drafter(str(tmp_path / "d"), setup["tok"], target_vocab_size=vocab, layers="0,2")
+    torch.testing.assert_close(
+        again.model.get_input_embeddings().weight, first.model.get_input_embeddings().weight
+    )
+    fewer = train.build_drafter(
+        str(tmp_path / "d"), setup["tok"], target_vocab_size=vocab, layers="0,2"
+    )
     assert fewer.d3d_config.layer_ids == [0, 3] and fewer.model.config.num_hidden_layers == 2
 
 
@@ -117,15 +176,27 @@ def test_training_lowers_loss_and_saves_a_lossless_drafter(setup, tmp_path):
     for key, value in drafter.state_dict().items():  # main returns the drafter it saved
         assert torch.equal(value, result["drafter"].state_dict()[key]), key
     record = json.loads((out / "train_args.json").read_text())
-    assert record["target"] == os.path.abspath(setup["target"]) and record["history"][-1]["step"] == 12
+    assert (
+        record["target"] == os.path.abspath(setup["target"]) and record["history"][-1]["step"] == 12
+    )
     # the loss on a fixed batch fell from the initial drafter to the trained one
-    examples = answers.load_data(setup["target"], setup["tok"], setup["prompts"], cache_dir=str(tmp_path),
-                               max_new_tokens=10)
+    examples = answers.load_data(
+        setup["target"], setup["tok"], setup["prompts"], cache_dir=str(tmp_path), max_new_tokens=10
+    )
     input_ids, loss_mask = answers.collate(examples, setup["tok"].pad_token_id, 64)
-    initial = train.build_drafter(setup["target"], setup["tok"], target_vocab_size=drafter.d3d_config.target_vocab_size,
-                                  layers="2", block_size=4)
-    losses = [d3d.d3d_loss(m, input_ids, loss_mask, num_anchors=6, generator=torch.Generator().manual_seed(0))[0]
-              for m in (initial, drafter)]
+    initial = train.build_drafter(
+        setup["target"],
+        setup["tok"],
+        target_vocab_size=drafter.d3d_config.target_vocab_size,
+        layers="2",
+        block_size=4,
+    )
+    losses = [
+        d3d.d3d_loss(
+            m, input_ids, loss_mask, num_anchors=6, generator=torch.Generator().manual_seed(0)
+        )[0]
+        for m in (initial, drafter)
+    ]
     assert losses[1] < 0.7 * losses[0]
     target = answers.load_target(setup["target"], "cpu")
     prompt = torch.tensor([examples[0][0]])
@@ -136,7 +207,10 @@ def test_training_lowers_loss_and_saves_a_lossless_drafter(setup, tmp_path):
     taus = evaluation.eval_main(["--drafter", str(out)])
     assert taus["causal"] == pytest.approx(record["offline_tau"])
     assert taus["mask"] == pytest.approx(record["offline_tau_d1_from_mask"])
-    for first in ("causal", "mask"):  # the acceptance curve: falls with the position, sums to the mean accepted length
+    for first in (
+        "causal",
+        "mask",
+    ):  # the acceptance curve: falls with the position, sums to the mean accepted length
         curve = taus["curve"][first]
         assert len(curve) == 4 and all(a >= b for a, b in zip(curve, curve[1:]))
         assert 1 + sum(curve) == pytest.approx(taus[first])
@@ -161,7 +235,9 @@ def test_resume_continues_at_the_right_step(setup, tmp_path, monkeypatch, capsys
     assert "resumed from" in capsys.readouterr().out
     assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)["step"] == 4
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
-        assert torch.equal(a, b), name  # the same data, anchors and optimizer state as one uninterrupted run
+        assert torch.equal(a, b), (
+            name
+        )  # the same data, anchors and optimizer state as one uninterrupted run
 
 
 def test_checkpoint_pieces_hold_plain_types_only(setup, tmp_path):
@@ -170,7 +246,11 @@ def test_checkpoint_pieces_hold_plain_types_only(setup, tmp_path):
     out = tmp_path / "d"
     _run(setup, out, steps=1, drafter_layers="2")
     pieces = sorted(out.glob("*.pt"))
-    assert [p.name for p in pieces] == ["checkpoint.pt", "optimizer-exp_avg.pt", "optimizer-exp_avg_sq.pt"]
+    assert [p.name for p in pieces] == [
+        "checkpoint.pt",
+        "optimizer-exp_avg.pt",
+        "optimizer-exp_avg_sq.pt",
+    ]
     for piece in pieces:
         assert torch.load(piece, weights_only=True)["step"] == 1, piece.name
 
@@ -183,6 +263,7 @@ def spoiled_loss(bad_calls):
         calls.append(1)
         value, metrics = real_loss(*a, **k)
         return (value * float("nan") if len(calls) in bad_calls else value), metrics
+
     return loss
 
 
@@ -197,7 +278,9 @@ def test_a_non_finite_step_is_skipped_and_training_goes_on(setup, tmp_path, monk
     assert result["skipped_steps"] == 1 and result["history"][-1]["skipped"] == 1
     assert all(torch.isfinite(p).all() for p in result["drafter"].parameters())
     saved = torch.load(out / "checkpoint.pt", weights_only=True)["piece"]
-    assert {int(s) for s in saved["adam_steps"].values()} == {3}  # steps 1, 3 and 4 reached AdamW, step 2 did not
+    assert {int(s) for s in saved["adam_steps"].values()} == {
+        3
+    }  # steps 1, 3 and 4 reached AdamW, step 2 did not
     for key in ("exp_avg", "exp_avg_sq"):
         moments = torch.load(out / f"optimizer-{key}.pt", weights_only=True)["piece"]
         assert all(torch.isfinite(m).all() for m in moments.values()), key
@@ -206,8 +289,11 @@ def test_a_non_finite_step_is_skipped_and_training_goes_on(setup, tmp_path, monk
 
 def test_non_finite_steps_in_a_row_stop_training(setup, tmp_path, monkeypatch):
     _nan_loss_at(monkeypatch, set(range(3, 100)))
-    with pytest.raises(RuntimeError, match=f"step {2 + train.MAX_SKIPPED_IN_A_ROW}: {train.MAX_SKIPPED_IN_A_ROW} "
-                                           "steps in a row.*--lr.*float32.*data"):
+    with pytest.raises(
+        RuntimeError,
+        match=f"step {2 + train.MAX_SKIPPED_IN_A_ROW}: {train.MAX_SKIPPED_IN_A_ROW} "
+        "steps in a row.*--lr.*float32.*data",
+    ):
         _run(setup, tmp_path / "d", steps=2 + train.MAX_SKIPPED_IN_A_ROW + 2, drafter_layers="2")
 
 
@@ -217,10 +303,20 @@ def test_resume_reads_through_the_cpu_and_keeps_adam_step_counts(setup, tmp_path
     out = tmp_path / "d"
     _run(setup, out, steps=2, drafter_layers="2")
     saved = torch.load(out / "checkpoint.pt", weights_only=True)["piece"]["adam_steps"]
-    real_load, real_restore, places, restored = torch.load, torch.optim.AdamW.load_state_dict, [], []
-    monkeypatch.setattr(torch, "load", lambda *a, **k: places.append(k.get("map_location")) or real_load(*a, **k))
-    monkeypatch.setattr(torch.optim.AdamW, "load_state_dict",
-                        lambda self, state: restored.append(self) or real_restore(self, state))
+    real_load, real_restore, places, restored = (
+        torch.load,
+        torch.optim.AdamW.load_state_dict,
+        [],
+        [],
+    )
+    monkeypatch.setattr(
+        torch, "load", lambda *a, **k: places.append(k.get("map_location")) or real_load(*a, **k)
+    )
+    monkeypatch.setattr(
+        torch.optim.AdamW,
+        "load_state_dict",
+        lambda self, state: restored.append(self) or real_restore(self, state),
+    )
     _run(setup, out, steps=2, drafter_layers="2")  # finished: resumes at step 2 and only evaluates
     assert places == ["cpu"] * 3  # checkpoint.pt and the two moments
     steps = [state["step"] for state in restored[0].state.values()]
@@ -230,22 +326,32 @@ def test_resume_reads_through_the_cpu_and_keeps_adam_step_counts(setup, tmp_path
 
 def test_activation_checkpointing_uses_the_current_transformers_api(setup, tmp_path):
     with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)  # the deprecated gradient_checkpointing_enable warns
-        result = _run(setup, tmp_path / "d", steps=1, drafter_layers="2", gradient_checkpointing=True)
+        warnings.simplefilter(
+            "error", FutureWarning
+        )  # the deprecated gradient_checkpointing_enable warns
+        result = _run(
+            setup, tmp_path / "d", steps=1, drafter_layers="2", gradient_checkpointing=True
+        )
     assert result["drafter"].model.is_activation_checkpointing
 
 
-def test_checkpoint_pieces_are_replaced_one_at_a_time_and_resume_after_a_cut_save(setup, tmp_path, monkeypatch,
-                                                                                     capsys):
+def test_checkpoint_pieces_are_replaced_one_at_a_time_and_resume_after_a_cut_save(
+    setup, tmp_path, monkeypatch, capsys
+):
     """Weights (checkpoint.pt) and each AdamW moment (optimizer-KEY.pt) are separate pieces, each renamed over its
     old version: no .tmp stays behind, and a kill between two renames still resumes (that moment one save behind)."""
     out = tmp_path / "d"
     _run(setup, out, steps=2, drafter_layers="2", save_every=1)
-    assert sorted(p.name for p in out.glob("*.pt*")) == ["checkpoint.pt", "optimizer-exp_avg.pt",
-                                                         "optimizer-exp_avg_sq.pt"]
+    assert sorted(p.name for p in out.glob("*.pt*")) == [
+        "checkpoint.pt",
+        "optimizer-exp_avg.pt",
+        "optimizer-exp_avg_sq.pt",
+    ]
     real_save = torch.save
 
-    def cut_before_the_last_piece(obj, path, *a, **k):  # the weights and exp_avg of step 3 land, exp_avg_sq not
+    def cut_before_the_last_piece(
+        obj, path, *a, **k
+    ):  # the weights and exp_avg of step 3 land, exp_avg_sq not
         if str(path).endswith("optimizer-exp_avg_sq.pt.tmp") and obj["step"] == 3:
             raise KeyboardInterrupt
         return real_save(obj, path, *a, **k)
@@ -262,21 +368,40 @@ def test_checkpoint_pieces_are_replaced_one_at_a_time_and_resume_after_a_cut_sav
 
 
 def test_bf16_training_saves_a_bf16_drafter(setup, tmp_path):
-    with pytest.warns(UserWarning) if not runtime.native_bf16(torch.device("cpu")) else contextlib.nullcontext():
+    with (
+        pytest.warns(UserWarning)
+        if not runtime.native_bf16(torch.device("cpu"))
+        else contextlib.nullcontext()
+    ):
         result = _run(setup, tmp_path / "d", steps=2, drafter_layers="2", dtype="bfloat16")
     saved = d3d.Drafter.from_pretrained(str(tmp_path / "d"))
-    assert next(saved.parameters()).dtype == torch.bfloat16  # the training dtype, half the disk of fp32
+    assert (
+        next(saved.parameters()).dtype == torch.bfloat16
+    )  # the training dtype, half the disk of fp32
     assert next(result["drafter"].parameters()).dtype == torch.bfloat16
     master = torch.load(tmp_path / "d" / "checkpoint.pt", weights_only=True)["piece"]["model"]
-    assert all(v.dtype == torch.float32 for v in master.values() if v.is_floating_point())  # resumes exactly
+    assert all(
+        v.dtype == torch.float32 for v in master.values() if v.is_floating_point()
+    )  # resumes exactly
 
 
 def _ddp_worker(rank, setup_paths, out, port):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
-    result = train.main(target=setup_paths["target"], prompts=setup_paths["prompts"], out=out, steps=3,
-                        drafter_layers="2", **FAST)
+    result = train.main(
+        target=setup_paths["target"],
+        prompts=setup_paths["prompts"],
+        out=out,
+        steps=3,
+        drafter_layers="2",
+        **FAST,
+    )
     torch.save(result["drafter"].state_dict(), os.path.join(out, f"rank{rank}.pt"))
 
 
@@ -286,10 +411,16 @@ def test_ddp_two_processes_end_with_identical_weights(setup, tmp_path):
         port = s.getsockname()[1]
     out = str(tmp_path / "drafter")
     os.makedirs(out)
-    mp.spawn(_ddp_worker, args=({"target": setup["target"], "prompts": setup["prompts"]}, out, port), nprocs=2)
+    mp.spawn(
+        _ddp_worker,
+        args=({"target": setup["target"], "prompts": setup["prompts"]}, out, port),
+        nprocs=2,
+    )
     ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
     vocab = (len(setup["tok"]) // 16 + 1) * 16
-    initial = train.build_drafter(setup["target"], setup["tok"], target_vocab_size=vocab, layers="2").state_dict()
+    initial = train.build_drafter(
+        setup["target"], setup["tok"], target_vocab_size=vocab, layers="2"
+    ).state_dict()
     assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
     assert not all(torch.equal(ranks[0][k], initial[k]) for k in ranks[0])  # it did train
     assert os.path.exists(os.path.join(out, "train_args.json"))
@@ -318,13 +449,36 @@ def test_prune_command_removes_layers_and_keeps_decoding_lossless(setup, tmp_pat
     """`python train.py prune`: on a trained drafter and its cached answers, one layer leaves per iteration, the
     table and the pruned folder are written, and the pruned drafter still decodes exactly like the target."""
     _run(setup, tmp_path / "drafter", steps=2, drafter_layers="3")
-    argv = ["--drafter", str(tmp_path / "drafter"), "--min-layers", "1", "--recovery-steps", "1", "--batch-size",
-            "4", "--num-val", "3", "--val-anchors", "4", "--compare-prompts", "2", "--max-new-tokens", "8",
-            "--gradient-checkpointing"]
+    argv = [
+        "--drafter",
+        str(tmp_path / "drafter"),
+        "--min-layers",
+        "1",
+        "--recovery-steps",
+        "1",
+        "--batch-size",
+        "4",
+        "--num-val",
+        "3",
+        "--val-anchors",
+        "4",
+        "--compare-prompts",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--gradient-checkpointing",
+    ]
     result = pruning.prune_main(**vars(pruning.parse_prune_args(argv)))
     assert [row["layers"] for row in result["table"]] == [3, 2, 1]
-    assert result["checkpointing"] and result["dtype"] == "float32"  # the flag, and a CPU's default dtype
-    assert set(result["decode"]) == {"unpruned sync", "unpruned async", "pruned sync", "pruned async"}
+    assert (
+        result["checkpointing"] and result["dtype"] == "float32"
+    )  # the flag, and a CPU's default dtype
+    assert set(result["decode"]) == {
+        "unpruned sync",
+        "unpruned async",
+        "pruned sync",
+        "pruned async",
+    }
     pruned = d3d.Drafter.from_pretrained(str(tmp_path / "drafter-pruned"))
     assert pruned.model.config.num_hidden_layers == 1 and len(pruned.d3d_config.layer_ids) == 1
     assert os.path.isfile(tmp_path / "drafter-pruned" / "prune_table.json")
@@ -332,7 +486,10 @@ def test_prune_command_removes_layers_and_keeps_decoding_lossless(setup, tmp_pat
     ids = torch.tensor([setup["tok"].encode("<|user|>\n3 * 4<|end|>\n<|assistant|>\n")])
     expected, _ = d3d.generate(target, None, ids, max_new_tokens=12, mode="target")
     for mode in ("sync", "async"):
-        assert d3d.generate(target, pruned, ids, max_new_tokens=12, mode=mode)[0].tolist() == expected.tolist()
+        assert (
+            d3d.generate(target, pruned, ids, max_new_tokens=12, mode=mode)[0].tolist()
+            == expected.tolist()
+        )
     printed = capsys.readouterr().out
     assert "removed" in printed and "estimated peak of a recovery step" in printed
     with pytest.raises(runtime.UserError, match="unrecognized arguments: --bogus"):
@@ -343,26 +500,36 @@ def test_prune_in_bf16_reads_the_weights_recovery_changed(setup, tmp_path):
     """Pruning runs in one bf16 autocast context; recovery steps change the weights inside it. Every later pass must
     read the new weights, not the bf16 copies autocast's cast cache keeps for the whole context."""
     _run(setup, tmp_path / "drafter", steps=2, drafter_layers="3")
-    _, _, drafter, _, val, pad_id = evaluation.load_trained(str(tmp_path / "drafter"), torch.device("cpu"))
+    _, _, drafter, _, val, pad_id = evaluation.load_trained(
+        str(tmp_path / "drafter"), torch.device("cpu")
+    )
     batches = [answers.collate(val[:3], pad_id, 1024)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        list(d3d.prune_drafter(drafter, batches, batches, min_layers=2, recovery_steps=3, lr=1e-2,
-                               num_anchors=4))
+        list(
+            d3d.prune_drafter(
+                drafter, batches, batches, min_layers=2, recovery_steps=3, lr=1e-2, num_anchors=4
+            )
+        )
         ids = batches[0][0][:, :12]
         args = (torch.arange(12)[None], torch.ones(1, 1, 12, 12, dtype=torch.bool).tril())
         with torch.no_grad():
             fresh = copy.deepcopy(drafter)  # new tensors: nothing cached
-            assert torch.equal(drafter.hidden_states(ids[:1], *args), fresh.hidden_states(ids[:1], *args))
+            assert torch.equal(
+                drafter.hidden_states(ids[:1], *args), fresh.hidden_states(ids[:1], *args)
+            )
 
 
 def test_random_init_keeps_the_architecture_and_d1_from_is_recorded(setup):
     tok, vocab = setup["tok"], _tiny_model(setup["tok"]).config.vocab_size
     pretrained = train.build_drafter(setup["target"], tok, target_vocab_size=vocab, layers="2")
     torch.manual_seed(1)
-    random_a = train.build_drafter(setup["target"], tok, target_vocab_size=vocab, layers="2", random_init=True,
-                                   d1_from="mask")
+    random_a = train.build_drafter(
+        setup["target"], tok, target_vocab_size=vocab, layers="2", random_init=True, d1_from="mask"
+    )
     torch.manual_seed(1)
-    random_b = train.build_drafter(setup["target"], tok, target_vocab_size=vocab, layers="2", random_init=True)
+    random_b = train.build_drafter(
+        setup["target"], tok, target_vocab_size=vocab, layers="2", random_init=True
+    )
     shapes = lambda d: {k: v.shape for k, v in d.state_dict().items()}
     assert shapes(random_a) == shapes(pretrained) and random_a.d3d_config.layer_ids == [0, 3]
     weight = "model.model.layers.0.mlp.up_proj.weight"
@@ -374,14 +541,30 @@ def test_random_init_keeps_the_architecture_and_d1_from_is_recorded(setup):
 def test_every_toy_run_uses_the_shipped_toy_and_its_answers(monkeypatch, tmp_path):
     """Wherever --out puts the drafter, a toy run trains on the shipped target's own answers: the target is never
     loaded (nothing is answered again) and nothing is written into the shipped folder."""
-    monkeypatch.setattr(answers, "load_target", lambda *a, **k: pytest.fail("the shipped answers were not used"))
+    monkeypatch.setattr(
+        answers, "load_target", lambda *a, **k: pytest.fail("the shipped answers were not used")
+    )
     monkeypatch.setattr(train, "TOY_RUNS", str(tmp_path / "toy"))
     before = {f: os.path.getmtime(os.path.join(toy.SHIPPED, f)) for f in os.listdir(toy.SHIPPED)}
-    result = train.main(out=str(tmp_path / "lam0" / "drafter"), steps=1, num_prompts=8, num_val=4, **{
-        k: v for k, v in FAST.items() if k not in ("max_new_tokens", "num_val", "block_size", "num_anchors", "lr")})
-    assert result["drafter"].d3d_config.layer_ids == [0, 1]  # the toy's default: a prefix of the target
+    result = train.main(
+        out=str(tmp_path / "lam0" / "drafter"),
+        steps=1,
+        num_prompts=8,
+        num_val=4,
+        **{
+            k: v
+            for k, v in FAST.items()
+            if k not in ("max_new_tokens", "num_val", "block_size", "num_anchors", "lr")
+        },
+    )
+    assert result["drafter"].d3d_config.layer_ids == [
+        0,
+        1,
+    ]  # the toy's default: a prefix of the target
     assert result["drafter"].d3d_config.block_size == 8
-    assert {f: os.path.getmtime(os.path.join(toy.SHIPPED, f)) for f in os.listdir(toy.SHIPPED)} == before
+    assert {
+        f: os.path.getmtime(os.path.join(toy.SHIPPED, f)) for f in os.listdir(toy.SHIPPED)
+    } == before
     recipe = json.load(open(tmp_path / "lam0" / "drafter" / "train_args.json"))
     # the toy's files recorded relative to the repository: the record survives moving the clone
     assert recipe["target"] == "toy-target"
@@ -389,17 +572,22 @@ def test_every_toy_run_uses_the_shipped_toy_and_its_answers(monkeypatch, tmp_pat
     answers_file = runtime.find_recorded(recipe["answers"], "answers")
     assert os.path.abspath(answers_file) == os.path.join(toy.SHIPPED, "answers-train.jsonl")
     shipped = [json.loads(l) for l in open(answers_file)][1:9]
-    monkeypatch.chdir(tmp_path)  # another folder, as after moving the clone: eval and prune still find the toy
+    monkeypatch.chdir(
+        tmp_path
+    )  # another folder, as after moving the clone: eval and prune still find the toy
     _, _, _, examples, _, _ = evaluation.load_trained(str(tmp_path / "lam0" / "drafter"), "cpu")
     assert examples == [(r["prompt"], r["response"]) for r in shipped]
 
 
 def test_train_refuses_a_toy_whose_files_do_not_match_toy_json(monkeypatch, tmp_path):
     import shutil
+
     folder = tmp_path / "toy"
     shutil.copytree(toy.SHIPPED, folder)
     lines = (folder / "answers-train.jsonl").read_text().splitlines(keepends=True)
-    (folder / "answers-train.jsonl").write_text("".join(lines[:5] + [lines[6], lines[5]] + lines[7:]))
+    (folder / "answers-train.jsonl").write_text(
+        "".join(lines[:5] + [lines[6], lines[5]] + lines[7:])
+    )
     with pytest.raises(ValueError, match="answers-train.jsonl does not match .*toy.json"):
         train.main(toy=str(folder), out=str(tmp_path / "drafter"), steps=1, device="cpu")
 
@@ -409,13 +597,21 @@ def test_answers_that_do_not_match_the_prompts_are_refused(setup, tmp_path):
     kw = dict(tokenizer=setup["tok"], cache_dir=str(tmp_path), max_new_tokens=4, gen_batch_size=12)
     answers.load_data(setup["target"], prompts=setup["prompts"], **kw)
     (cache,) = tmp_path.glob("answers-*.jsonl")
-    assert len(answers.load_data(setup["target"], prompts=setup["prompts"], answers=str(cache), **kw)) == len(QUESTIONS)
+    assert len(
+        answers.load_data(setup["target"], prompts=setup["prompts"], answers=str(cache), **kw)
+    ) == len(QUESTIONS)
     _write_jsonl(tmp_path / "other.jsonl", [{"question": q} for q in QUESTIONS[::-1]])
-    with pytest.raises(ValueError, match="does not answer line 1 of .*other.jsonl.*prompt ids differ"):
-        answers.load_data(setup["target"], prompts=str(tmp_path / "other.jsonl"), answers=str(cache), **kw)
+    with pytest.raises(
+        ValueError, match="does not answer line 1 of .*other.jsonl.*prompt ids differ"
+    ):
+        answers.load_data(
+            setup["target"], prompts=str(tmp_path / "other.jsonl"), answers=str(cache), **kw
+        )
     _write_jsonl(tmp_path / "more.jsonl", [{"question": q} for q in QUESTIONS + ["1 + 1"]])
     with pytest.raises(ValueError, match="does not answer line 13 .*no answer"):
-        answers.load_data(setup["target"], prompts=str(tmp_path / "more.jsonl"), answers=str(cache), **kw)
+        answers.load_data(
+            setup["target"], prompts=str(tmp_path / "more.jsonl"), answers=str(cache), **kw
+        )
 
 
 def test_answers_in_another_tokenizers_ids_are_refused(setup, tmp_path):
@@ -427,7 +623,9 @@ def test_answers_in_another_tokenizers_ids_are_refused(setup, tmp_path):
     other = toy.make_tokenizer()
     other.add_tokens(["<|tool|>"])  # one more token: another id table, the same prompts' ids
     with pytest.raises(ValueError, match="in the ids of a tokenizer with fingerprint"):
-        answers.load_data(setup["target"], other, prompts=setup["prompts"], answers=str(cache), **kw)
+        answers.load_data(
+            setup["target"], other, prompts=setup["prompts"], answers=str(cache), **kw
+        )
     with pytest.raises(ValueError, match="in the ids of a tokenizer with fingerprint"):
         answers._read_cache([str(cache)], other)
 
@@ -439,7 +637,9 @@ def test_dtype_auto_picks_bf16_only_where_native(monkeypatch):
     monkeypatch.setattr(runtime, "native_bf16", lambda device: False)
     assert runtime.resolve_dtype("auto", cpu) == torch.float32
     with pytest.warns(UserWarning, match="slow fallback kernels"):
-        assert runtime.resolve_dtype("bfloat16", cpu) == torch.bfloat16  # asked for: honoured, with the cost
+        assert (
+            runtime.resolve_dtype("bfloat16", cpu) == torch.bfloat16
+        )  # asked for: honoured, with the cost
     with pytest.raises(ValueError, match="unknown dtype"):
         runtime.resolve_dtype("float8", cpu)
 
@@ -447,23 +647,36 @@ def test_dtype_auto_picks_bf16_only_where_native(monkeypatch):
 def test_prune_memory_estimate_fits_the_qwen3_drafter_on_one_80gb_gpu():
     """Qwen3-1.7B as a drafter (28 layers, hidden 2,048, vocab 151,936, 2.03e9 parameters), recovery on 27 layers
     after the first removal: batch 8 of 1,024 answer tokens + K 16 x B 16 MASKs, bf16 autocast on CUDA."""
-    shapes = dict(num_params=2.03e9, hidden=2048, layers=27, batch=8, seq_len=1024 + 16 * 16, vocab=151936,
-                  device_type="cuda")
+    shapes = dict(
+        num_params=2.03e9,
+        hidden=2048,
+        layers=27,
+        batch=8,
+        seq_len=1024 + 16 * 16,
+        vocab=151936,
+        device_type="cuda",
+    )
     on, off = (memory.prune_memory_estimate(**shapes, checkpointing=c) for c in (True, False))
     assert on["total"] < 80 and on["activations"] < off["activations"]
     assert on["total"] == pytest.approx(sum(v for k, v in on.items() if k != "total"))
-    assert on["weights"] + on["gradients"] + on["adamw_moments"] + on["teacher"] == pytest.approx(20 * 2.03e9 / 2**30)
-    assert on["logits"] == pytest.approx(4 * (2**28 // 151936) * 151936 * 4 / 2**30)  # 4 chunks of ~1 GiB
+    assert on["weights"] + on["gradients"] + on["adamw_moments"] + on["teacher"] == pytest.approx(
+        20 * 2.03e9 / 2**30
+    )
+    assert on["logits"] == pytest.approx(
+        4 * (2**28 // 151936) * 151936 * 4 / 2**30
+    )  # 4 chunks of ~1 GiB
 
 
 def test_resume_with_another_recipe_says_which_setting_differs(setup, tmp_path):
     out = tmp_path / "d"
     _run(setup, out, steps=2, save_every=1, drafter_layers="2")
     before = {name: (out / name).read_bytes() for name in os.listdir(out)}
-    for change, flag in ((dict(block_size=3), "--block-size = 4"),
-                         (dict(drafter_layers="3"), "--drafter-layers = [0, 3]"),
-                         (dict(ar_weight=0.5), "--ar-weight = 1.0"),
-                         (dict(d1_from="mask"), "--d1-from = 'causal'")):
+    for change, flag in (
+        (dict(block_size=3), "--block-size = 4"),
+        (dict(drafter_layers="3"), "--drafter-layers = [0, 3]"),
+        (dict(ar_weight=0.5), "--ar-weight = 1.0"),
+        (dict(d1_from="mask"), "--d1-from = 'causal'"),
+    ):
         with pytest.raises(runtime.UserError, match=re.escape(flag) + ".*--no-resume"):
             _run(setup, out, **{"steps": 3, "save_every": 1, "drafter_layers": "2", **change})
     assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before

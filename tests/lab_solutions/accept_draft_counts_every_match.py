@@ -2,6 +2,7 @@
 argmax, not only the unbroken prefix (a sum where a cumulative product belongs), so tokens
 after the first mismatch are committed and the output leaves the target's.
 """
+
 EXERCISE = "accept_draft"
 RIGHT = False
 FAILS = ("test_sync_equals_target_greedy",)  # tests that must fail (others may too)

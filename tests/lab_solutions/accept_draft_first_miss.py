@@ -2,6 +2,7 @@
 flags (a sentinel miss at B for a full block), the sampling test is u < p / q, and the
 residual or the bonus law is picked with one where.
 """
+
 EXERCISE = "accept_draft"
 RIGHT = True
 FAILS = ()  # tests that must fail: none

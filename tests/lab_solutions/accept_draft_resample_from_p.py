@@ -2,6 +2,7 @@
 the residual max(p - q, 0). Greedy decoding is untouched; sampling is no longer lossless, as
 the tokens the drafter likes get two chances: once accepted, once more from p.
 """
+
 EXERCISE = "accept_draft"
 RIGHT = False
 FAILS = ("test_accept_rule_is_lossless",)  # tests that must fail (others may too)

@@ -4,6 +4,7 @@ anchor in a segment), its segment (-1 in the stream) and its index there; the ma
 from two rules: causal keys up to that index, and the token's own segment in order (a MASK
 sees all of it).
 """
+
 EXERCISE = "packed_attention_mask"
 RIGHT = True
 FAILS = ()  # tests that must fail: none

@@ -3,10 +3,13 @@ position p instead of p + 1, so MASK i sits where x_{a+i-1} is, not where the to
 predicts goes. The visibility is right: the test against the docstring's rules fails on the
 positions alone, and shows both lists.
 """
+
 EXERCISE = "packed_attention_mask"
 RIGHT = False
-FAILS = ("test_mask_matches_slow_reference",  # tests that must fail (others may too)
-         "test_mask_is_per_row_for_batched_anchors")
+FAILS = (
+    "test_mask_matches_slow_reference",  # tests that must fail (others may too)
+    "test_mask_is_per_row_for_batched_anchors",
+)
 
 
 def packed_attention_mask(num_causal, anchors, block_size, *, prefix_len=0, past_len=0):

@@ -5,10 +5,13 @@ A drafter trained on this mask learns to copy the label (LAB.md, exercise 8). Th
 against the docstring's rules names the mask as wrong, and a block in the packed pass no
 longer equals drafting it alone.
 """
+
 EXERCISE = "packed_attention_mask"
 RIGHT = False
-FAILS = ("test_mask_matches_slow_reference",  # tests that must fail (others may too)
-         "test_packed_blocks_equal_separate_passes")
+FAILS = (
+    "test_mask_matches_slow_reference",  # tests that must fail (others may too)
+    "test_packed_blocks_equal_separate_passes",
+)
 
 
 def packed_attention_mask(num_causal, anchors, block_size, *, prefix_len=0, past_len=0):

@@ -3,6 +3,7 @@ them. "The target said d_k" is never an outcome (d_k would have been accepted), 
 every position's budget is wasted, and the runner-up the target does say often has no
 branch: fewer cache hits (test_async_equals_sync_and_target counts them too).
 """
+
 EXERCISE = "plan_branches"
 RIGHT = False
 FAILS = ("test_plan_branches_chooses_positions_and_candidates",)  # must fail (others may too)

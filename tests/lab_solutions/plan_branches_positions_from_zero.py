@@ -2,6 +2,7 @@
 1, so the first branch plans "d_0 rejected" and takes its candidates from row k - 1 = -1, the
 last of the block.
 """
+
 EXERCISE = "plan_branches"
 RIGHT = False
 FAILS = ("test_plan_branches_chooses_positions_and_candidates",)  # must fail (others may too)

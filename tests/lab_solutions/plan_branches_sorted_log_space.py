@@ -2,6 +2,7 @@
 cumulative sum of log c_j, plus log(1 - c_k)), and the candidates come from a full sort with
 d_k masked out by a one-hot.
 """
+
 EXERCISE = "plan_branches"
 RIGHT = True
 FAILS = ()  # tests that must fail: none
