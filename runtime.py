@@ -1,9 +1,17 @@
-"""What d3d.py runs on, none of it the method: fixed-size KV caches with their length kept on the host, the round's
-one host read (which also checks that every pass wrote its cache), chunked prefill, a pass that returns attention
-weights (selective prefill's score), the clock that times the phases without waiting for the device, the committed
-tokens with their stop rules and a decode's stats, generate's input checks, loss logits made a few rows at a time,
-the tokenizer's fingerprint; which mode and how many lanes run when none are named (one rule for d3d.generate and
-decode.py); and loading, a guarded optimizer step and a host copy of a model, which training and pruning share."""
+"""What d3d.py runs on, none of it the method:
+
+- fixed-size KV caches, their length kept on the host;
+- the round's one host read, which also checks that every pass wrote its cache;
+- chunked prefill, and a pass that returns attention weights (selective prefill's score);
+- the clock that times the phases without waiting for the device;
+- the committed tokens with their stop rules, and a decode's stats;
+- generate's input checks;
+- loss logits made a few rows at a time;
+- the tokenizer's fingerprint;
+- which mode and how many lanes run when none are named (one rule for d3d.generate and
+  decode.py);
+- loading, a guarded optimizer step and a host copy of a model, which training and pruning
+  share."""
 
 from __future__ import annotations
 
@@ -29,101 +37,109 @@ class UserError(ValueError):
     the drivers print it as `error: ...` and exit with status 2 (systems/cli.py)."""
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Fixed-size KV caches
 
 
 def additive_mask(mask: torch.Tensor, model: nn.Module) -> torch.Tensor:
-    """Bool mask (True = may attend) as HF's additive float mask, in attention's dtype (autocast's or the model's)."""
+    """Bool mask (True = may attend) as HF's additive float mask, in attention's
+    dtype (autocast's or the model's)."""
     kind = mask.device.type
-    dtype = (
-        torch.get_autocast_dtype(kind)
-        if torch.is_autocast_enabled(kind)
-        else next(model.parameters()).dtype
-    )
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
-        ~mask, torch.finfo(dtype).min
-    )
+    if torch.is_autocast_enabled(kind):
+        dtype = torch.get_autocast_dtype(kind)
+    else:
+        dtype = next(model.parameters()).dtype
+    zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return zeros.masked_fill_(~mask, torch.finfo(dtype).min)
 
 
 class KVCache:
-    """A model's KV cache of fixed size (an HF StaticCache), made once and reused for every request, so that shapes
-    and addresses never change (what compiled passes and CUDA graphs need). A pass writes its q tokens at the cache's
-    own slot; `rewind` moves back (a rejected draft, a packed pass's branches) without touching the tensors. The
-    length is kept on the host: the StaticCache's own is a device tensor, and reading it would wait for the device.
-    `skipped`: prompt tokens selective prefill left out of the target's cache, so positions run that far ahead of the
-    slots. `step` runs the fixed-shape passes: the fast path (fast.py) swaps in a compiled one and sets `compiled`."""
+    """A model's KV cache of fixed size (an HF StaticCache), made once and reused for every
+    request, so that shapes and addresses never change (what compiled passes and CUDA graphs
+    need). A pass writes its q tokens at the cache's own slot; `rewind` moves back (a rejected
+    draft, a packed pass's branches) without touching the tensors.
+
+    The length is kept on the host: the StaticCache's own is a device tensor, and reading it
+    would wait for the device. `skipped`: prompt tokens selective prefill left out of the
+    target's cache, so positions run that far ahead of the slots. `step` runs the fixed-shape
+    passes: the fast path (fast.py) swaps in a compiled one and sets `compiled`."""
 
     def __init__(self, model: nn.Module, max_len: int):
         from transformers import StaticCache
 
-        self.drafter = hasattr(
-            model, "d3d_config"
-        )  # a d3d.Drafter: passes return hidden states, not logits
-        config = model.model.config if self.drafter else model.config
-        self.model, self.max_len, self.length, self.skipped = model, max_len, 0, 0
+        # a d3d.Drafter: its passes return hidden states, not logits
+        self.drafter = hasattr(model, "d3d_config")
+        if self.drafter:
+            config = model.model.config
+        else:
+            config = model.config
+        self.model = model
+        self.max_len = max_len
+        self.length = 0
+        self.skipped = 0
         self.device = next(model.parameters()).device
         self.hf = StaticCache(config=config, max_cache_len=max_len)
-        self.step, self.compiled = self.forward, False
+        self.step = self.forward
+        self.compiled = False
 
     def forward(self, ids, positions, mask) -> torch.Tensor:
-        """ids, positions (1, q); mask (1, 1, q, max_len) bool over the cache's slots. A drafter: its last hidden
-        states (q, H); a target: float logits (q, V)."""
+        """ids, positions (1, q); mask (1, 1, q, max_len) bool over the cache's slots.
+        A drafter: its last hidden states (q, H); a target: float logits (q, V)."""
         if self.drafter:
             return self.model.hidden_states(ids, positions, mask, self.hf)[0]
-        return (
-            self.model(
-                input_ids=ids,
-                position_ids=positions,
-                attention_mask=additive_mask(mask, self.model),
-                cache=self.hf,
-                use_cache=True,
-            )
-            .logits[0]
-            .float()
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=additive_mask(mask, self.model),
+            cache=self.hf,
+            use_cache=True,
         )
+        return out.logits[0].float()
 
     def run(self, ids, positions, mask, *, fixed: bool = True) -> torch.Tensor:
-        """A pass over ids (1, q) written at slots length .. length+q-1; mask (1, 1, q, length+q) is widened to all
-        slots (no query sees past its pass). fixed=False (a prefill: any length) always runs eagerly."""
+        """A pass over ids (1, q) written at slots length .. length+q-1; mask
+        (1, 1, q, length+q) is widened to all slots (no query sees past its pass).
+        fixed=False (a prefill: any length) always runs eagerly."""
         q = ids.shape[1]
-        if (
-            self.length + q > self.max_len
-        ):  # refused before the write: an overflowing write moves the position first
+        # refused before the write: an overflowing write moves the position first
+        if self.length + q > self.max_len:
             raise ValueError(
-                f"KV cache full: {self.length} + {q} tokens > max_len {self.max_len}; make the cache "
-                "larger (generate's caches=, decode.py --max-len)"
+                f"KV cache full: {self.length} + {q} tokens > max_len {self.max_len}; "
+                "make the cache larger (generate's caches=, decode.py --max-len)"
             )
         mask = F.pad(mask, (0, self.max_len - self.length - q))
         self.length += q
+        if fixed:
+            step = self.step
+        else:
+            step = self.forward
         try:
-            return (self.step if fixed else self.forward)(ids, positions, mask)
-        except (
-            RuntimeError
-        ) as error:  # a forward that drops its cache meets a mask wider than its own keys
+            return step(ids, positions, mask)
+        except RuntimeError as error:
+            # a forward that drops its cache meets a mask wider than its own keys
             if not self.hf.layers[0].is_initialized:
                 self.check([-1, -1])
             raise error
 
     def positions(self, q: int, device) -> torch.Tensor:
-        """(1, q) positions of the next q tokens: after what the cache holds and the prompt tokens it skipped."""
+        """(1, q) positions of the next q tokens: after what the cache holds and the
+        prompt tokens it skipped."""
         return torch.arange(q, device=device)[None] + self.length + self.skipped
 
     def written(self, device) -> torch.Tensor:
-        """The cache's own length in its first and last layer (2,), left on the device for the round's one read."""
-        layers = (self.hf.layers[0], self.hf.layers[-1])
-        return torch.stack(
-            [
-                layer.cumulative_length.to(device)
-                if layer.is_initialized
-                else torch.tensor(-1, device=device)
-                for layer in layers
-            ]
-        )
+        """The cache's own length in its first and last layer (2,), left on the device
+        for the round's one read (-1: a layer never written)."""
+        lengths = []
+        for layer in (self.hf.layers[0], self.hf.layers[-1]):
+            if layer.is_initialized:
+                lengths.append(layer.cumulative_length.to(device))
+            else:
+                lengths.append(torch.tensor(-1, device=device))
+        return torch.stack(lengths)
 
     def check(self, written: list[int]) -> None:
-        """A pass that ignored its cache (a model whose forward drops cache=) would decode wrong tokens without an
-        error; its cache's own length then differs from the host's."""
+        """A pass that ignored its cache (a model whose forward drops cache=) would decode
+        wrong tokens without an error; its cache's own length then differs from the host's."""
         if any(n != self.length for n in written):
             raise ignored_cache(
                 f"{type(self.model).__name__}'s KV cache",
@@ -153,35 +169,45 @@ class KVCache:
 
 @dataclass
 class Caches:
-    """The target's and the drafter's KVCache, kept across requests (decode.py makes one pair per run)."""
+    """The target's and the drafter's KVCache, kept across requests (decode.py makes one
+    pair per run)."""
 
     target: KVCache
     drafter: KVCache | None
 
     @classmethod
     def make(cls, target: nn.Module, drafter: nn.Module | None, max_len: int) -> "Caches":
-        return cls(
-            KVCache(target, max_len), KVCache(drafter, max_len) if drafter is not None else None
-        )
+        target_cache = KVCache(target, max_len)
+        drafter_cache = None
+        if drafter is not None:
+            drafter_cache = KVCache(drafter, max_len)
+        return cls(target_cache, drafter_cache)
 
     @property
     def compiled(self) -> bool:
         """Whether either model's fixed-shape passes are compiled (fast.compile_passes)."""
-        return self.target.compiled or (self.drafter is not None and self.drafter.compiled)
+        if self.target.compiled:
+            return True
+        return self.drafter is not None and self.drafter.compiled
 
     def check(self, target: nn.Module, drafter: nn.Module | None, need: int) -> "Caches":
-        """These caches, if they belong to these models and hold `need` slots; else a clear error."""
-        if self.target.model is not target or (
-            drafter is not None and self.drafter.model is not drafter
-        ):
+        """These caches, if they belong to these models and hold `need` slots; else a
+        clear error."""
+        same_models = self.target.model is target
+        if same_models and drafter is not None:
+            same_models = self.drafter.model is drafter
+        if not same_models:
             raise ValueError(
                 "caches were made for other models: Caches.make(target, drafter, max_len)"
             )
-        if need > self.target.max_len or (drafter is not None and need > self.drafter.max_len):
+        too_short = need > self.target.max_len
+        if drafter is not None and need > self.drafter.max_len:
+            too_short = True
+        if too_short:
             raise ValueError(
-                f"this request needs KV caches of {need} slots (prompt + max_new_tokens + the widest "
-                f"pass), the caches have {self.target.max_len}: make them larger (Caches.make(..., "
-                "max_len), decode.py --max-len)"
+                f"this request needs KV caches of {need} slots (prompt + max_new_tokens + "
+                f"the widest pass), the caches have {self.target.max_len}: make them larger "
+                "(Caches.make(..., max_len), decode.py --max-len)"
             )
         return self
 
@@ -189,27 +215,32 @@ class Caches:
 def cache_len(
     prompt_len: int, max_new_tokens: int, block_size: int = 1, coverage: int = 0, fanout: int = 0
 ) -> int:
-    """Slots a request needs: its tokens plus the widest pass written past them (async: the packed pass)."""
-    widest = max(
-        2 * block_size + 1,
-        1 + block_size + (min(coverage, block_size) * fanout + 1) * (1 + block_size),
-    )
-    return prompt_len + max_new_tokens + widest
+    """Slots a request needs: its tokens plus the widest pass written past them (async:
+    the packed pass)."""
+    # sync's draft pass: the unread committed tokens padded to B + 1, then B MASKs
+    sync_draft = 2 * block_size + 1
+    # async's packed pass: x_n, d_1 .. d_B, then S = C F + 1 segments [token, B MASKs]
+    segments = min(coverage, block_size) * fanout + 1
+    packed_pass = 1 + block_size + segments * (1 + block_size)
+    return prompt_len + max_new_tokens + max(sync_draft, packed_pass)
 
 
 def ignored_cache(cache: str, holds: str, written: int) -> RuntimeError:
-    """The error for a cache that holds other than what was written into it: the model's forward ignored it."""
+    """The error for a cache that holds other than what was written into it: the model's
+    forward ignored it."""
     return RuntimeError(
-        f"{cache} holds {holds} where {written} were written: the model's forward ignored the cache "
-        "it was given (transformers outside the versions in requirements.txt?)"
+        f"{cache} holds {holds} where {written} were written: the model's forward ignored "
+        "the cache it was given (transformers outside the versions in requirements.txt?)"
     )
 
 
 def read_round(values: list[torch.Tensor], *caches: KVCache) -> list[int]:
-    """The round's one host read: `values` (0-d or 1-d integer tensors), flattened into one list, and each cache's
-    own length, checked against the host's (KVCache.check)."""
+    """The round's one host read: `values` (0-d or 1-d integer tensors), flattened into
+    one list, and each cache's own length, checked against the host's (KVCache.check)."""
     device = values[0].device
-    read = torch.cat([v.view(-1) for v in values] + [c.written(device) for c in caches]).tolist()
+    flat = [v.view(-1) for v in values]
+    lengths = [c.written(device) for c in caches]
+    read = torch.cat(flat + lengths).tolist()
     n = len(read) - 2 * len(caches)
     for i, cache in enumerate(caches):
         cache.check(read[n + 2 * i : n + 2 * i + 2])
@@ -218,39 +249,48 @@ def read_round(values: list[torch.Tensor], *caches: KVCache) -> list[int]:
 
 def causal_mask(q: int, past_len: int, device) -> torch.Tensor:
     """(1, 1, q, past_len + q) bool: q new tokens see the past and each other causally."""
-    return torch.ones(q, past_len + q, dtype=torch.bool, device=device).tril(past_len)[None, None]
+    ones = torch.ones(q, past_len + q, dtype=torch.bool, device=device)
+    return ones.tril(past_len)[None, None]
 
 
 def causal_pass(cache: KVCache, ids: torch.Tensor) -> torch.Tensor:
     """A plain causal pass over ids (1, q) after what the cache holds."""
     q = ids.shape[1]
-    return cache.run(ids, cache.positions(q, ids.device), causal_mask(q, cache.length, ids.device))
+    positions = cache.positions(q, ids.device)
+    return cache.run(ids, positions, causal_mask(q, cache.length, ids.device))
 
 
-PREFILL_CHUNK = 512  # tokens a prefill pass reads: its mask is chunk x cache length, never prompt x prompt (32k: 1 GiB)
+# tokens a prefill pass reads: its mask is chunk x cache length, never prompt x prompt
+# (a 32k prompt's would take 1 GiB)
+PREFILL_CHUNK = 512
 
 
 def prefill(
     cache: KVCache, ids: torch.Tensor, positions: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Causal passes over a prompt, ids (1, n) at positions (1, n) (default: after what the cache holds), that write
-    it into the cache PREFILL_CHUNK tokens at a time, eagerly (any length). Returns the last pass's output: its last
-    row is the last token's."""
+    """Causal passes over a prompt, ids (1, n) at positions (1, n) (default: after what
+    the cache holds), that write it into the cache PREFILL_CHUNK tokens at a time,
+    eagerly (any length). Returns the last pass's output: its last row is the last
+    token's."""
     if positions is None:
         positions = cache.positions(ids.shape[1], ids.device)
     for start in range(0, ids.shape[1], PREFILL_CHUNK):
         chunk = ids[:, start : start + PREFILL_CHUNK]
         mask = causal_mask(chunk.shape[1], cache.length, ids.device)
-        out = cache.run(chunk, positions[:, start : start + PREFILL_CHUNK], mask, fixed=False)
+        chunk_positions = positions[:, start : start + PREFILL_CHUNK]
+        out = cache.run(chunk, chunk_positions, mask, fixed=False)
     return out
 
 
 def attention_pass(cache: KVCache, ids: torch.Tensor) -> list[torch.Tensor]:
-    """A causal pass over ids (1, q) after what the cache holds, with eager attention (the only kind that returns its
-    weights): each layer's attention weights (heads, q, cache length + q), float."""
-    model, q = cache.model.model, ids.shape[1]  # a d3d.Drafter's HF model
+    """A causal pass over ids (1, q) after what the cache holds, with eager attention
+    (the only kind that returns its weights): each layer's attention weights
+    (heads, q, cache length + q), float."""
+    model = cache.model.model  # a d3d.Drafter's HF model
+    q = ids.shape[1]
     positions = cache.positions(q, ids.device)
-    mask = F.pad(causal_mask(q, cache.length, ids.device), (0, cache.max_len - cache.length - q))
+    mask = causal_mask(q, cache.length, ids.device)
+    mask = F.pad(mask, (0, cache.max_len - cache.length - q))
     attn_implementation = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
@@ -268,18 +308,23 @@ def attention_pass(cache: KVCache, ids: torch.Tensor) -> list[torch.Tensor]:
     return [a[0, :, :, : cache.length].float() for a in out.attentions]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Decoding bookkeeping: the clock and the committed tokens
 
 
 class Clock:
-    """Where a decode's time goes, kept out of the loops' way: `with clock.span(key):` adds the time inside to `key`.
-    On CUDA a span is two events on the current stream, read once the decode is over (timing never makes the host wait
-    mid-round), and the host time spent queuing the work is kept too (key + "_launch"); elsewhere, the host clock.
-    Each span remembers its lane (the CUDA stream, or the host thread, it ran on): `trace` draws the lanes as tracks."""
+    """Where a decode's time goes, kept out of the loops' way: `with clock.span(key):` adds
+    the time inside to `key`. On CUDA a span is two events on the current stream, read once
+    the decode is over (timing never makes the host wait mid-round), and the host time spent
+    queuing the work is kept too (key + "_launch"); elsewhere, the host clock. Each span
+    remembers its lane (the CUDA stream, or the host thread, it ran on): `trace` draws the
+    lanes as tracks."""
 
     def __init__(self, device: torch.device):
-        self.device, self.cuda, self.spans, self.host = device, device.type == "cuda", [], {}
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.spans = []  # (key, start, end, lane)
+        self.host = {}  # CUDA: seconds the host spent queuing each key's work
         self.start = self.now()
         self.zero = self._mark()  # where a trace's time starts
 
@@ -303,15 +348,17 @@ class Clock:
 
     @contextlib.contextmanager
     def span(self, key: str):
-        start, host, lane = self._mark(), time.perf_counter(), self._lane()
+        """`with clock.span(key):` adds the time inside to `key`."""
+        start = self._mark()
+        host_start = time.perf_counter()
+        lane = self._lane()
         yield
-        self.spans.append(
-            (key, start, self._mark(), lane)
-        )  # a list append: safe from a worker thread too
+        # a list append: safe from a worker thread too
+        self.spans.append((key, start, self._mark(), lane))
         if self.cuda:
-            self.host[key + "_launch"] = (
-                self.host.get(key + "_launch", 0.0) + time.perf_counter() - host
-            )
+            queued = time.perf_counter() - host_start
+            launch = key + "_launch"
+            self.host[launch] = self.host.get(launch, 0.0) + queued
 
     @torch.no_grad()  # also in a worker thread, where the caller's no_grad does not reach
     def run(self, key: str, fn):
@@ -320,7 +367,9 @@ class Clock:
             return fn()
 
     def _seconds(self, start, end) -> float:
-        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+        if self.cuda:
+            return start.elapsed_time(end) / 1e3
+        return end - start
 
     def totals(self) -> dict:
         """Seconds per key, and "total" since the clock started."""
@@ -330,22 +379,16 @@ class Clock:
         return seconds
 
     def trace(self) -> dict:
-        """The spans as a Chrome trace (open in ui.perfetto.dev or chrome://tracing): one track per lane, each span
-        named by its key, times in microseconds from the clock's start. Read after the decode (totals waits)."""
+        """The spans as a Chrome trace (open in ui.perfetto.dev or chrome://tracing): one
+        track per lane, each span named by its key, times in microseconds from the clock's
+        start. Read after the decode (totals waits)."""
         self.now()
         lanes = list(dict.fromkeys(lane for *_, lane in self.spans))
-        events = [
-            {
-                "name": "process_name",
-                "ph": "M",
-                "pid": 0,
-                "args": {"name": f"d3d decode on {self.device}"},
-            }
-        ]
-        events += [
-            {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": lane}}
-            for i, lane in enumerate(lanes)
-        ]
+        process = {"name": f"d3d decode on {self.device}"}
+        events = [{"name": "process_name", "ph": "M", "pid": 0, "args": process}]
+        for i, lane in enumerate(lanes):
+            track = {"name": lane}
+            events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": track})
         for key, start, end, lane in self.spans:
             events.append(
                 {
@@ -361,55 +404,64 @@ class Clock:
 
 
 def mean(values) -> float:
-    return sum(values) / len(values) if values else float("nan")
+    """The mean of `values`; nan for none."""
+    if not values:
+        return float("nan")
+    return sum(values) / len(values)
 
 
 class Output:
-    """Committed tokens of one sequence, with the stop rules (EOS kept, max_new_tokens) and the tokens per round."""
+    """Committed tokens of one sequence, with the stop rules (EOS kept, max_new_tokens) and
+    the tokens committed per round."""
 
     def __init__(self, prompt: list[int], max_new_tokens: int, eos_token_id):
-        self.tokens, self.prompt_len, self.max_new_tokens = (
-            list(prompt),
-            len(prompt),
-            max_new_tokens,
-        )
-        eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
+        self.tokens = list(prompt)
+        self.prompt_len = len(prompt)
+        self.max_new_tokens = max_new_tokens
+        if isinstance(eos_token_id, (list, tuple, set)):
+            eos = eos_token_id
+        else:
+            eos = [eos_token_id]
         self.eos = {int(e) for e in eos if e is not None}
         self.done = max_new_tokens <= 0
-        self.accept_lengths: list[
-            int
-        ] = []  # per speculative round: tokens committed (accepted + 1)
+        # per speculative round: tokens committed (accepted + 1)
+        self.accept_lengths: list[int] = []
 
     def commit(self, new: list[int]) -> list[int]:
-        """Append tokens, cut at the first EOS (kept) or at max_new_tokens. Returns what was committed."""
-        if self.done:  # a finished sequence takes no more tokens
+        """Append tokens, cut at the first EOS (kept) or at max_new_tokens. Returns what was
+        committed."""
+        # a finished sequence takes no more tokens
+        if self.done:
             raise RuntimeError(
-                "tokens committed to a finished sequence: a decoding loop lost track of its rows or of "
-                "the stop rule"
+                "tokens committed to a finished sequence: a decoding loop lost track of its "
+                "rows or of the stop rule"
             )
-        new = new[: self.prompt_len + self.max_new_tokens - len(self.tokens)]
+        room = self.prompt_len + self.max_new_tokens - len(self.tokens)
+        new = new[:room]
         for i, t in enumerate(new):
             if t in self.eos:
                 new = new[: i + 1]
                 break
         self.tokens.extend(new)
-        self.done = len(self.tokens) - self.prompt_len >= self.max_new_tokens or (
-            bool(new) and new[-1] in self.eos
-        )
-        if (
-            not new and not self.done
-        ):  # the sequence would stand still and the next round repeat this one forever
+        num_new = len(self.tokens) - self.prompt_len
+        ends_in_eos = bool(new) and new[-1] in self.eos
+        self.done = num_new >= self.max_new_tokens or ends_in_eos
+        # the sequence would stand still and the next round repeat this one forever
+        if not new and not self.done:
             raise RuntimeError(
-                "a round committed no token and the sequence is not done: a decoding loop lost its "
-                "tokens"
+                "a round committed no token and the sequence is not done: a decoding loop "
+                "lost its tokens"
             )
         return new
 
     def commit_round(self, accepted: list[int], next_token: int) -> None:
-        self.accept_lengths.append(len(self.commit(accepted + [next_token])))
+        """Commit a speculative round: the accepted draft tokens and the target's token."""
+        committed = self.commit(accepted + [next_token])
+        self.accept_lengths.append(len(committed))
 
     def summary(self) -> dict:
-        """tau (mean tokens committed per round), accept_lengths, num_rounds, num_new_tokens."""
+        """tau (mean tokens committed per round), accept_lengths, num_rounds,
+        num_new_tokens."""
         return {
             "tau": mean(self.accept_lengths),
             "accept_lengths": self.accept_lengths,
@@ -418,33 +470,77 @@ class Output:
         }
 
     def stats(self, seconds: dict, mode: str, selection) -> dict:
-        """A single-sequence decode's stats, from its clock's seconds per phase (Clock.totals)."""
+        """A single-sequence decode's stats, from its clock's seconds per phase
+        (Clock.totals). Every key of d3d.generate's stats, times in seconds:
+
+        Every mode (here):
+            tau                      mean tokens committed per speculative round (accepted
+                                     + 1); nan in mode "target", which has no rounds
+            accept_lengths           tokens committed in each round
+            num_rounds               speculative rounds (the prefill's token is not one)
+            num_new_tokens           tokens committed after the prompt
+            time_total               the whole decode, from the clock's start
+            time_prefill             time to the first token: the target's prefill, the
+                                     drafter's, and selective prefill's scoring
+            time_<phase>_launch      CUDA only: the host time spent queuing each phase
+        Mode "sync" (here):
+            time_draft               the drafter's passes
+            time_verify              the target's verification passes
+        Mode "async" (here):
+            time_verify              the target's verification passes
+            time_packed_draft        the packed passes that prepare the next draft
+            time_fallback_draft      the drafts made after a miss
+            time_draft               packed + fallback
+            time_both                the verification and the packed pass together
+        Mode "async" (d3d._decode_async):
+            hits_per_position        rounds whose next draft was prepared, by outcome:
+                                     index k - 1, the verification rejected d_k; index B,
+                                     full acceptance
+            misses_per_position      rounds whose next draft was not prepared, same index
+            pad_full_acceptances     rounds that accepted a padded draft (B - 1 tokens and
+                                     a pad) whole
+            coverage                 C: the rejection positions the packed pass prepares
+            fanout                   F: the candidates for the target's token at each (the
+                                     drafter's likeliest other than d_k)
+            cover                    which positions: "first" (1 .. C) or "likely"
+            lanes                    1: the packed pass after the verification; 2: beside it
+        keep_ratio (selective prefill, here):
+            num_chunks               the prompt's chunks
+            chunks_kept              the chunks the target prefilled
+            prompt_tokens_prefilled  the prompt tokens the target prefilled
+            time_scoring             the drafter's scoring of the chunks
+            time_target_prefill      the target's prefill of the kept chunks
+        trace=True (d3d.generate):
+            trace                    the round's phases as a Chrome trace (Clock.trace)
+        A batch's stats (systems.batched.generate) are listed in its docstring."""
         phases = {
             "target": (),
             "sync": ("draft", "verify"),
             "async": ("fallback_draft", "packed_draft", "verify", "both"),
         }
-        stats = {
-            **self.summary(),
-            "time_total": seconds["total"],
-            # time to first token: the target's prefill, the drafter's, and selective prefill's scoring
-            "time_prefill": seconds.get("prefill", 0.0) + seconds.get("scoring", 0.0),
-            **{f"time_{key}": seconds.get(key, 0.0) for key in phases[mode]},
-            **{f"time_{key}": value for key, value in seconds.items() if key.endswith("_launch")},
-        }
+        stats = self.summary()
+        stats["time_total"] = seconds["total"]
+        # time to first token: the target's prefill, the drafter's, and selective
+        # prefill's scoring
+        prefill = seconds.get("prefill", 0.0)
+        stats["time_prefill"] = prefill + seconds.get("scoring", 0.0)
+        for key in phases[mode]:
+            stats[f"time_{key}"] = seconds.get(key, 0.0)
+        for key, value in seconds.items():
+            if key.endswith("_launch"):
+                stats[f"time_{key}"] = value
         if mode == "async":
             stats["time_draft"] = stats["time_fallback_draft"] + stats["time_packed_draft"]
         if selection is not None:
-            stats.update(
-                {key: selection[key] for key in ("num_chunks", "chunks_kept")},
-                prompt_tokens_prefilled=selection["kept_ids"].shape[1],
-                time_scoring=seconds["scoring"],
-                time_target_prefill=seconds.get("prefill", 0.0),
-            )
+            stats["num_chunks"] = selection["num_chunks"]
+            stats["chunks_kept"] = selection["chunks_kept"]
+            stats["prompt_tokens_prefilled"] = selection["kept_ids"].shape[1]
+            stats["time_scoring"] = seconds["scoring"]
+            stats["time_target_prefill"] = prefill
         return stats
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Number formats
 
 
@@ -452,33 +548,38 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def native_bf16(device: torch.device) -> bool:
-    """Does the device compute bf16 natively (CUDA: the GPU says; CPU: AVX512-BF16 or AMX in /proc/cpuinfo)?
-    Elsewhere bf16 matmuls fall back to slow kernels (measured: ~20-200x slower)."""
+    """Does the device compute bf16 natively (CUDA: the GPU says; CPU: AVX512-BF16 or AMX
+    in /proc/cpuinfo)? Elsewhere bf16 matmuls fall back to slow kernels (measured:
+    ~20-200x slower)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type != "cpu" or not os.path.exists("/proc/cpuinfo"):
         return False
     with open("/proc/cpuinfo") as f:
-        flags = next((line.split() for line in f if line.startswith("flags")), [])
+        flag_lines = (line.split() for line in f if line.startswith("flags"))
+        flags = next(flag_lines, [])
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """--dtype of both drivers: "auto" (or None) is bf16 where the device does it natively, else fp32; an explicit
-    bf16 on a CPU without it is honoured with a warning."""
+    """--dtype of both drivers: "auto" (or None) is bf16 where the device does it natively,
+    else fp32; an explicit bf16 on a CPU without it is honoured with a warning."""
     if name in (None, "auto"):
-        return torch.bfloat16 if native_bf16(device) else torch.float32
+        if native_bf16(device):
+            return torch.bfloat16
+        return torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}: use auto, {', '.join(DTYPES)}")
     if DTYPES[name] == torch.bfloat16 and device.type == "cpu" and not native_bf16(device):
         warnings.warn(
-            "bf16 on a CPU without AVX512-BF16/AMX runs on slow fallback kernels (measured on AVX2: a "
-            "drafter training step 130 s instead of 5.9 s in fp32); --dtype auto picks fp32 here"
+            "bf16 on a CPU without AVX512-BF16/AMX runs on slow fallback kernels (measured "
+            "on AVX2: a drafter training step 130 s instead of 5.9 s in fp32); --dtype auto "
+            "picks fp32 here"
         )
     return DTYPES[name]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # generate's input checks
 
 
@@ -495,68 +596,76 @@ def check_request(
     cover,
     keep_ratio,
 ) -> int | None:
-    """d3d.generate's input checks: a clear error for each bad input. Returns the block size (default: the
-    drafter's; None without a drafter)."""
+    """d3d.generate's input checks: a clear error for each bad input. Returns the block size
+    (default: the drafter's; None without a drafter)."""
     if isinstance(input_ids, (list, tuple)):
         raise ValueError(
-            "d3d.generate decodes one prompt (1, prompt_len); a list of prompts decodes as one batch "
-            "with systems.batched.generate"
+            "d3d.generate decodes one prompt (1, prompt_len); a list of prompts decodes as "
+            "one batch with systems.batched.generate"
         )
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
         raise ValueError(
-            f"input_ids must have shape (1, prompt_len) (batch 1, not empty: at least one token), "
-            f"got {tuple(input_ids.shape)}"
+            "input_ids must have shape (1, prompt_len) (batch 1, not empty: at least one "
+            f"token), got {tuple(input_ids.shape)}"
         )
     if max_new_tokens < 0 or temperature < 0:
         raise ValueError(
             f"need max_new_tokens >= 0 and temperature >= 0, got {max_new_tokens}, {temperature}"
         )
     if drafter is None and (mode != "target" or keep_ratio is not None):
-        raise ValueError(
-            f"mode {mode!r} needs a drafter"
-            + (" (it scores the prompt chunks)" if keep_ratio else "")
-        )
+        why = ""
+        if keep_ratio:
+            why = " (it scores the prompt chunks)"
+        raise ValueError(f"mode {mode!r} needs a drafter{why}")
     if drafter is not None:
         target_rows = target.get_output_embeddings().weight.shape[0]
-        if drafter.d3d_config.target_vocab_size != target_rows:
+        drafter_rows = drafter.d3d_config.target_vocab_size
+        if drafter_rows != target_rows:
             raise ValueError(
-                f"the drafter was made for a target vocabulary of {drafter.d3d_config.target_vocab_size}"
-                f" tokens, this target has {target_rows}: use a drafter made with the target's tokenizer"
+                f"the drafter was made for a target vocabulary of {drafter_rows} tokens, "
+                f"this target has {target_rows}: use a drafter made with the target's "
+                "tokenizer"
             )
-        block_size = drafter.d3d_config.block_size if block_size is None else block_size
+        if block_size is None:
+            block_size = drafter.d3d_config.block_size
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if (coverage or 0) < 0 or (fanout or 0) < 0 or cover not in ("first", "likely"):
+    bad_budget = (coverage or 0) < 0 or (fanout or 0) < 0
+    if bad_budget or cover not in ("first", "likely"):
         raise ValueError(
-            f"need coverage, fanout >= 0, cover 'first' or 'likely'; got {coverage}, {fanout}, {cover!r}"
+            "need coverage, fanout >= 0, cover 'first' or 'likely'; "
+            f"got {coverage}, {fanout}, {cover!r}"
         )
     return block_size
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Which mode, and how many lanes, where the caller names none: one rule for d3d.generate and decode.py
+# --------------------------------------------------------------------------------------------------
+# Which mode, and how many lanes, where the caller names none: one rule for d3d.generate and
+# decode.py
 
 
-TWO_LANES_MIN_PARAMS = (
-    20_000_000  # a CPU's second thread pays from this target size on (a tiny model's passes hold
-)
-# the GIL: two threads were measured slower, RESULTS.md, "Speed")
+# a CPU's second thread pays from this target size on (a tiny model's passes hold the GIL:
+# two threads were measured slower, RESULTS.md, "Speed")
+TWO_LANES_MIN_PARAMS = 20_000_000
 
 
 def default_mode(device_type: str) -> tuple[str, str]:
-    """The speculative mode a run uses where none is named, and why: sync on every device until a measured run shows
-    async faster there (d3d.generate's default is sync too)."""
+    """The speculative mode a run uses where none is named, and why: sync on every device
+    until a measured run shows async faster there (d3d.generate's default is sync too)."""
     if device_type == "cuda":
-        return "sync", (
-            "at batch 1 both the verification and the drafter's passes are bound by memory bandwidth: an "
-            "async round streams both models' weights through the same memory at once, so overlap saves "
-            "little and every miss adds a whole draft (an estimate until a GPU measures it: README, "
-            "'Async on one GPU'; compare with --bench FILE --modes sync async)"
+        why = (
+            "at batch 1 both the verification and the drafter's passes are bound by memory "
+            "bandwidth: an async round streams both models' weights through the same memory "
+            "at once, so overlap saves little and every miss adds a whole draft (an estimate "
+            "until a GPU measures it: README, 'Async on one GPU'; compare with --bench FILE "
+            "--modes sync async)"
         )
-    return "sync", (
-        "on a CPU a pass costs in proportion to its tokens, so async's packed pass costs more than the "
-        "draft a hit saves (RESULTS.md, Speed)"
+        return "sync", why
+    why = (
+        "on a CPU a pass costs in proportion to its tokens, so async's packed pass costs more "
+        "than the draft a hit saves (RESULTS.md, Speed)"
     )
+    return "sync", why
 
 
 _compiled_lanes_on_cuda = False  # lifted only by unproven_compiled_lanes()
@@ -565,32 +674,42 @@ _compiled_lanes_on_cuda = False  # lifted only by unproven_compiled_lanes()
 def async_lanes(
     device_type: str, compiled: bool, lanes: int | None = None, num_params: int = 0
 ) -> int:
-    """How many lanes async decoding runs in: 1, the packed pass after the verification; 2, beside it (CUDA: a second
-    stream; CPU: a second thread). lanes=None picks: 2 on a CPU for a target of TWO_LANES_MIN_PARAMS or more, else 1
-    (on CUDA, eager passes are bound by kernel launches from one Python thread, so a second stream has nothing to
-    overlap). Refused with a clear error: two lanes with compiled passes on CUDA. torch.compile's CUDA graphs keep one
-    memory pool per device, and a graph reuses the blocks an earlier one freed; replayed at once on two streams, the
-    verification and the packed pass may overwrite each other's activations, and nothing would raise."""
+    """How many lanes async decoding runs in: 1, the packed pass after the verification; 2,
+    beside it (CUDA: a second stream; CPU: a second thread). lanes=None picks: 2 on a CPU
+    for a target of TWO_LANES_MIN_PARAMS or more, else 1 (on CUDA, eager passes are bound
+    by kernel launches from one Python thread, so a second stream has nothing to overlap).
+
+    Refused with a clear error: two lanes with compiled passes on CUDA. torch.compile's CUDA
+    graphs keep one memory pool per device, and a graph reuses the blocks an earlier one
+    freed; replayed at once on two streams, the verification and the packed pass may
+    overwrite each other's activations, and nothing would raise."""
     if lanes is None:
-        lanes = 2 if device_type == "cpu" and num_params >= TWO_LANES_MIN_PARAMS else 1
+        big_target = num_params >= TWO_LANES_MIN_PARAMS
+        if device_type == "cpu" and big_target:
+            lanes = 2
+        else:
+            lanes = 1
     if lanes not in (1, 2):
         raise ValueError(
-            f"lanes must be 1 (one pass after the other) or 2 (a second stream or thread), got {lanes}"
+            "lanes must be 1 (one pass after the other) or 2 (a second stream or thread), "
+            f"got {lanes}"
         )
-    if lanes == 2 and compiled and device_type == "cuda" and not _compiled_lanes_on_cuda:
+    compiled_on_cuda = compiled and device_type == "cuda"
+    if lanes == 2 and compiled_on_cuda and not _compiled_lanes_on_cuda:
         raise ValueError(
-            "two lanes with compiled passes on CUDA are refused: their CUDA graphs share one memory pool, "
-            "so verification and the packed pass replayed at once on two streams may overwrite each "
-            "other's activations without an error. Use one lane (lanes=1; decode.py --lanes 1, or a mode "
-            "without +2lanes) or eager passes (no --compile, no +compiled)"
+            "two lanes with compiled passes on CUDA are refused: their CUDA graphs share one "
+            "memory pool, so verification and the packed pass replayed at once on two "
+            "streams may overwrite each other's activations without an error. Use one lane "
+            "(lanes=1; decode.py --lanes 1, or a mode without +2lanes) or eager passes (no "
+            "--compile, no +compiled)"
         )
     return lanes
 
 
 @contextlib.contextmanager
 def unproven_compiled_lanes():
-    """Inside, async_lanes allows two lanes with compiled passes on CUDA: for tests/gpu_check.py alone, which compares
-    their tokens with one lane's."""
+    """Inside, async_lanes allows two lanes with compiled passes on CUDA: for
+    tests/gpu_check.py alone, which compares their tokens with one lane's."""
     global _compiled_lanes_on_cuda
     _compiled_lanes_on_cuda = True
     try:
@@ -599,70 +718,80 @@ def unproven_compiled_lanes():
         _compiled_lanes_on_cuda = False
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Loss logits in chunks
 
 
+# fp32 logits alive at once in the loss: 128 MiB on a CPU, 1 GiB on a GPU (Qwen3's 151,936
+# tokens: 220 or 1,766 rows; every chunk recasts the tied head and sums its gradient)
 LOGITS_PER_CHUNK = {
     "cpu": 2**25,
     "cuda": 2**28,
-}  # fp32 logits alive at once in the loss: 128 MiB on a CPU, 1 GiB
-# on a GPU (Qwen3's 151,936 tokens: 220 or 1,766 rows; every chunk recasts the tied head and sums its gradient)
+}
 
 
 def loss_chunk_rows(vocab_size: int, device: torch.device | str) -> int:
     """Rows of logits the loss makes at once on this kind of device."""
     kind = torch.device(device).type
-    return max(1, LOGITS_PER_CHUNK.get(kind, LOGITS_PER_CHUNK["cpu"]) // vocab_size)
+    logits = LOGITS_PER_CHUNK.get(kind, LOGITS_PER_CHUNK["cpu"])
+    return max(1, logits // vocab_size)
 
 
 def in_logit_chunks(vocab_size: int, fn, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """fn(*chunk) over `rows` ((N, ...) each) a few rows at a time, outputs concatenated: fn makes logits over
-    `vocab_size` tokens, and a batch's would take tens of GB at once. Under autograd each chunk's logits are
-    recomputed in backward, not kept."""
+    """fn(*chunk) over `rows` ((N, ...) each) a few rows at a time, outputs concatenated:
+    fn makes logits over `vocab_size` tokens, and a batch's would take tens of GB at once.
+    Under autograd each chunk's logits are recomputed in backward, not kept."""
     size = loss_chunk_rows(vocab_size, rows[0].device)
+    # an empty batch still runs once: its loss stays in the graph
+    num_rows = max(len(rows[0]), 1)
     outputs = []
-    for start in range(
-        0, len(rows[0]) or 1, size
-    ):  # an empty batch still runs once: its loss stays in the graph
+    for start in range(0, num_rows, size):
         chunk = [r[start : start + size] for r in rows]
         if torch.is_grad_enabled() and rows[0].requires_grad:
-            outputs.append(torch.utils.checkpoint.checkpoint(fn, *chunk, use_reentrant=False))
+            checkpoint = torch.utils.checkpoint.checkpoint
+            outputs.append(checkpoint(fn, *chunk, use_reentrant=False))
         else:
             outputs.append(fn(*chunk))
     return tuple(torch.cat(parts) for parts in zip(*outputs))
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The tokenizer a drafter was made for
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """A short hash of the token -> id table: two tokenizers with the same fingerprint split text identically."""
+    """A short hash of the token -> id table: two tokenizers with the same fingerprint
+    split text identically."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+    table = json.dumps(vocab, ensure_ascii=False).encode()
+    return hashlib.sha256(table).hexdigest()[:16]
 
 
 def check_tokenizer(drafter, tokenizer) -> None:
-    """Raise if a d3d.Drafter was made for another tokenizer than `tokenizer` (the target's)."""
+    """Raise if a d3d.Drafter was made for another tokenizer than `tokenizer` (the
+    target's)."""
     expected = drafter.d3d_config.tokenizer_hash
     if expected and expected != tokenizer_fingerprint(tokenizer):
         raise ValueError(
-            "the drafter was made for a different tokenizer than the target's: its drafts would be "
-            "other tokens. Train a drafter for this target (python train.py --target ...)"
+            "the drafter was made for a different tokenizer than the target's: its drafts "
+            "would be other tokens. Train a drafter for this target "
+            "(python train.py --target ...)"
         )
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Loading, layer surgery, a guarded training step, a host copy (train.py and pruning)
 
 
 def keep_layers(model: nn.Module, layer_ids: list[int]) -> nn.Module:
-    """Keep only decoder layers `layer_ids`, in that order and in place, renumbered 0..n-1 (cache slots, config).
-    No layer at all (pruning's score of a one-layer drafter) goes straight from the embeddings to the final norm."""
-    decoder, config = model.get_decoder(), model.config
+    """Keep only decoder layers `layer_ids`, in that order and in place, renumbered 0..n-1
+    (cache slots, config). No layer at all (pruning's score of a one-layer drafter) goes
+    straight from the embeddings to the final norm."""
+    decoder = model.get_decoder()
+    config = model.config
     layers = decoder.layers
-    if any(not 0 <= i < len(layers) for i in layer_ids) or len(set(layer_ids)) != len(layer_ids):
+    in_range = all(0 <= i < len(layers) for i in layer_ids)
+    if not in_range or len(set(layer_ids)) != len(layer_ids):
         raise ValueError(f"layer ids must be distinct and in [0, {len(layers)}), got {layer_ids}")
     decoder.layers = nn.ModuleList([layers[i] for i in layer_ids])
     for new_idx, layer in enumerate(decoder.layers):
@@ -676,17 +805,21 @@ def keep_layers(model: nn.Module, layer_ids: list[int]) -> nn.Module:
 
 
 def load_causal_lm(path: str, dtype=None, device=None, **kwargs) -> nn.Module:
-    """AutoModelForCausalLM.from_pretrained in `dtype` on `device`. On a GPU with `accelerate` installed the weights
-    go straight there (device_map); without it they pass through host memory first (an 8B model in bf16: 16 GB)."""
+    """AutoModelForCausalLM.from_pretrained in `dtype` on `device`. On a GPU with
+    `accelerate` installed the weights go straight there (device_map); without it they pass
+    through host memory first (an 8B model in bf16: 16 GB)."""
     from transformers import AutoModelForCausalLM
 
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
+    if device is None:
+        device = "cpu"
+    device = torch.device(device)
+    has_accelerate = importlib.util.find_spec("accelerate") is not None
+    if device.type != "cpu" and has_accelerate:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device, **kwargs)
     if device.type != "cpu":
         warnings.warn(
-            f"loading {path} through host memory first (pip install accelerate loads it straight to "
-            f"{device})"
+            f"loading {path} through host memory first (pip install accelerate loads it "
+            f"straight to {device})"
         )
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device)
 
@@ -725,9 +858,10 @@ def find_recorded(path: str | None, what: str, must_exist: bool = True) -> str |
 
 
 def finite_step(optimizer: torch.optim.Optimizer, params, max_norm: float) -> bool:
-    """Clip the gradients to max_norm and step, unless their norm is not finite: then drop them and skip the step
-    (one NaN or Inf would reach the weights and both AdamW moments). Returns whether it stepped. The norm is the same
-    on every rank (gradients are reduced before it), so every rank decides alike. One host read."""
+    """Clip the gradients to max_norm and step, unless their norm is not finite: then drop
+    them and skip the step (one NaN or Inf would reach the weights and both AdamW moments).
+    Returns whether it stepped. The norm is the same on every rank (gradients are reduced
+    before it), so every rank decides alike. One host read."""
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     stepped = bool(torch.isfinite(norm))
     if stepped:
@@ -737,10 +871,11 @@ def finite_step(optimizer: torch.optim.Optimizer, params, max_norm: float) -> bo
 
 
 def host_copy(module: nn.Module) -> nn.Module:
-    """A deep copy in host memory, made tensor by tensor (never a second whole copy on the device)."""
-    memo = {
-        id(p): nn.Parameter(p.detach().to("cpu", copy=True), p.requires_grad)
-        for p in module.parameters()
-    }
-    memo.update({id(b): b.to("cpu", copy=True) for b in module.buffers()})
+    """A deep copy in host memory, made tensor by tensor (never a second whole copy on the
+    device)."""
+    memo = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(p.detach().to("cpu", copy=True), p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = b.to("cpu", copy=True)
     return copy.deepcopy(module, memo)

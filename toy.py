@@ -1,19 +1,25 @@
 """Built-in toy setting: a tiny target LM that learns step-by-step arithmetic.
 
-This is scaffolding, not the D3D method. The repository ships one toy, built once, in ``toy-target/``, so that
-``python train.py`` starts at the drafter, and every machine trains it on the same target and the same answers:
+This is scaffolding, not the D3D method. The repository ships one toy, built once, in
+``toy-target/``, so that ``python train.py`` starts at the drafter, and every machine trains
+it on the same target and the same answers:
 
-* the target: a normal Hugging Face folder (a 0.8M-parameter ``Qwen3ForCausalLM``, safetensors, and a
-  character-level tokenizer with a chat template), loadable with ``AutoModelForCausalLM`` / ``AutoTokenizer``;
-* ``prompts-train.jsonl`` / ``prompts-test.jsonl``: 2,000 training and 200 held-out prompts, disjoint;
-* ``answers-train.jsonl`` / ``answers-test.jsonl``: the target's own greedy answers to them, as token ids (the
-  answers file train.py reads: a header line, then ``{"i", "prompt", "response"}`` per prompt);
-* ``toy.json``: the recipe, the CPU capability and float-order settings it was built under, its held-out accuracy,
-  its fingerprint (sha256 of the weights, the tokenizer's fingerprint) and the sha256 of the four data files.
-  :func:`open_toy` checks every file against it.
+* the target: a normal Hugging Face folder (a 0.8M-parameter ``Qwen3ForCausalLM``,
+  safetensors, and a character-level tokenizer with a chat template), loadable with
+  ``AutoModelForCausalLM`` / ``AutoTokenizer``;
+* ``prompts-train.jsonl`` / ``prompts-test.jsonl``: 2,000 training and 200 held-out prompts,
+  disjoint;
+* ``answers-train.jsonl`` / ``answers-test.jsonl``: the target's own greedy answers to them,
+  as token ids (the answers file train.py reads: a header line, then
+  ``{"i", "prompt", "response"}`` per prompt);
+* ``toy.json``: the recipe, the CPU capability and float-order settings it was built under,
+  its held-out accuracy, its fingerprint (sha256 of the weights, the tokenizer's
+  fingerprint) and the sha256 of the four data files. :func:`open_toy` checks every file
+  against it.
 
-Each prompt line is ``{"question": "7 * 6 + 8 - 5", "reference_answer": "..."}``. The reference answer is
-the exact, correct solution; the drafter learns from the *target's* answers, not from it.
+Each prompt line is ``{"question": "7 * 6 + 8 - 5", "reference_answer": "..."}``. The
+reference answer is the exact, correct solution; the drafter learns from the *target's*
+answers, not from it.
 
 The task, e.g. question ``7 * 6 + 8 - 5`` and answer::
 
@@ -22,20 +28,24 @@ The task, e.g. question ``7 * 6 + 8 - 5`` and answer::
     50 - 5 = 45
     #### 45
 
-2 to 4 operations, one per line, each line starting with the previous result; at most one ``*``, and it comes first
-(a times table: 2..12 by 2..9), so the usual precedence and left to right agree; otherwise the first number is 1..50;
-+ and - operands 1..9; no intermediate value below 0 or above 999; answers of 30 to 80 characters (43 on average).
+2 to 4 operations, one per line, each line starting with the previous result. At most one
+``*``, and it comes first (a times table: 2..12 by 2..9), so the usual precedence and left to
+right agree; otherwise the first number is 1..50. + and - operands are 1..9; no intermediate
+value is below 0 or above 999; answers have 30 to 80 characters (43 on average).
 
-Command line: ``python toy.py [--out runs/toy-target] [--seed 0] [--steps 3000] [--threads 1]`` builds a toy of the
-same layout into ``runs/`` (never over ``toy-target/``) and says how its target compares with the repository's.
+Command line: ``python toy.py [--out runs/toy-target] [--seed 0] [--steps 3000]
+[--threads 1]`` builds a toy of the same layout into ``runs/`` (never over ``toy-target/``)
+and says how its target compares with the repository's.
 
-The target trains from fixed seeds until it solves its own problems (TRAIN_STEPS = 3000 steps of 16 problems). Float
-order differs between CPUs and thread counts, so no two machines build bit-equal targets from the same seeds: a
-rebuilt target may solve another share of its problems and answer near-ties otherwise, and a drafter cut from it
-reaches another tau. That is why the toy is shipped rather than rebuilt.
+The target trains from fixed seeds until it solves its own problems (TRAIN_STEPS = 3000
+steps of 16 problems). Float order differs between CPUs and thread counts, so no two
+machines build bit-equal targets from the same seeds: a rebuilt target may solve another
+share of its problems and answer near-ties otherwise, and a drafter cut from it reaches
+another tau. That is why the toy is shipped rather than rebuilt.
 
-On a CPU shared with other busy processes, training with as many torch threads as cores can be many times
-slower than with one thread (threads wait on each other); hence one thread by default.
+On a CPU shared with other busy processes, training with as many torch threads as cores can
+be many times slower than with one thread (threads wait on each other); hence one thread by
+default.
 """
 
 from __future__ import annotations
@@ -56,25 +66,33 @@ from tqdm.auto import tqdm
 import runtime
 from systems import batched
 
-# ----------------------------------------------------------------------------------------------- task
+# --------------------------------------------------------------------------------------------- task
 
-MIN_OPS, MAX_OPS = 2, 4
+MIN_OPS = 2  # operations per problem
+MAX_OPS = 4
 FIRST_RANGE = (1, 50)  # the first number, when the first operation is + or -
 TIMES_RANGE = (2, 12)  # the first number, when the first operation is *: a times table
 ADD_RANGE = (1, 9)  # operands of + and -
 MUL_RANGE = (2, 9)  # right operand of *
 P_MUL = 0.4  # chance that the first operation is * (no other may be)
 MAX_VALUE = 999  # no intermediate value above this (and none below 0)
-MIN_ANSWER_CHARS, MAX_ANSWER_CHARS = 30, 80
+MIN_ANSWER_CHARS = 30  # the length of an answer, in characters
+MAX_ANSWER_CHARS = 80
 
 
 def _solve(nums: list[int], ops: list[str]) -> list[tuple[int, str, int, int]] | None:
     """Steps (a, op, b, result), left to right, or None if a value leaves [0, MAX_VALUE].
 
     Left to right is the usual precedence here because every * comes before every + and -."""
-    steps, acc = [], nums[0]
+    steps = []
+    acc = nums[0]
     for op, b in zip(ops, nums[1:]):
-        c = acc * b if op == "*" else acc + b if op == "+" else acc - b
+        if op == "*":
+            c = acc * b
+        elif op == "+":
+            c = acc + b
+        else:
+            c = acc - b
         if not 0 <= c <= MAX_VALUE:
             return None
         steps.append((acc, op, b, c))
@@ -83,14 +101,23 @@ def _solve(nums: list[int], ops: list[str]) -> list[tuple[int, str, int, int]] |
 
 
 def make_problem(rng: random.Random) -> tuple[str, str]:
-    """One random problem: (question, reference step-by-step answer). Deterministic given the rng state.
+    """One random problem: (question, reference step-by-step answer). Deterministic given
+    the rng state.
 
-    A multiplication only leads the expression ("7 * 3 + 5 - 4"), so the steps go left to right and each line starts
-    with the previous result: easy for a tiny model to follow, and still ordinary arithmetic."""
+    A multiplication only leads the expression ("7 * 3 + 5 - 4"), so the steps go left to
+    right and each line starts with the previous result: easy for a tiny model to follow,
+    and still ordinary arithmetic."""
     while True:
-        ops = ["*" if rng.random() < P_MUL else rng.choice("+-")]
-        ops += [rng.choice("+-") for _ in range(rng.randint(MIN_OPS, MAX_OPS) - 1)]
-        nums = [rng.randint(*(TIMES_RANGE if ops[0] == "*" else FIRST_RANGE))]
+        # the first operation: * with chance P_MUL, else + or -; then + or - only
+        if rng.random() < P_MUL:
+            ops = ["*"]
+        else:
+            ops = [rng.choice("+-")]
+        num_ops = rng.randint(MIN_OPS, MAX_OPS)
+        ops += [rng.choice("+-") for _ in range(num_ops - 1)]
+        first_range = TIMES_RANGE if ops[0] == "*" else FIRST_RANGE
+        nums = [rng.randint(*first_range)]
+        # each operation's right operand
         nums += [rng.randint(*(MUL_RANGE if op == "*" else ADD_RANGE)) for op in ops]
         steps = _solve(nums, ops)
         if steps is None:
@@ -102,13 +129,15 @@ def make_problem(rng: random.Random) -> tuple[str, str]:
             return question, answer
 
 
-# ------------------------------------------------------------------------------------------ tokenizer
+# ---------------------------------------------------------------------------------------- tokenizer
 
-PAD, EOS, UNK = "<|pad|>", "<|end|>", "<|unk|>"
+PAD = "<|pad|>"
+EOS = "<|end|>"
+UNK = "<|unk|>"
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
 SPECIAL_TOKENS = [PAD, EOS, UNK] + ROLE_TOKENS
-# Every character the task uses, plus lowercase letters and some punctuation so that ordinary short text
-# (e.g. a system prompt) still round-trips. Anything else maps to <|unk|>.
+# Every character the task uses, plus lowercase letters and some punctuation so that
+# ordinary short text (e.g. a system prompt) still round-trips. Anything else maps to <|unk|>.
 CHARS = (
     list("0123456789+-*/=#()")
     + [" ", "\n"]
@@ -116,8 +145,9 @@ CHARS = (
     + list(".,:;?!'\"")
 )
 
-# "<|role|>\n" + content + "<|end|>\n" per message; the generation prompt is "<|assistant|>\n", so the
-# prompt ids end exactly where the answer begins, and the model ends its answer with <|end|> (eos).
+# "<|role|>\n" + content + "<|end|>\n" per message; the generation prompt is
+# "<|assistant|>\n", so the prompt ids end exactly where the answer begins, and the model ends
+# its answer with <|end|> (eos).
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
@@ -141,7 +171,8 @@ def make_tokenizer() -> transformers.PreTrainedTokenizerFast:
         model_max_length=MODEL_MAX_LENGTH,
         clean_up_tokenization_spaces=False,
     )
-    # Role markers are special (never split into characters, skipped by decode(skip_special_tokens=True)).
+    # Role markers are special (never split into characters, skipped by
+    # decode(skip_special_tokens=True)).
     tok.add_special_tokens({"additional_special_tokens": ROLE_TOKENS})
     tok.chat_template = CHAT_TEMPLATE
     assert len(tok) == len(vocab), "special tokens must already be in the vocabulary"
@@ -158,11 +189,12 @@ def _prompt_ids(tok, question: str) -> list[int]:
     return tok.encode(_prompt_text(tok, question), add_special_tokens=False)
 
 
-# ------------------------------------------------------------------------------------------- model
+# -------------------------------------------------------------------------------------------- model
 
 
 def _padded_vocab_size(n: int) -> int:
-    """Strictly more than n and a multiple of 16 (free embedding slots, as in Qwen3's padded vocabulary)."""
+    """Strictly more than n and a multiple of 16 (free embedding slots, as in Qwen3's padded
+    vocabulary)."""
     return (n // 16 + 1) * 16
 
 
@@ -179,7 +211,8 @@ def _make_model(tok) -> transformers.Qwen3ForCausalLM:
         tie_word_embeddings=True,
         initializer_range=0.02,
         pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.pad_token_id,  # as in Qwen3, "bos" is the pad/end-of-text token; no bos is prepended
+        # as in Qwen3, "bos" is the pad/end-of-text token; no bos is prepended
+        bos_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
     )
     model = transformers.Qwen3ForCausalLM(config)
@@ -193,7 +226,7 @@ def _make_model(tok) -> transformers.Qwen3ForCausalLM:
     return model
 
 
-# ----------------------------------------------------------------------------------------- prompts
+# ------------------------------------------------------------------------------------------ prompts
 
 
 def _make_prompt_sets(seed: int, n_train: int, n_test: int) -> tuple[list[dict], list[dict]]:
@@ -230,12 +263,13 @@ def _read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-# ---------------------------------------------------------------------------------------- training
+# ----------------------------------------------------------------------------------------- training
 
 
 def _batch(tok, problems: list[tuple[str, str]], device) -> dict[str, torch.Tensor]:
     """Right-padded (prompt + answer + eos); labels only on answer + eos."""
-    seqs, labels = [], []
+    seqs = []
+    labels = []
     for q, a in problems:
         p = _prompt_ids(tok, q)
         ans = tok.encode(a, add_special_tokens=False) + [tok.eos_token_id]
@@ -245,10 +279,10 @@ def _batch(tok, problems: list[tuple[str, str]], device) -> dict[str, torch.Tens
     ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
     lab = torch.full((len(seqs), width), -100, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, (s, l) in enumerate(zip(seqs, labels)):
-        ids[i, : len(s)] = torch.tensor(s)
-        lab[i, : len(l)] = torch.tensor(l)
-        mask[i, : len(s)] = 1
+    for i, (seq, seq_labels) in enumerate(zip(seqs, labels)):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        lab[i, : len(seq_labels)] = torch.tensor(seq_labels)
+        mask[i, : len(seq)] = 1
     return {
         "input_ids": ids.to(device),
         "attention_mask": mask.to(device),
@@ -256,20 +290,37 @@ def _batch(tok, problems: list[tuple[str, str]], device) -> dict[str, torch.Tens
     }
 
 
+def _problem_length(problem: tuple[str, str]) -> int:
+    """Characters in a problem's question and answer together."""
+    question, answer = problem
+    return len(question) + len(answer)
+
+
 def _batches(tok, rng: random.Random, exclude: set[str], batch_size: int, device):
-    """Endless training batches of fresh problems (none of them a test question). Problems come in pools of
-    POOL_BATCHES batches sorted by length, so a batch pads little; the batches of a pool are shuffled."""
+    """Endless training batches of fresh problems (none of them a test question). Problems
+    come in pools of POOL_BATCHES batches sorted by length, so a batch pads little; the
+    batches of a pool are shuffled."""
     while True:
         pool = []
         while len(pool) < POOL_BATCHES * batch_size:
             q, a = make_problem(rng)
             if q not in exclude:
                 pool.append((q, a))
-        pool.sort(key=lambda qa: len(qa[0]) + len(qa[1]))
+        pool.sort(key=_problem_length)
         batches = [pool[i : i + batch_size] for i in range(0, len(pool), batch_size)]
         rng.shuffle(batches)
         for problems in batches:
             yield _batch(tok, problems, device)
+
+
+def _lr_scale(step: int, train_steps: int, warmup: int) -> float:
+    """The learning rate at `step`, as a share of the peak: (1) a linear warmup over `warmup`
+    steps; (2) the peak; (3) over the last DECAY_SHARE of the steps, a linear decay to 10 %."""
+    scale = min(1.0, (step + 1) / warmup)
+    decay_from = int((1 - DECAY_SHARE) * train_steps)
+    if step >= decay_from:
+        scale *= 0.1 + 0.9 * (train_steps - step) / (train_steps - decay_from)
+    return scale
 
 
 def _train(
@@ -284,18 +335,16 @@ def _train(
     warmup: int,
     device,
 ) -> tuple[int, float]:
-    """AdamW with warmup, a constant rate, then a linear decay to 10 % over the last DECAY_SHARE of the steps. Returns
-    (steps, last smoothed loss)."""
+    """AdamW with warmup, a constant rate, then a linear decay to 10 % over the last
+    DECAY_SHARE of the steps (_lr_scale). Returns (steps, last smoothed loss)."""
     rng = random.Random(f"toy-train-{seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     model.train()
     ema = float("nan")
-    decay_from = int((1 - DECAY_SHARE) * train_steps)
     bar = tqdm(total=train_steps, desc="toy target", unit="step", dynamic_ncols=True)
-    for step, batch in zip(range(train_steps), _batches(tok, rng, exclude, batch_size, device)):
-        scale = min(1.0, (step + 1) / warmup)
-        if step >= decay_from:
-            scale *= 0.1 + 0.9 * (train_steps - step) / (train_steps - decay_from)
+    batches = _batches(tok, rng, exclude, batch_size, device)
+    for step, batch in zip(range(train_steps), batches):
+        scale = _lr_scale(step, train_steps, warmup)
         for g in opt.param_groups:
             g["lr"] = lr * scale
         loss = model(**batch).loss
@@ -304,7 +353,10 @@ def _train(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         val = loss.item()
-        ema = val if math.isnan(ema) else 0.9 * ema + 0.1 * val
+        if math.isnan(ema):
+            ema = val
+        else:
+            ema = 0.9 * ema + 0.1 * val
         bar.update(1)
         bar.set_postfix(loss=f"{ema:.3f}", lr=f"{lr * scale:.1e}")
     bar.close()
@@ -312,7 +364,7 @@ def _train(
     return train_steps, ema
 
 
-# ----------------------------------------------------------------------------------------- answers
+# ------------------------------------------------------------------------------------------ answers
 
 MAX_NEW_TOKENS = 128  # every toy answer ends well before this (at most 80 characters and EOS)
 
@@ -327,11 +379,13 @@ def answer_ids(
     batch_size: int = 64,
     desc: str = "target answers",
 ) -> list[list[int]]:
-    """The target's greedy response to each prompt, as token ids ending with EOS where it stopped. Batches of similar
-    lengths, left-padded, so that every prompt ends where its answer begins."""
+    """The target's greedy response to each prompt, as token ids ending with EOS where it
+    stopped. Batches of similar lengths, left-padded, so that every prompt ends where its
+    answer begins."""
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     out: list[list[int]] = [[] for _ in prompt_ids]
-    for s in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch", dynamic_ncols=True):
+    starts = range(0, len(order), batch_size)
+    for s in tqdm(starts, desc=desc, unit="batch", dynamic_ncols=True):
         idx = order[s : s + batch_size]
         ids, real = batched.left_pad([prompt_ids[i] for i in idx], model.device)
         gen = model.generate(
@@ -343,26 +397,31 @@ def answer_ids(
             pad_token_id=tok.pad_token_id,
         )
         for i, row in zip(idx, gen[:, ids.shape[1] :].tolist()):
-            out[i] = row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
+            if tok.eos_token_id in row:
+                row = row[: row.index(tok.eos_token_id) + 1]
+            out[i] = row
     return out
 
 
 def _final_number(answer: str) -> str | None:
+    """The number after "#### " on an answer's last line; None if there is none."""
     last = answer.strip().split("\n")[-1]
-    return last[5:].strip() if last.startswith("#### ") else None
+    if not last.startswith("#### "):
+        return None
+    return last[5:].strip()
 
 
 def score(tok, rows: list[dict], responses: list[list[int]]) -> dict:
-    """Exact match of the answers against the references, final-number match, and the share ending with EOS."""
-    texts = [
-        tok.decode([t for t in r if t != tok.eos_token_id], skip_special_tokens=True)
-        for r in responses
-    ]
+    """Exact match of the answers against the references, final-number match, and the share
+    ending with EOS."""
+    texts = []
+    for response in responses:
+        without_eos = [t for t in response if t != tok.eos_token_id]
+        texts.append(tok.decode(without_eos, skip_special_tokens=True))
+    references = [r["reference_answer"] for r in rows]
     n = max(len(rows), 1)
-    exact = sum(a == r["reference_answer"] for a, r in zip(texts, rows))
-    final = sum(
-        _final_number(a) == _final_number(r["reference_answer"]) for a, r in zip(texts, rows)
-    )
+    exact = sum(a == ref for a, ref in zip(texts, references))
+    final = sum(_final_number(a) == _final_number(ref) for a, ref in zip(texts, references))
     ended = sum(tok.eos_token_id in r for r in responses)
     return {
         "n": len(rows),
@@ -374,30 +433,39 @@ def score(tok, rows: list[dict], responses: list[list[int]]) -> dict:
 
 
 def evaluate(model, tok, rows: list[dict]) -> dict:
-    """Greedy answers to the rows' questions, scored against their reference answers (see `score`)."""
-    return score(tok, rows, answer_ids(model, tok, [_prompt_ids(tok, r["question"]) for r in rows]))
+    """Greedy answers to the rows' questions, scored against their reference answers (see
+    `score`)."""
+    prompt_ids = [_prompt_ids(tok, r["question"]) for r in rows]
+    return score(tok, rows, answer_ids(model, tok, prompt_ids))
 
 
 def write_answers(
     path: str, header: dict, prompt_ids: list[list[int]], responses: list[list[int]]
 ) -> None:
-    """An answers file, the format train.py reads and caches: a header line naming the target, the tokenizer's
-    fingerprint and the generation limit, then one line per prompt: {"i", "prompt", "response"} as token ids."""
-    rows = [header] + [
-        {"i": i, "prompt": p, "response": r} for i, (p, r) in enumerate(zip(prompt_ids, responses))
-    ]
+    """An answers file, the format train.py reads and caches: a header line naming the
+    target, the tokenizer's fingerprint and the generation limit, then one line per prompt:
+    {"i", "prompt", "response"} as token ids."""
+    rows = [header]
+    for i, (p, r) in enumerate(zip(prompt_ids, responses)):
+        rows.append({"i": i, "prompt": p, "response": r})
     _write_jsonl(path, rows)
 
 
-# -------------------------------------------------------------------------------------------- API
+# ---------------------------------------------------------------------------------------------- API
 
-TRAIN_STEPS = 3000  # the toy target's optimizer steps: enough to solve its own problems (>= 90 % of held-out prompts)
-BATCH_SIZE, LR, WARMUP, DECAY_SHARE = 16, 5e-3, 30, 0.3
+# the toy target's optimizer steps: enough to solve its own problems (>= 90 % of held-out
+# prompts)
+TRAIN_STEPS = 3000
+BATCH_SIZE = 16  # problems per step
+LR = 5e-3  # the peak learning rate
+WARMUP = 30  # steps of linear warmup
+DECAY_SHARE = 0.3  # the last share of the steps, a linear decay to 10 % of LR
 POOL_BATCHES = 8  # batches drawn at once and sorted by length (little padding)
-RECIPE = "toy.json"  # in every toy folder: how it was built, how well it answers, and the fingerprints of its files
-SHIPPED = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "toy-target"
-)  # the toy in the repository
+# in every toy folder: how it was built, how well it answers, and the fingerprints of its
+# files
+RECIPE = "toy.json"
+# the toy in the repository
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy-target")
 DEFAULT_OUT = "runs/toy-target"  # where `python toy.py` builds one
 DATA_FILES = {
     "train": "prompts-train.jsonl",
@@ -409,26 +477,29 @@ FLOAT_ORDER_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX
 
 
 def toy_paths(folder: str) -> dict:
-    """{"target": the HF folder, "train"/"test": the prompt files, "train_answers"/"test_answers": the target's
-    answers to them}: all in one folder."""
+    """{"target": the HF folder, "train"/"test": the prompt files,
+    "train_answers"/"test_answers": the target's answers to them}: all in one folder."""
     folder = os.path.abspath(folder)
-    return {
-        "target": folder,
-        **{key: os.path.join(folder, name) for key, name in DATA_FILES.items()},
-    }
+    paths = {"target": folder}
+    for key, name in DATA_FILES.items():
+        paths[key] = os.path.join(folder, name)
+    return paths
 
 
 def sha256_file(path: str) -> str:
+    """The file's sha256, read 1 MiB at a time."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+        while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
 
 
 def fingerprint(folder: str, tok=None) -> dict:
-    """What identifies a toy target: the sha256 of its weights file and its tokenizer's fingerprint."""
-    tok = tok if tok is not None else transformers.AutoTokenizer.from_pretrained(folder)
+    """What identifies a toy target: the sha256 of its weights file and its tokenizer's
+    fingerprint."""
+    if tok is None:
+        tok = transformers.AutoTokenizer.from_pretrained(folder)
     return {
         "weights_sha256": sha256_file(os.path.join(folder, "model.safetensors")),
         "tokenizer": runtime.tokenizer_fingerprint(tok),
@@ -436,11 +507,12 @@ def fingerprint(folder: str, tok=None) -> dict:
 
 
 def read_recipe(folder: str) -> dict:
+    """The toy folder's toy.json; a UserError if it is missing or not JSON."""
     path = os.path.join(folder, RECIPE)
     if not os.path.isfile(path):
         raise runtime.UserError(
-            f"no toy at {folder} ({RECIPE} is missing): `python toy.py --out {folder}` builds one; "
-            f"the repository's toy is {SHIPPED}"
+            f"no toy at {folder} ({RECIPE} is missing): `python toy.py --out {folder}` builds "
+            f"one; the repository's toy is {SHIPPED}"
         )
     try:
         with open(path) as f:
@@ -453,28 +525,30 @@ def read_recipe(folder: str) -> dict:
 
 
 def open_toy(folder: str = SHIPPED) -> dict:
-    """The paths of a finished toy folder (see `toy_paths`), after checking every file against its toy.json: the
-    weights and tokenizer against the recorded fingerprint, the prompt and answer files against their sha256. A file
-    that does not match is an error, never a silently different toy."""
+    """The paths of a finished toy folder (see `toy_paths`), after checking every file
+    against its toy.json: the weights and tokenizer against the recorded fingerprint, the
+    prompt and answer files against their sha256. A file that does not match is an error,
+    never a silently different toy."""
     folder = os.path.abspath(folder)
-    recipe, paths = read_recipe(folder), toy_paths(folder)
+    recipe = read_recipe(folder)
+    paths = toy_paths(folder)
     if "files" not in recipe:
         raise runtime.UserError(
-            f"{folder} is an unfinished toy ({RECIPE} records no files): rerun `python toy.py --out "
-            f"{folder}` to finish it"
+            f"{folder} is an unfinished toy ({RECIPE} records no files): rerun "
+            f"`python toy.py --out {folder}` to finish it"
         )
-    restore = (
-        "`git checkout -- toy-target` restores it"
-        if folder == SHIPPED
-        else f"`python toy.py --out {folder}` rebuilds it after you delete the folder"
-    )
+    if folder == SHIPPED:
+        restore = "`git checkout -- toy-target` restores it"
+    else:
+        restore = f"`python toy.py --out {folder}` rebuilds it after you delete the folder"
     for key, name in DATA_FILES.items():
         if not os.path.isfile(paths[key]):
             raise runtime.UserError(f"{paths[key]} is missing from the toy; {restore}")
         if sha256_file(paths[key]) != recipe["files"][name]:
             raise runtime.UserError(
-                f"{paths[key]} does not match {os.path.join(folder, RECIPE)} (its sha256 differs): the "
-                f"toy's prompts and the target's answers to them belong together; {restore}"
+                f"{paths[key]} does not match {os.path.join(folder, RECIPE)} (its sha256 "
+                "differs): the toy's prompts and the target's answers to them belong "
+                f"together; {restore}"
             )
     found = fingerprint(folder)
     for key, what in (("weights_sha256", "weights"), ("tokenizer", "tokenizer")):
@@ -496,30 +570,35 @@ def build_toy(
     device: str = "cpu",
     num_threads: int | None = None,
 ) -> dict:
-    """Builds a toy folder (see `toy_paths`): a normal HF folder (AutoModelForCausalLM and AutoTokenizer both load it,
-    with a chat template) holding also the prompt files, the target's greedy answers to them and toy.json. Skips what
-    is already there (rerun = instant; an interrupted build resumes after the training). Returns the paths; prints
+    """Builds a toy folder (see `toy_paths`): a normal HF folder (AutoModelForCausalLM and
+    AutoTokenizer both load it, with a chat template) holding also the prompt files, the
+    target's greedy answers to them and toy.json. Skips what is already there (rerun =
+    instant; an interrupted build resumes after the training). Returns the paths; prints
     where it wrote what and how the target compares with the repository's.
 
-    The prompt files depend only on ``seed`` and the two counts; the target on ``seed``, ``train_steps`` and the float
-    order of the CPU (recorded in toy.json). A finished toy built with other settings is reused with a warning: delete
-    the folder to rebuild. ``num_threads``, if given, is torch's CPU thread count meanwhile (restored afterwards).
+    The prompt files depend only on ``seed`` and the two counts; the target on ``seed``,
+    ``train_steps`` and the float order of the CPU (recorded in toy.json). A finished toy
+    built with other settings is reused with a warning: delete the folder to rebuild.
+    ``num_threads``, if given, is torch's CPU thread count meanwhile (restored afterwards).
     Never writes over the repository's toy."""
     out_dir = os.path.abspath(out_dir)
     if os.path.realpath(out_dir) == os.path.realpath(SHIPPED):
         raise ValueError(
-            f"{out_dir} is the repository's toy, built once and kept as it is; build into another folder "
-            f"(default {DEFAULT_OUT})"
+            f"{out_dir} is the repository's toy, built once and kept as it is; build into "
+            f"another folder (default {DEFAULT_OUT})"
         )
     paths = toy_paths(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    recipe = read_recipe(out_dir) if os.path.isfile(os.path.join(out_dir, RECIPE)) else {}
+    recipe = {}
+    if os.path.isfile(os.path.join(out_dir, RECIPE)):
+        recipe = read_recipe(out_dir)
     if "files" in recipe:
         wanted = {"seed": seed, "train_steps": train_steps}
-        if {k: recipe.get(k) for k in wanted} != wanted:
-            built = {k: recipe.get(k) for k in wanted}
+        built = {k: recipe.get(k) for k in wanted}
+        if built != wanted:
             print(
-                f"[toy] WARNING: reusing {out_dir}, built with {built}, not {wanted}. Delete it to rebuild."
+                f"[toy] WARNING: reusing {out_dir}, built with {built}, not {wanted}. "
+                "Delete it to rebuild."
             )
         else:
             print(f"[toy] already there: {out_dir}")
@@ -549,16 +628,18 @@ def build_toy(
 
 
 def _build_target(paths: dict, *, seed: int, train_steps: int, device: str) -> dict:
-    """Trains the target and saves it with its tokenizer and a first toy.json (the training's record)."""
+    """Trains the target and saves it with its tokenizer and a first toy.json (the
+    training's record)."""
     test_rows = _read_jsonl(paths["test"])
     tok = make_tokenizer()
-    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
+    # leave the caller's RNG state alone
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _make_model(tok).to(device)
         n_params = sum(p.numel() for p in model.parameters())
         print(
-            f"[toy] training a {n_params / 1e6:.2f}M-parameter Qwen3 target from scratch ({train_steps} steps, "
-            f"seed {seed}) on {device}"
+            f"[toy] training a {n_params / 1e6:.2f}M-parameter Qwen3 target from scratch "
+            f"({train_steps} steps, seed {seed}) on {device}"
         )
         t0 = time.monotonic()
         steps, loss = _train(
@@ -591,18 +672,19 @@ def _build_target(paths: dict, *, seed: int, train_steps: int, device: str) -> d
 
 
 def finish_toy(folder: str, recipe: dict, device: str = "cpu") -> dict:
-    """The target in `folder` answers its prompt files (greedy, batched); its held-out accuracy, the fingerprints and
-    the files' sha256 go into toy.json, which then marks the toy finished. Returns the recipe."""
+    """The target in `folder` answers its prompt files (greedy, batched); its held-out
+    accuracy, the fingerprints and the files' sha256 go into toy.json, which then marks the
+    toy finished. Returns the recipe."""
     paths = toy_paths(folder)
     tok = transformers.AutoTokenizer.from_pretrained(folder)
-    model = (
-        transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        .to(device)
-        .eval()
-    )
-    recipe = {**recipe, "fingerprint": fingerprint(folder, tok), "max_new_tokens": MAX_NEW_TOKENS}
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = model.to(device).eval()
+    recipe = dict(recipe)
+    recipe["fingerprint"] = fingerprint(folder, tok)
+    recipe["max_new_tokens"] = MAX_NEW_TOKENS
+    weights = recipe["fingerprint"]["weights_sha256"]
     header = {
-        "answers_of": f"toy target {recipe['fingerprint']['weights_sha256'][:16]}",
+        "answers_of": f"toy target {weights[:16]}",
         "tokenizer": recipe["fingerprint"]["tokenizer"],
         "max_new_tokens": MAX_NEW_TOKENS,
     }
@@ -613,51 +695,55 @@ def finish_toy(folder: str, recipe: dict, device: str = "cpu") -> dict:
         responses = answer_ids(model, tok, prompt_ids, desc=f"target answers ({split})")
         write_answers(paths[f"{split}_answers"], header, prompt_ids, responses)
         res = score(tok, rows, responses)
-        recipe.update(
-            {
-                f"{split}_exact_match": res["exact_match"],
-                f"{split}_final_answer": res["final_answer"],
-            }
-        )
+        recipe[f"{split}_exact_match"] = res["exact_match"]
+        recipe[f"{split}_final_answer"] = res["final_answer"]
         print(
-            f"[toy] greedy answers to {res['n']} {split} prompts: exact match {res['exact_match']:.1%}, final "
-            f"answer {res['final_answer']:.1%}, ended with EOS {res['ends_with_eos']:.0%} -> "
-            f"{paths[f'{split}_answers']}"
+            f"[toy] greedy answers to {res['n']} {split} prompts: exact match "
+            f"{res['exact_match']:.1%}, final answer {res['final_answer']:.1%}, ended with EOS "
+            f"{res['ends_with_eos']:.0%} -> {paths[f'{split}_answers']}"
         )
         if split == "test" and rows:
             print(
-                f"[toy] sample question: {rows[0]['question']}\n[toy] target answer:\n{res['answers'][0]}\n"
+                f"[toy] sample question: {rows[0]['question']}\n"
+                f"[toy] target answer:\n{res['answers'][0]}\n"
                 f"[toy] reference answer:\n{rows[0]['reference_answer']}"
             )
     recipe["answer_seconds"] = round(time.monotonic() - t0)
-    recipe["files"] = {
-        name: sha256_file(os.path.join(folder, name)) for name in DATA_FILES.values()
-    }
+    recipe["files"] = {}
+    for name in DATA_FILES.values():
+        recipe["files"][name] = sha256_file(os.path.join(folder, name))
     _write_json(os.path.join(folder, RECIPE), recipe)
     print(f"[toy] finished {folder} ({RECIPE}: recipe, accuracy, fingerprints)")
     return recipe
 
 
 def compare_with_shipped(folder: str) -> dict | None:
-    """How a built toy compares with the repository's: held-out accuracy, fingerprints, and the share of prompts the
-    two targets answer alike (where their prompt files agree). Printed; None if the repository's toy is absent."""
-    if not os.path.isfile(os.path.join(SHIPPED, RECIPE)) or os.path.realpath(
-        folder
-    ) == os.path.realpath(SHIPPED):
+    """How a built toy compares with the repository's: held-out accuracy, fingerprints, and
+    the share of prompts the two targets answer alike (where their prompt files agree).
+    Printed; None if the repository's toy is absent."""
+    if not os.path.isfile(os.path.join(SHIPPED, RECIPE)):
         return None
-    mine, shipped = read_recipe(folder), read_recipe(SHIPPED)
+    if os.path.realpath(folder) == os.path.realpath(SHIPPED):
+        return None
+    mine = read_recipe(folder)
+    shipped = read_recipe(SHIPPED)
     result = {
         "exact_match": (mine.get("test_exact_match"), shipped.get("test_exact_match")),
         "same_weights": mine["fingerprint"] == shipped["fingerprint"],
     }
+    if result["same_weights"]:
+        weights = "identical"
+    else:
+        weights = "differ"
     print(
-        f"[toy] against the repository's toy ({SHIPPED}, built under {shipped.get('cpu_capability')}): held-out "
-        f"problems solved {mine.get('test_exact_match', 0):.1%} here, {shipped.get('test_exact_match', 0):.1%} "
-        f"there; weights {'identical' if result['same_weights'] else 'differ'}"
+        f"[toy] against the repository's toy ({SHIPPED}, built under "
+        f"{shipped.get('cpu_capability')}): held-out problems solved "
+        f"{mine.get('test_exact_match', 0):.1%} here, "
+        f"{shipped.get('test_exact_match', 0):.1%} there; weights {weights}"
     )
     for split in ("test", "train"):
-        a, b = (toy_paths(f)[f"{split}_answers"] for f in (folder, SHIPPED))
-        rows_a, rows_b = _read_jsonl(a)[1:], _read_jsonl(b)[1:]
+        rows_a = _read_jsonl(toy_paths(folder)[f"{split}_answers"])[1:]
+        rows_b = _read_jsonl(toy_paths(SHIPPED)[f"{split}_answers"])[1:]
         if [r["prompt"] for r in rows_a] != [r["prompt"] for r in rows_b]:
             print(f"[toy] {split} prompts differ from the repository's: answers not compared")
             continue

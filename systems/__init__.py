@@ -1,22 +1,51 @@
-"""The systems code around the method, which a reader of d3d.py never needs to open. Each module imports only from
-runtime, d3d and the modules here; toy.py, train.py and decode.py import from it.
+"""The systems code around the method, which a reader of d3d.py never needs to open.
+
+The modules form layers, each importing only from those below it:
+
+    runtime  <-  d3d  <-  systems/  <-  toy  <-  train.py, decode.py, lab.py
+
+    runtime.py   what the method runs on: fixed-size KV caches, the round's one host read,
+                 the clock, the committed tokens and a decode's stats, input checks, loading
+    d3d.py       the method: drafter and mask, loss, drafting and verification, the sync and
+                 async decoders, pruning, selective prefill
+    systems/     this package: each module imports only from runtime, d3d and the modules here
+    toy.py       the toy target the repository ships (toy-target/): its task, build and checks
+    drivers      train.py, decode.py and lab.py; they never import each other
+
+No project module imports another inside a function, where a cycle would hide.
 
 Beside the method:
-    fast.py         compiled fixed-shape decoding passes (CUDA graphs on a GPU); pruning's scorer from one pass
-    batched.py      concurrent requests as one ragged batch (the paper's Table 2): batched.generate
+    fast.py         compiled fixed-shape decoding passes (CUDA graphs on a GPU); pruning's
+                    scorer from one pass
+    batched.py      concurrent requests as one ragged batch (the paper's Table 2):
+                    batched.generate
+    explain.py      decoding rounds told in words, from d3d.generate(on_round=...):
+                    describe_round, RoundPrinter, ColoredStream
 Both drivers':
-    cli.py          every flag checked against its range, every file a flag names; one error line, exit status 2
-    pictures.py     the paper's pictures drawn by the code (optional: matplotlib, requirements-plots.txt)
+    cli.py          every flag checked against its range, every file a flag names; one error
+                    line, exit status 2
+    pictures.py     the paper's pictures drawn by the code (optional: matplotlib,
+                    requirements-plots.txt)
 train.py's machinery:
-    answers.py      the target's own answers to the prompts, cached as token ids, and the training batches made of them
-    distributed.py  process group, FSDP2 sharding/broadcast/gathering, resumable checkpoints (piecewise and sharded)
-    memory.py       measured peak memory, and the estimated peaks of an FSDP training step and a pruning recovery step
-    evaluation.py   offline tau on held-out answers, the acceptance curve, load_trained, `train.py eval`
-    pruning.py      `train.py prune`: progressive layer pruning, then unpruned vs pruned decoding against the target
+    answers.py      the target's own answers to the prompts, cached as token ids, and the
+                    training batches made of them
+    distributed.py  process group, FSDP2 sharding/broadcast/gathering, resumable checkpoints
+                    (piecewise and sharded)
+    memory.py       measured peak memory, and the estimated peaks of an FSDP training step and
+                    a pruning recovery step
+    evaluation.py   offline tau on held-out answers, the acceptance curve, load_trained,
+                    `train.py eval`
+    pruning.py      `train.py prune`: progressive layer pruning, then unpruned vs pruned
+                    decoding against the target
 decode.py's machinery:
-    decoding.py     the modes a run names (parse_mode), one prompt decoded in each (decode_prompt), the caches (prepare)
-    figures.py      Table 1 from a run's records: a mode's speedup, tau, tok/s, hit rate (summarise), its layout (table)
-    forensics.py    the greedy check: where an output leaves target-only's, a near-tie or an error (classify_divergence)
-    peers.py        transformers' generate, assisted generation and prompt lookup, timed beside D3D (hf_decode)
-    benches.py      the benchmarks beside Table 1: concurrency (Table 2), selective prefill, the sampling check
+    decoding.py     the modes a run names (parse_mode), one prompt decoded in each
+                    (decode_prompt), the caches (prepare)
+    figures.py      Table 1 from a run's records: a mode's speedup, tau, tok/s, hit rate
+                    (summarise), its layout (table)
+    forensics.py    the greedy check: where an output leaves target-only's, a near-tie or an
+                    error (classify_divergence)
+    peers.py        transformers' generate, assisted generation and prompt lookup, timed
+                    beside D3D (hf_decode)
+    benches.py      the benchmarks beside Table 1: concurrency (Table 2), selective prefill,
+                    the sampling check
 """

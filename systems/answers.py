@@ -1,10 +1,12 @@
-"""The target's own answers to the training prompts, cached as token ids, and the batches made of them.
+"""The target's own answers to the training prompts, cached as token ids, and the batches made
+of them.
 
-Each prompt of a JSON Lines file goes through the target's chat template (thinking off unless asked); the target
-answers greedily, and prompt and response token ids are appended to a JSON Lines cache (a header naming the target
-and its tokenizer, then one line per prompt), so a rerun or an interrupted run only answers what is missing. The toy
-ships its target's answers (toy-target/, see toy.py), read as they are. collate makes training and evaluation batches
-of (prompt, response) pairs.
+Each prompt of a JSON Lines file goes through the target's chat template (thinking off unless
+asked). The target answers greedily, and prompt and response token ids are appended to a JSON
+Lines cache (a header naming the target and its tokenizer, then one line per prompt), so a
+rerun or an interrupted run only answers what is missing. The toy ships its target's answers
+(toy-target/, see toy.py), read as they are. collate makes training and evaluation batches of
+(prompt, response) pairs.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from systems import batched, cli
 
 
 def read_prompts(path: str, field: str) -> list[list[dict]]:
-    """One chat (list of messages) per JSON line. `field` holds a string, a list of turns (the first is used: later
-    turns follow the target's own reply, which we do not have yet) or a list of {"role", "content"} messages."""
+    """One chat (list of messages) per JSON line. `field` holds a string, a list of turns
+    (the first is used: later turns follow the target's own reply, not written yet) or a
+    list of {"role", "content"} messages."""
     chats = []
     expected = f'a JSON object with the prompt in "{field}"'
     rows = cli.read_jsonl("prompts file", path, expected)
@@ -38,7 +41,10 @@ def read_prompts(path: str, field: str) -> list[list[dict]]:
             )
         value = row[field]
         if isinstance(value, list) and value and isinstance(value[0], dict):
-            chats.append(value[:-1] if value[-1].get("role") == "assistant" else value)
+            # a chat that ends with the assistant's turn: the target writes that turn
+            if value[-1].get("role") == "assistant":
+                value = value[:-1]
+            chats.append(value)
         elif isinstance(value, list) and value:
             chats.append([{"role": "user", "content": str(value[0])}])
         else:
@@ -47,13 +53,14 @@ def read_prompts(path: str, field: str) -> list[list[dict]]:
 
 
 def load_target(path: str, device, dtype=None):
-    """The frozen target, in eval mode, loaded straight to the device in `dtype` (a function of its own so tests can
-    count the calls)."""
+    """The frozen target, in eval mode, loaded straight to the device in `dtype` (a
+    function of its own so tests can count the calls)."""
     return runtime.load_causal_lm(path, dtype, device).eval()
 
 
 def answers_header(target: str, tokenizer, max_new_tokens: int) -> dict:
-    """The first line of an answers file: whose answers, in which tokenizer's ids, cut at how many tokens."""
+    """The first line of an answers file: whose answers, in which tokenizer's ids, cut at how
+    many tokens."""
     return {
         "answers_of": target,
         "tokenizer": runtime.tokenizer_fingerprint(tokenizer),
@@ -62,54 +69,59 @@ def answers_header(target: str, tokenizer, max_new_tokens: int) -> dict:
 
 
 def _read_cache(paths: list[str], tokenizer) -> dict[int, tuple[list[int], list[int]]]:
-    """{prompt index: (prompt ids, response ids)} from answers files; a file written in another tokenizer's ids is an
-    error (its ids would mean other text)."""
-    done, mine = {}, runtime.tokenizer_fingerprint(tokenizer)
+    """{prompt index: (prompt ids, response ids)} from answers files; a file written in
+    another tokenizer's ids is an error (its ids would mean other text)."""
+    done = {}
+    mine = runtime.tokenizer_fingerprint(tokenizer)
     for path in paths:
         if os.path.exists(path):
-            with open(path) as f:
-                for line in f:
-                    if not line.endswith("\n"):  # a line cut by a kill is answered again
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise runtime.UserError(
-                            f"{path}: a line is not JSON ({e.msg}) — delete the file to answer again"
-                        ) from None
-                    if "answers_of" in row:
-                        if row["tokenizer"] != mine:
-                            raise runtime.UserError(
-                                f"{path} holds the answers of {row['answers_of']} in the ids of a "
-                                f"tokenizer with fingerprint {row['tokenizer']}, but this tokenizer's is "
-                                f"{mine}: its ids would decode to other text. Use the target that wrote "
-                                "it, or delete the file to answer again"
-                            )
-                        continue
-                    done[row["i"]] = (row["prompt"], row["response"])
+            _read_answers_file(path, mine, done)
     return done
 
 
+def _read_answers_file(path: str, mine: str, done: dict) -> None:
+    """Adds the answers in `path` to `done`; `mine`: the tokenizer's fingerprint."""
+    with open(path) as f:
+        for line in f:
+            # a line cut by a kill is answered again
+            if not line.endswith("\n"):
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise runtime.UserError(
+                    f"{path}: a line is not JSON ({e.msg}) — delete the file to answer again"
+                ) from None
+            if "answers_of" not in row:
+                done[row["i"]] = (row["prompt"], row["response"])
+            elif row["tokenizer"] != mine:
+                raise runtime.UserError(
+                    f"{path} holds the answers of {row['answers_of']} in the ids of a "
+                    f"tokenizer with fingerprint {row['tokenizer']}, but this tokenizer's "
+                    f"is {mine}: its ids would decode to other text. Use the target that "
+                    "wrote it, or delete the file to answer again"
+                )
+
+
 class _Throughput:
-    """A transformers streamer that shows the new tokens per second of the unfinished rows, at every step."""
+    """A transformers streamer that shows the new tokens per second of the unfinished rows, at
+    every step."""
 
     def __init__(self, bar, eos: set[int]):
-        self.bar, self.eos, self.num_tokens, self.start = (
-            bar,
-            torch.tensor(sorted(eos)),
-            0,
-            time.perf_counter(),
-        )
+        self.bar = bar
+        self.eos = torch.tensor(sorted(eos))
+        self.num_tokens = 0
+        self.start = time.perf_counter()
 
     def put(self, tokens: torch.Tensor):
-        if tokens.dim() == 2:  # generate hands over the prompts first
+        # generate hands over the prompts first
+        if tokens.dim() == 2:
             self.alive = torch.ones(tokens.shape[0], dtype=torch.bool)
             return
         self.num_tokens += int(self.alive.sum())
         self.alive &= ~torch.isin(tokens, self.eos)
-        self.bar.set_postfix(
-            tok_per_s=f"{self.num_tokens / (time.perf_counter() - self.start):.0f}", refresh=False
-        )
+        per_second = self.num_tokens / (time.perf_counter() - self.start)
+        self.bar.set_postfix(tok_per_s=f"{per_second:.0f}", refresh=False)
         self.bar.update(0)  # redraws at most every bar.mininterval seconds
 
     def end(self):
@@ -130,34 +142,45 @@ def answer_prompts(
     rank: int = 0,
     world: int = 1,
 ) -> list[list[int]]:
-    """The target's greedy response (token ids, ending with EOS when it stopped) to each prompt. Every finished
-    batch is appended to `cache` (under DDP each rank answers its share into cache.rankR), so a rerun resumes."""
+    """The target's greedy response (token ids, ending with EOS when it stopped) to each
+    prompt. Every finished batch is appended to `cache` (under DDP each rank answers its
+    share into cache.rankR), so a rerun resumes."""
     parts = [cache] + sorted(glob.glob(glob.escape(cache) + ".rank*"))
     done = _read_cache(parts, tokenizer)
-    todo = [i for i, p in enumerate(prompt_ids) if i not in done or done[i][0] != p][rank::world]
+    missing = [i for i, p in enumerate(prompt_ids) if i not in done or done[i][0] != p]
+    todo = missing[rank::world]
     if todo:
         target = load_target(target_path, device, dtype)
         eos = target.generation_config.eos_token_id or tokenizer.eos_token_id
-        eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+        if isinstance(eos, (list, tuple)):
+            eos = set(eos)
+        else:
+            eos = {eos}
+        pad = tokenizer.pad_token_id
+        if pad is None:
+            pad = min(eos)
+        # fresh: the checkpoint's sampling defaults do not apply
         gen_config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             do_sample=False,
             eos_token_id=sorted(eos),
             pad_token_id=pad,
-        )  # fresh: the checkpoint's sampling defaults do not apply
-        todo.sort(
-            key=lambda i: len(prompt_ids[i])
-        )  # similar lengths in a batch: little left padding
+        )
+        # similar lengths in a batch: little left padding
+        todo.sort(key=lambda i: len(prompt_ids[i]))
         bar = tqdm(total=len(todo), desc="target answers", unit="prompt", disable=rank > 0)
         throughput = _Throughput(bar, eos)
-        mine = cache if world == 1 else f"{cache}.rank{rank}"
-        if os.path.exists(mine):  # drop a line cut by a kill, or the next one would be glued to it
+        mine = cache
+        if world != 1:
+            mine = f"{cache}.rank{rank}"
+        # drop a line cut by a kill, or the next one would be glued to it
+        if os.path.exists(mine):
             with open(mine, "rb+") as f:
                 f.truncate(f.read().rfind(b"\n") + 1)
         with open(mine, "a") as f:
             if f.tell() == 0:
-                f.write(json.dumps(answers_header(target_path, tokenizer, max_new_tokens)) + "\n")
+                header = answers_header(target_path, tokenizer, max_new_tokens)
+                f.write(json.dumps(header) + "\n")
             for s in range(0, len(todo), batch_size):
                 idx = todo[s : s + batch_size]
                 # left padding: every prompt ends where its answer begins
@@ -170,19 +193,19 @@ def answer_prompts(
                 )[:, ids.shape[1] :].tolist()
                 for i, response in zip(idx, out):
                     stop = next((k for k, t in enumerate(response) if t in eos), None)
-                    response = (
-                        response if stop is None else response[: stop + 1]
-                    )  # keep EOS, drop padding
-                    f.write(
-                        json.dumps({"i": i, "prompt": prompt_ids[i], "response": response}) + "\n"
-                    )
+                    # keep EOS, drop padding
+                    if stop is not None:
+                        response = response[: stop + 1]
+                    row = {"i": i, "prompt": prompt_ids[i], "response": response}
+                    f.write(json.dumps(row) + "\n")
                 f.flush()
                 bar.update(len(idx))
         bar.close()
         del target
     if world > 1:
         dist.barrier()  # every rank's share is on disk
-    done = _read_cache([cache] + sorted(glob.glob(glob.escape(cache) + ".rank*")), tokenizer)
+    parts = [cache] + sorted(glob.glob(glob.escape(cache) + ".rank*"))
+    done = _read_cache(parts, tokenizer)
     return [done[i][1] for i in range(len(prompt_ids))]
 
 
@@ -203,8 +226,9 @@ def load_data(
     world: int = 1,
     answers: str | None = None,
 ) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids) for the first `num_prompts` prompts of a JSON Lines file, answered by the target;
-    `answers`: a file of the target's answers to these prompts (the toy's), read as it is, never written."""
+    """(prompt ids, response ids) for the first `num_prompts` prompts of a JSON Lines file,
+    answered by the target; `answers`: a file of the target's answers to these prompts (the
+    toy's), read as it is, never written."""
     chats = read_prompts(prompts, prompt_field)[:num_prompts]
     texts = [
         tokenizer.apply_chat_template(
@@ -212,31 +236,30 @@ def load_data(
         )
         for c in chats
     ]
-    prompt_ids = [
-        tokenizer.encode(t, add_special_tokens=False) for t in texts
-    ]  # the template has the specials
+    # the template has the special tokens
+    prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     if answers is not None:
         done = _read_cache([answers], tokenizer)
         for i, p in enumerate(prompt_ids):
             if i not in done or done[i][0] != p:
-                why = "no answer" if i not in done else "its prompt ids differ"
+                why = "its prompt ids differ"
+                if i not in done:
+                    why = "no answer"
                 raise runtime.UserError(
-                    f"{answers} does not answer line {i + 1} of {prompts} ({why}): the answers belong "
-                    "to other prompts, another chat template or another tokenizer"
+                    f"{answers} does not answer line {i + 1} of {prompts} ({why}): the answers "
+                    "belong to other prompts, another chat template or another tokenizer"
                 )
         return [(p, done[i][1]) for i, p in enumerate(prompt_ids)]
-    # the cache belongs to one target and one generation setting; the prompts are checked line by line
-    key = json.dumps(
-        [
-            os.path.abspath(target) if os.path.exists(target) else target,
-            runtime.tokenizer_fingerprint(tokenizer),
-            max_new_tokens,
-        ]
-    )
+    # the cache belongs to one target and one generation setting; the prompts are checked
+    # line by line
+    target_name = target
+    if os.path.exists(target):
+        target_name = os.path.abspath(target)
+    fingerprint = runtime.tokenizer_fingerprint(tokenizer)
+    key = json.dumps([target_name, fingerprint, max_new_tokens])
     name = os.path.splitext(os.path.basename(prompts))[0]
-    cache = os.path.join(
-        cache_dir, f"answers-{name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}.jsonl"
-    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:8]
+    cache = os.path.join(cache_dir, f"answers-{name}-{digest}.jsonl")
     os.makedirs(cache_dir, exist_ok=True)
     responses = answer_prompts(
         target,
@@ -256,7 +279,8 @@ def load_data(
 
 
 def collate(examples, pad_id: int, max_len: int):
-    """Right-padded input_ids (b, L) and loss_mask (b, L): True on response tokens only (not prompt, not padding)."""
+    """Right-padded input_ids (b, L) and loss_mask (b, L): True on response tokens only (not
+    prompt, not padding)."""
     seqs = [(p + r)[:max_len] for p, r in examples]
     width = max(len(s) for s in seqs)
     input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)

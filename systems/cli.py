@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from runtime import UserError
 
-# ---------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Flags: one range each
 
 
@@ -80,7 +80,8 @@ def check_ranges(values: dict, ranges: dict[str, Range], flags: dict[str, str] |
     """Raise UserError for the first value outside its range. None means "not given" and is
     always allowed (the driver then uses its documented default). `flags` renames a keyword
     whose flag is spelt otherwise (sampling_check_samples -> --sampling-check)."""
-    flags = flags or {}
+    if flags is None:
+        flags = {}
     for name, allowed in ranges.items():
         value = values.get(name)
         if value is None:
@@ -112,7 +113,7 @@ def run(main, *args, **kwargs):
         sys.exit(2)
 
 
-# ---------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Files and folders a flag names
 
 

@@ -1,10 +1,11 @@
 """Training on several processes, and the checkpoints a training run resumes from.
 
-The process group (torchrun, or a group of one for FSDP on one process); FSDP2: sharding the drafter per decoder
-layer and root, rank 0's weights broadcast into every rank's shards, frozen embedding rows on a sharded embedding, the
-sharded drafter gathered back into one; checkpoints written in pieces by one process (checkpoint.pt and one file per
-AdamW moment), or by every process together under FSDP (a torch.distributed.checkpoint folder). DDP itself is
-PyTorch's DistributedDataParallel, wrapped around the training loss in train.py.
+The process group (torchrun, or a group of one for FSDP on one process); FSDP2: sharding the
+drafter per decoder layer and root, rank 0's weights broadcast into every rank's shards,
+frozen embedding rows on a sharded embedding, the sharded drafter gathered back into one;
+checkpoints written in pieces by one process (checkpoint.pt and one file per AdamW moment),
+or by every process together under FSDP (a torch.distributed.checkpoint folder). DDP itself
+is PyTorch's DistributedDataParallel, wrapped around the training loss in train.py.
 """
 
 from __future__ import annotations
@@ -33,21 +34,21 @@ from transformers import AutoModelForCausalLM
 import d3d
 import runtime
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
 # Process group
 
 
 def start_process_group(
     device: torch.device, fsdp: bool, timeout_minutes: float
 ) -> tuple[torch.device, int, int]:
-    """The process group of a run, if it needs one: under torchrun (WORLD_SIZE > 1) all its processes, each on its
-    own GPU (cuda:LOCAL_RANK) on CUDA; with `fsdp` and one process, a group of one. NCCL on CUDA, else gloo; a process
-    waits `timeout_minutes` for the others in a collective before the run fails. Returns (device, rank, world)."""
-    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    backend, timeout = (
-        "nccl" if device.type == "cuda" else "gloo",
-        datetime.timedelta(minutes=timeout_minutes),
-    )
+    """The process group of a run, if it needs one: under torchrun (WORLD_SIZE > 1) all its
+    processes, each on its own GPU (cuda:LOCAL_RANK) on CUDA; with `fsdp` and one process, a
+    group of one. NCCL on CUDA, else gloo; a process waits `timeout_minutes` for the others
+    in a collective before the run fails. Returns (device, rank, world)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     if world > 1:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -69,18 +70,20 @@ def end_process_group() -> None:
         dist.destroy_process_group()
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
 # FSDP2: sharding, broadcasting from rank 0, gathering back
 
 
 def shard_model(model: torch.nn.Module, decoder_layers, bf16: bool, device: torch.device) -> None:
-    """FSDP2 (fully_shard) on each decoder layer, then on the root (embeddings, final norm, head): each process keeps
-    1/N of the fp32 weights, gradients and AdamW moments, and a layer is all-gathered only for its forward and
-    backward. bf16 by FSDP2's MixedPrecisionPolicy rather than autocast: the all-gather moves and holds bf16 copies
-    (half the traffic and the memory of an unsharded layer) and each matmul reads them as they are, where autocast
-    would gather fp32 and cast at every op; gradients are reduced in fp32 into the fp32 master shards.
-    On several processes only rank 0 holds the weights (ranks > 0 built the model on the meta device: one host copy,
-    not one a process); they reach every rank's shards on `device` by broadcast_from_rank0."""
+    """FSDP2 (fully_shard) on each decoder layer, then on the root (embeddings, final norm,
+    head): each process keeps 1/N of the fp32 weights, gradients and AdamW moments, and a
+    layer is all-gathered only for its forward and backward. bf16 by FSDP2's
+    MixedPrecisionPolicy rather than autocast: the all-gather moves and holds bf16 copies
+    (half the traffic and the memory of an unsharded layer) and each matmul reads them as
+    they are, where autocast would gather fp32 and cast at every op; gradients are reduced
+    in fp32 into the fp32 master shards. On several processes only rank 0 holds the weights
+    (ranks > 0 built the model on the meta device: one host copy, not one a process); they
+    reach every rank's shards on `device` by broadcast_from_rank0."""
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if bf16
@@ -108,9 +111,10 @@ def non_persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Ten
 
 
 def broadcast_from_rank0(model: torch.nn.Module, full: dict, device: torch.device) -> None:
-    """Rank 0's whole state dict `full` into every rank's shards of the sharded `model`, one tensor at a time (so no
-    rank but 0 ever holds more than one whole tensor); ranks > 0 first allocate their shards (empty) on `device` in
-    place of the meta tensors. The buffers outside the state dict follow whole from rank 0: to_empty leaves them
+    """Rank 0's whole state dict `full` into every rank's shards of the sharded `model`, one
+    tensor at a time (so no rank but 0 ever holds more than one whole tensor); ranks > 0
+    first allocate their shards (empty) on `device` in place of the meta tensors. The
+    buffers outside the state dict follow whole from rank 0: to_empty leaves them
     uninitialised on ranks > 0."""
     if dist.get_rank() > 0:
         model.to_empty(device=device)
@@ -122,18 +126,20 @@ def broadcast_from_rank0(model: torch.nn.Module, full: dict, device: torch.devic
 
 
 def freeze_sharded_rows(weight: torch.nn.Parameter, keep: torch.Tensor) -> None:
-    """freeze_embeddings' (train.py) row mask on a sharded (FSDP2, DTensor) embedding, registered after fully_shard
-    on the sharded parameter: FSDP2 runs its post-accumulate-grad hooks itself once the reduced gradient shard is in
-    .grad (a plain tensor hook on it never fires: autograd only sees the gathered copy). The mask is cut the way the
-    weight is (torch.chunk of dim 0: rank r holds rows r*ceil(V/N) on), so each rank zeroes its own frozen rows;
-    AdamW then moves them not at all (zero moments, no weight decay in their group), as with the hook."""
+    """freeze_embeddings' (train.py) row mask on a sharded (FSDP2, DTensor) embedding,
+    registered after fully_shard on the sharded parameter: FSDP2 runs its
+    post-accumulate-grad hooks itself once the reduced gradient shard is in .grad (a plain
+    tensor hook on it never fires: autograd only sees the gathered copy). The mask is cut
+    the way the weight is (torch.chunk of dim 0: rank r holds rows r*ceil(V/N) on), so each
+    rank zeroes its own frozen rows; AdamW then moves them not at all (zero moments, no
+    weight decay in their group), as with the hook."""
     local = distribute_tensor(
         keep, weight.device_mesh, weight.placements, src_data_rank=None
     ).to_local()
     if local.shape[0] != weight.to_local().shape[0]:
         raise RuntimeError(
-            f"frozen-row mask has {local.shape[0]} rows, the local shard {weight.to_local().shape[0]}:"
-            " FSDP sharded the embedding another way"
+            f"frozen-row mask has {local.shape[0]} rows, the local shard "
+            f"{weight.to_local().shape[0]}: FSDP sharded the embedding another way"
         )
     weight.register_post_accumulate_grad_hook(
         lambda param: param.grad.to_local().mul_(local.to(param.grad.dtype))
@@ -141,10 +147,10 @@ def freeze_sharded_rows(weight: torch.nn.Parameter, keep: torch.Tensor) -> None:
 
 
 def gather_drafter(model: torch.nn.Module, drafter: d3d.Drafter) -> d3d.Drafter | None:
-    """The sharded drafter gathered once into host memory (every process takes part): an ordinary d3d.Drafter on
-    rank 0, None elsewhere. Built on the meta device and filled with the gathered weights, so the host holds one
-    copy; the buffers not in the state dict (rotary frequencies) are copied from the sharded model, which keeps them
-    whole."""
+    """The sharded drafter gathered once into host memory (every process takes part): an
+    ordinary d3d.Drafter on rank 0, None elsewhere. Built on the meta device and filled with
+    the gathered weights, so the host holds one copy; the buffers not in the state dict
+    (rotary frequencies) are copied from the sharded model, which keeps them whole."""
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
@@ -165,18 +171,20 @@ def gather_drafter(model: torch.nn.Module, drafter: d3d.Drafter) -> d3d.Drafter 
     return plain.train(drafter.training)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
 # Checkpoints
 
 
 def save_checkpoint(out: str, step: int, training_state: dict, optimizer_state: dict) -> None:
-    """A resumable checkpoint in pieces, each written beside its old version and renamed over it (a reader never
-    sees half a file): checkpoint.pt (fp32 weights, step, schedule, RNG, AdamW's step counts and settings), then one
-    optimizer-KEY.pt per AdamW moment (exp_avg, exp_avg_sq), each the size of the weights. Only one piece is doubled
-    at a time, so a save needs the spare disk of one piece, never of a second checkpoint (a ~2B-parameter drafter:
-    3 x 8 GB on disk, 32 GB at the peak of a save instead of 48). A kill between two renames leaves some moments one
-    save behind the weights; the resume says so and goes on with them. Plain types only (tensors, numbers, strings,
-    containers of them): load_checkpoint reads with weights_only=True, which unpickles no other class."""
+    """A resumable checkpoint in pieces, each written beside its old version and renamed
+    over it (a reader never sees half a file): checkpoint.pt (fp32 weights, step, schedule,
+    RNG, AdamW's step counts and settings), then one optimizer-KEY.pt per AdamW moment
+    (exp_avg, exp_avg_sq), each the size of the weights. Only one piece is doubled at a
+    time, so a save needs the spare disk of one piece, never of a second checkpoint (a
+    ~2B-parameter drafter: 3 x 8 GB on disk, 32 GB at the peak of a save instead of 48). A
+    kill between two renames leaves some moments one save behind the weights; the resume
+    says so and goes on with them. Plain types only (tensors, numbers, strings, containers
+    of them): load_checkpoint reads with weights_only=True, which unpickles no other class."""
     os.makedirs(out, exist_ok=True)
     moments = collections.defaultdict(dict)  # key -> {parameter index: tensor}
     for index, per_param in optimizer_state["state"].items():
@@ -199,9 +207,10 @@ def save_checkpoint(out: str, step: int, training_state: dict, optimizer_state: 
 
 
 def load_checkpoint(out: str) -> tuple[dict, dict | None]:
-    """(training state, AdamW state dict or None) from save_checkpoint's pieces; ({}, None) if there are none. Read
-    into host memory: the model's and the optimizer's load_state_dict copy each tensor to its parameter's device,
-    and AdamW's step counts stay on the CPU, where its (not capturable) update reads them."""
+    """(training state, AdamW state dict or None) from save_checkpoint's pieces; ({}, None)
+    if there are none. Read into host memory: the model's and the optimizer's
+    load_state_dict copy each tensor to its parameter's device, and AdamW's step counts stay
+    on the CPU, where its (not capturable) update reads them."""
     path = os.path.join(out, "checkpoint.pt")
     if not os.path.exists(path):
         return {}, None
@@ -210,7 +219,8 @@ def load_checkpoint(out: str) -> tuple[dict, dict | None]:
         raise runtime.UserError(
             f"{path} is not a checkpoint of this train.py: move it away or rerun with --no-resume"
         )
-    state, step = saved["piece"], saved["step"]
+    state = saved["piece"]
+    step = saved["step"]
     moments = {}
     for key in state["moment_keys"]:
         piece_path = os.path.join(out, f"optimizer-{key}.pt")
@@ -220,8 +230,8 @@ def load_checkpoint(out: str) -> tuple[dict, dict | None]:
         piece = torch.load(piece_path, map_location="cpu", weights_only=True)
         if piece["step"] != step:
             print(
-                f"[train] AdamW {key} is from step {piece['step']}, the weights from step {step} (a save was cut "
-                "short): resuming with it"
+                f"[train] AdamW {key} is from step {piece['step']}, the weights from step "
+                f"{step} (a save was cut short): resuming with it"
             )
         moments[key] = piece["piece"]
     per_param = {
@@ -239,13 +249,15 @@ SHARDED_CHECKPOINT = (
 def save_sharded_checkpoint(
     out: str, step: int, model: torch.nn.Module, optimizer, training_state: dict
 ) -> None:
-    """--fsdp's checkpoint, by every process together: torch.distributed.checkpoint (DCP) writes the weights and
-    AdamW state, each process its own shards, into out/checkpoint-fsdp.tmp, with train_state.pt (step, schedule,
-    skipped steps, every rank's RNG, world size); once all is written, rank 0 renames the folder over the last one
-    (the disk of two checkpoints at the peak of a save, unlike the piecewise checkpoint.pt). DCP stores each tensor
-    with its global shape, so any number of processes can load it. train_state.pt holds plain types only, as
-    save_checkpoint's pieces."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    """--fsdp's checkpoint, by every process together: torch.distributed.checkpoint (DCP)
+    writes the weights and AdamW state, each process its own shards, into
+    out/checkpoint-fsdp.tmp, with train_state.pt (step, schedule, skipped steps, every
+    rank's RNG, world size); once all is written, rank 0 renames the folder over the last
+    one (the disk of two checkpoints at the peak of a save, unlike the piecewise
+    checkpoint.pt). DCP stores each tensor with its global shape, so any number of processes
+    can load it. train_state.pt holds plain types only, as save_checkpoint's pieces."""
+    rank = dist.get_rank()
+    world = dist.get_world_size()
     path = os.path.join(out, SHARDED_CHECKPOINT)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     rngs = [None] * world
@@ -271,17 +283,19 @@ def save_sharded_checkpoint(
 
 
 def load_sharded_checkpoint(out: str, model: torch.nn.Module, optimizer, check=None) -> dict:
-    """Load save_sharded_checkpoint's folder into the sharded model and optimizer, by every process together; the
-    training state ({} if there is no checkpoint); `check(state)` may refuse it first. With the world size it was saved with, each rank takes back its
-    own RNG; with another, rank 0's (the data order then follows the new sharding of the data, train[rank::world])."""
+    """Load save_sharded_checkpoint's folder into the sharded model and optimizer, by every
+    process together; the training state ({} if there is no checkpoint); `check(state)` may
+    refuse it first. With the world size it was saved with, each rank takes back its own
+    RNG; with another, rank 0's (the data order then follows the new sharding of the data,
+    train[rank::world])."""
     path = os.path.join(out, SHARDED_CHECKPOINT)
     if not os.path.exists(os.path.join(path, "train_state.pt")) and os.path.exists(path + ".old"):
         path += ".old"
     if not os.path.exists(os.path.join(path, "train_state.pt")):
         if os.path.exists(os.path.join(out, "checkpoint.pt")):
             raise runtime.UserError(
-                f"{out} holds a checkpoint of a run without --fsdp (checkpoint.pt): resume it without "
-                "--fsdp, or start afresh with --no-resume"
+                f"{out} holds a checkpoint of a run without --fsdp (checkpoint.pt): resume it "
+                "without --fsdp, or start afresh with --no-resume"
             )
         return {}
     state = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu", weights_only=True)
@@ -293,6 +307,9 @@ def load_sharded_checkpoint(out: str, model: torch.nn.Module, optimizer, check=N
     set_state_dict(
         model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"]
     )
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch_rng, python_rng = state["rngs"][rank if world == state["world"] else 0]
+    # each rank its own random states; with another number of processes, rank 0's for all
+    saved_by = 0
+    if dist.get_world_size() == state["world"]:
+        saved_by = dist.get_rank()
+    torch_rng, python_rng = state["rngs"][saved_by]
     return {**state, "rng": torch_rng, "python_rng": python_rng, "path": path}

@@ -1,11 +1,13 @@
-"""Offline tau of a drafter on held-out answers: the evaluation during and after training, its per-position
-acceptance curve, and `python train.py eval` on a trained drafter folder (load_trained reloads the folder with the
-answers it was trained on, for eval and prune alike)."""
+"""Offline tau of a drafter on held-out answers: the evaluation during and after training,
+its per-position acceptance curve (printed, and drawn with --plot), and `python train.py
+eval` on a trained drafter folder (load_trained reloads the folder with the answers it was
+trained on, for eval and prune alike)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 
 import torch
@@ -33,12 +35,17 @@ def evaluate_tau(
     per_block: bool = False,
     sharded: torch.nn.Module | None = None,
 ):
-    """Mean offline tau (accepted + 1) over blocks drafted at `num_anchors` sampled points per held-out answer (with
-    per_block: the tau of every block, a tensor); d_1 from where the drafter's config says (d1_from overrides:
-    "causal" or "mask"). `sharded`: the FSDP root (train.py's TrainingLoss) around `drafter`; every pass goes
-    through its forward, which gathers the weights, so every process must evaluate, on the same examples."""
-    generator = torch.Generator().manual_seed(seed)  # the same anchors at every evaluation
-    was_training, taus = drafter.training, []
+    """Mean offline tau (accepted + 1) over blocks drafted at `num_anchors` sampled points
+    per held-out answer (with per_block: the tau of every block, a tensor); d_1 from where
+    the drafter's config says (d1_from overrides: "causal" or "mask").
+
+    `sharded`: the FSDP root (train.py's TrainingLoss) around `drafter`; every pass goes
+    through its forward, which gathers the weights, so every process must evaluate, on
+    the same examples."""
+    # the same anchors at every evaluation
+    generator = torch.Generator().manual_seed(seed)
+    was_training = drafter.training
+    taus = []
     drafter.eval()
     # under FSDP every pass goes through the root's forward, which gathers the weights
     run = (
@@ -67,14 +74,85 @@ def evaluate_tau(
     return torch.cat(taus) if per_block else torch.cat(taus).mean().item()
 
 
+@torch.no_grad()
+def block_accuracy(
+    drafter,
+    examples,
+    *,
+    block_size: int,
+    num_anchors: int = 32,
+    batch_size: int = 8,
+    pad_id: int,
+    max_len: int = 1024,
+    autocast=contextlib.nullcontext,
+    seed: int = 0,
+) -> list[float]:
+    """d3d_loss's block_acc over the held-out answers: per block position i = 1..B, the share
+    of blocks whose d_i, read where decoding reads it, is x_{a+i}. Each position on its own,
+    unlike the acceptance curve. On the anchors evaluate_tau draws (the same seed and
+    batches), so block_acc[0] is the share of blocks whose d_1 is accepted."""
+    generator = torch.Generator().manual_seed(seed)
+    was_training = drafter.training
+    drafter.eval()
+    right = torch.zeros(block_size, dtype=torch.float64)
+    total = torch.zeros(block_size, dtype=torch.float64)
+    for s in range(0, len(examples), batch_size):
+        input_ids, loss_mask = answers.collate(examples[s : s + batch_size], pad_id, max_len)
+        input_ids = input_ids.to(drafter.device)
+        loss_mask = loss_mask.to(drafter.device)
+        at = d3d.sample_anchors(loss_mask, num_anchors, generator)
+        with autocast():
+            _, metrics = d3d.d3d_loss(
+                drafter,
+                input_ids,
+                loss_mask,
+                num_anchors=num_anchors,
+                block_size=block_size,
+                ar_weight=0.0,
+                at=at,
+            )
+        counts = labelled_blocks(input_ids, loss_mask, at, block_size)
+        right += metrics["block_acc"].double().cpu() * counts
+        total += counts
+    drafter.train(was_training)
+    return (right / total.clamp(min=1)).tolist()
+
+
+def labelled_blocks(input_ids, loss_mask, at, block_size: int) -> torch.Tensor:
+    """Per block position i = 1..B, how many of the blocks at `at` (anchors, valid) have a
+    label x_{a+i}: inside the sequence and a response token (block_acc's denominator)."""
+    anchors, valid = at
+    num_causal = input_ids.shape[1]
+    steps = torch.arange(1, block_size + 1, device=anchors.device)
+    index = anchors[:, :, None] + steps  # (b, K, B)
+    inside = index < num_causal
+    index = index.clamp(max=num_causal - 1)
+    is_response = loss_mask.bool().gather(1, index.flatten(1)).view_as(index)
+    counted = inside & is_response & valid[:, :, None]
+    return counted.sum((0, 1)).double().cpu()
+
+
+def print_block_accuracy(block_acc: list[float], d1_from: str) -> None:
+    """Block accuracy by position, each row named by where its d_i is read."""
+    print("[eval] block accuracy by position (each d_i on its own, d3d_loss's block_acc):")
+    print(f"{'i':>4}{'accuracy':>10}  d_i read from")
+    for i, accuracy in enumerate(block_acc, start=1):
+        where = f"MASK {i}"
+        if i == 1:
+            where = f"d_1 (as decoding reads it): {D1_READ[d1_from]}"
+        print(f"{i:>4}{accuracy:>10.3f}  {where}")
+
+
 def acceptance_curve(taus: torch.Tensor, block_size: int) -> list[float]:
-    """Per block position i = 1..B: the share of blocks whose drafts d_1 .. d_i were all accepted (tau > i)."""
+    """Per block position i = 1..B: the share of blocks whose drafts d_1 .. d_i were all
+    accepted (tau > i). 1 + their sum is the mean tau."""
     return [(taus > i).float().mean().item() for i in range(1, block_size + 1)]
 
 
 def load_trained(drafter: str, device):
-    """A trained drafter folder with what it was trained on: (recipe, tokenizer, drafter, train, val, pad_id); the
-    answers come from the caches train.py wrote (train_args.json names them)."""
+    """A trained drafter folder with what it was trained on: (recipe, tokenizer, drafter,
+    train, val, pad_id); the answers come from the caches train.py wrote (train_args.json
+    names them)."""
     cli.check_drafter_folder("--drafter", drafter)
     path = os.path.join(drafter, "train_args.json")
     if not os.path.isfile(path):
@@ -137,9 +215,9 @@ def load_trained(drafter: str, device):
         num_held = min(recipe["num_val"], round(len(train) * recipe["val_fraction"]))
         train, val = train[: len(train) - num_held], train[len(train) - num_held :]
     recipe = {**recipe, "target": found["target"]}
-    pad_id = (
-        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    )
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id
     return recipe, tokenizer, model, train, val, pad_id
 
 
@@ -147,9 +225,11 @@ EVAL_RANGES = {"num_val": cli.Range(int, low=1), "val_anchors": cli.Range(int, l
 
 
 def eval_main(argv=None) -> dict:
-    """python train.py eval --drafter FOLDER: offline tau on the held-out answers the drafter was trained with,
-    with d_1 drafted by the causal next-token head ("causal") and by MASK 1 ("mask")."""
-    ap = cli.Parser(prog="train.py eval", description=eval_main.__doc__.split(":", 1)[1].strip())
+    """python train.py eval --drafter FOLDER: offline tau on the held-out answers the
+    drafter was trained with, with d_1 drafted by the causal row ("causal")
+    and by MASK 1 ("mask")."""
+    description = eval_main.__doc__.split(":", 1)[1].strip()
+    ap = cli.Parser(prog="train.py eval", description=description)
     ap.add_argument(
         "--drafter",
         default="runs/toy/drafter",
@@ -168,13 +248,19 @@ def eval_main(argv=None) -> dict:
     ap.add_argument(
         "--plot",
         metavar="PATH.png",
-        help="draw the share of blocks with d_1 .. d_i "
-        "all accepted, by position i, d_1 from the head and from MASK 1; needs "
-        "matplotlib (requirements-plots.txt)",
+        help="draw the share of blocks with d_1 .. d_i all accepted, by position i, "
+        "d_1 from the head and from MASK 1; needs matplotlib (requirements-plots.txt)",
     )
     args = ap.parse_args(argv)
     cli.check_ranges(vars(args), EVAL_RANGES)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.plot is not None:
+        check_plotting()
+    device = args.device
+    if device is None:
+        device = "cpu"
+        if torch.cuda.is_available():
+            device = "cuda"
+    device = torch.device(device)
     recipe, _, drafter, _, val, pad_id = load_trained(args.drafter, device)
     num_val = args.num_val
     if num_val is None:
@@ -185,50 +271,104 @@ def eval_main(argv=None) -> dict:
         val_anchors = recipe["val_anchors"]
     dtype = args.dtype or recipe.get("compute_dtype") or recipe.get("dtype")
     bf16 = runtime.resolve_dtype(dtype, device) == torch.bfloat16
-    autocast = (
-        (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
-        if bf16
-        else contextlib.nullcontext
-    )
     block_size = drafter.d3d_config.block_size
-    taus = {
-        first: evaluate_tau(
-            drafter,
-            val,
-            block_size=block_size,
-            pad_id=pad_id,
-            max_len=recipe["max_len"],
-            num_anchors=val_anchors,
-            autocast=autocast,
-            d1_from=first,
-            per_block=True,
-        )
-        for first in ("causal", "mask")
-    }
+    taus = per_block_taus(
+        drafter,
+        val,
+        block_size=block_size,
+        pad_id=pad_id,
+        max_len=recipe["max_len"],
+        num_anchors=val_anchors,
+        autocast=bf16_autocast(device, bf16),
+    )
     result = {first: t.mean().item() for first, t in taus.items()}
     curves = {first: acceptance_curve(t, block_size) for first, t in taus.items()}
     print(
-        f"[eval] {args.drafter}: offline tau (B={block_size}) on {len(val)} held-out answers "
-        f"({len(taus['causal'])} blocks): {result['causal']:.3f} with d_1 from the causal next-token head, "
-        f"{result['mask']:.3f} from MASK 1 (this drafter uses {drafter.d3d_config.d1_from!r})"
+        f"[eval] {args.drafter}: offline tau (B={block_size}) on {len(val)} held-out "
+        f"answers ({len(taus['causal'])} blocks): {result['causal']:.3f} with d_1 from "
+        f"the causal row, {result['mask']:.3f} from MASK 1 (this drafter uses "
+        f"{drafter.d3d_config.d1_from!r})"
     )
+    print_curves(curves)
+    block_acc = block_accuracy(
+        drafter,
+        val,
+        block_size=block_size,
+        pad_id=pad_id,
+        max_len=recipe["max_len"],
+        num_anchors=val_anchors,
+        autocast=bf16_autocast(device, bf16),
+    )
+    print_block_accuracy(block_acc, drafter.d3d_config.d1_from)
+    if args.plot is not None:
+        title = f"{args.drafter}: share of blocks with d_1 .. d_i all accepted"
+        path = draw_curves(args.plot, curves, title)
+        print(f"[eval] wrote {path}")
+    return {**result, "curve": curves, "block_acc": block_acc}
+
+
+# ---------------------------------------------------------------------------------------------
+# The acceptance curve by block position, printed and drawn (train.py --plot, eval --plot)
+
+D1_SOURCES = {"causal": "the head", "mask": "MASK 1"}  # where d_1 is read, as the tables say
+D1_READ = {"causal": "the causal row", "mask": "MASK 1"}  # the same, in sentences
+
+
+def bf16_autocast(device: torch.device, on: bool):
+    """A context factory: bfloat16 autocast on `device` if `on`, else nothing."""
+    if on:
+        return functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def check_plotting() -> None:
+    """--plot needs matplotlib: without it, a one-line error naming the install, before
+    any work is done."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise runtime.UserError(f"--plot: {pictures.MISSING}")
+
+
+def per_block_taus(drafter, examples, **settings) -> dict[str, torch.Tensor]:
+    """evaluate_tau's tau of every held-out block, per place d_1 is read (D1_SOURCES)."""
+    taus = {}
+    for d1_from in D1_SOURCES:
+        taus[d1_from] = evaluate_tau(drafter, examples, d1_from=d1_from, per_block=True, **settings)
+    return taus
+
+
+def print_curves(curves: dict[str, list[float]], tag: str = "[eval]") -> None:
+    """The acceptance curves as a table: per position i, the share of blocks with
+    d_1 .. d_i all accepted, and the share with d_i accepted given d_1 .. d_(i-1) were."""
     print(
-        "[eval] share of blocks with d_1 .. d_i all accepted, and d_i accepted given d_1 .. d_(i-1) were:"
+        f"{tag} share of blocks with d_1 .. d_i all accepted, and d_i accepted given "
+        "d_1 .. d_(i-1) were:"
     )
     print(f"{'i':>4}{'head: all':>11}{'given':>7}{'MASK 1: all':>13}{'given':>7}")
-    for i in range(block_size):
-        row = "".join(
-            f"{curves[f][i]:{w}.3f}{curves[f][i] / max(curves[f][i - 1] if i else 1.0, 1e-9):7.2f}"
-            for f, w in (("causal", 11), ("mask", 13))
-        )
+    widths = {"causal": 11, "mask": 13}
+    for i in range(len(curves["causal"])):
+        row = ""
+        for first, width in widths.items():
+            share = curves[first][i]
+            before = 1.0
+            if i > 0:
+                before = curves[first][i - 1]
+            given = share / max(before, 1e-9)
+            row += f"{share:{width}.3f}{given:7.2f}"
         print(f"{i + 1:>4}{row}")
-    if args.plot is not None:
-        shares = {
-            f"d_1 from {name}": curves[first]
-            for first, name in (("causal", "the head"), ("mask", "MASK 1"))
-        }
-        path = pictures.draw_block_accuracy(
-            args.plot, shares, title=f"{args.drafter}: share of blocks with d_1 .. d_i all accepted"
-        )
-        print(f"[eval] wrote {path}")
-    return {**result, "curve": curves}
+
+
+def draw_curves(path: str, curves: dict[str, list[float]], title: str) -> str:
+    """The acceptance curves as bars by block position (pictures.draw_block_accuracy),
+    one series per place d_1 is read. Returns the path written."""
+    shares = {f"d_1 from {D1_SOURCES[first]}": curves[first] for first in D1_SOURCES}
+    return pictures.draw_block_accuracy(path, shares, title=title)
+
+
+def plot_curves(path: str, drafter, examples, *, title: str, **settings) -> dict:
+    """At the end of training (train.py --plot): the acceptance curves of `drafter` on
+    the held-out answers, printed as a table and drawn at `path`. Returns the curves."""
+    taus = per_block_taus(drafter, examples, **settings)
+    curves = {first: acceptance_curve(t, settings["block_size"]) for first, t in taus.items()}
+    print_curves(curves, tag="[done]")
+    print(f"[done] block acceptance by position: {draw_curves(path, curves, title)}")
+    return curves

@@ -1,5 +1,6 @@
-"""The paper's Table 1 from the records of a run: one mode's figures over some prompts against target-only decoding
-of the same prompts (summarise: speedup, tau, tok/s, TTFT, hit rate, ms per round) and their layout (table)."""
+"""The paper's Table 1 from the records of a run: one mode's figures over some prompts against
+target-only decoding of the same prompts (summarise: speedup, tau, tok/s, TTFT, hit rate, ms
+per round) and their layout (table)."""
 
 from __future__ import annotations
 
@@ -17,22 +18,28 @@ TIME_KEYS = (
 )
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
 # Aggregation and the Table 1 layout
 
 
 def _mean(values):
+    """The mean of the values that are numbers (None and NaN left out); NaN if none is."""
     values = [v for v in values if v is not None and not math.isnan(v)]
-    return sum(values) / len(values) if values else math.nan
+    if not values:
+        return math.nan
+    return sum(values) / len(values)
+
+
+def s_per_token(records: list[dict]) -> float:
+    """Decode seconds per output token, summed over some prompts (prefill excluded)."""
+    tokens = sum(r["decode_tokens"] for r in records)
+    if not tokens:
+        return math.nan
+    return sum(r["decode_time"] for r in records) / tokens
 
 
 def summarise(records: list[dict], baseline: list[dict]) -> dict:
     """One mode over some prompts, against target-only decoding of the same prompts."""
-
-    def s_per_token(recs):
-        tokens = sum(r["decode_tokens"] for r in recs)
-        return sum(r["decode_time"] for r in recs) / tokens if tokens else math.nan
-
     rounds = sum(r["num_rounds"] for r in records)
     out = {
         "speedup": s_per_token(baseline) / s_per_token(records),
@@ -50,24 +57,41 @@ def summarise(records: list[dict], baseline: list[dict]) -> dict:
             if k in records[0]
         },
     }
-    if rounds:  # the whole round, to compare with its phases
+    if rounds:
+        # the whole round, to compare with its phases
         out["ms_per_round"]["round"] = 1000 * sum(r["decode_time"] for r in records) / rounds
-    if (
-        "hits_per_position" in records[0]
-    ):  # async: pooled over rounds (index k-1: rejection at k; last: all accepted)
+    if "hits_per_position" in records[0]:
+        # async: pooled over rounds (index k-1: rejection at k; last: all accepted)
         for k in ("hits_per_position", "misses_per_position"):
             out[k] = [sum(col) for col in zip(*(r[k] for r in records))]
-        hits, misses = sum(out["hits_per_position"]), sum(out["misses_per_position"])
+        hits = sum(out["hits_per_position"])
+        misses = sum(out["misses_per_position"])
         out["hit_rate"] = hits / max(1, hits + misses)
     return out
 
 
+def _cell(c: dict) -> str:
+    """One Table 1 cell: the speedup and tau ("-" where a mode has no rounds)."""
+    tau = "    -    "
+    if not math.isnan(c["tau"]):
+        tau = f"{c['tau']:5.2f}    "
+    return f"{c['speedup']:6.2f}× " + tau
+
+
+def _ratios(overall: dict, modes: list[str], baseline: str) -> str:
+    """Each mode's output tokens per second over the baseline's: 'sync 1.20×, ...'."""
+    base = overall[baseline]["tokens_per_s"]
+    shown = [f"{m} {overall[m]['tokens_per_s'] / base:.2f}×" for m in modes]
+    return ", ".join(shown)
+
+
 def table(results: dict, overall: dict, modes: list[str], block_size: int) -> str:
-    """Rows: modes; columns: per dataset speedup and tau, then their mean (the paper's Table 1). Below, over all
-    datasets: decode speed, time to first token, hit rate and where the time of a round goes (round = decode time
-    / rounds; the phases may sum to less: acceptance, bookkeeping; on GPU async verify and packed draft overlap).
-    "overlap": for async, what running verify and the packed pass side by side saved, measured, in ms per round
-    (below zero where it cost time)."""
+    """Rows: modes; columns: per dataset speedup and tau, then their mean (the paper's Table 1).
+    Below, over all datasets: decode speed, time to first token, hit rate and where the time of
+    a round goes (round = decode time / rounds; the phases may sum to less: acceptance,
+    bookkeeping; on GPU async verify and packed draft overlap). "overlap": for async, what
+    running verify and the packed pass side by side saved, measured, in ms per round (below
+    zero where it cost time)."""
     names = list(results) + ["Avg."]
     lines = [
         " " * 26 + "".join(f"{n[:17]:<18}" for n in names),
@@ -76,75 +100,68 @@ def table(results: dict, overall: dict, modes: list[str], block_size: int) -> st
     for mode in modes:
         cells = [results[n]["modes"][mode] for n in results]
         cells.append({k: _mean(c[k] for c in cells) for k in ("speedup", "tau")})
-        drafts = mode != "hf" and not mode.startswith(
-            "target"
-        )  # plain generate and target-only draft nothing
-        label = f"{mode} ({block_size})" if drafts else mode
-        lines.append(
-            f"{label:<26}"
-            + "".join(
-                f"{c['speedup']:6.2f}× "
-                + (f"{c['tau']:5.2f}    " if not math.isnan(c["tau"]) else "    -    ")
-                for c in cells
-            )
-        )
+        label = mode
+        # plain generate and target-only draft nothing
+        if mode != "hf" and not mode.startswith("target"):
+            label = f"{mode} ({block_size})"
+        lines.append(f"{label:<26}" + "".join(_cell(c) for c in cells))
     if "hf" in overall:
         ratio = overall["target"]["tokens_per_s"] / overall["hf"]["tokens_per_s"]
         lines.append(
-            f"target-only (this repo) vs transformers generate: {ratio:.2f}× (output tokens per s, "
-            "all datasets; speedups above are against this repo's target-only decoding)"
+            f"target-only (this repo) vs transformers generate: {ratio:.2f}× (output tokens "
+            "per s, all datasets; speedups above are against this repo's target-only decoding)"
         )
-        if (
-            ratio < 1
-        ):  # a slower baseline would inflate every speedup: say what they are against the faster one
+        if ratio < 1:
+            # a slower baseline would inflate every speedup: say what they are against the
+            # faster one
+            others = [m for m in modes if m != "hf"]
             lines.append(
                 "against transformers generate (the faster baseline here): "
-                + ", ".join(
-                    f"{m} {overall[m]['tokens_per_s'] / overall['hf']['tokens_per_s']:.2f}×"
-                    for m in modes
-                    if m != "hf"
-                )
+                + _ratios(overall, others, "hf")
             )
     targets = [m for m in ["target"] + modes if m.split("+")[0] == "target"]
-    if (
-        len(targets) > 1
-    ):  # target-only in more than one setting: the speedups against the fastest of them too
+    if len(targets) > 1:
+        # target-only in more than one setting: the speedups against the fastest of them too
         fastest = max(targets, key=lambda m: overall[m]["tokens_per_s"])
+        others = [m for m in modes if m not in targets]
         lines.append(
-            f"against the fastest target-only ({fastest}, {overall[fastest]['tokens_per_s']:.1f} tok/s): "
-            + ", ".join(
-                f"{m} {overall[m]['tokens_per_s'] / overall[fastest]['tokens_per_s']:.2f}×"
-                for m in modes
-                if m not in targets
-            )
+            f"against the fastest target-only ({fastest}, "
+            f"{overall[fastest]['tokens_per_s']:.1f} tok/s): " + _ratios(overall, others, fastest)
         )
-    phases = (
-        ["round"]
-        + [
-            k[5:]
-            for k in TIME_KEYS
-            if k != "time_overlap_saved"  # that is the overlap column
-            and any(overall[m]["ms_per_round"].get(k[5:], 0) for m in modes)
-        ]
-    )  # (launch: CUDA only)
-    lines.append(
-        f"\n{'all datasets':<22}{'tok/s':>8}{'TTFT ms':>9}{'hit rate':>9}{'overlap ms':>11}   ms per round: "
-        + " / ".join(phases)
-        + ("  (draft = packed + fallback)" if "packed_draft" in phases else "")
+    # (launch: CUDA only)
+    phases = ["round"]
+    for k in TIME_KEYS:
+        # time_overlap_saved is the overlap column
+        measured = any(overall[m]["ms_per_round"].get(k[5:], 0) for m in modes)
+        if k != "time_overlap_saved" and measured:
+            phases.append(k[5:])
+    header = (
+        f"\n{'all datasets':<22}{'tok/s':>8}{'TTFT ms':>9}{'hit rate':>9}{'overlap ms':>11}"
+        "   ms per round: " + " / ".join(phases)
     )
+    if "packed_draft" in phases:
+        header += "  (draft = packed + fallback)"
+    lines.append(header)
     for mode in ["target"] + modes:
         o = overall[mode]
-        per_round = [
-            f"{o['ms_per_round'][p]:.2f}" if p in o["ms_per_round"] else "-" for p in phases
-        ]
-        overlap = (
-            f"{o['ms_per_round']['overlap_saved']:.2f}"
-            if "overlap_saved" in o["ms_per_round"]
-            else "-"
-        )
+        ms = o["ms_per_round"]
+        per_round = "-"
+        if mode.split("+")[0] != "target":
+            shown = []
+            for p in phases:
+                if p in ms:
+                    shown.append(f"{ms[p]:.2f}")
+                else:
+                    shown.append("-")
+            per_round = " / ".join(shown)
+        overlap = "-"
+        if "overlap_saved" in ms:
+            overlap = f"{ms['overlap_saved']:.2f}"
+        hit_rate = "-"
+        if "hit_rate" in o:
+            hit_rate = format(o["hit_rate"], ".0%")
         lines.append(
             f"{mode:<22}{o['tokens_per_s']:8.1f}{1000 * o['ttft_s']:9.1f}"
-            f"{format(o['hit_rate'], '.0%') if 'hit_rate' in o else '-':>9}{overlap:>11}   "
-            + (" / ".join(per_round) if mode.split("+")[0] != "target" else "-")
+            f"{hit_rate:>9}{overlap:>11}   " + per_round
         )
     return "\n".join(lines)

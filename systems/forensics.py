@@ -1,43 +1,48 @@
-"""The greedy check's forensics: where a greedy output leaves target-only decoding's (first_difference, divergence),
-and whether the target's own logits call that rounding at a near-tie or an error (tie_tolerance, classify_divergence);
-greedy_check's summary line."""
+"""The greedy check's forensics: where a greedy output leaves target-only decoding's
+(first_difference, divergence), and whether the target's own logits call that rounding at a
+near-tie or an error (tie_tolerance, classify_divergence); greedy_check's summary line, and
+tally's counts for the JSON."""
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
-TIE_EPS_MULTIPLE, TIE_EPS_FLOOR = (
-    8,
-    2.0**-16,
-)  # the greedy check's rounding allowance: see tie_tolerance
+# the greedy check's rounding allowance: see tie_tolerance
+TIE_EPS_MULTIPLE = 8
+TIE_EPS_FLOOR = 2.0**-16
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
 # Greedy check: rounding at near-ties or an error
 
 
 def first_difference(reference: list[int], other: list[int]) -> int | None:
-    """Index of the first differing token (None if equal; the shorter length if one output is a prefix)."""
+    """Index of the first differing token (None if equal; the shorter length if one output is a
+    prefix of the other)."""
     if reference == other:
         return None
-    return next(
-        (i for i, (a, b) in enumerate(zip(reference, other)) if a != b),
-        min(len(reference), len(other)),
-    )
+    for i, (a, b) in enumerate(zip(reference, other)):
+        if a != b:
+            return i
+    return min(len(reference), len(other))
 
 
 def tie_tolerance(logits: torch.Tensor, dtype: torch.dtype) -> float:
-    """The largest logit margin that rounding can flip at one position: 8 x eps x the largest |logit| there, with
-    eps = max(the dtype's machine epsilon, 2^-16).
+    """The largest logit margin that rounding can flip at one position: 8 x eps x the largest
+    |logit| there, with eps = max(the dtype's machine epsilon, 2^-16).
 
-    Why: passes that share a prefix but not a shape (1 row in target-only decoding, B+1 in verification, the whole
-    sequence in the check's pass) round differently, and each logit carries an error relative to the logits' scale.
-    In bf16/fp16 the final rounding of the logits dominates; in fp32 the error accumulated over the layers does,
-    about 1e-6 relative, far above fp32's epsilon (hence the 2^-16 floor). Measured on SmolLM2-135M-Instruct
-    (3 prompts x 96 tokens, 1-row vs 9-row vs whole-sequence passes), the top-two margin moved by at most 2.4
-    (bf16) and 1.7 (fp16) times the dtype's epsilon x max|logit|, and by 1.1e-6 x max|logit| (9.4 fp32 epsilons)
-    in fp32: the tolerance leaves 3x headroom in bf16 and 100x in fp32. A margin beyond it is a difference in what
-    was computed (a wrong cache, position or token), not rounding. At max|logit| 20: bf16 1.25 logits, fp32 2.4e-3."""
+    Why: passes that share a prefix but not a shape (1 row in target-only decoding, B+1 in
+    verification, the whole sequence in the check's pass) round differently, and each logit
+    carries an error relative to the logits' scale. In bf16/fp16 the final rounding of the
+    logits dominates; in fp32 the error accumulated over the layers does, about 1e-6 relative,
+    far above fp32's epsilon (hence the 2^-16 floor). Measured on SmolLM2-135M-Instruct (3
+    prompts x 96 tokens, 1-row vs 9-row vs whole-sequence passes), the top-two margin moved by
+    at most 2.4 (bf16) and 1.7 (fp16) times the dtype's epsilon x max|logit|, and by 1.1e-6 x
+    max|logit| (9.4 fp32 epsilons) in fp32: the tolerance leaves 3x headroom in bf16 and 100x in
+    fp32. A margin beyond it is a difference in what was computed (a wrong cache, position or
+    token), not rounding. At max|logit| 20: bf16 1.25 logits, fp32 2.4e-3."""
     eps = max(torch.finfo(dtype).eps, TIE_EPS_FLOOR)
     return TIE_EPS_MULTIPLE * eps * logits.abs().max().item()
 
@@ -51,10 +56,11 @@ def classify_divergence(
     position: int,
     tolerance: float | None = None,
 ) -> dict:
-    """Class of a greedy output that leaves target-only's at new token `position`: one teacher-forced target pass
-    over prompt + the shared tokens gives the target's margin there, logit(target-only token) - logit(other
-    token). "near-tie" if |margin| <= tolerance (tie_tolerance unless given), else "error"; an output that is a
-    strict prefix of the other (no token to compare) is an error."""
+    """Class of a greedy output that leaves target-only's at new token `position`: one
+    teacher-forced target pass over prompt + the shared tokens gives the target's margin there,
+    logit(target-only token) - logit(other token). "near-tie" if |margin| <= tolerance
+    (tie_tolerance unless given), else "error"; an output that is a strict prefix of the other
+    (no token to compare) is an error."""
     if position >= min(len(reference), len(other)):
         return {
             "class": "error",
@@ -64,13 +70,16 @@ def classify_divergence(
         }
     prefix = torch.tensor([reference[:position]], dtype=ids.dtype, device=ids.device)
     logits = target(input_ids=torch.cat([ids, prefix], 1), logits_to_keep=1).logits[0, -1]
-    tolerance = (
-        tie_tolerance(logits, target.dtype) if tolerance is None else tolerance
-    )  # the weights' precision
+    if tolerance is None:
+        # the weights' precision
+        tolerance = tie_tolerance(logits, target.dtype)
     logits = logits.float()
     margin = (logits[reference[position]] - logits[other[position]]).item()
+    found = "error"
+    if abs(margin) <= tolerance:
+        found = "near-tie"
     return {
-        "class": "near-tie" if abs(margin) <= tolerance else "error",
+        "class": found,
         "margin": margin,
         "tolerance": tolerance,
         "max_abs_logit": logits.abs().max().item(),
@@ -80,20 +89,24 @@ def classify_divergence(
 def divergence(
     target, tok, ids: torch.Tensor, reference: list[int], other: list[int], opts: dict, **where
 ):
-    """None if a greedy output equals target-only's, else where it leaves it (tokens shown) and its class."""
+    """None if a greedy output equals target-only's, else where it leaves it (tokens shown) and
+    its class. opts: the run's settings ("temperature", and "tie_tolerance" if given)."""
     pos = first_difference(reference, other)
     if opts["temperature"] or pos is None:
         return None
-    show = [
-        {"id": t[pos], "text": tok.decode(t[pos : pos + 1])} if pos < len(t) else "end of output"
-        for t in (reference, other)
-    ]
+    show = []
+    for tokens in (reference, other):
+        if pos < len(tokens):
+            show.append({"id": tokens[pos], "text": tok.decode(tokens[pos : pos + 1])})
+        else:
+            show.append("end of output")
+    tolerance = opts.get("tie_tolerance")
     return {
         **where,
         "position": pos,
         "target_token": show[0],
         "mode_token": show[1],
-        **classify_divergence(target, ids, reference, other, pos, opts.get("tie_tolerance")),
+        **classify_divergence(target, ids, reference, other, pos, tolerance),
     }
 
 
@@ -101,20 +114,35 @@ def greedy_check(divergences: list[dict], checked: int, against: str = "target-o
     """The summary line of the greedy check, then the first error if any."""
     ties = [d for d in divergences if d["class"] == "near-tie"]
     errors = [d for d in divergences if d["class"] == "error"]
-    largest = f" (largest margin {max(abs(d['margin']) for d in ties):.3g})" if ties else ""
+    largest = ""
+    if ties:
+        largest = f" (largest margin {max(abs(d['margin']) for d in ties):.3g})"
     text = (
-        f"greedy check: identical {checked - len(divergences)}, near-tie divergences {len(ties)}{largest}, "
-        f"errors {len(errors)} (of {checked} outputs against {against})"
+        f"greedy check: identical {checked - len(divergences)}, near-tie divergences "
+        f"{len(ties)}{largest}, errors {len(errors)} (of {checked} outputs against {against})"
     )
     if errors:
         x = errors[0]
-        margin = (
-            f"margin {x['margin']:.3g} > tolerance {x['tolerance']:.3g}"
-            if x["margin"] is not None
-            else x["reason"]
-        )
+        if x["margin"] is None:
+            margin = x["reason"]
+        else:
+            margin = f"margin {x['margin']:.3g} > tolerance {x['tolerance']:.3g}"
         text += (
-            f"\n  first error: {x['dataset']} prompt {x['prompt_index']}, {x['mode']}, new token {x['position']}: "
-            f"target {x['target_token']} vs {x['mode']} {x['mode_token']}, {margin}"
+            f"\n  first error: {x['dataset']} prompt {x['prompt_index']}, {x['mode']}, "
+            f"new token {x['position']}: target {x['target_token']} vs {x['mode']} "
+            f"{x['mode_token']}, {margin}"
         )
     return text
+
+
+def tally(divergences: list[dict], checked: int) -> dict:
+    """The greedy check's counts as the benchmark JSON keeps them, with every divergence."""
+    counts = collections.Counter(d["class"] for d in divergences)
+    return {
+        "count": len(divergences),
+        "checked": checked,
+        "identical": checked - len(divergences),
+        "near_ties": counts["near-tie"],
+        "errors": counts["error"],
+        "list": divergences,
+    }

@@ -1,4 +1,5 @@
-"""Memory of training and pruning: the peak a run measured, and what a step is estimated to hold at its peak."""
+"""Memory of training and pruning: the peak a run measured, and what a step is estimated to
+hold at its peak."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ except ImportError:
 
 
 def peak_memory_gib(device, reset: bool = False) -> float:
-    """Peak memory so far: CUDA, allocated by PyTorch (since the last reset); CPU, the process's peak RSS."""
+    """Peak memory so far: CUDA, allocated by PyTorch (since the last reset); CPU, the
+    process's peak RSS."""
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         if reset:
@@ -37,15 +39,20 @@ def prune_memory_estimate(
     checkpointing: bool,
     device_type: str,
 ) -> dict[str, float]:
-    """GiB at the peak of a recovery step of `prune`, per part and "total". seq_len: tokens of one packed sequence
-    (answer + K x B MASKs). The drafter is fp32 (weights, gradients, two AdamW moments) and so is its teacher copy;
-    the snapshot that --tau-floor undoes to stays on the CPU and is not counted. Activations: ~26 x hidden values
-    per token and layer saved for backward (norm inputs and outputs, q/k/v before and after RoPE, attention input
-    and output, the gated MLP's four intermediate-size tensors), bf16 under CUDA's autocast and fp32 on a CPU; with
-    checkpointing, each layer's fp32 input plus one layer recomputed. The loss keeps ~4 chunks of fp32 logits
-    (student, log-probs, their gradient, adjusted teacher) of loss_chunk_rows rows. Attention scores are not
-    counted: SDPA does not store them. A rough guide, not a bound."""
-    tokens, act_bytes = batch * seq_len, 2 if device_type == "cuda" else 4
+    """GiB at the peak of a recovery step of `prune`, per part and "total". seq_len: tokens
+    of one packed sequence (answer + K x B MASKs). The drafter is fp32 (weights, gradients,
+    two AdamW moments) and so is its teacher copy; the snapshot that --tau-floor undoes to
+    stays on the CPU and is not counted. Activations: ~26 x hidden values per token and
+    layer saved for backward (norm inputs and outputs, q/k/v before and after RoPE,
+    attention input and output, the gated MLP's four intermediate-size tensors), bf16 under
+    CUDA's autocast and fp32 on a CPU; with checkpointing, each layer's fp32 input plus one
+    layer recomputed. The loss keeps ~4 chunks of fp32 logits (student, log-probs, their
+    gradient, adjusted teacher) of loss_chunk_rows rows. Attention scores are not counted:
+    SDPA does not store them. A rough guide, not a bound."""
+    tokens = batch * seq_len
+    act_bytes = 4  # bytes a saved activation: fp32 on a CPU
+    if device_type == "cuda":
+        act_bytes = 2  # bf16 under autocast
     layer_activations = tokens * hidden * 26 * act_bytes
     if checkpointing:
         activations = layers * tokens * hidden * 4 + layer_activations
@@ -75,14 +82,17 @@ def fsdp_memory_estimate(
     world: int,
     checkpointing: bool = True,
 ) -> dict:
-    """GiB per GPU at the peak of a `train.py --fsdp` step on CUDA in bf16, per part and "total", on `world` GPUs.
-    Sharded (/world): fp32 weights (4 bytes a parameter), fp32 gradients (4), AdamW's two fp32 moments (8).
-    Gathered whole, in bf16: the root (embeddings and head, `root_params`), gathered for the whole forward and
-    backward, and two layers (the one computing and the next, prefetched). Gradients whole before their
-    reduce-scatter: the root's in bf16 plus its fp32 copy for the reduction (a layer's, far smaller, is left out).
-    Activations and logits as in prune_memory_estimate, bf16, except that each checkpointed layer input is bf16 too
-    (FSDP's mixed precision keeps the residual stream in bf16). seq_len: tokens of one packed sequence (answer +
-    K x B MASKs). A rough guide, not a bound: fragmentation, the CUDA context and NCCL buffers come on top."""
+    """GiB per GPU at the peak of a `train.py --fsdp` step on CUDA in bf16, per part and
+    "total", on `world` GPUs. Sharded (/world): fp32 weights (4 bytes a parameter), fp32
+    gradients (4), AdamW's two fp32 moments (8). Gathered whole, in bf16: the root
+    (embeddings and head, `root_params`), gathered for the whole forward and backward, and
+    two layers (the one computing and the next, prefetched). Gradients whole before their
+    reduce-scatter: the root's in bf16 plus its fp32 copy for the reduction (a layer's, far
+    smaller, is left out). Activations and logits as in prune_memory_estimate, bf16, except
+    that each checkpointed layer input is bf16 too (FSDP's mixed precision keeps the
+    residual stream in bf16). seq_len: tokens of one packed sequence (answer + K x B MASKs).
+    A rough guide, not a bound: fragmentation, the CUDA context and NCCL buffers come on
+    top."""
     tokens = batch * seq_len
     layer_activations = tokens * hidden * 26 * 2
     activations = (

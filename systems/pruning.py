@@ -1,6 +1,6 @@
-"""`python train.py prune --drafter FOLDER ...`: progressive layer pruning of a trained drafter (paper Fig. 1b;
-d3d.prune_drafter) on the answers it was trained with, then the pruned and unpruned drafters decode the same held-out
-prompts against the target in one run."""
+"""`python train.py prune --drafter FOLDER ...`: progressive layer pruning of a trained
+drafter (paper Fig. 1b; d3d.prune_drafter) on the answers it was trained with, then the
+pruned and unpruned drafters decode the same held-out prompts against the target in one run."""
 
 from __future__ import annotations
 
@@ -74,15 +74,14 @@ def parse_prune_args(argv=None) -> argparse.Namespace:
     g.add_argument(
         "--dtype",
         choices=["auto", "float32", "bfloat16"],
-        help="bfloat16 autocast for scoring and recovery (fp32 master weights), or float32 (default: auto "
-        "on CUDA = bfloat16 where native; float32 on a CPU)",
+        help="bfloat16 autocast for scoring and recovery (fp32 master weights), or float32 "
+        "(default: auto on CUDA = bfloat16 where native; float32 on a CPU)",
     )
     g.add_argument(
         "--gradient-checkpointing",
         action=argparse.BooleanOptionalAction,
-        help="recompute each layer's "
-        "activations in the backward of recovery steps: less memory, ~30 %% more compute (default: on "
-        "with CUDA, off on a CPU)",
+        help="recompute each layer's activations in the backward of recovery steps: less "
+        "memory, ~30 %% more compute (default: on with CUDA, off on a CPU)",
     )
     g.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     g.add_argument("--seed", type=int, default=0, help="anchors and batch order (default: 0)")
@@ -119,15 +118,19 @@ def check_prune_args(values: dict) -> None:
         raise runtime.UserError(
             "train.py prune needs a stopping rule — give --min-layers N, --tau-floor F, or both"
         )
+    if values.get("plot") is not None:
+        evaluation.check_plotting()
     cli.check_drafter_folder("--drafter", values["drafter"])
 
 
 @torch.no_grad()
 def compare_drafters(target, drafters: dict, prompts, *, max_new_tokens: int, eos) -> dict:
-    """Decode the same prompts with each drafter (sync and async) and with the target alone, in one run: tau and
-    speedup (target-only time per token / speculative time per token, prefill excluded) per drafter and mode."""
+    """Decode the same prompts with each drafter (sync and async) and with the target alone,
+    in one run: tau and speedup (target-only time per token / speculative time per token,
+    prefill excluded) per drafter and mode."""
     times = collections.defaultdict(float)
-    tokens, taus = collections.defaultdict(int), collections.defaultdict(list)
+    tokens = collections.defaultdict(int)
+    taus = collections.defaultdict(list)
     runs = [("target", None, "target")] + [
         (f"{name} {mode}", d, mode) for name, d in drafters.items() for mode in ("sync", "async")
     ]
@@ -155,13 +158,16 @@ def describe_iteration(row: dict, recovery_steps: int, tau_floor: float | None, 
     if row["removed_layer"] is None:
         return f"unpruned: {row['layers']} layers, tau {row['tau_after_recovery']:.3f}"
     tau = row["tau_after_recovery"]
-    line = (
-        f"removed layer {row['removed_layer']}: {row['layers']} left, tau {row['tau_before_recovery']:.3f}"
-        + (f" -> {tau:.3f} after recovery" if recovery_steps > 0 else "")
-        + f" ({row['seconds']:.0f} s, scoring {row['score_seconds']:.0f} s)"
-    )
+    line = f"removed layer {row['removed_layer']}: {row['layers']} left, "
+    line += f"tau {row['tau_before_recovery']:.3f}"
+    if recovery_steps > 0:
+        line += f" -> {tau:.3f} after recovery"
+    line += f" ({row['seconds']:.0f} s, scoring {row['score_seconds']:.0f} s)"
     if row["recovery_skipped"]:
-        line += f"; recovery skipped {row['recovery_skipped']} of {recovery_steps} steps: gradient norm not finite"
+        line += (
+            f"; recovery skipped {row['recovery_skipped']} of {recovery_steps} steps: "
+            "gradient norm not finite"
+        )
     if not row["kept"]:
         line += f"\ntau {tau:.3f} < {tau_floor} x {tau0:.3f}: removal undone, stopping"
     return line
@@ -188,17 +194,22 @@ def prune_main(
     plot=None,
 ) -> dict:
     check_prune_args(dict(locals()))
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    out = out or drafter.rstrip("/") + "-pruned"
+    if device is None:
+        device = "cpu"
+        if torch.cuda.is_available():
+            device = "cuda"
+    device = torch.device(device)
+    if out is None:
+        out = drafter.rstrip("/") + "-pruned"
     if os.path.realpath(out) == os.path.realpath(drafter):
         raise runtime.UserError(f"--out {out} is the drafter being pruned — give another folder")
-    if (
-        dtype is None
-    ):  # a GPU prunes in bf16 autocast like training; a CPU keeps exact fp32 (bf16 is slow on most)
+    # a GPU prunes in bf16 autocast like training; a CPU keeps exact fp32 (bf16 is slow on most)
+    if dtype is None:
         dtype = "auto" if device.type == "cuda" else "float32"
-    checkpointing = (
-        device.type == "cuda" if gradient_checkpointing is None else gradient_checkpointing
-    )
+    # activation checkpointing: by default on CUDA, off on a CPU
+    checkpointing = gradient_checkpointing
+    if checkpointing is None:
+        checkpointing = device.type == "cuda"
     recipe, tokenizer, model, train, val, pad_id = evaluation.load_trained(drafter, device)
     max_len = recipe["max_len"]
     val_batches = [
@@ -213,12 +224,13 @@ def prune_main(
         )
         for s in range(0, len(order) - batch_size + 1, batch_size)
     ]
-    # the unpruned drafter for the final comparison waits in host memory: on the device it would sit beside the
-    # teacher copy prune_drafter makes
+    # the unpruned drafter for the final comparison waits in host memory: on the device it
+    # would sit beside the teacher copy prune_drafter makes
     unpruned = runtime.host_copy(model) if compare_prompts else None
     print(
-        f"[prune] {drafter}: {model.model.config.num_hidden_layers} layers; {len(val_batches)} validation and "
-        f"{len(train_batches)} recovery batches of {batch_size}"
+        f"[prune] {drafter}: {model.model.config.num_hidden_layers} layers; "
+        f"{len(val_batches)} validation and {len(train_batches)} recovery batches of "
+        f"{batch_size}"
     )
     bf16 = runtime.resolve_dtype(dtype, device) == torch.bfloat16
     config = model.model.config.get_text_config()
@@ -239,11 +251,12 @@ def prune_main(
     print(
         f"[prune] estimated peak of a recovery step: {estimate['total']:.1f} GiB = "
         + ", ".join(f"{name} {gib:.1f}" for name, gib in estimate.items() if name != "total")
-        + f" (activation checkpointing {'on' if checkpointing else 'off'}; the snapshot --tau-floor undoes to is "
-        "kept on the CPU, not counted)"
+        + f" (activation checkpointing {'on' if checkpointing else 'off'}; the snapshot "
+        "--tau-floor undoes to is kept on the CPU, not counted)"
     )
-    # no cast cache: each use of a weight (the head, on the blocks and on the causal stream) casts anew, so its recovery
-    # gradient sums in fp32, not in one cached bf16 copy
+    # no cast cache: each use of a weight (the head, on the blocks and on the causal
+    # stream) casts anew, so its recovery gradient sums in fp32, not in one cached bf16
+    # copy
     with (
         torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
         if bf16
@@ -306,18 +319,23 @@ def prune_main(
     with open(os.path.join(out, "prune_table.json"), "w") as f:
         json.dump(result, f, indent=2)
     print(
-        f"\n{'removed':>8}{'layers':>8}{'tau before':>12}{'tau after':>11}{'% of tau0':>11}{'scoring s':>11}"
-        f"{'total s':>9}  (tau: offline, B={model.d3d_config.block_size}, {result['num_val']} held-out answers x "
+        f"\n{'removed':>8}{'layers':>8}{'tau before':>12}{'tau after':>11}"
+        f"{'% of tau0':>11}{'scoring s':>11}{'total s':>9}  (tau: offline, "
+        f"B={model.d3d_config.block_size}, {result['num_val']} held-out answers x "
         f"{val_anchors} blocks, after recovery of {recovery_steps} steps)"
     )
     tau0 = table[0]["tau_after_recovery"]
     for row in table:
-        removed = "-" if row["removed_layer"] is None else row["removed_layer"]
-        print(
-            f"{removed:>8}{row['layers']:>8}{row['tau_before_recovery']:>12.3f}{row['tau_after_recovery']:>11.3f}"
-            f"{100 * row['tau_after_recovery'] / tau0:>10.1f}%{row['score_seconds']:>11.0f}"
-            f"{row['seconds']:>9.0f}" + ("  (undone: below the floor)" if not row["kept"] else "")
-        )
+        removed = row["removed_layer"]
+        if removed is None:
+            removed = "-"
+        line = f"{removed:>8}{row['layers']:>8}{row['tau_before_recovery']:>12.3f}"
+        line += f"{row['tau_after_recovery']:>11.3f}"
+        line += f"{100 * row['tau_after_recovery'] / tau0:>10.1f}%"
+        line += f"{row['score_seconds']:>11.0f}{row['seconds']:>9.0f}"
+        if not row["kept"]:
+            line += "  (undone: below the floor)"
+        print(line)
     for label, r in result.get("decode", {}).items():
         print(
             f"[decode] {label:<16} speedup {r['speedup']:.2f}x over target-only, tau {r['tau']:.2f}"
@@ -327,10 +345,12 @@ def prune_main(
         print(f"[done] pruning curve: {path}")
     print(
         f"[done] peak memory {result['peak_memory_gib']:.2f} GiB "
-        f"({'GPU allocated' if device.type == 'cuda' else 'RSS'}; estimated {estimate['total']:.2f})"
+        f"({'GPU allocated' if device.type == 'cuda' else 'RSS'}; "
+        f"estimated {estimate['total']:.2f})"
     )
     print(
         f"[done] pruned drafter ({model.model.config.num_hidden_layers} layers, original ids "
-        f"{model.d3d_config.layer_ids}): {os.path.abspath(out)}; table: {os.path.join(out, 'prune_table.json')}"
+        f"{model.d3d_config.layer_ids}): {os.path.abspath(out)}; "
+        f"table: {os.path.join(out, 'prune_table.json')}"
     )
     return result

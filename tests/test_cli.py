@@ -41,7 +41,8 @@ DRIVERS = {
 def edges(allowed: cli.Range) -> tuple[list, list]:
     """(values at the edges of the range, values just past them)."""
     step = 1 if allowed.kind is int else 1e-3
-    inside, outside = [], []
+    inside = []
+    outside = []
     if allowed.low is not None:
         low = allowed.kind(allowed.low)
         if allowed.low_open:
@@ -166,6 +167,21 @@ def test_every_flag_takes_the_edges_of_its_range_as_given(driver, name, flag, al
         kept = getattr(args, name)
         expected = [allowed.kind(value)] * 2 if allowed.each else allowed.kind(value)
         assert kept == expected, f"{flag} {value} is used as given, got {kept}"
+
+
+def test_decode_main_called_from_python_checks_every_flag():
+    """decode.main takes the parsed flags: a value past its range set on the namespace after
+    parsing is refused by the same check, in the same words, before anything loads."""
+    for name, allowed in decode.RANGES.items():
+        _, outside = edges(allowed)
+        args = decode.parse_args([])
+        value = outside[0]
+        if allowed.each:
+            value = [value, value]
+        setattr(args, name, value)
+        flag = decode.FLAGS.get(name, cli.flag_name(name))
+        with pytest.raises(runtime.UserError, match=f"{flag} must be"):
+            decode.main(args)
 
 
 def test_every_number_flag_has_a_range():

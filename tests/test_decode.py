@@ -1,24 +1,33 @@
-"""Tests for decode.py: a tiny Qwen3 target and drafter built from configs and saved to a tmp folder, with a
-character-level tokenizer that has a chat template. CPU, fp32, no network, no downloaded models.
+"""Tests for decode.py: a tiny Qwen3 target and drafter built from configs and saved to a tmp
+folder, with a character-level tokenizer that has a chat template. CPU, fp32, no network, no
+downloaded models.
 
-Run: python -m pytest -q tests/test_decode.py
-"""
+Run: python -m pytest -q tests/test_decode.py"""
 
+import collections
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import d3d
 import decode
 import runtime
-from systems import decoding, figures, forensics, peers
+import toy
+from systems import decoding, explain, figures, forensics, peers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # decode.py lives there
 
@@ -38,7 +47,9 @@ def make_tokenizer(chars="0123456789+-*= \nabcdefghijklmnopqrstuvwxyz?"):
     )
     tok.add_special_tokens({"additional_special_tokens": specials[2:]})
     tok.chat_template = (
-        "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endfor %}"
+        "{% for m in messages %}"
+        "{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}"
+        "{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
     )
     return tok
@@ -69,8 +80,8 @@ def setting(tmp_path_factory):
 
 
 def build_setting(root):
-    """A saved target, a drafter for it (train_args.json names the target), a drafter for another tokenizer, and
-    GSM8K-, HumanEval- and MT-Bench-style prompt files."""
+    """A saved target, a drafter for it (train_args.json names the target), a drafter for
+    another tokenizer, and GSM8K-, HumanEval- and MT-Bench-style prompt files."""
     tok = make_tokenizer()
     target = tiny_qwen3(tok, seed=0)
     target.generation_config = GenerationConfig(
@@ -100,7 +111,7 @@ def build_setting(root):
 
 def cli(*argv):
     """decode.py's command line, in process."""
-    return decode.main(**vars(decode.build_parser().parse_args([str(a) for a in argv])))
+    return decode.main(decode.parse_args(argv))
 
 
 def models_args(root):
@@ -116,8 +127,8 @@ def models_args(root):
 
 
 def reference(root, prompts, mode="target", max_new_tokens=10, **kwargs):
-    """(answer, stats) of d3d.generate itself for each prompt, outside decode.py: the saved tiny target (and drafter),
-    greedy, fp32, the settings models_args gives decode.py."""
+    """(answer, stats) of d3d.generate itself for each prompt, outside decode.py: the saved tiny
+    target (and drafter), greedy, fp32, the settings models_args gives decode.py."""
     tok = make_tokenizer()
     target = transformers_target(root)
     drafter = None
@@ -147,13 +158,15 @@ def mean(values):
 
 
 def s_per_token(records):
-    """Decode seconds per output token over some prompts' records, prefill excluded (the benchmark's rule)."""
+    """Decode seconds per output token over some prompts' records, prefill excluded (the
+    benchmark's rule)."""
     return sum(r["decode_time"] for r in records) / sum(r["decode_tokens"] for r in records)
 
 
 def check_cell(cell, records, baseline):
-    """A Table 1 cell holds what its prompts' records give: speedup, tok/s, tau (mean over rounds, averaged per
-    prompt), TTFT, the acceptance histogram, the hit rate (pooled hits / (hits + misses))."""
+    """A Table 1 cell holds what its prompts' records give: speedup, tok/s, tau (mean over
+    rounds, averaged per prompt), TTFT, the acceptance histogram, the hit rate (pooled hits /
+    (hits + misses))."""
     assert cell["speedup"] == pytest.approx(s_per_token(baseline) / s_per_token(records), rel=1e-12)
     assert cell["tokens_per_s"] == pytest.approx(1 / s_per_token(records), rel=1e-12)
     assert cell["ttft_s"] == pytest.approx(mean(r["time_prefill"] for r in records), rel=1e-12)
@@ -174,18 +187,19 @@ def check_cell(cell, records, baseline):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_interactive_every_mode(setting, mode, monkeypatch, capsys):
-    """Each mode answers with the target's own greedy tokens (d3d.generate's target-only answers, decoded outside
-    decode.py), and its tau is the mean of the accept lengths its rounds recorded, averaged per prompt."""
-    decode_prompt, recorded = decoding.decode_prompt, []
+    """Each mode answers with the target's own greedy tokens (d3d.generate's target-only answers,
+    decoded outside decode.py), and its tau is the mean of the accept lengths its rounds
+    recorded, averaged per prompt."""
+    answer = decode.answer
+    recorded = []
 
     def record(*args, **kwargs):
-        records = decode_prompt(*args, **kwargs)
-        recorded.extend(
-            [records[mode]] if kwargs.get("max_new_tokens") is None else []
-        )  # the warm-up left out
-        return records
+        # the demo's own decode of each prompt (the warm-up is not one)
+        kept = answer(*args, **kwargs)
+        recorded.append(kept)
+        return kept
 
-    monkeypatch.setattr(decoding, "decode_prompt", record)
+    monkeypatch.setattr(decode, "answer", record)
     result = cli(*models_args(setting), "--mode", mode, "--prompts-file", setting / "gsm.jsonl")
     out = capsys.readouterr().out
     assert "prompt 2/2: what is 5 - 2?" in out and len(recorded) == 2
@@ -226,9 +240,108 @@ def test_demo_shows_sync_beside_async_and_the_target_on_cpu(setting, capsys):
     )  # a tiny target: the rule's one lane
 
 
+def test_the_demo_calls_generate_itself(setting, monkeypatch, capsys):
+    """decode.py's demo reads as load -> generate -> print: each prompt's answer comes from a
+    call to d3d.generate written in decode.py, with the coloured stream as its on_round."""
+    generate = d3d.generate
+    callers = []
+
+    def counted(*args, **kwargs):
+        caller = sys._getframe(1).f_code.co_filename
+        callers.append((os.path.basename(caller), kwargs.get("on_round")))
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(d3d, "generate", counted)
+    argv = [*models_args(setting), "--mode", "sync", "--prompts-file", setting / "gsm.jsonl"]
+    cli(*argv)
+    streams = [on_round for name, on_round in callers if name == "decode.py"]
+    assert len(streams) == 2  # one per prompt
+    assert all(isinstance(s, explain.ColoredStream) for s in streams)
+
+
+@pytest.fixture(scope="module")
+def toy_drafter(tmp_path_factory):
+    """A tiny untrained drafter for the shipped toy target (its tokenizer, B = 4)."""
+    tok = AutoTokenizer.from_pretrained(toy.SHIPPED)
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
+    drafter = d3d.make_drafter(Qwen3ForCausalLM(config), tokenizer=tok, block_size=4)
+    path = tmp_path_factory.mktemp("toy") / "drafter"
+    drafter.save_pretrained(str(path), tokenizer=tok)
+    return path
+
+
+def toy_args(drafter):
+    return ["--drafter", drafter, "--dtype", "float32", "--max-new-tokens", 16]
+
+
+@pytest.mark.parametrize("mode", [None, "sync", "async"])
+def test_explain_prints_one_block_per_round_and_the_answer(toy_drafter, mode, capsys):
+    """--explain on the toy target: the first prompt decoded once, one block per round in
+    order (the draft, the target's verdict, what was committed, both caches before and
+    after; async: the prepared outcomes and the hit or the miss), then the answer's text.
+    Without --mode: the demo's mode, sync."""
+    argv = ["--explain", *toy_args(toy_drafter)]
+    if mode is not None:
+        argv += ["--mode", mode]
+    result = cli(*argv)
+    out = capsys.readouterr().out
+    if mode is None:
+        assert "mode sync: " in out and result["mode"] == "sync"
+    rounds = [line for line in out.splitlines() if line.startswith("round ")]
+    num_rounds = result["stats"]["num_rounds"]
+    assert num_rounds > 1
+    assert [line.split(":")[0] for line in rounds] == [f"round {i}" for i in range(num_rounds)]
+    for key in ("  draft ", "  target  ", "  committed ", "  target cache ", "  drafter cache "):
+        assert sum(line.startswith(key) for line in out.splitlines()) == num_rounds, key
+    outcomes = [line for line in out.splitlines() if line.startswith(("  hit ", "  miss "))]
+    assert len(outcomes) == num_rounds * (result["mode"] == "async")
+    assert result["answer"] and f"answer: {result['answer']}" in out
+    first_prompt = decode.read_prompts(decode.TOY_PROMPTS)[1][0]
+    assert "── prompt (x_0 .. x_" in out and first_prompt in out
+
+
+def test_explain_goes_alone(toy_drafter):
+    """--explain describes one decode: with a benchmark or a picture it is refused before
+    anything loads."""
+    for extra in (["--bench", decode.TOY_PROMPTS], ["--plot", "x.png"], ["--trace", "t.json"]):
+        with pytest.raises(runtime.UserError, match="--explain describes one decode"):
+            cli("--explain", *extra, *toy_args(toy_drafter))
+
+
+def test_plot_draws_the_demo_rounds(toy_drafter, tmp_path, capsys):
+    """--plot on the toy: a PNG of the mode's rounds; the picture's bars (acceptance_data) are
+    the counts of the demo's own table: every round of every prompt, hits and misses too."""
+    pytest.importorskip("matplotlib")
+    from systems import pictures
+
+    path = tmp_path / "rounds.png"
+    argv = ["--mode", "async", "--max-samples", 2, "--plot", path, "--no-color"]
+    result = cli(*argv, *toy_args(toy_drafter))
+    assert f"wrote {path}: the acceptance histogram and hits / misses" in capsys.readouterr().out
+    assert path.stat().st_size > 0
+    data = pictures.acceptance_data(result["stats"], result["block_size"])
+    summary = result["summary"]
+    counts = collections.Counter(summary["histogram"])
+    assert data["counts"] == [counts[t] for t in data["tau"]]
+    assert sum(data["counts"]) == summary["num_rounds"] > 2
+    assert data["hits"] == summary["hits_per_position"]
+    assert data["misses"] == summary["misses_per_position"]
+
+
 def test_the_demo_and_generate_take_mode_and_lanes_from_one_rule(setting, monkeypatch, capsys):
-    """decode.py without --mode or --lanes follows runtime.default_mode and runtime.async_lanes, the rule
-    d3d.generate(lanes=None) follows: sync on CUDA as on a CPU; lanes from the target's size on a CPU."""
+    """decode.py without --mode or --lanes follows runtime.default_mode and runtime.async_lanes,
+    the rule d3d.generate(lanes=None) follows: sync on CUDA as on a CPU; lanes from the target's
+    size on a CPU."""
     assert runtime.default_mode("cuda")[0] == runtime.default_mode("cpu")[0] == "sync"
     monkeypatch.setattr(
         runtime, "TWO_LANES_MIN_PARAMS", 1
@@ -238,8 +351,9 @@ def test_the_demo_and_generate_take_mode_and_lanes_from_one_rule(setting, monkey
 
 
 def test_two_compiled_lanes_on_cuda_are_refused_before_anything_loads(setting):
-    """--compile (or +compiled) with two lanes on CUDA: a clear error naming the ways out, before the models load
-    (the drafter folder here does not exist: loading would fail with another error)."""
+    """--compile (or +compiled) with two lanes on CUDA: a clear error naming the ways out,
+    before the models load (the drafter folder here does not exist: loading would fail with
+    another error)."""
     missing = ["--drafter", setting / "no-such-drafter", "--device", "cuda", "--prompt", "hi"]
     for argv in (
         ["--compile", "--lanes", "2", "--mode", "async"],
@@ -261,12 +375,13 @@ def test_two_compiled_lanes_on_cuda_are_refused_before_anything_loads(setting):
 def test_compiled_two_lanes_are_warmed_up_with_the_threads_each_lane_runs_with(
     setting, monkeypatch
 ):
-    """On a CPU each of two lanes runs with half of torch's threads, and dynamo's guards see the thread count: the
-    warm-up decodes async in the lanes the benchmark uses (+2lanes, or --lanes 2 with --compile), so no pass compiles
-    again while it is timed (a recompile raises here)."""
+    """On a CPU each of two lanes runs with half of torch's threads, and dynamo's guards see the
+    thread count: the warm-up decodes async in the lanes the benchmark uses (+2lanes, or --lanes
+    2 with --compile), so no pass compiles again while it is timed (a recompile raises here)."""
     from systems import fast
 
-    compile_passes, prepare = fast.compile_passes, decoding.prepare
+    compile_passes = fast.compile_passes
+    prepare = decoding.prepare
     monkeypatch.setattr(
         fast, "compile_passes", lambda caches, **kw: compile_passes(caches, backend="eager", **kw)
     )
@@ -301,11 +416,13 @@ def test_compiled_two_lanes_are_warmed_up_with_the_threads_each_lane_runs_with(
 
 
 def test_compile_regional_compiles_one_layer_for_all(setting, monkeypatch):
-    """--compile regional: fast.compile_passes(regional=True), one decoder layer compiled and reused by every layer;
-    the flag alone, or a '+compiled' mode, the whole-model graphs. Output equals target-only either way."""
+    """--compile regional: fast.compile_passes(regional=True), one decoder layer compiled and
+    reused by every layer; the flag alone, or a '+compiled' mode, the whole-model graphs. Output
+    equals target-only either way."""
     from systems import fast
 
-    compile_passes, seen = fast.compile_passes, []
+    compile_passes = fast.compile_passes
+    seen = []
 
     def record(caches, regional=False):
         seen.append(regional)
@@ -324,8 +441,9 @@ def test_compile_regional_compiles_one_layer_for_all(setting, monkeypatch):
 
 
 def test_trace_puts_each_lane_on_its_own_track(setting, tmp_path, capsys):
-    """--trace PATH: the first prompt decoded once more, its phases as a Chrome trace read back here: with two lanes
-    on a CPU, the verification on the main thread's track, the packed pass on the worker's, rounds in order."""
+    """--trace PATH: the first prompt decoded once more, its phases as a Chrome trace read back
+    here: with two lanes on a CPU, the verification on the main thread's track, the packed pass
+    on the worker's, rounds in order."""
     path = tmp_path / "trace.json"
     cli(
         *models_args(setting),
@@ -346,7 +464,11 @@ def test_trace_puts_each_lane_on_its_own_track(setting, tmp_path, capsys):
         e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"
     }
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    on = lambda key: {tracks[e["tid"]] for e in spans if e["name"] == key}  # noqa: E731
+
+    def on(key):
+        """The tracks that spans named `key` ran on."""
+        return {tracks[e["tid"]] for e in spans if e["name"] == key}
+
     assert on("verify") == {"thread MainThread"} and on("packed_draft") == {"thread packed-pass_0"}
     assert on("both") == on("prefill") == {"thread MainThread"}
     verify = sorted(e["ts"] for e in spans if e["name"] == "verify")
@@ -370,10 +492,11 @@ def test_trace_puts_each_lane_on_its_own_track(setting, tmp_path, capsys):
 
 @pytest.mark.parametrize("mode", SPECULATIVE)
 def test_sampling_check_puts_a_lossless_mode_at_the_noise_floor(setting, mode, capsys):
-    """--sampling-check: the total variation between the mode's samples and the target's stays at the noise floor,
-    the TV between two target-only sets of the same size. Measured here (100 answers a set, 4 tokens, seeds 0-9):
-    mean TV 0.22-0.31, each mode within 0.06 of the floor; a mode that samples from the drafter's law (every draft
-    accepted) gives 0.64-0.67, one at twice or half the target's temperature 0.43-0.50: 0.1 off the floor fails."""
+    """--sampling-check: the total variation between the mode's samples and the target's stays
+    at the noise floor, the TV between two target-only sets of the same size. Measured here (100
+    answers a set, 4 tokens, seeds 0-9): mean TV 0.22-0.31, each mode within 0.06 of the floor;
+    a mode that samples from the drafter's law (every draft accepted) gives 0.64-0.67, one at
+    twice or half the target's temperature 0.43-0.50: 0.1 off the floor fails."""
     result = cli(
         *models_args(setting),
         "--mode",
@@ -405,14 +528,36 @@ def test_sampling_check_puts_a_lossless_mode_at_the_noise_floor(setting, mode, c
         cli(*models_args(setting), "--sampling-check", 30, "--prompt", "12 + 7")
 
 
-def test_colours_mark_drafts_and_target_tokens():
-    tok = make_tokenizer()
-    ids = tok("abcdef", add_special_tokens=False).input_ids
-    # prefill gives 'a'; round 1 commits 'bc' (draft 'b', target 'c'); round 2 'def' (drafts 'de', target 'f')
-    text = decode.colour_answer(tok, ids, [2, 3], colour=True)
-    d, t, r = decode.COLOURS["draft"], decode.COLOURS["target"], decode.RESET
-    assert text == f"{t}a{r}{d}b{r}{t}c{r}{d}de{r}{t}f{r}"
-    assert decode.colour_answer(tok, ids, [2, 3], colour=False) == "abcdef"
+def test_the_demo_answer_is_coloured_by_origin(setting, monkeypatch, capsys):
+    """The demo streams each round into the answer: stripped of its colours it is the answer;
+    the first token (the prefill's) is the target's, and the green pieces are exactly the
+    draft tokens the rounds accepted (the tiny tokenizer: one character a token)."""
+    rounds = []
+
+    class Recorded(explain.ColoredStream):
+        def __call__(self, info):
+            rounds.append(info)
+            super().__call__(info)
+
+    monkeypatch.setattr(explain, "ColoredStream", Recorded)
+    args = decode.parse_args(models_args(setting))
+    target = str(setting / "target")
+    drafter = str(setting / "drafter")
+    models = decode.load(target, drafter, ["sync"], "cpu", "float32", "sdpa")
+    tok = models[2]
+    ids = decoding.encode(tok, "12 + 7 * 3", False, "cpu")
+    opts = decode.decoding_options(args, None)
+    kept = decode.answer(models, ids, "sync", opts, None, colour=True)
+    printed = capsys.readouterr().out.rstrip("\n")
+    text = tok.decode(kept["new_tokens"], skip_special_tokens=True)
+    pieces = re.findall("(\033\\[3[23]m)(.*?)\033\\[0m", printed, re.S)
+    assert "".join(piece for _, piece in pieces) == text
+    assert pieces[0] == (explain.COLOURS["target"], text[0])
+    green = [piece for colour, piece in pieces if colour == explain.COLOURS["draft"]]
+    accepted = [info.committed[: info.num_accepted] for info in rounds]
+    drafts = [tok.decode(tokens, skip_special_tokens=True) for tokens in accepted]
+    assert "".join(green) == "".join(drafts)
+    assert len(rounds) == kept["num_rounds"]
 
 
 def test_bench_writes_table_and_json(setting, capsys):
@@ -564,7 +709,8 @@ def test_subprocess_reads_prompts_from_stdin(setting):
 
 
 def test_bench_sweeps_async_budgets(setting, capsys):
-    """--modes async:C,F[,cover] rows: the paper's Fig. 3 sweep in miniature; every row is checked for equality."""
+    """--modes async:C,F[,cover] rows: the paper's Fig. 3 sweep in miniature; every row is
+    checked for equality."""
     result = cli(
         "--bench",
         setting / "gsm.jsonl",
@@ -640,8 +786,9 @@ def test_keep_ratio_and_prefill_bench(setting, capsys):
 
 
 def test_concurrency_bench_writes_table_2(setting, capsys):
-    """--concurrency: the paper's Table 2 in miniature (throughput and speedup per concurrency, per dataset; where a
-    round goes), async at concurrency 1 only; every greedy row checked against batched target-only decoding."""
+    """--concurrency: the paper's Table 2 in miniature (throughput and speedup per concurrency,
+    per dataset; where a round goes), async at concurrency 1 only; every greedy row checked
+    against batched target-only decoding."""
     out_file = setting / "bench-concurrency.json"
     files = [setting / f"{n}.jsonl" for n in ("gsm", "humaneval", "mtbench")]
     modes = ["sync", "async"] if "async" in MODES else ["sync"]
@@ -676,7 +823,8 @@ def test_concurrency_bench_writes_table_2(setting, capsys):
     gsm = saved["datasets"]["gsm"]["levels"]
     alone = [stats for _, stats in reference(setting, ["12 + 7 * 3", "what is 5 - 2?"], "sync")]
     for c in ("1", "2"):
-        target, sync = gsm[c]["target"], gsm[c]["sync"]
+        target = gsm[c]["target"]
+        sync = gsm[c]["sync"]
         assert target["speedup"] == 1.0 and sync["num_new_tokens"] == target["num_new_tokens"]
         for cell in (
             target,
@@ -724,13 +872,13 @@ def test_concurrency_bench_writes_table_2(setting, capsys):
         )
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
 # Peers (transformers' own decoding) and the greedy check's classes
 
 
 def test_bench_baselines_land_in_table_and_json(setting, capsys):
-    """hf, hf-assisted and hf-lookup run end to end next to sync, reproduce target-only greedy output, and get rows,
-    JSON cells and the target-only vs generate line."""
+    """hf, hf-assisted and hf-lookup run end to end next to sync, reproduce target-only greedy
+    output, and get rows, JSON cells and the target-only vs generate line."""
     result = cli(
         *models_args(setting),
         "--bench",
@@ -760,8 +908,9 @@ def test_bench_baselines_land_in_table_and_json(setting, capsys):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_hf_assisted_with_a_drafter_that_has_an_extra_mask_row(tmp_path, tied):
-    """A target with no free vocabulary row (like SmolLM2, tied or not): the drafter has one row more (MASK). The
-    assistant shares the drafter's weights, cut to the target's rows; the drafter itself stays whole."""
+    """A target with no free vocabulary row (like SmolLM2, tied or not): the drafter has one row
+    more (MASK). The assistant shares the drafter's weights, cut to the target's rows; the
+    drafter itself stays whole."""
     tok = make_tokenizer()
     target = tiny_qwen3(tok, seed=0, free_rows=0, tied=tied)
     target.generation_config = GenerationConfig(
@@ -827,8 +976,9 @@ def test_unknown_and_misused_modes_raise_clear_errors(setting):
 
 
 def test_greedy_check_reports_an_off_by_one_cache_as_error(setting, monkeypatch, capsys):
-    """Sync decoding whose caches keep one position too few: its outputs leave target-only's where the target
-    clearly prefers its own token, so every divergence is an error, with the margin in the JSON."""
+    """Sync decoding whose caches keep one position too few: its outputs leave target-only's
+    where the target clearly prefers its own token, so every divergence is an error, with the
+    margin in the JSON."""
     rewind = runtime.KVCache.rewind
     monkeypatch.setattr(
         runtime.KVCache, "rewind", lambda cache, length: rewind(cache, max(length - 1, 0))
@@ -861,8 +1011,8 @@ def test_greedy_check_reports_an_off_by_one_cache_as_error(setting, monkeypatch,
 
 
 def test_greedy_check_reports_a_near_tie(setting, tmp_path, monkeypatch, capsys):
-    """A target whose output rows for tokens a and b differ by 1e-7: at a position where a wins, b is a tie. A mode
-    that emits the other token of the pair there is a near-tie, not an error."""
+    """A target whose output rows for tokens a and b differ by 1e-7: at a position where a wins,
+    b is a tie. A mode that emits the other token of the pair there is a near-tie, not an error."""
     assert forensics.tie_tolerance(torch.tensor([20.0, -3.0]), torch.bfloat16) == 8 * 2**-7 * 20
     assert (
         forensics.tie_tolerance(torch.tensor([-20.0, 3.0]), torch.float32) == 8 * 2**-16 * 20
@@ -929,7 +1079,10 @@ def test_speedups_are_also_given_against_generate_when_it_is_the_faster_baseline
             }
         }
     }
-    row = lambda tokens_per_s: {"tokens_per_s": tokens_per_s, "ttft_s": 0.01, "ms_per_round": {}}  # noqa: E731
+
+    def row(tokens_per_s):
+        return {"tokens_per_s": tokens_per_s, "ttft_s": 0.01, "ms_per_round": {}}
+
     text = figures.table(
         results, {"target": row(100.0), "sync": row(150.0), "hf": row(125.0)}, ["sync", "hf"], 4
     )

@@ -1,5 +1,6 @@
-"""train.py --fsdp (FSDP2) on CPU: two gloo processes spawned by torch.multiprocessing, tiny models from configs (the
-setup of test_train.py), and one run of train.py --fsdp under torchrun from the command line."""
+"""train.py --fsdp (FSDP2) on CPU: two gloo processes spawned by torch.multiprocessing, tiny
+models from configs (the setup of test_train.py), and one run of train.py --fsdp under
+torchrun from the command line."""
 
 import contextlib
 import datetime
@@ -15,7 +16,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_train import FAST, _run, setup, spoiled_loss  # noqa: F401 (setup is a fixture)
+from test_train import FAST, _run, make_setup, spoiled_loss
 from torch.distributed.tensor import DTensor
 
 import d3d
@@ -23,6 +24,12 @@ import train
 from systems import distributed, memory
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """test_train.py's tiny target (a random 4-layer Qwen3) and its prompts file."""
+    return make_setup(tmp_path_factory.mktemp("tiny"))
 
 
 def _free_port() -> int:
@@ -37,9 +44,10 @@ def _tensors(model):
 
 @contextlib.contextmanager
 def _probe(out, rank):
-    """Record in OUT/probe-rankR.pt the timeout init_process_group was given (seconds), which weights and buffers
-    were on the meta device when distributed.shard_model began, rank 0's values of them then, and every rank's whole
-    values once sharded (DTensor.full_tensor: all ranks gather them together)."""
+    """Record in OUT/probe-rankR.pt the timeout init_process_group was given (seconds),
+    which weights and buffers were on the meta device when distributed.shard_model began,
+    rank 0's values of them then, and every rank's whole values once sharded
+    (DTensor.full_tensor: all ranks gather them together)."""
     record, real_init, real_shard = (
         {},
         torch.distributed.init_process_group,
@@ -72,8 +80,9 @@ def _probe(out, rank):
 
 
 def _worker(rank, world, paths, runs, port):
-    """Run train.main once per entry of `runs` ({"out", "kw", "crash_at", "nan_at", "copy_to", "probe"}) in this
-    process of a world of `world`; rank 0 saves the returned drafter's weights as OUT/final.pt."""
+    """Run train.main once per entry of `runs` ({"out", "kw", "crash_at", "nan_at",
+    "copy_to", "probe"}) in this process of a world of `world`; rank 0 saves the returned
+    drafter's weights as OUT/final.pt."""
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1"
     )
@@ -140,8 +149,9 @@ def _initial(setup, layers="2"):
 
 
 def test_fsdp_ends_with_the_weights_of_ddp(setup, tmp_path):
-    """3 steps on 2 processes over the same data: FSDP (sharded weights, reduce-scattered gradients, clipping over
-    DTensor gradients) ends where DDP does, and the gathered drafter is an ordinary fp32 folder."""
+    """3 steps on 2 processes over the same data: FSDP (sharded weights, reduce-scattered
+    gradients, clipping over DTensor gradients) ends where DDP does, and the gathered
+    drafter is an ordinary fp32 folder."""
     kw = dict(steps=3, drafter_layers="2", grad_clip=0.5)
     ddp, fsdp = _spawn(
         setup,
@@ -167,9 +177,10 @@ def test_fsdp_ends_with_the_weights_of_ddp(setup, tmp_path):
 
 
 def test_fsdp_reads_the_weights_on_rank_0_only_and_broadcasts_them(setup, tmp_path):
-    """Under --fsdp on 2 processes rank 1 builds the drafter on the meta device (no weights read: one host copy, not
-    one a process) and, once sharded, holds rank 0's weights and the buffers outside the state dict (rotary
-    frequencies, computed on rank 0), as rank 0 does; both process groups have --dist-timeout."""
+    """Under --fsdp on 2 processes rank 1 builds the drafter on the meta device (no weights
+    read: one host copy, not one a process) and, once sharded, holds rank 0's weights and
+    the buffers outside the state dict (rotary frequencies, computed on rank 0), as rank 0
+    does; both process groups have --dist-timeout."""
     out = str(tmp_path / "d")
     _spawn(
         setup,
@@ -193,7 +204,8 @@ def test_fsdp_reads_the_weights_on_rank_0_only_and_broadcasts_them(setup, tmp_pa
 
 
 def test_a_group_of_one_has_the_timeout_too(setup, tmp_path, monkeypatch):
-    """python train.py --fsdp without torchrun: its group of one waits --dist-timeout minutes too."""
+    """python train.py --fsdp without torchrun: its group of one waits --dist-timeout
+    minutes too."""
     made, real_init = [], torch.distributed.init_process_group
     monkeypatch.setattr(
         torch.distributed,
@@ -205,8 +217,9 @@ def test_a_group_of_one_has_the_timeout_too(setup, tmp_path, monkeypatch):
 
 
 def test_fsdp_resumes_exactly_and_with_another_number_of_processes(setup, tmp_path, capsys):
-    """A 2-process run cut in step 3 resumes from its step-2 checkpoint and ends where the uncut run ends. The same
-    step-2 checkpoint, copied, resumes in 1 process: the weights are the saved ones, AdamW counts on from 2."""
+    """A 2-process run cut in step 3 resumes from its step-2 checkpoint and ends where the
+    uncut run ends. The same step-2 checkpoint, copied, resumes in 1 process: the weights
+    are the saved ones, AdamW counts on from 2."""
     kw = dict(steps=4, drafter_layers="2", save_every=2, fsdp=True)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     uncut, _, resumed = _spawn(
@@ -223,14 +236,16 @@ def test_fsdp_resumes_exactly_and_with_another_number_of_processes(setup, tmp_pa
     assert [h["offline_tau"] for h in uncut["history"]] == [
         h["offline_tau"] for h in resumed["history"]
     ]
-    # the step-2 checkpoint, read without any process group: whole tensors (DCP stores them with global shapes)
+    # the step-2 checkpoint, read without any process group: whole tensors (DCP stores
+    # them with global shapes)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(
         str(tmp_path / "at2" / distributed.SHARDED_CHECKPOINT), str(tmp_path / "at2.pt")
     )
     saved = torch.load(tmp_path / "at2.pt", weights_only=True)["model"]
-    # what train.py itself writes beside DCP's files holds plain types only (resumes load it with weights_only)
+    # what train.py itself writes beside DCP's files holds plain types only (resumes load
+    # it with weights_only)
     state = torch.load(
         tmp_path / "at2" / distributed.SHARDED_CHECKPOINT / "train_state.pt", weights_only=True
     )
@@ -271,9 +286,10 @@ def test_fsdp_resumes_exactly_and_with_another_number_of_processes(setup, tmp_pa
 
 
 def test_fsdp_keeps_frozen_rows_frozen_and_skips_a_non_finite_step(setup, tmp_path):
-    """--freeze-embeddings under FSDP, in bf16 (FSDP's mixed precision): every embedding row but MASK's stays as it
-    was; a NaN loss in step 2 is skipped on both processes (the norm of DTensor gradients decides alike everywhere)
-    and training goes on; the drafter is saved in bf16."""
+    """--freeze-embeddings under FSDP, in bf16 (FSDP's mixed precision): every embedding row
+    but MASK's stays as it was; a NaN loss in step 2 is skipped on both processes (the norm
+    of DTensor gradients decides alike everywhere) and training goes on; the drafter is
+    saved in bf16."""
     out = str(tmp_path / "d")
     (result,) = _spawn(
         setup,
@@ -305,9 +321,10 @@ def test_fsdp_keeps_frozen_rows_frozen_and_skips_a_non_finite_step(setup, tmp_pa
     reason="torchrun not installed",
 )
 def test_torchrun_fsdp_end_to_end(setup, tmp_path):
-    """torchrun --nproc-per-node 2 train.py --fsdp from the command line on the tiny target (toy tokenizer and chat
-    template) with evaluation, checkpointing, activation checkpointing and frozen embeddings; a rerun resumes;
-    decode.py and train.py prune load the folder it writes (~1 min on 2 cores)."""
+    """torchrun --nproc-per-node 2 train.py --fsdp from the command line on the tiny target
+    (toy tokenizer and chat template) with evaluation, checkpointing, activation
+    checkpointing and frozen embeddings; a rerun resumes; decode.py and train.py prune load
+    the folder it writes (~1 min on 2 cores)."""
     torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
     out = str(tmp_path / "drafter")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -407,8 +424,9 @@ def test_torchrun_fsdp_end_to_end(setup, tmp_path):
 
 
 def test_fsdp_memory_estimate_fits_the_qwen3_8b_drafter_on_eight_80gb_gpus():
-    """Qwen3-8B as its own drafter at full depth (36 layers, hidden 4,096, MLP 12,288, vocab 151,936, untied head:
-    8.19e9 parameters), the README's shapes: batch 8 of 1,024 answer tokens + K 64 x B 16 MASKs, checkpointing."""
+    """Qwen3-8B as its own drafter at full depth (36 layers, hidden 4,096, MLP 12,288, vocab
+    151,936, untied head: 8.19e9 parameters), the README's shapes: batch 8 of 1,024 answer
+    tokens + K 64 x B 16 MASKs, checkpointing."""
     layer = 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 12288 + 2 * 4096 + 2 * 128
     root = 2 * 151936 * 4096 + 4096
     shapes = dict(

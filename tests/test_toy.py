@@ -19,7 +19,8 @@ QUESTION = re.compile(r"^\d+( [+\-*] \d+)+$")
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    """One torch thread: on a small CPU shared with other work, more threads are often much slower."""
+    """One torch thread: on a small CPU shared with other work, more threads are often much
+    slower."""
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -35,7 +36,8 @@ def _check(question, answer):
     """Asserts that the answer is a right step-by-step solution of the question."""
     assert QUESTION.match(question), question
     tokens = question.split(" ")
-    nums, ops = [int(t) for t in tokens[::2]], tokens[1::2]
+    nums = [int(t) for t in tokens[::2]]
+    ops = tokens[1::2]
     assert 2 <= len(ops) <= 4
     *lines, last = answer.split("\n")
     assert len(lines) == len(ops)
@@ -43,24 +45,28 @@ def _check(question, answer):
     for line, op, b in zip(lines, ops, nums[1:]):
         m = LINE.match(line)
         assert m, line
-        x, o, y, z = int(m[1]), m[2], int(m[3]), int(m[4])
-        assert (x, o, y) == (acc, op, b), (question, line)
-        assert z == {"+": x + y, "-": x - y, "*": x * y}[o], line
+        x = int(m[1])
+        line_op = m[2]
+        y = int(m[3])
+        z = int(m[4])
+        assert (x, line_op, y) == (acc, op, b), (question, line)
+        assert z == {"+": x + y, "-": x - y, "*": x * y}[line_op], line
         acc = z
     assert last == f"#### {acc}"
-    assert acc == eval(
-        question
-    )  # usual precedence (the string is checked above to be digits and + - * only)
+    # usual precedence (the string is checked above to be digits and + - * only)
+    assert acc == eval(question)
 
 
 def _prompt_ids(tok, question):
     out = tok.apply_chat_template(
         [{"role": "user", "content": question}], add_generation_prompt=True
     )
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
+    if hasattr(out, "keys"):
+        out = out["input_ids"]
+    return list(out)
 
 
-# ------------------------------------------------------------------------------------------ problems
+# ----------------------------------------------------------------------------------------- problems
 
 
 def test_problems_are_right():
@@ -76,12 +82,15 @@ def test_problems_shape_and_determinism():
     assert min(lengths) >= 30 and max(lengths) <= 80
     assert {q.count(" ") // 2 for q, _ in probs} == {2, 3, 4}
     assert any("*" in q for q, _ in probs) and any("-" in q for q, _ in probs)
-    for q, _ in probs:  # at most one multiplication, first, from a times table
+    # at most one multiplication, first, from a times table
+    for q, _ in probs:
         tokens = q.split(" ")
-        assert "*" not in tokens[3:] and ("*" != tokens[1] or 2 <= int(tokens[0]) <= 12), q
+        assert "*" not in tokens[3:], q
+        if tokens[1] == "*":
+            assert 2 <= int(tokens[0]) <= 12, q
 
 
-# ----------------------------------------------------------------------------------------- tokenizer
+# ---------------------------------------------------------------------------------------- tokenizer
 
 
 def test_tokenizer_round_trip_is_character_level():
@@ -92,12 +101,12 @@ def test_tokenizer_round_trip_is_character_level():
             assert len(ids) == len(text)  # one token per character
             assert tok.unk_token_id not in ids
             assert tok.decode(ids) == text
-    assert tok.encode("12", add_special_tokens=False) == tok.encode(
-        "1", add_special_tokens=False
-    ) + tok.encode("2", add_special_tokens=False)
-    assert tok.encode("1 + 2", add_special_tokens=True) == tok.encode(
-        "1 + 2", add_special_tokens=False
-    )  # no bos
+    one = tok.encode("1", add_special_tokens=False)
+    two = tok.encode("2", add_special_tokens=False)
+    assert tok.encode("12", add_special_tokens=False) == one + two
+    # no bos
+    with_specials = tok.encode("1 + 2", add_special_tokens=True)
+    assert with_specials == tok.encode("1 + 2", add_special_tokens=False)
 
 
 def test_special_tokens_and_vocab():
@@ -106,12 +115,10 @@ def test_special_tokens_and_vocab():
     assert tok.pad_token_id != tok.eos_token_id
     assert "<|MASK|>" not in tok.get_vocab()
     assert len(set(tok.get_vocab().values())) == len(tok)
-    assert (
-        toy._padded_vocab_size(len(tok)) > len(tok) and toy._padded_vocab_size(len(tok)) % 16 == 0
-    )
-    assert (
-        toy._padded_vocab_size(64) == 80
-    )  # strictly larger even when len is already a multiple of 16
+    padded = toy._padded_vocab_size(len(tok))
+    assert padded > len(tok) and padded % 16 == 0
+    # strictly larger even when len is already a multiple of 16
+    assert toy._padded_vocab_size(64) == 80
 
 
 def test_chat_template_prompt_ends_where_answer_begins():
@@ -120,9 +127,8 @@ def test_chat_template_prompt_ends_where_answer_begins():
     prompt = _prompt_ids(tok, q)
     assert prompt == toy._prompt_ids(tok, q)
     assert tok.decode(prompt) == f"<|user|>\n{q}<|end|>\n<|assistant|>\n"
-    full = tok.apply_chat_template(
-        [{"role": "user", "content": q}, {"role": "assistant", "content": a}], tokenize=False
-    )
+    chat = [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    full = tok.apply_chat_template(chat, tokenize=False)
     full_ids = tok.encode(full, add_special_tokens=False)
     answer_ids = tok.encode(a, add_special_tokens=False)
     n = len(prompt) + len(answer_ids)
@@ -146,7 +152,7 @@ def test_tokenizer_save_load_same_ids(tmp_path):
     assert tok2.decode(_prompt_ids(tok2, "1 + 2"), skip_special_tokens=True) == "\n1 + 2\n\n"
 
 
-# ------------------------------------------------------------------------------------------- build_toy
+# ---------------------------------------------------------------------------------------- build_toy
 
 
 @pytest.fixture(scope="module")
@@ -167,37 +173,32 @@ def test_build_toy_writes_files(built):
     assert paths["target"] == str(out)
     for key in ("train", "test", "train_answers", "test_answers"):
         assert os.path.isfile(paths[key])
-    train = [json.loads(l) for l in open(paths["train"])]
-    test = [json.loads(l) for l in open(paths["test"])]
+    train = [json.loads(line) for line in open(paths["train"])]
+    test = [json.loads(line) for line in open(paths["test"])]
     assert len(train) == 40 and len(test) == 8
     for row in train + test:
         _check(row["question"], row["reference_answer"])
-    train_q, test_q = {r["question"] for r in train}, {r["question"] for r in test}
+    train_q = {r["question"] for r in train}
+    test_q = {r["question"] for r in test}
     assert len(train_q) == 40 and len(test_q) == 8 and not train_q & test_q
     assert os.path.isfile(os.path.join(paths["target"], "config.json"))
-    recipe = json.load(
-        open(os.path.join(paths["target"], toy.RECIPE))
-    )  # how it was built, and how well it answers
-    assert (
-        recipe["train_steps"] == 3
-        and recipe["threads"] == 1
-        and 0 <= recipe["test_exact_match"] <= 1
-    )
+    # how it was built, and how well it answers
+    recipe = json.load(open(os.path.join(paths["target"], toy.RECIPE)))
+    assert recipe["train_steps"] == 3 and recipe["threads"] == 1
+    assert 0 <= recipe["test_exact_match"] <= 1
     assert recipe["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-    # the answers: a header, then one line per prompt, its ids as the chat template makes them, ending with EOS
+    # the answers: a header, then one line per prompt, its ids as the chat template makes
+    # them, ending with EOS
     tok = AutoTokenizer.from_pretrained(paths["target"])
-    header, *rows = [json.loads(l) for l in open(paths["test_answers"])]
-    assert (
-        header["tokenizer"] == recipe["fingerprint"]["tokenizer"]
-        and header["max_new_tokens"] == toy.MAX_NEW_TOKENS
-    )
+    header, *rows = [json.loads(line) for line in open(paths["test_answers"])]
+    assert header["tokenizer"] == recipe["fingerprint"]["tokenizer"]
+    assert header["max_new_tokens"] == toy.MAX_NEW_TOKENS
     assert [r["i"] for r in rows] == list(range(8))
     assert [r["prompt"] for r in rows] == [toy._prompt_ids(tok, q["question"]) for q in test]
-    assert all(
-        r["response"]
-        and (r["response"][-1] == tok.eos_token_id or len(r["response"]) == toy.MAX_NEW_TOKENS)
-        for r in rows
-    )
+    for r in rows:
+        response = r["response"]
+        assert response
+        assert response[-1] == tok.eos_token_id or len(response) == toy.MAX_NEW_TOKENS
     assert toy.open_toy(str(out)) == paths  # its own toy.json vouches for every file
 
 
@@ -230,10 +231,8 @@ def test_built_target_loads_and_generates(built):
         return_dict=True,
     )
     out = model.generate(**enc, max_new_tokens=8, do_sample=False)
-    assert (
-        out.shape[0] == 1
-        and enc["input_ids"].shape[1] < out.shape[1] <= enc["input_ids"].shape[1] + 8
-    )
+    prompt_len = enc["input_ids"].shape[1]
+    assert out.shape[0] == 1 and prompt_len < out.shape[1] <= prompt_len + 8
     assert int(out.max()) < cfg.vocab_size
 
 
@@ -250,13 +249,13 @@ def test_build_toy_second_call_skips(built, capsys):
 
 
 def test_answers_are_the_targets_greedy_answers():
-    """Batched, left-padded answering gives each prompt what the target alone answers greedily (on the shipped
-    target, whose answers have clear margins: a barely trained one would flip near-ties between batch shapes)."""
+    """Batched, left-padded answering gives each prompt what the target alone answers greedily
+    (on the shipped target, whose answers have clear margins: a barely trained one would flip
+    near-ties between batch shapes)."""
     tok = AutoTokenizer.from_pretrained(toy.SHIPPED)
     model = AutoModelForCausalLM.from_pretrained(toy.SHIPPED).eval()
-    questions = [
-        json.loads(l)["question"] for l in open(os.path.join(toy.SHIPPED, "prompts-test.jsonl"))
-    ][:6]
+    lines = open(os.path.join(toy.SHIPPED, "prompts-test.jsonl"))
+    questions = [json.loads(line)["question"] for line in lines][:6]
     prompts = [toy._prompt_ids(tok, q) for q in questions]
     assert len({len(p) for p in prompts}) > 1  # some left padding in the batch
     batched = toy.answer_ids(model, tok, prompts, batch_size=6)
@@ -292,22 +291,24 @@ def test_a_built_toy_says_how_it_compares_with_the_shipped_one(built, capsys):
     assert result["train_same_answers"] == (2000, 2000)
 
 
-# ------------------------------------------------------------------------------------- the shipped toy
+# ---------------------------------------------------------------------------------- the shipped toy
 
 
 def test_the_shipped_toy_matches_its_fingerprint_and_solves_its_problems():
-    """toy-target/ loads, every file matches toy.json, and greedy batched answers solve >= 90 % of the 200 held-out
-    problems on this machine's float order (it was built and measured under the one toy.json names)."""
+    """toy-target/ loads, every file matches toy.json, and greedy batched answers solve >= 90 %
+    of the 200 held-out problems on this machine's float order (it was built and measured
+    under the one toy.json names)."""
     paths = toy.open_toy()
     recipe = toy.read_recipe(toy.SHIPPED)
-    assert (
-        recipe["test_exact_match"] >= 0.94 and recipe["cpu_capability"]
-    )  # the build's own measure
+    # the build's own measure
+    assert recipe["test_exact_match"] >= 0.94 and recipe["cpu_capability"]
     tok = AutoTokenizer.from_pretrained(paths["target"])
     model = AutoModelForCausalLM.from_pretrained(paths["target"]).eval()
-    assert sum(p.numel() for p in model.parameters()) < 1_000_000 and model.dtype == torch.float32
-    rows = [json.loads(l) for l in open(paths["test"])]
-    assert len(rows) == 200 and len([json.loads(l) for l in open(paths["train"])]) == 2000
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+    assert model.dtype == torch.float32
+    rows = [json.loads(line) for line in open(paths["test"])]
+    train_rows = [json.loads(line) for line in open(paths["train"])]
+    assert len(rows) == 200 and len(train_rows) == 2000
     result = toy.evaluate(model, tok, rows)
     assert result["exact_match"] >= 0.90, result["exact_match"]
 
@@ -319,7 +320,8 @@ def test_open_toy_refuses_a_file_that_does_not_match_toy_json(tmp_path, victim):
     folder = tmp_path / "toy"
     shutil.copytree(toy.SHIPPED, folder)
     path = folder / victim
-    if victim.endswith(".jsonl"):  # one line changed: another problem, or another answer
+    # one line changed: another problem, or another answer
+    if victim.endswith(".jsonl"):
         lines = path.read_text().splitlines(keepends=True)
         lines[3] = lines[1]
         path.write_text("".join(lines))
@@ -341,7 +343,9 @@ def test_open_toy_refuses_a_changed_tokenizer(tmp_path):
     path = folder / "tokenizer.json"
     tokenizer = json.loads(path.read_text())
     vocab = tokenizer["model"]["vocab"]
-    vocab["0"], vocab["1"] = vocab["1"], vocab["0"]
+    zero = vocab["0"]
+    vocab["0"] = vocab["1"]
+    vocab["1"] = zero
     path.write_text(json.dumps(tokenizer))
     with pytest.raises(ValueError, match="tokenizer in .* do not match"):
         toy.open_toy(str(folder))
@@ -379,26 +383,26 @@ def test_training_is_deterministic_with_seed():
 
 
 def test_training_batches_are_fresh_problems_of_like_length():
-    """Batches come in pools sorted by length (little padding), none of them a held-out question, in shuffled order."""
-    tok, rng = toy.make_tokenizer(), random.Random(0)
+    """Batches come in pools sorted by length (little padding), none of them a held-out
+    question, in shuffled order."""
+    tok = toy.make_tokenizer()
+    rng = random.Random(0)
     held_out = {toy.make_problem(random.Random(1))[0]}
     batches = toy._batches(tok, rng, held_out, 16, "cpu")
     pool = [next(batches) for _ in range(2 * toy.POOL_BATCHES)]
-    padding = sum(int((b["attention_mask"] == 0).sum()) for b in pool) / sum(
-        b["attention_mask"].numel() for b in pool
-    )
+    pads = sum(int((b["attention_mask"] == 0).sum()) for b in pool)
+    padding = pads / sum(b["attention_mask"].numel() for b in pool)
     assert padding < 0.05  # random batches of 16 pad about a fifth of their tokens
     widths = [b["input_ids"].shape[1] for b in pool[: toy.POOL_BATCHES]]
     assert widths != sorted(widths)  # the batches of a pool come shuffled, not shortest first
-    texts = {
-        tok.decode(row, skip_special_tokens=True) for b in pool for row in b["input_ids"].tolist()
-    }
+    rows = [row for b in pool for row in b["input_ids"].tolist()]
+    texts = {tok.decode(row, skip_special_tokens=True) for row in rows}
     assert not any(text.startswith(next(iter(held_out)) + "\n") for text in texts)
 
 
 def test_lab_runs_gives_one_range_per_outcome_over_every_run(monkeypatch):
-    """tests/lab_runs.py, the sweep behind LAB's ranges: each outcome's range covers all its runs, and AVX2 counts as
-    a float order of its own only where the CPU has AVX-512."""
+    """tests/lab_runs.py, the sweep behind LAB's ranges: each outcome's range covers all its
+    runs, and AVX2 counts as a float order of its own only where the CPU has AVX-512."""
     import sys
 
     sys.path.insert(0, os.path.dirname(__file__))

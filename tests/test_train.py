@@ -2,10 +2,13 @@
 
 import contextlib
 import copy
+import functools
+import io
 import json
 import os
 import re
 import socket
+import sys
 import warnings
 
 import pytest
@@ -17,7 +20,7 @@ import d3d
 import runtime
 import toy
 import train
-from systems import answers, evaluation, memory, pruning
+from systems import answers, evaluation, memory, pictures, pruning
 
 QUESTIONS = [
     "1 + 2",
@@ -74,8 +77,13 @@ def _tiny_model(tok, layers=4, seed=0):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """A random 4-layer Qwen3 target with the toy's character tokenizer and chat template, and a prompts file."""
-    root = tmp_path_factory.mktemp("tiny")
+    """A random 4-layer Qwen3 target with the toy's character tokenizer and chat template,
+    and a prompts file."""
+    return make_setup(tmp_path_factory.mktemp("tiny"))
+
+
+def make_setup(root) -> dict:
+    """What the `setup` fixture returns, written under `root` (test_fsdp.py's fixture too)."""
     tok = toy.make_tokenizer()
     _tiny_model(tok).save_pretrained(root / "target")
     tok.save_pretrained(root / "target")
@@ -104,7 +112,8 @@ def test_data_is_cached_and_resumed(setup, tmp_path, monkeypatch):
     assert all(0 < len(r) <= 6 for _, r in first)
     assert answers.load_data(setup["target"], prompts=setup["prompts"], **kw) == first
     assert len(calls) == 1  # the rerun read the cache and never loaded the target
-    # an interrupted run: the header, 5 whole lines and one cut in the middle; the rerun answers only the other 7
+    # an interrupted run: the header, 5 whole lines and one cut in the middle; the rerun
+    # answers only the other 7
     (cache,) = tmp_path.glob("answers-*.jsonl")
     lines = cache.read_text().splitlines(keepends=True)
     assert json.loads(lines[0]) == answers.answers_header(setup["target"], setup["tok"], 6)
@@ -152,7 +161,8 @@ def test_layer_selection_keeps_the_right_layers(setup):
 
 
 def test_training_on_from_a_drafter_keeps_its_layer_ids_and_mask(setup, tmp_path):
-    """--drafter-init may be a trained drafter: its MASK row is reused and layer ids stay those of the original."""
+    """--drafter-init may be a trained drafter: its MASK row is reused and layer ids stay
+    those of the original."""
     vocab = _tiny_model(setup["tok"], layers=4).config.vocab_size
     first = train.build_drafter(setup["target"], setup["tok"], target_vocab_size=vocab, layers="3")
     first.save_pretrained(str(tmp_path / "d"), tokenizer=setup["tok"])
@@ -203,7 +213,8 @@ def test_training_lowers_loss_and_saves_a_lossless_drafter(setup, tmp_path):
     ref, _ = d3d.generate(target, None, prompt, max_new_tokens=20, mode="target")
     out_ids, stats = d3d.generate(target, drafter, prompt, max_new_tokens=20, mode="sync")
     assert torch.equal(out_ids, ref) and stats["tau"] > 1.0
-    # `train.py eval` measures the saved drafter on the same held-out blocks as the end of training, both ways
+    # `train.py eval` measures the saved drafter on the same held-out blocks as the end of
+    # training, both ways
     taus = evaluation.eval_main(["--drafter", str(out)])
     assert taus["causal"] == pytest.approx(record["offline_tau"])
     assert taus["mask"] == pytest.approx(record["offline_tau_d1_from_mask"])
@@ -218,7 +229,8 @@ def test_training_lowers_loss_and_saves_a_lossless_drafter(setup, tmp_path):
 
 def test_resume_continues_at_the_right_step(setup, tmp_path, monkeypatch, capsys):
     straight = _run(setup, tmp_path / "a", steps=4, drafter_layers="2")["drafter"]
-    real_loss, calls = d3d.d3d_loss, []
+    real_loss = d3d.d3d_loss
+    calls = []
 
     def crash_at_step_3(*a, **k):  # a run killed after its step-2 checkpoint
         calls.append(1)
@@ -241,8 +253,9 @@ def test_resume_continues_at_the_right_step(setup, tmp_path, monkeypatch, capsys
 
 
 def test_checkpoint_pieces_hold_plain_types_only(setup, tmp_path):
-    """Every piece of a checkpoint loads with torch.load(weights_only=True), as a resume does: tensors, numbers,
-    strings and containers of them, no pickled class (which weights_only refuses to run)."""
+    """Every piece of a checkpoint loads with torch.load(weights_only=True), as a resume
+    does: tensors, numbers, strings and containers of them, no pickled class (which
+    weights_only refuses to run)."""
     out = tmp_path / "d"
     _run(setup, out, steps=1, drafter_layers="2")
     pieces = sorted(out.glob("*.pt"))
@@ -256,8 +269,10 @@ def test_checkpoint_pieces_hold_plain_types_only(setup, tmp_path):
 
 
 def spoiled_loss(bad_calls):
-    """d3d.d3d_loss made NaN (hence every gradient) at the given 1-based calls; one call per training step here."""
-    real_loss, calls = d3d.d3d_loss, []
+    """d3d.d3d_loss made NaN (hence every gradient) at the given 1-based calls; one call
+    per training step here."""
+    real_loss = d3d.d3d_loss
+    calls = []
 
     def loss(*a, **k):
         calls.append(1)
@@ -298,8 +313,9 @@ def test_non_finite_steps_in_a_row_stop_training(setup, tmp_path, monkeypatch):
 
 
 def test_resume_reads_through_the_cpu_and_keeps_adam_step_counts(setup, tmp_path, monkeypatch):
-    """A checkpoint is read into host memory; load_state_dict places the tensors, and AdamW's step counts stay CPU
-    tensors with their values (a step count on the GPU would make AdamW's update sync or fail)."""
+    """A checkpoint is read into host memory; load_state_dict places the tensors, and
+    AdamW's step counts stay CPU tensors with their values (a step count on the GPU would
+    make AdamW's update sync or fail)."""
     out = tmp_path / "d"
     _run(setup, out, steps=2, drafter_layers="2")
     saved = torch.load(out / "checkpoint.pt", weights_only=True)["piece"]["adam_steps"]
@@ -338,8 +354,9 @@ def test_activation_checkpointing_uses_the_current_transformers_api(setup, tmp_p
 def test_checkpoint_pieces_are_replaced_one_at_a_time_and_resume_after_a_cut_save(
     setup, tmp_path, monkeypatch, capsys
 ):
-    """Weights (checkpoint.pt) and each AdamW moment (optimizer-KEY.pt) are separate pieces, each renamed over its
-    old version: no .tmp stays behind, and a kill between two renames still resumes (that moment one save behind)."""
+    """Weights (checkpoint.pt) and each AdamW moment (optimizer-KEY.pt) are separate pieces,
+    each renamed over its old version: no .tmp stays behind, and a kill between two renames
+    still resumes (that moment one save behind)."""
     out = tmp_path / "d"
     _run(setup, out, steps=2, drafter_layers="2", save_every=1)
     assert sorted(p.name for p in out.glob("*.pt*")) == [
@@ -439,15 +456,15 @@ def test_clear_errors(setup, tmp_path):
         train.build_drafter(str(tmp_path / "init"), setup["tok"], target_vocab_size=64)
     with pytest.raises(runtime.UserError, match="unrecognized arguments: --bogus-flag"):
         train.parse_args(["--bogus-flag", "1"])
-    # where d_1 is read: --d1-from, and its earlier name --first-token
+    # where d_1 is read: --d1-from
     assert train.parse_args([]).d1_from == "causal"
-    for flag in ("--d1-from", "--first-token"):
-        assert train.parse_args([flag, "mask"]).d1_from == "mask"
+    assert train.parse_args(["--d1-from", "mask"]).d1_from == "mask"
 
 
 def test_prune_command_removes_layers_and_keeps_decoding_lossless(setup, tmp_path, capsys):
-    """`python train.py prune`: on a trained drafter and its cached answers, one layer leaves per iteration, the
-    table and the pruned folder are written, and the pruned drafter still decodes exactly like the target."""
+    """`python train.py prune`: on a trained drafter and its cached answers, one layer
+    leaves per iteration, the table and the pruned folder are written, and the pruned
+    drafter still decodes exactly like the target."""
     _run(setup, tmp_path / "drafter", steps=2, drafter_layers="3")
     argv = [
         "--drafter",
@@ -497,8 +514,9 @@ def test_prune_command_removes_layers_and_keeps_decoding_lossless(setup, tmp_pat
 
 
 def test_prune_in_bf16_reads_the_weights_recovery_changed(setup, tmp_path):
-    """Pruning runs in one bf16 autocast context; recovery steps change the weights inside it. Every later pass must
-    read the new weights, not the bf16 copies autocast's cast cache keeps for the whole context."""
+    """Pruning runs in one bf16 autocast context; recovery steps change the weights inside
+    it. Every later pass must read the new weights, not the bf16 copies autocast's cast
+    cache keeps for the whole context."""
     _run(setup, tmp_path / "drafter", steps=2, drafter_layers="3")
     _, _, drafter, _, val, pad_id = evaluation.load_trained(
         str(tmp_path / "drafter"), torch.device("cpu")
@@ -520,7 +538,8 @@ def test_prune_in_bf16_reads_the_weights_recovery_changed(setup, tmp_path):
 
 
 def test_random_init_keeps_the_architecture_and_d1_from_is_recorded(setup):
-    tok, vocab = setup["tok"], _tiny_model(setup["tok"]).config.vocab_size
+    tok = setup["tok"]
+    vocab = _tiny_model(tok).config.vocab_size
     pretrained = train.build_drafter(setup["target"], tok, target_vocab_size=vocab, layers="2")
     torch.manual_seed(1)
     random_a = train.build_drafter(
@@ -530,7 +549,10 @@ def test_random_init_keeps_the_architecture_and_d1_from_is_recorded(setup):
     random_b = train.build_drafter(
         setup["target"], tok, target_vocab_size=vocab, layers="2", random_init=True
     )
-    shapes = lambda d: {k: v.shape for k, v in d.state_dict().items()}
+
+    def shapes(drafter):
+        return {k: v.shape for k, v in drafter.state_dict().items()}
+
     assert shapes(random_a) == shapes(pretrained) and random_a.d3d_config.layer_ids == [0, 3]
     weight = "model.model.layers.0.mlp.up_proj.weight"
     assert not torch.equal(random_a.state_dict()[weight], pretrained.state_dict()[weight])
@@ -539,8 +561,9 @@ def test_random_init_keeps_the_architecture_and_d1_from_is_recorded(setup):
 
 
 def test_every_toy_run_uses_the_shipped_toy_and_its_answers(monkeypatch, tmp_path):
-    """Wherever --out puts the drafter, a toy run trains on the shipped target's own answers: the target is never
-    loaded (nothing is answered again) and nothing is written into the shipped folder."""
+    """Wherever --out puts the drafter, a toy run trains on the shipped target's own
+    answers: the target is never loaded (nothing is answered again) and nothing is written
+    into the shipped folder."""
     monkeypatch.setattr(
         answers, "load_target", lambda *a, **k: pytest.fail("the shipped answers were not used")
     )
@@ -571,10 +594,9 @@ def test_every_toy_run_uses_the_shipped_toy_and_its_answers(monkeypatch, tmp_pat
     assert recipe["answers"] == os.path.join("toy-target", "answers-train.jsonl")
     answers_file = runtime.find_recorded(recipe["answers"], "answers")
     assert os.path.abspath(answers_file) == os.path.join(toy.SHIPPED, "answers-train.jsonl")
-    shipped = [json.loads(l) for l in open(answers_file)][1:9]
-    monkeypatch.chdir(
-        tmp_path
-    )  # another folder, as after moving the clone: eval and prune still find the toy
+    shipped = [json.loads(line) for line in open(answers_file)][1:9]
+    # another folder, as after moving the clone: eval and prune still find the toy
+    monkeypatch.chdir(tmp_path)
     _, _, _, examples, _, _ = evaluation.load_trained(str(tmp_path / "lam0" / "drafter"), "cpu")
     assert examples == [(r["prompt"], r["response"]) for r in shipped]
 
@@ -593,7 +615,8 @@ def test_train_refuses_a_toy_whose_files_do_not_match_toy_json(monkeypatch, tmp_
 
 
 def test_answers_that_do_not_match_the_prompts_are_refused(setup, tmp_path):
-    """An answers file answers given prompt lines in given ids: other prompts, or one missing, are an error."""
+    """An answers file answers given prompt lines in given ids: other prompts, or one
+    missing, are an error."""
     kw = dict(tokenizer=setup["tok"], cache_dir=str(tmp_path), max_new_tokens=4, gen_batch_size=12)
     answers.load_data(setup["target"], prompts=setup["prompts"], **kw)
     (cache,) = tmp_path.glob("answers-*.jsonl")
@@ -615,8 +638,9 @@ def test_answers_that_do_not_match_the_prompts_are_refused(setup, tmp_path):
 
 
 def test_answers_in_another_tokenizers_ids_are_refused(setup, tmp_path):
-    """A cached answers file names the tokenizer whose ids it holds; a target with another tokenizer must not read it
-    (the same ids would decode to other text), neither as a cache nor as a given answers file."""
+    """A cached answers file names the tokenizer whose ids it holds; a target with another
+    tokenizer must not read it (the same ids would decode to other text), neither as a cache
+    nor as a given answers file."""
     kw = dict(cache_dir=str(tmp_path), max_new_tokens=4, gen_batch_size=12)
     answers.load_data(setup["target"], setup["tok"], prompts=setup["prompts"], **kw)
     (cache,) = tmp_path.glob("answers-*.jsonl")
@@ -645,8 +669,9 @@ def test_dtype_auto_picks_bf16_only_where_native(monkeypatch):
 
 
 def test_prune_memory_estimate_fits_the_qwen3_drafter_on_one_80gb_gpu():
-    """Qwen3-1.7B as a drafter (28 layers, hidden 2,048, vocab 151,936, 2.03e9 parameters), recovery on 27 layers
-    after the first removal: batch 8 of 1,024 answer tokens + K 16 x B 16 MASKs, bf16 autocast on CUDA."""
+    """Qwen3-1.7B as a drafter (28 layers, hidden 2,048, vocab 151,936, 2.03e9 parameters),
+    recovery on 27 layers after the first removal: batch 8 of 1,024 answer tokens + K 16 x B
+    16 MASKs, bf16 autocast on CUDA."""
     shapes = dict(
         num_params=2.03e9,
         hidden=2048,
@@ -683,3 +708,188 @@ def test_resume_with_another_recipe_says_which_setting_differs(setup, tmp_path):
     # the same recipe resumes; --no-resume starts afresh with the new one
     _run(setup, out, steps=3, save_every=1, drafter_layers="2")
     _run(setup, out, steps=1, save_every=1, drafter_layers="2", block_size=3, resume=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pictures: train.py --plot, train.py eval --plot, train.py prune --plot
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# the toy at its smallest: 5 steps, B = 4, 8 held-out answers (seconds on a CPU)
+TOY_SMALL = dict(
+    steps=5,
+    block_size=4,
+    num_anchors=8,
+    batch_size=4,
+    num_val=8,
+    val_anchors=4,
+    eval_every=1000,
+    device="cpu",
+)
+
+
+def _spy(monkeypatch, name):
+    """Record every call of pictures.<name> (path, data, keywords); the picture is still drawn."""
+    calls = []
+    real = getattr(pictures, name)
+
+    def spy(path, data, **keywords):
+        calls.append((path, data, keywords))
+        return real(path, data, **keywords)
+
+    monkeypatch.setattr(pictures, name, spy)
+    return calls
+
+
+def _printed_curves(printed: str) -> dict:
+    """The table print_curves wrote: per d_1 source, the column of shares with d_1 .. d_i all
+    accepted, as printed (3 decimals)."""
+    lines = printed.splitlines()
+    start = next(k for k, line in enumerate(lines) if "head: all" in line) + 1
+    rows = []
+    for line in lines[start:]:
+        if not re.fullmatch(r"\s*\d+(\s+\d+\.\d+){4}", line):
+            break
+        rows.append(line.split())
+    return {"causal": [r[1] for r in rows], "mask": [r[3] for r in rows]}
+
+
+def _check_curve_picture(calls, curves: dict, printed: str, block_size: int):
+    """The picture drawn once, from the curves returned, which are also those printed."""
+    (path, data, _), *others = calls
+    assert not others
+    with open(path, "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+    bars = pictures.block_accuracy_data(data)
+    assert bars["positions"] == list(range(1, block_size + 1))
+    assert bars["percent"] == {
+        "d_1 from the head": [100 * v for v in curves["causal"]],
+        "d_1 from MASK 1": [100 * v for v in curves["mask"]],
+    }
+    assert _printed_curves(printed) == {
+        first: [f"{v:.3f}" for v in curve] for first, curve in curves.items()
+    }
+    assert f"{path}" in printed
+
+
+@pytest.fixture(scope="module")
+def plotted(tmp_path_factory):
+    """The toy's drafter at the smallest sizes, trained with --plot: the run's result, what it
+    printed, the pictures drawn."""
+    pytest.importorskip("matplotlib")
+    root = tmp_path_factory.mktemp("plotted")
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        calls = _spy(monkeypatch, "draw_block_accuracy")
+        with contextlib.redirect_stdout(printed):
+            result = train.main(
+                out=str(root / "drafter"),
+                data_dir=str(root),
+                plot=str(root / "acc.png"),
+                **TOY_SMALL,
+            )
+    return {"root": root, "result": result, "printed": printed.getvalue(), "calls": calls}
+
+
+def test_train_plot_draws_the_held_out_acceptance_by_position(plotted):
+    """`python train.py --plot P.png`: at the end of training, the share of held-out blocks
+    with d_1 .. d_i all accepted, by position i, d_1 from the head and from MASK 1: the
+    numbers the run printed and returned, whose sum + 1 is the offline tau it reported."""
+    result = plotted["result"]
+    curves = result["curve"]
+    _check_curve_picture(plotted["calls"], curves, plotted["printed"], 4)
+    assert plotted["calls"][0][0] == str(plotted["root"] / "acc.png")
+    first = result["drafter"].d3d_config.d1_from
+    assert 1 + sum(curves[first]) == pytest.approx(result["offline_tau"], abs=1e-5)
+    other = {"causal": "mask", "mask": "causal"}[first]
+    assert 1 + sum(curves[other]) == pytest.approx(result[f"offline_tau_d1_from_{other}"], abs=1e-5)
+
+
+def test_eval_plot_draws_the_curves_it_prints(plotted, tmp_path, monkeypatch, capsys):
+    """`python train.py eval --plot P.png` draws the acceptance by position it prints and
+    returns; on the same held-out blocks as training's own picture."""
+    calls = _spy(monkeypatch, "draw_block_accuracy")
+    drafter = str(plotted["root"] / "drafter")
+    result = evaluation.eval_main(["--drafter", drafter, "--plot", str(tmp_path / "e.png")])
+    _check_curve_picture(calls, result["curve"], capsys.readouterr().out, 4)
+    assert calls[0][0] == str(tmp_path / "e.png")
+    for first in ("causal", "mask"):
+        assert 1 + sum(result["curve"][first]) == pytest.approx(result[first], abs=1e-5)
+    assert result["curve"] == plotted["result"]["curve"]
+
+
+def test_eval_block_accuracy_reads_d1_where_decoding_does(plotted, capsys):
+    """`train.py eval` prints block accuracy by position: position 1 is d_1 where decoding
+    reads it (the causal row, by default), so on the same held-out blocks its
+    accuracy is the share of blocks whose d_1 is accepted, not MASK 1's."""
+    drafter = str(plotted["root"] / "drafter")
+    result = evaluation.eval_main(["--drafter", drafter])
+    assert plotted["result"]["drafter"].d3d_config.d1_from == "causal"
+    assert len(result["block_acc"]) == 4
+    assert result["block_acc"][0] == pytest.approx(result["curve"]["causal"][0], abs=1e-6)
+    assert result["curve"]["causal"][0] != result["curve"]["mask"][0]  # the test can tell
+    printed = capsys.readouterr().out.split("d_i read from")[1]
+    rows = re.findall(r"^\s+(\d)\s+(\d\.\d{3})  (.+)$", printed, flags=re.M)
+    assert rows == [
+        (str(i), f"{accuracy:.3f}", where)
+        for i, (accuracy, where) in enumerate(
+            zip(
+                result["block_acc"],
+                [
+                    "d_1 (as decoding reads it): the causal row",
+                    "MASK 2",
+                    "MASK 3",
+                    "MASK 4",
+                ],
+            ),
+            start=1,
+        )
+    ]
+
+
+def test_prune_plot_draws_the_rows_prune_drafter_yields(plotted, tmp_path, monkeypatch, capsys):
+    """`python train.py prune --plot P.png`: the curve's points are the table's rows, τ
+    before and after recovery at each depth, as printed."""
+    calls = _spy(monkeypatch, "draw_pruning_curve")
+    png = tmp_path / "prune.png"
+    argv = ["--drafter", str(plotted["root"] / "drafter"), "--out", str(tmp_path / "pruned")]
+    argv += ["--min-layers", "1", "--recovery-steps", "1", "--batch-size", "4"]
+    argv += ["--num-val", "3", "--val-anchors", "4", "--compare-prompts", "0"]
+    argv += ["--plot", str(png)]
+    result = pruning.prune_main(**vars(pruning.parse_prune_args(argv)))
+    (path, rows, _), *others = calls
+    assert not others and path == str(png)
+    with open(png, "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+    table = result["table"]
+    assert [row["layers"] for row in table] == [2, 1]
+    points = pictures.pruning_curve_data(rows)
+    assert points["layers"] == [row["layers"] for row in table]
+    assert points["tau_before"] == [row["tau_before_recovery"] for row in table]
+    assert points["tau_after"] == [row["tau_after_recovery"] for row in table]
+    printed = capsys.readouterr().out
+    for row in table:
+        assert f"{row['tau_after_recovery']:>11.3f}" in printed
+    assert f"pruning curve: {png}" in printed
+
+
+def test_plot_without_matplotlib_is_one_line_naming_the_install(setup, tmp_path, monkeypatch):
+    """Without matplotlib each --plot is refused before any work, in one line that names
+    requirements-plots.txt."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    png = str(tmp_path / "p.png")
+    prune_argv = ["--drafter", "nowhere", "--min-layers", "1", "--plot", png]
+    prune_args = pruning.parse_prune_args(prune_argv)
+    runs = {
+        "train.py": functools.partial(_run, setup, tmp_path / "d", steps=1, plot=png),
+        "train.py eval": functools.partial(
+            evaluation.eval_main, ["--drafter", "nowhere", "--plot", png]
+        ),
+        "train.py prune": functools.partial(pruning.prune_main, **vars(prune_args)),
+    }
+    for name, run in runs.items():
+        with pytest.raises(runtime.UserError) as error:
+            run()
+        message = str(error.value)
+        assert "pip install -r requirements-plots.txt" in message, (name, message)
+        assert "\n" not in message
+    assert not os.path.exists(tmp_path / "d")
