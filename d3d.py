@@ -1,43 +1,81 @@
-"""D3D: Decoupled Diffusion Drafting for Asynchronous Speculative Decoding (arXiv 2611.06425), in one module.
+"""D3D: Decoupled Diffusion Drafting for Asynchronous Speculative Decoding (arXiv 2611.06425).
 
-A standalone drafter (a causal LM with the target's tokenizer that never reads the target's hidden states) fills in a
-block of B masked future tokens in one pass, so it can draft the next block while the target verifies this one.
+A standalone drafter (a causal LM with the target's tokenizer that never reads the target's
+hidden states) fills in a block of B masked future tokens in one pass, so it can draft the next
+block while the target verifies this one.
 
 Paper -> this file, top to bottom:
-    config (B, MASK, K, lambda, gamma); the drafter      D3DConfig; make_drafter, Drafter
-    packed attention, L_block + lambda L_AR (Fig. 1a)    packed_attention_mask; d3d_loss, sample_anchors
-    where d_1 is read (ours: the causal head)            draft_rows, D3DConfig.d1_from: one rule for every pass
-    drafting, verification, acceptance; sync decoding    draft_block, verify_block, accept_draft; _decode_sync
-    async decoding (Fig. 1c): one packed pass drafts,    _decode_async: plan_branches, build_branch_pass, cache_hit,
-      during verification, for each likely outcome         _Lanes (its own CUDA stream, or a CPU thread)
-    layer pruning (Fig. 1b): score, remove, recover,     prune_drafter: tau_without_each_layer, least_costly_layer,
-      re-measure                                           remove_layer, recover, validation_tau (offline_tau)
-    selective prefilling (appendix, Fig. 5); the entry   select_chunks; generate(mode="target" | "sync" | "async")
+    config (B, MASK, K, lambda, gamma); the drafter   D3DConfig; make_drafter, Drafter
+    packed attention (Fig. 1a)                        packed_attention_mask
+    L_block + lambda L_AR (Fig. 1a)                   d3d_loss, sample_anchors
+    where d_1 is read (our reading: the LM head at    draft_rows, D3DConfig.d1_from: one rule
+      the causal row of x_n)                            for every pass
+    drafting, verification, acceptance                draft_block, verify_block, accept_draft
+    target-only and synchronous decoding              _decode_target, _decode_sync
+    asynchronous decoding (Fig. 1c, Fig. 3): one      _decode_async: plan_branches,
+      packed pass drafts, during verification, for      build_branch_pass, select_segment,
+      each likely outcome                               _Lanes (a CUDA stream, or a CPU thread)
+    layer pruning (Fig. 1b): score, remove,           prune_drafter: tau_without_each_layer,
+      recover, re-measure                               least_costly_layer, remove_layer,
+                                                        recover, validation_tau (offline_tau)
+    selective prefilling (appendix, Fig. 5)           select_chunks
+    the entry point                                   generate(mode="target" | "sync" | "async")
+
+The paper's symbols -> the code's names:
+    B           block_size: MASK tokens drafted in one pass
+    K           num_anchors: blocks per training sequence
+    lambda      ar_weight: weight of L_AR
+    gamma       decay_gamma: block position weights exp(-(i-1)/gamma) (None: uniform)
+    beta        beta: recovery's pull toward the label (adjusted_teacher)
+    tau         tau: tokens committed per round (accepted + 1), mean over rounds
+    x_0 .. x_n  out.tokens: the committed tokens; x_n the last, the one a block hangs off
+    d_1 .. d_B  draft: one block's drafted tokens (d_1 from d1_from's row, draft_rows)
+    a           num_accepted: the accepted prefix d_1 .. d_a
+    c           next_token: the target's own token after d_a (correction, or bonus if a = L)
+    L           num_real: a draft's real tokens (B, or B - 1 and a pad; see the async section)
+    C, F        coverage, fanout: positions k that get rejection branches, candidates per k
+    r_k         the chance that d_k is the first rejection (plan_branches, cover="likely")
+    p, q        p_target, q_draft: the target's and the drafter's token probabilities
 
 What the loops take from runtime.py, one line each, so that this file reads alone:
-    KVCache(model, max_len)    fixed-size KV cache: .run(ids (1, q), positions, mask (1, 1, q, length + q)) writes q
-                               tokens after .length (host int) -> drafter hidden states (q, H) or target float logits
-                               (q, V); .rewind(n) keeps the sequence's first n tokens; .reset(skipped) empties it for a
-                               request whose first `skipped` prompt tokens it will not hold (positions count them)
-    Caches                     .target, .drafter: KVCaches made once per run (Caches.make(target, drafter, max_len))
-    causal_pass(cache, ids)    a causal pass over ids (1, q) after what the cache holds; prefill(cache, ids, positions):
-                               the same for a prompt of any length, eagerly; attention_pass: the same, and it returns
-                               each layer's attention weights (heads, q, cache length)
-    read_round(values, *caches)  the round's one host read: every value flattened into one list of ints (and each
-                               cache's own length checked against .length: a model that ignored its cache fails)
-    Output(prompt, budget, eos)  .tokens: prompt + committed, ints; .commit(tokens) cuts at EOS (kept) or budget, raises
-                               if nothing is committed; .commit_round(accepted, next) commits both, records tau; .done
-    Clock(device)              `with clock.span(key):` (or clock.run(key, fn), no autograd) adds the time inside to
-                               stats' time_<key>; CUDA events, read after the decode: no mid-round wait
-    check_request, cache_len, async_lanes  generate's input checks (-> B); KV slots a request needs; default lanes
-    additive_mask(mask, model) bool mask (True = may attend) -> HF's additive float mask
-    keep_layers(model, ids)    a new layer list of those decoder layers only, renumbered 0..n-1 (cache slots, config)
-    in_logit_chunks(V, fn, *rows)  fn over a few rows at a time, so V-wide logits never exist for all rows at once
-    finite_step(optimizer, params, max_norm)  clip and step (skipped if the norm is not finite), zero the gradients
-    host_copy, load_causal_lm, tokenizer_fingerprint  a deep copy in host memory; an HF causal LM; a tokenizer's hash
+    KVCache(model, max_len)   fixed-size KV cache: .run(ids (1, q), positions, mask
+                              (1, 1, q, length + q)) writes q tokens after .length (a host int)
+                              -> drafter hidden states (q, H) or target float logits (q, V);
+                              .rewind(n) keeps the sequence's first n tokens; .reset(skipped)
+                              empties it for a request whose first `skipped` prompt tokens it
+                              will not hold (positions count them)
+    Caches                    .target, .drafter: KVCaches made once per run
+                              (Caches.make(target, drafter, max_len))
+    causal_pass(cache, ids)   a causal pass over ids (1, q) after what the cache holds;
+                              prefill(cache, ids, positions): the same for a prompt of any
+                              length, eagerly; attention_pass: the same, and it returns each
+                              layer's attention weights (heads, q, cache length)
+    read_round(values, *caches)  the round's one host read: every value flattened into one
+                              list of ints (and each cache's own length checked against
+                              .length: a model that ignored its cache fails)
+    Output(prompt, budget, eos)  .tokens: prompt + committed, ints; .commit(tokens) cuts at EOS
+                              (kept) or budget, raises if nothing is committed;
+                              .commit_round(accepted, next) commits both, records tau; .done
+    Clock(device)             `with clock.span(key):` (or clock.run(key, fn), no autograd) adds
+                              the time inside to stats' time_<key>; CUDA events, read after
+                              the decode: no mid-round wait
+    check_request, cache_len, async_lanes  generate's input checks (-> B); KV slots a request
+                              needs; default lanes
+    additive_mask(mask, model)  bool mask (True = may attend) -> HF's additive float mask
+    keep_layers(model, ids)   a new layer list of those decoder layers only, renumbered
+                              0..n-1 (cache slots, config)
+    in_logit_chunks(V, fn, *rows)  fn over a few rows at a time, so V-wide logits never exist
+                              for all rows at once
+    finite_step(optimizer, params, max_norm)  clip and step (skipped if the norm is not
+                              finite), zero the gradients
+    host_copy, load_causal_lm, tokenizer_fingerprint  a deep copy in host memory; an HF causal
+                              LM; a tokenizer's hash
 
-Shapes: b batch, L clean tokens, K anchors (blocks), B block size, V vocabulary, q packed query length, past tokens
-already in a KV cache. "ours" marks a reading where the paper is silent (README.md, "Departures and readings").
+Shapes: b batch, N causal (clean) tokens, K anchors (blocks), B block size, H hidden size,
+V vocabulary, T segment tokens and q = N + T tokens of a packed pass, S segments of the async
+packed pass, past tokens already in a KV cache.
+"Our reading" marks a choice this implementation makes where the paper is silent (README.md,
+"Departures and readings"); "the paper" is always arXiv 2611.06425.
 """
 
 from __future__ import annotations
@@ -81,7 +119,7 @@ MASK_TOKEN = "<|MASK|>"
 CONFIG_NAME = "d3d_config.json"
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Config
 
 
@@ -89,25 +127,26 @@ CONFIG_NAME = "d3d_config.json"
 class D3DConfig:
     """The method's settings, saved as d3d_config.json next to every drafter."""
 
-    block_size: int = (
-        16  # B: MASK tokens drafted in one pass (paper default 16; Table 4 compares 8/16/32)
-    )
-    mask_token_id: int = -1  # id of MASK in the drafter's embedding table (set by make_drafter)
-    num_anchors: int = 64  # K: blocks per training sequence (Table 5: tau saturates near 128-256)
-    ar_weight: float = (
-        1.0  # lambda: weight of the auxiliary autoregressive loss (Table 3: 1.0 is best)
-    )
-    decay_gamma: float | None = (
-        None  # gamma: block position weights exp(-(i-1)/gamma); None = uniform
-    )
-    target_vocab_size: int = (
-        0  # rows of the target's output layer; drafter logits are cut to this size
-    )
-    tokenizer_hash: str = (
-        ""  # fingerprint of the tokenizer the drafter was made for (drivers check the target's)
-    )
-    layer_ids: list[int] | None = None  # which layers of the initial checkpoint the drafter kept
-    d1_from: str = "causal"  # where d_1 is read (draft_rows): "causal", the next-token head at x_n; "mask", MASK 1
+    # B: MASK tokens drafted in one pass (paper default 16; Table 4 compares 8/16/32)
+    block_size: int = 16
+    # id of MASK in the drafter's embedding table (set by make_drafter)
+    mask_token_id: int = -1
+    # K: blocks per training sequence. Table 5 (D3D-1.7B, Qwen3-8B, B = 16, MATH-500): tau 7.89 /
+    # 8.14 / 8.15 / 8.17 at K = 16 / 64 / 128 / 256, near saturation at 64
+    num_anchors: int = 64
+    # lambda: weight of the auxiliary autoregressive loss L_AR (Table 3: 1.0 is best)
+    ar_weight: float = 1.0
+    # gamma: block position weights exp(-(i-1)/gamma), gamma > 0; None = uniform weights
+    decay_gamma: float | None = None
+    # rows of the target's output layer; drafter logits are cut to this size
+    target_vocab_size: int = 0
+    # fingerprint of the tokenizer the drafter was made for (drivers check the target's)
+    tokenizer_hash: str = ""
+    # which layers of the initial checkpoint the drafter kept
+    layer_ids: list[int] | None = None
+    # where d_1 is read (draft_rows): "causal", the LM head at x_n's causal row (our reading: the
+    # paper is silent); "mask", at MASK 1
+    d1_from: str = "causal"
 
     def __post_init__(self):
         for name in ("block_size", "num_anchors"):
@@ -115,26 +154,36 @@ class D3DConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.d1_from not in ("causal", "mask"):
             raise ValueError(f"d1_from must be 'causal' or 'mask', got {self.d1_from!r}")
+        _check_gamma(self.decay_gamma)
 
     @classmethod
     def load(cls, path: str) -> "D3DConfig":
         with open(os.path.join(path, CONFIG_NAME)) as f:
             fields = json.load(f)
-        if "first_token" in fields:  # the field's earlier name
-            fields["d1_from"] = fields.pop("first_token")
         return cls(**fields)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+def _check_gamma(decay_gamma: float | None) -> None:
+    """gamma > 0, or None for uniform block position weights (0 would divide by zero)."""
+    if decay_gamma is not None and not decay_gamma > 0:
+        raise ValueError(
+            f"decay_gamma (gamma) must be > 0, got {decay_gamma}: give None for uniform weights"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
 # The standalone drafter
 
 
 class Drafter(nn.Module):
-    """An HF causal LM plus its D3DConfig: `hidden_states` of a packed pass, `logits` over the target's vocabulary."""
+    """An HF causal LM plus its D3DConfig: `hidden_states` of a packed pass, `logits` over the
+    target's vocabulary. There is one LM head: applied to a causal row it predicts the next
+    token (the row L_AR trains), applied to a MASK row it drafts that MASK's token."""
 
     def __init__(self, model: nn.Module, config: D3DConfig):
         super().__init__()
-        self.model, self.d3d_config = model, config
+        self.model = model
+        self.d3d_config = config
 
     @property
     def device(self) -> torch.device:
@@ -143,7 +192,8 @@ class Drafter(nn.Module):
     def hidden_states(
         self, input_ids, position_ids, attention_mask, past_key_values=None
     ) -> torch.Tensor:
-        """Last hidden states (b, q, H); attention_mask: bool (b, 1, q, past+q), True = may attend."""
+        """Last hidden states (b, q, H); attention_mask: bool (b, 1, q, past+q), True = may
+        attend."""
         out = self.model.get_decoder()(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -155,11 +205,11 @@ class Drafter(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float logits over the target's vocabulary, MASK excluded."""
-        logits = self.model.get_output_embeddings()(hidden)[
-            ..., : self.d3d_config.target_vocab_size
-        ].float()
+        all_rows = self.model.get_output_embeddings()(hidden)
+        logits = all_rows[..., : self.d3d_config.target_vocab_size].float()
         if self.d3d_config.mask_token_id < logits.shape[-1]:
-            logits[..., self.d3d_config.mask_token_id] = float("-inf")  # MASK can never be drafted
+            # MASK can never be drafted
+            logits[..., self.d3d_config.mask_token_id] = float("-inf")
         return logits
 
     def forward(
@@ -204,54 +254,59 @@ def make_drafter(
     target_vocab_size: int | None = None,
     **config,
 ) -> Drafter:
-    """Turn any HF causal LM with the target's tokenizer into a D3D drafter. MASK: `mask_token_id` (not a text token),
-    else `<|MASK|>` if the tokenizer has it, else its first unused id (embeddings grow only if that id has no row).
-    `layers`: decoder layers to keep; `target_vocab_size`: default this model's; other keywords go to D3DConfig."""
+    """Turn any HF causal LM with the target's tokenizer into a D3D drafter. MASK:
+    `mask_token_id` (not a text token), else `<|MASK|>` if the tokenizer has it, else its first
+    unused id (embeddings grow only if that id has no row). `layers`: decoder layers to keep;
+    `target_vocab_size`: default this model's; other keywords go to D3DConfig."""
     rows = model.get_output_embeddings().weight.shape[0]
     text_vocab = len(tokenizer)
     if rows < text_vocab:
         raise ValueError(
             f"the drafter's vocabulary ({rows} rows) does not cover the tokenizer's {text_vocab} "
-            "tokens: initialise the drafter from a checkpoint of the target's family (same tokenizer)"
+            "tokens: initialise the drafter from a checkpoint of the target's family "
+            "(same tokenizer)"
         )
-    target_vocab_size = target_vocab_size or rows
+    if not target_vocab_size:
+        target_vocab_size = rows
     if target_vocab_size > rows:
         raise ValueError(
-            f"the drafter's vocabulary ({rows} rows) does not cover the target's ({target_vocab_size}): "
-            "initialise the drafter from a checkpoint with the target's tokenizer and vocabulary"
+            f"the drafter's vocabulary ({rows} rows) does not cover the target's "
+            f"({target_vocab_size}): initialise the drafter from a checkpoint with the target's "
+            "tokenizer and vocabulary"
         )
-    named_mask = (
-        tokenizer.convert_tokens_to_ids(MASK_TOKEN) if MASK_TOKEN in tokenizer.get_vocab() else None
-    )
+    named_mask = None
+    if MASK_TOKEN in tokenizer.get_vocab():
+        named_mask = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
     if mask_token_id is None:
-        mask_token_id = named_mask if named_mask is not None else text_vocab
+        mask_token_id = text_vocab
+        if named_mask is not None:
+            mask_token_id = named_mask
     elif mask_token_id < text_vocab and mask_token_id != named_mask:
         raise ValueError(
             f"mask_token_id {mask_token_id} is the text token "
             f"{tokenizer.convert_ids_to_tokens(mask_token_id)!r}: the target can produce it. Leave "
             f"mask_token_id=None to use a free id (>= {text_vocab})"
         )
-    if (
-        mask_token_id >= rows
-    ):  # no free row: grow the embedding table (and a tied or separate output layer)
+    if mask_token_id >= rows:
+        # no free row: grow the embedding table (and a tied or separate output layer)
         model.resize_token_embeddings(mask_token_id + 1, mean_resizing=False)
     if layers is not None and not layers:
         raise ValueError("a drafter keeps at least one decoder layer, got layers=[]")
+    layer_ids = None
     if layers is not None:
+        layer_ids = list(layers)
         keep_layers(model, list(layers))
-    return Drafter(
-        model,
-        D3DConfig(
-            mask_token_id=mask_token_id,
-            target_vocab_size=target_vocab_size,
-            tokenizer_hash=tokenizer_fingerprint(tokenizer),
-            layer_ids=list(layers) if layers is not None else None,
-            **config,
-        ),
+    d3d_config = D3DConfig(
+        mask_token_id=mask_token_id,
+        target_vocab_size=target_vocab_size,
+        tokenizer_hash=tokenizer_fingerprint(tokenizer),
+        layer_ids=layer_ids,
+        **config,
     )
+    return Drafter(model, d3d_config)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Packed attention: one causal stream, blocks hanging off points of it (Fig. 1a)
 
 
@@ -265,11 +320,20 @@ def packed_attention_mask(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask and position ids of a packed sequence [causal stream | segment 1 | segment 2 | ...].
 
-    `num_causal` causal tokens at positions past_len, past_len+1, ... follow `past_len` cached tokens that all see.
-    Segment s hangs off causal index anchors[.., s] (position p): `prefix_len` causal tokens (1 for an async branch)
-    then `block_size` MASKs, at positions p+1, p+2, .... It sees the causal stream up to p and no other segment; its
-    MASKs see the whole segment. Visibility goes by anchor *position*, so overlapping spans cannot leak the future.
-    Example: c0..c4, blocks of B=2 off c1 and c3 (x = may attend):
+    Two coordinates: a token's *index* is its place in the packed sequence; its *position* is
+    its place in the text (the position id RoPE sees). The `num_causal` causal tokens have
+    indices 0, 1, ... and positions past_len, past_len + 1, ..., after `past_len` cached tokens
+    that every token sees. Segment s hangs off the causal token of index i = anchors[.., s],
+    whose position is p = past_len + i: `prefix_len` causal tokens (1 for an async branch), then
+    `block_size` MASKs, at positions p + 1, p + 2, ....
+
+    Who sees whom: a causal token sees the causal tokens of lower or equal index. A segment
+    token sees the causal tokens of index <= i (so, by position, nothing after p: two segments
+    whose position spans overlap still cannot read each other's future), no other segment, and
+    in its own segment the prefix tokens up to itself; a MASK sees the whole segment.
+
+    Example: c0..c4 (past_len = 0, so index = position), blocks of B = 2 off c1 and c3
+    (x = may attend):
 
                      c0 c1 c2 c3 c4 | m m | m m
         c0 (pos 0)   x              |     |
@@ -277,67 +341,65 @@ def packed_attention_mask(
         c2 (pos 2)   x  x  x        |     |
         c3 (pos 3)   x  x  x  x     |     |
         c4 (pos 4)   x  x  x  x  x  |     |
-        m  (pos 2)   x  x           | x x |          block off c1: predicts tokens 2, 3
+        m  (pos 2)   x  x           | x x |          block off c1: MASKs for tokens 2, 3
         m  (pos 3)   x  x           | x x |
-        m  (pos 4)   x  x  x  x     |     | x x      block off c3: predicts tokens 4, 5
+        m  (pos 4)   x  x  x  x     |     | x x      block off c3: MASKs for tokens 4, 5
         m  (pos 5)   x  x  x  x     |     | x x
 
-    anchors: (S,) or (b, S) long. Returns mask (b, 1, q, past_len + q) bool and position_ids (b, q) long,
-    q = num_causal + S * (prefix_len + block_size)."""
-    anchors = anchors if anchors.dim() == 2 else anchors[None]
+    In training each MASK row predicts its own token (L_block). Decoding, under the default
+    d1_from="causal", reads the block's first token (token 2 off c1) from c1's causal row
+    instead, and the MASK rows from the second on (draft_rows).
+
+    anchors: (S,) or (b, S) long, causal indices. Returns mask (b, 1, q, past_len + q) bool and
+    position_ids (b, q) long, q = num_causal + S * (prefix_len + block_size)."""
+    if anchors.dim() == 1:
+        anchors = anchors[None]
     device = anchors.device
     b, num_segments = anchors.shape
-    seg_len = (
-        prefix_len + block_size
-    )  # every segment has the same shape: sizes are host ints, nothing is read back
+    # every segment has the same shape: sizes are host ints, nothing is read back
+    seg_len = prefix_len + block_size
     token = torch.arange(num_segments * seg_len, device=device)
-    seg_of, idx_in_seg = (
-        token // seg_len,
-        token % seg_len,
-    )  # (T,) segment of each token, index inside it
+    seg_of = token // seg_len  # (T,) the segment of each segment token
+    idx_in_seg = token % seg_len  # (T,) its index inside the segment
     is_prefix = idx_in_seg < prefix_len  # (T,)
     causal_idx = torch.arange(num_causal, device=device)
     seg_anchor = anchors[:, seg_of]  # (b, T) causal index each segment token hangs off
-    cc = (causal_idx[None, :] <= causal_idx[:, None]).expand(
-        b, -1, -1
-    )  # (b, N, N) causal rows: j <= i
-    cs = torch.zeros(
-        b, num_causal, len(seg_of), dtype=torch.bool, device=device
-    )  # (b, N, T) and no segment
-    sc = (
-        causal_idx[None, None, :] <= seg_anchor[:, :, None]
-    )  # (b, T, N) segment rows: the stream up to the anchor
+    # causal rows: the causal stream up to themselves (b, N, N), and no segment (b, N, T)
+    cc = (causal_idx[None, :] <= causal_idx[:, None]).expand(b, -1, -1)
+    cs = torch.zeros(b, num_causal, len(seg_of), dtype=torch.bool, device=device)
+    # segment rows: the causal stream up to the anchor (b, T, N)
+    sc = causal_idx[None, None, :] <= seg_anchor[:, :, None]
+    # and their own segment (T, T): prefix tokens causally, MASKs the whole segment
     same = seg_of[:, None] == seg_of[None, :]
-    ss = same & (
-        (idx_in_seg[None, :] <= idx_in_seg[:, None]) | ~is_prefix[:, None]
-    )  # (T, T) own segment, MASK: all
-    mask = torch.cat(
-        [torch.cat([cc, cs], 2), torch.cat([sc, ss.expand(b, -1, -1)], 2)], 1
-    )  # (b, q, q)
-    mask = torch.cat(
-        [torch.ones(b, mask.shape[1], past_len, dtype=torch.bool, device=device), mask], 2
-    )
-    positions = (
-        torch.cat([causal_idx.expand(b, -1), seg_anchor + 1 + idx_in_seg], 1) + past_len
-    )  # (b, q)
+    ss = same & ((idx_in_seg[None, :] <= idx_in_seg[:, None]) | ~is_prefix[:, None])
+    causal_rows = torch.cat([cc, cs], 2)
+    segment_rows = torch.cat([sc, ss.expand(b, -1, -1)], 2)
+    mask = torch.cat([causal_rows, segment_rows], 1)  # (b, q, q)
+    past = torch.ones(b, mask.shape[1], past_len, dtype=torch.bool, device=device)
+    mask = torch.cat([past, mask], 2)
+    causal_positions = causal_idx.expand(b, -1)
+    segment_positions = seg_anchor + 1 + idx_in_seg
+    positions = torch.cat([causal_positions, segment_positions], 1) + past_len  # (b, q)
     return mask[:, None], positions
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Training: blockwise denoising + auxiliary autoregressive supervision (Fig. 1a)
 
 
 def sample_anchors(
     loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
 ):
-    """K anchors per row, uniformly without replacement among positions p whose next token is a response token.
-    Returns anchors (b, K) sorted, and valid (b, K) (False where a row has fewer than K candidates)."""
+    """K anchors per row, uniformly without replacement among positions p whose next token is a
+    response token. Returns anchors (b, K) sorted, and valid (b, K) (False where a row has fewer
+    than K candidates)."""
     b, length = loss_mask.shape
     candidate = torch.zeros_like(loss_mask, dtype=torch.bool)
     candidate[:, :-1] = loss_mask[:, 1:].bool()
-    scores = torch.rand(
-        b, length, generator=generator, device=generator.device if generator else "cpu"
-    )
+    device = "cpu"
+    if generator is not None:
+        device = generator.device
+    scores = torch.rand(b, length, generator=generator, device=device)
     scores = scores.to(loss_mask.device).masked_fill(~candidate, -1.0)
     top = scores.topk(min(num_anchors, length), dim=1)
     anchors, order = top.indices.sort(dim=1)
@@ -345,18 +407,21 @@ def sample_anchors(
 
 
 def _packed_hidden(drafter, input_ids, anchors, block_size):
-    """Training-shape pass: hidden states of the causal stream (b, L, H) and of a MASK block per anchor (b, K, B, H)."""
-    length, num_anchors = input_ids.shape[1], anchors.shape[1]
-    hidden = drafter.hidden_states(
-        *_packed_inputs(drafter, input_ids, anchors, block_size)
-    )  # (b, L + K*B, H)
-    return hidden[:, :length], hidden[:, length:].unflatten(1, (num_anchors, block_size))
+    """Training-shape pass: hidden states of the causal stream (b, N, H) and of a MASK block per
+    anchor (b, K, B, H)."""
+    num_causal = input_ids.shape[1]
+    num_anchors = anchors.shape[1]
+    inputs = _packed_inputs(drafter, input_ids, anchors, block_size)
+    hidden = drafter.hidden_states(*inputs)  # (b, N + K*B, H)
+    block_hidden = hidden[:, num_causal:].unflatten(1, (num_anchors, block_size))
+    return hidden[:, :num_causal], block_hidden
 
 
 def _packed_inputs(drafter, input_ids, anchors, block_size):
-    """(ids, positions, mask) of the packed sequence: the causal stream, then a block of B MASKs per anchor."""
-    b, length = input_ids.shape
-    mask, positions = packed_attention_mask(length, anchors, block_size)
+    """(ids, positions, mask) of the packed sequence: the causal stream, then a block of B MASKs
+    per anchor."""
+    b, num_causal = input_ids.shape
+    mask, positions = packed_attention_mask(num_causal, anchors, block_size)
     masks = torch.full(
         (b, anchors.shape[1] * block_size),
         drafter.d3d_config.mask_token_id,
@@ -366,23 +431,26 @@ def _packed_inputs(drafter, input_ids, anchors, block_size):
 
 
 def draft_rows(
-    anchor: torch.Tensor, mask_start: torch.Tensor, block_size: int, d1_from: str
+    causal_row: torch.Tensor, mask_start: torch.Tensor, block_size: int, d1_from: str
 ) -> torch.Tensor:
-    """Where a block's draft d_1 .. d_B is read, one rule for validation and decoding: rows (..., B) of a packed pass,
-    its B MASK rows from `mask_start` on, except d_1 when d1_from is "causal" (ours): then d_1 is the causal
-    stream's next-token prediction at `anchor`, the token the block hangs off (the head L_AR trains). "mask": MASK 1.
-    anchor, mask_start: row indices (...), broadcast together."""
-    anchor, mask_start = torch.broadcast_tensors(anchor, mask_start)
+    """Where a block's draft d_1 .. d_B is read, one rule for validation and decoding: rows
+    (..., B) of a packed pass. d_2 .. d_B are read at MASK 2 .. B (rows mask_start + 1, ...).
+    d_1: under d1_from="mask", at MASK 1 (row mask_start); under d1_from="causal" (our reading:
+    the paper is silent), at `causal_row`, the causal row just before the block (the token the
+    block hangs off): the one LM head applied there predicts the next token, as L_AR trains it.
+    causal_row, mask_start: row indices (...), broadcast together."""
+    causal_row, mask_start = torch.broadcast_tensors(causal_row, mask_start)
     rows = mask_start[..., None] + torch.arange(block_size, device=mask_start.device)
     if d1_from == "causal":
-        rows[..., 0] = anchor
+        rows[..., 0] = causal_row
     return rows
 
 
 def cross_entropy(
     drafter: Drafter, hidden: torch.Tensor, labels: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row cross-entropy of the drafter's logits at `hidden` (N, H) against `labels` (N,), and its argmax (N,)."""
+    """Per-row cross-entropy of the drafter's logits at `hidden` (n, H) against `labels` (n,),
+    and its argmax (n,)."""
 
     def chunk(h, y):
         log_p = torch.log_softmax(drafter.logits(h), -1)  # (n, V), float32
@@ -391,14 +459,37 @@ def cross_entropy(
     return in_logit_chunks(drafter.d3d_config.target_vocab_size, chunk, hidden, labels)
 
 
+def _greedy_tokens(drafter: Drafter, hidden: torch.Tensor) -> torch.Tensor:
+    """The drafter's argmax token at each row of `hidden` (n, H), a few rows of logits at a
+    time."""
+
+    def chunk(h):
+        return (drafter.logits(h).argmax(-1),)
+
+    (tokens,) = in_logit_chunks(drafter.d3d_config.target_vocab_size, chunk, hidden)
+    return tokens
+
+
 def _block_labels(input_ids, loss_mask, anchors, valid, block_size):
-    """Targets x_{a+i} (i = 1..B) of every block, and where they count (exist, are response, anchor valid)."""
-    length = input_ids.shape[1]
-    idx = anchors[:, :, None] + torch.arange(1, block_size + 1, device=anchors.device)  # (b, K, B)
-    inside, idx = idx < length, idx.clamp(max=length - 1)
+    """Targets x_{a+i} (i = 1..B) of every block (b, K, B), and where they count (they exist,
+    are response tokens, and the anchor is valid)."""
+    num_causal = input_ids.shape[1]
+    steps = torch.arange(1, block_size + 1, device=anchors.device)
+    idx = anchors[:, :, None] + steps  # (b, K, B)
+    inside = idx < num_causal
+    idx = idx.clamp(max=num_causal - 1)
     labels = input_ids.gather(1, idx.flatten(1)).view_as(idx)
-    counts = inside & loss_mask.bool().gather(1, idx.flatten(1)).view_as(idx) & valid[:, :, None]
+    is_response = loss_mask.bool().gather(1, idx.flatten(1)).view_as(idx)
+    counts = inside & is_response & valid[:, :, None]
     return labels, counts
+
+
+def _position_weights(block_size: int, decay_gamma: float | None, device) -> torch.Tensor:
+    """w_i = exp(-(i-1)/gamma) for block positions i = 1 .. B; all ones when gamma is None."""
+    if decay_gamma is None:
+        return torch.ones(block_size, device=device)
+    steps = torch.arange(block_size, device=device)
+    return torch.exp(-steps / decay_gamma)
 
 
 def d3d_loss(
@@ -411,47 +502,64 @@ def d3d_loss(
     ar_weight: float | None = None,
     decay_gamma: float | None = None,
     generator: torch.Generator | None = None,
+    at=None,
 ):
-    """L = L_block + lambda * L_AR on right-padded input_ids (b, L), loss_mask (b, L) True on response tokens. L_block:
-    cross-entropy of block k position i against x_{a_k+i}, weighted exp(-(i-1)/gamma) if gamma is set; L_AR: the
-    causal stream's next-token loss; settings default to the config's. Returns (loss, {loss_block, loss_ar,
-    block_acc (B,) per block position})."""
+    """L = L_block + lambda * L_AR on right-padded input_ids (b, N), loss_mask (b, N) True on
+    response tokens. L_block: cross-entropy of block k position i against x_{a_k+i}, weighted
+    exp(-(i-1)/gamma) if gamma is set (gamma > 0; None: uniform); L_AR: the causal stream's
+    next-token loss. Settings default to the config's. `at`: (anchors, valid) as sample_anchors
+    returns them (default: drawn here with `generator`).
+
+    Returns (loss, {loss_block, loss_ar, block_acc}). block_acc (B,): per block position i, the
+    share of counted blocks whose d_i, read where decoding reads it (draft_rows), is x_{a+i}.
+    So block_acc[0] is the accuracy of d_1 from the config's d1_from: under "causal" the
+    causal row at the anchor, under "mask" MASK 1; block_acc[1:] are MASK 2 .. B's."""
     cfg = drafter.d3d_config
-    num_anchors, block_size = num_anchors or cfg.num_anchors, block_size or cfg.block_size
-    ar_weight = cfg.ar_weight if ar_weight is None else ar_weight
-    decay_gamma = cfg.decay_gamma if decay_gamma is None else decay_gamma
-    anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
-    causal_hidden, block_hidden = _packed_hidden(
-        drafter, input_ids, anchors, block_size
-    )  # (b, L, H), (b, K, B, H)
+    if num_anchors is None:
+        num_anchors = cfg.num_anchors
+    if block_size is None:
+        block_size = cfg.block_size
+    if ar_weight is None:
+        ar_weight = cfg.ar_weight
+    if decay_gamma is None:
+        decay_gamma = cfg.decay_gamma
+    _check_gamma(decay_gamma)
+    if at is None:
+        at = sample_anchors(loss_mask, num_anchors, generator)
+    anchors, valid = at
+    # (b, N, H), (b, K, B, H)
+    causal_hidden, block_hidden = _packed_hidden(drafter, input_ids, anchors, block_size)
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)  # (b, K, B)
-    steps = torch.arange(block_size, device=input_ids.device)
-    weights = (
-        torch.exp(-steps / decay_gamma)
-        if decay_gamma
-        else torch.ones(block_size, device=input_ids.device)
-    )
-    token_loss, predicted = cross_entropy(
-        drafter, block_hidden[counts], labels[counts]
-    )  # labelled block rows
+    weights = _position_weights(block_size, decay_gamma, input_ids.device)
+    # the labelled block rows
+    token_loss, predicted = cross_entropy(drafter, block_hidden[counts], labels[counts])
     w = (counts * weights)[counts]
     loss_block = (token_loss * w).sum() / w.sum().clamp(min=1e-8)
     loss_ar = torch.zeros((), device=input_ids.device)
     if ar_weight > 0:
-        has_label = loss_mask[:, 1:].bool()  # causal row j predicts x_{j+1}: response tokens only
-        ar_tok, _ = cross_entropy(
-            drafter, causal_hidden[:, :-1][has_label], input_ids[:, 1:][has_label]
-        )
+        # causal row j predicts x_{j+1}: response tokens only
+        has_label = loss_mask[:, 1:].bool()
+        ar_hidden = causal_hidden[:, :-1][has_label]
+        ar_tok, _ = cross_entropy(drafter, ar_hidden, input_ids[:, 1:][has_label])
         loss_ar = ar_tok.sum() / has_label.sum().clamp(min=1)
     with torch.no_grad():
         correct = torch.zeros_like(counts)
         correct[counts] = predicted == labels[counts]
+        if cfg.d1_from == "causal":
+            # d_1 as decoding reads it: the causal row at the anchor (draft_rows)
+            first = counts[:, :, 0]  # (b, K)
+            hidden_size = causal_hidden.shape[-1]
+            index = anchors[:, :, None].expand(-1, -1, hidden_size)
+            anchor_hidden = causal_hidden.gather(1, index)  # (b, K, H)
+            d1 = _greedy_tokens(drafter, anchor_hidden[first])
+            correct[:, :, 0][first] = d1 == labels[:, :, 0][first]
         block_acc = correct.sum((0, 1)) / counts.sum((0, 1)).clamp(min=1)
-    return loss_block + ar_weight * loss_ar, {
+    metrics = {
         "loss_block": loss_block.detach(),
         "loss_ar": loss_ar.detach(),
         "block_acc": block_acc,
     }
+    return loss_block + ar_weight * loss_ar, metrics
 
 
 @torch.no_grad()
@@ -466,47 +574,51 @@ def offline_tau(
     generator: torch.Generator | None = None,
     at=None,
 ) -> torch.Tensor:
-    """Validation tau without the target (the responses are its greedy output): a block drafted at anchor a, d_1 as
-    `d1_from` says (default: the config's), is accepted as far as it matches x_{a+1} .... `at`: (anchors, valid) as
-    sample_anchors returns them (default: drawn here). Returns tau (accepted + 1) per valid anchor."""
-    block_size = block_size or drafter.d3d_config.block_size
-    anchors, valid = at or sample_anchors(loss_mask, num_anchors, generator)
-    length, num_anchors = input_ids.shape[1], anchors.shape[1]
-    hidden = drafter.hidden_states(
-        *_packed_inputs(drafter, input_ids, anchors, block_size)
-    )  # (b, L + K*B, H)
-    mask_starts = length + block_size * torch.arange(num_anchors, device=anchors.device)
-    rows = draft_rows(
-        anchors, mask_starts, block_size, d1_from or drafter.d3d_config.d1_from
-    )  # (b, K, B)
-    rows = hidden.gather(1, rows.flatten(1)[..., None].expand(-1, -1, hidden.shape[-1])).unflatten(
-        1, rows.shape[1:]
-    )
+    """Validation tau without the target (the responses are its greedy output): a block drafted
+    at anchor a, d_1 read as `d1_from` says (default: the config's), is accepted as far as it
+    matches x_{a+1} .... `at`: (anchors, valid) as sample_anchors returns them (default: drawn
+    here). Returns tau (accepted + 1) per valid anchor."""
+    if block_size is None:
+        block_size = drafter.d3d_config.block_size
+    if d1_from is None:
+        d1_from = drafter.d3d_config.d1_from
+    if at is None:
+        at = sample_anchors(loss_mask, num_anchors, generator)
+    anchors, valid = at
+    num_causal = input_ids.shape[1]
+    num_anchors = anchors.shape[1]
+    inputs = _packed_inputs(drafter, input_ids, anchors, block_size)
+    hidden = drafter.hidden_states(*inputs)  # (b, N + K*B, H)
+    block_starts = block_size * torch.arange(num_anchors, device=anchors.device)
+    mask_starts = num_causal + block_starts
+    rows = draft_rows(anchors, mask_starts, block_size, d1_from)  # (b, K, B)
+    index = rows.flatten(1)[..., None].expand(-1, -1, hidden.shape[-1])
+    rows = hidden.gather(1, index).unflatten(1, rows.shape[1:])  # (b, K, B, H)
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
-    (draft,) = in_logit_chunks(
-        drafter.d3d_config.target_vocab_size,
-        lambda h: (drafter.logits(h).argmax(-1),),
-        rows[valid].flatten(0, 1),
-    )  # the draft, a few rows of logits at a time
-    hit = (draft.view_as(labels[valid]) == labels[valid]) & counts[
-        valid
-    ]  # (num_valid, B), past the end: a miss
-    return (hit.long().cumprod(-1).sum(-1) + 1).float()
+    draft = _greedy_tokens(drafter, rows[valid].flatten(0, 1))
+    # (num_valid, B); past the end of the sequence: no match
+    matches = (draft.view_as(labels[valid]) == labels[valid]) & counts[valid]
+    return (matches.long().cumprod(-1).sum(-1) + 1).float()
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Drafting, verification and acceptance
 
 
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of probs (..., V); draws on the generator's device so seeded runs are reproducible."""
-    device = generator.device if generator is not None else probs.device
+    """One token per row of probs (..., V); draws on the generator's device so that seeded runs
+    are reproducible."""
+    device = probs.device
+    if generator is not None:
+        device = generator.device
     flat = probs.reshape(-1, probs.shape[-1]).to(device)
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1]).to(probs.device)
+    tokens = torch.multinomial(flat, 1, generator=generator)
+    return tokens.view(probs.shape[:-1]).to(probs.device)
 
 
 def pick_tokens(logits: torch.Tensor, temperature: float, generator=None):
-    """Greedy (temperature 0) or sampled tokens from logits (..., V). Returns (tokens, probs or None)."""
+    """Greedy (temperature 0) or sampled tokens from logits (..., V). Returns (tokens, probs or
+    None)."""
     if temperature == 0:
         return logits.argmax(-1), None
     probs = torch.softmax(logits.float() / temperature, dim=-1)
@@ -521,36 +633,38 @@ def draft_block(
     block_size: int,
     width: int | None = None,
 ) -> torch.Tensor:
-    """One drafter pass over the committed tokens it has not read, new_tokens (1, m) ending with x_n, + a MASK block
-    off x_n (its KV dropped again). `width`: the causal part padded to this many tokens (one shape for every m; the
-    pads come after x_n and no block sees them). Returns the draft logits (B, V): row i-1 drafts position n+i."""
-    m, device, start = new_tokens.shape[1], new_tokens.device, cache.length
-    width = max(width or m, m)
-    last = torch.tensor([m - 1], device=device)  # x_n, the token the block hangs off
+    """One drafter pass over the committed tokens it has not read, new_tokens (1, m) ending with
+    x_n, + a MASK block off x_n (its KV dropped again). `width`: the causal part padded to this
+    many tokens (one shape for every m; the pads come after x_n and no block sees them).
+    Returns the draft logits (B, V): row i-1 drafts position n+i."""
+    m = new_tokens.shape[1]
+    device = new_tokens.device
+    start = cache.length
+    if width is None:
+        width = m
+    width = max(width, m)
+    last = torch.tensor([m - 1], device=device)  # x_n's row: the token the block hangs off
     mask, positions = packed_attention_mask(width, last, block_size, past_len=start)
     masks = torch.full((1, block_size), drafter.d3d_config.mask_token_id, device=device)
-    hidden = cache.run(
-        torch.cat([F.pad(new_tokens, (0, width - m)), masks], 1), positions, mask
-    )  # (width + B, H)
+    ids = torch.cat([F.pad(new_tokens, (0, width - m)), masks], 1)
+    hidden = cache.run(ids, positions, mask)  # (width + B, H)
     cache.rewind(start + m)
-    return drafter.logits(
-        hidden[
-            draft_rows(last, last.new_full((1,), width), block_size, drafter.d3d_config.d1_from)[0]
-        ]
-    )
+    mask_start = last.new_full((1,), width)
+    rows = draft_rows(last, mask_start, block_size, drafter.d3d_config.d1_from)[0]
+    return drafter.logits(hidden[rows])
 
 
 @torch.no_grad()
 def verify_block(cache: KVCache, last_token: torch.Tensor, draft: torch.Tensor):
-    """One target pass on [x_n, d_1 .. d_B] (cache holds x_0 .. x_{n-1}). Returns logits (B+1, V): row i is the
-    target's distribution for the token after x_n, d_1 .. d_i."""
-    return causal_pass(
-        cache, torch.cat([last_token.view(1), draft])[None]
-    )  # [shape 2]: draft is always (B,)
+    """One target pass on [x_n, d_1 .. d_B] (the cache holds x_0 .. x_{n-1}). Returns logits
+    (B+1, V): row i is the target's distribution for the token after x_n, d_1 .. d_i."""
+    # [shape 2]: the draft is always (B,)
+    return causal_pass(cache, torch.cat([last_token.view(1), draft])[None])
 
 
 def _at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x[index] for a 0-d device index, without reading it (plain indexing with a 0-d tensor reads it back)."""
+    """x[index] for a 0-d device index, without reading it (plain indexing with a 0-d tensor
+    reads it back)."""
     return x.index_select(0, index.view(1))[0]
 
 
@@ -560,53 +674,184 @@ def accept_draft(
     q_draft: torch.Tensor | None,
     temperature: float,
     generator=None,
-    length: int | None = None,
+    num_real: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(num_accepted, next_token) as 0-d tensors, left on the device (the round reads them with its one host read).
-    Greedy: accept d_i while it is the target's argmax, then take the argmax. Sampling (lossless): accept d_i with
-    probability min(1, p(d_i) / q(d_i)); at the first rejection draw from max(p - q, 0) normalised; after full
-    acceptance draw the bonus token from p. Only the first `length` tokens count (default all): pads never do."""
+    """(num_accepted, next_token) as 0-d tensors, left on the device (the round reads them with
+    its one host read). Greedy: accept d_i while it is the target's argmax, then take the
+    argmax. Sampling (lossless): accept d_i with probability min(1, p(d_i) / q(d_i)); at the
+    first rejection draw from max(p - q, 0) normalised; after full acceptance draw the bonus
+    token from p. Only the first `num_real` tokens (L, default all) can be accepted: a pad
+    never is."""
     block_size = draft.shape[0]
-    real = torch.arange(block_size, device=draft.device) < (
-        block_size if length is None else length
-    )  # (B,)
+    if num_real is None:
+        num_real = block_size
+    real = torch.arange(block_size, device=draft.device) < num_real  # (B,)
     if temperature == 0:
         target_tokens = p_logits.argmax(-1)  # (B+1,)
-        num_accepted = ((draft == target_tokens[:block_size]) & real).long().cumprod(0).sum()
+        agrees = (draft == target_tokens[:block_size]) & real
+        num_accepted = agrees.long().cumprod(0).sum()
         return num_accepted, _at(target_tokens, num_accepted)
     p_target = torch.softmax(p_logits.float() / temperature, dim=-1)  # (B+1, V)
     rows = torch.arange(block_size, device=draft.device)
-    p_d, q_d = p_target[rows, draft], q_draft[rows, draft]
-    device = p_d.device if generator is None else generator.device  # seeded: the generator's device
+    p_d = p_target[rows, draft]
+    q_d = q_draft[rows, draft]
+    # seeded: draw on the generator's device
+    device = p_d.device
+    if generator is not None:
+        device = generator.device
     u = torch.rand(block_size, generator=generator, device=device).to(p_d.device)
-    num_accepted = (
-        ((u * q_d <= p_d) & real).long().cumprod(0).sum()
-    )  # u < p/q without dividing by a tiny q
+    # u < p/q, without dividing by a tiny q
+    accepts = (u * q_d <= p_d) & real
+    num_accepted = accepts.long().cumprod(0).sum()
     p_next = _at(p_target, num_accepted)  # (V,) the target's law after the accepted prefix
-    residual = (p_next - _at(F.pad(q_draft, (0, 0, 0, 1)), num_accepted)).clamp(
-        min=0
-    )  # past the draft: q = 0
-    residual = torch.where(
-        residual.sum() > 0, residual, p_next
-    )  # p == q up to rounding: rejection had prob. ~0
-    law = torch.where(
-        real.sum() == num_accepted, p_next, residual
-    )  # all accepted: the bonus token from p
+    # past the draft's last row: q = 0
+    q_next = _at(F.pad(q_draft, (0, 0, 0, 1)), num_accepted)
+    residual = (p_next - q_next).clamp(min=0)
+    # p == q up to rounding: rejection had probability ~0
+    residual = torch.where(residual.sum() > 0, residual, p_next)
+    # all real tokens accepted: the bonus token from p
+    law = torch.where(real.sum() == num_accepted, p_next, residual)
     return num_accepted, _sample(law / law.sum(), generator)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Decoding loops: target-only (the reference) and synchronous speculative decoding
+
+
+@dataclass
+class RoundInfo:
+    """What one decoding round did, as plain Python values (ints and lists of ints), for
+    generate(on_round=...): called once per round, after the round's one host read, its commit
+    and its caches' rewinds. Without on_round the loops read and compute nothing of it."""
+
+    # "target", "sync" or "async"
+    mode: str
+    # 0, 1, 2, ... (the prefill's first token is not a round)
+    index: int
+    # the round starts with x_0 .. x_n committed (x_n = output tokens[n])
+    n: int
+    # the token x_n itself: the one the round's block hangs off (round 0: the prefill's token)
+    x_n: int
+    # d_1 .. d_B as verified ([] in target mode); the last is a pad after a full-acceptance hit
+    # (then num_real = B - 1)
+    draft: list[int]
+    # L: the draft's real tokens (B, or B - 1 after a full-acceptance hit; 0 in target mode)
+    num_real: int
+    # "draft pass" (sync; async's fallback draft, also its first round), "branch" (a rejection
+    # segment of the previous round's packed pass), "full acceptance" (the previous round's
+    # full-acceptance segment), "" in target mode
+    drafted_by: str
+    # where d_1 was read: "causal" (the causal row before the block) or "mask" (MASK 1)
+    d1_from: str
+    # a: the accepted prefix d_1 .. d_a
+    num_accepted: int
+    # c: the target's own token after d_1 .. d_a (correction, or the bonus token if a = L)
+    next_token: int
+    # what this round added to the output (d_1 .. d_a, c; cut at EOS or the budget)
+    committed: list[int]
+    # tokens the target's KV cache held at the round's start, and at its end
+    target_cache: tuple[int, int]
+    # the same for the drafter's KV cache ((0, 0) in target mode)
+    drafter_cache: tuple[int, int]
+    # async only (None in the other modes): the packed pass's segments in order, (k, t) = "d_k
+    # rejected, the target said t", then (L + 1, g) = full acceptance, g = the segment's guess of
+    # the bonus token
+    outcomes: list[tuple[int, int]] | None = None
+    # async only: the index in outcomes that this round's outcome selected (a hit: that
+    # segment's block is the next round's draft); -1 on a miss (the next round drafts anew)
+    segment: int | None = None
+
+
+class _RoundReport:
+    """Builds each round's RoundInfo from values the round already read, and calls on_round. It
+    carries what a round needs from the one before: the output's length and the caches' lengths
+    at the round's start, and which pass drafted the round's draft."""
+
+    def __init__(self, on_round, mode: str, out: Output, caches: Caches, drafter):
+        self.on_round = on_round
+        self.mode = mode
+        self.caches = caches
+        self.index = 0
+        self.size = len(out.tokens)
+        self.lengths = self._cache_lengths()
+        self.d1_from = ""
+        self.drafted_by = ""
+        if mode != "target":
+            self.d1_from = drafter.d3d_config.d1_from
+            self.drafted_by = "draft pass"
+
+    def _cache_lengths(self) -> tuple[int, int]:
+        drafter_length = 0
+        if self.mode != "target":
+            drafter_length = self.caches.drafter.length
+        return self.caches.target.length, drafter_length
+
+    def __call__(
+        self,
+        out: Output,
+        draft: list[int],
+        num_real: int,
+        num_accepted: int,
+        next_token: int,
+        outcomes: list[tuple[int, int]] | None = None,
+        segment: int | None = None,
+    ) -> None:
+        end = self._cache_lengths()
+        info = RoundInfo(
+            mode=self.mode,
+            index=self.index,
+            n=self.size - 1,
+            x_n=out.tokens[self.size - 1],
+            draft=list(draft),
+            num_real=num_real,
+            drafted_by=self.drafted_by,
+            d1_from=self.d1_from,
+            num_accepted=num_accepted,
+            next_token=next_token,
+            committed=out.tokens[self.size :],
+            target_cache=(self.lengths[0], end[0]),
+            drafter_cache=(self.lengths[1], end[1]),
+            outcomes=outcomes,
+            segment=segment,
+        )
+        self.index += 1
+        self.size = len(out.tokens)
+        self.lengths = end
+        if segment is not None:
+            self.drafted_by = _drafted_by(segment, len(outcomes))
+        self.on_round(info)
+
+
+def _drafted_by(segment: int, num_segments: int) -> str:
+    """Which pass drafts the round after an async round whose outcome selected `segment`."""
+    if segment < 0:
+        return "draft pass"
+    if segment == num_segments - 1:
+        return "full acceptance"
+    return "branch"
+
+
+def _outcomes(planned: list[int], coverage: int, fanout: int, num_real: int):
+    """The packed pass's segments as (k, t) pairs, from the values read [positions (C),
+    candidates (C x F), guess]: each planned rejection, then full acceptance (L + 1, guess)."""
+    positions = planned[:coverage]
+    candidates = planned[coverage : coverage + coverage * fanout]
+    outcomes = [(positions[i // fanout], t) for i, t in enumerate(candidates)]
+    outcomes.append((num_real + 1, planned[-1]))
+    return outcomes
 
 
 def _prefill(
     caches: Caches, input_ids, selection, out: Output, clock: Clock, temperature, generator
 ) -> None:
-    """The target prefills the prompt (or the chunks selective prefill kept) and produces the first token itself;
-    the drafter reads the prompt (selective prefill: it already has), so that its first draft starts at x_n."""
-    ids, positions = input_ids, torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+    """The target prefills the prompt (or the chunks selective prefill kept) and produces the
+    first token itself; the drafter reads the prompt (selective prefill: it already has), so
+    that its first draft starts at x_n."""
+    ids = input_ids
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
     if selection is not None:
-        ids, positions = selection["kept_ids"], selection["kept_positions"]
+        ids = selection["kept_ids"]
+        positions = selection["kept_positions"]
     caches.target.reset(skipped=input_ids.shape[1] - ids.shape[1])
     if caches.drafter is not None and selection is None:
         caches.drafter.reset()
@@ -614,66 +859,121 @@ def _prefill(
         return
     with clock.span("prefill"):
         logits = prefill(caches.target, ids, positions)[-1]
-        out.commit(read_round([pick_tokens(logits, temperature, generator)[0]], caches.target))
+        token = pick_tokens(logits, temperature, generator)[0]
+        out.commit(read_round([token], caches.target))
         if caches.drafter is not None and selection is None:
             prefill(caches.drafter, input_ids)
 
 
-def _decode_target(out: Output, caches: Caches, clock: Clock, temperature, generator) -> None:
-    """Plain autoregressive decoding with the target alone: the reference output and the speedup baseline."""
+def _decode_target(
+    out: Output, caches: Caches, clock: Clock, temperature, generator, report=None
+) -> None:
+    """Plain autoregressive decoding with the target alone: the reference output and the speedup
+    baseline. `report`: a _RoundReport (generate's on_round), or None."""
     token = torch.tensor([out.tokens[-1:]], device=caches.target.device)  # (1, 1)
     while not out.done:
         logits = causal_pass(caches.target, token)[-1]  # [shape 1]
         token = pick_tokens(logits, temperature, generator)[0].view(1, 1)
-        out.commit(read_round([token], caches.target))  # [one read]
+        (next_token,) = read_round([token], caches.target)  # [one read]
+        out.commit([next_token])
+        if report is not None:
+            report(out, [], 0, 0, next_token)
 
 
 def _decode_sync(
-    drafter, out: Output, caches: Caches, clock: Clock, block_size, temperature, generator
+    drafter,
+    out: Output,
+    caches: Caches,
+    clock: Clock,
+    block_size,
+    temperature,
+    generator,
+    report=None,
 ) -> None:
-    """Draft a block, verify it, commit, repeat. At the top of a round (committed x_0 .. x_n): target cache =
-    x_0 .. x_{n-1} (x_n goes with the draft); drafter cache = x_0 .. x_{d-1}, n - B <= d <= n (it reads the rest,
-    padded to B + 1 tokens, in its next pass)."""
-    tc, dc = caches.target, caches.drafter
+    """Draft a block, verify it, commit, repeat. At the top of a round (committed x_0 .. x_n):
+    the target's cache holds x_0 .. x_{n-1} (x_n goes with the draft); the drafter's holds
+    x_0 .. x_{d-1}, n - B <= d <= n (it reads the rest, padded to B + 1 tokens, in its next
+    pass). `report`: a _RoundReport (generate's on_round), or None."""
+    tc = caches.target
+    dc = caches.drafter
     while not out.done:
         with clock.span("draft"):
             new_tokens = torch.tensor([out.tokens[dc.length :]], device=dc.device)
-            draft_logits = draft_block(
-                drafter, dc, new_tokens, block_size, width=block_size + 1
-            )  # [shape 3]
+            # [shape 3]
+            draft_logits = draft_block(drafter, dc, new_tokens, block_size, width=block_size + 1)
             draft, q_draft = pick_tokens(draft_logits, temperature, generator)
         with clock.span("verify"):
             p_logits = verify_block(tc, new_tokens[0, -1], draft)
             num_accepted, next_token = accept_draft(
                 p_logits, draft, q_draft, temperature, generator
             )
-        num_accepted, next_token, *tokens = read_round(
-            [num_accepted, next_token, draft], tc, dc
-        )  # [one read]
+        # [one read]
+        num_accepted, next_token, *tokens = read_round([num_accepted, next_token, draft], tc, dc)
         out.commit_round(tokens[:num_accepted], next_token)
         tc.rewind(len(out.tokens) - 1)  # keep x_0 .. x_n, d_1 .. d_a
+        if report is not None:
+            report(out, tokens, block_size, num_accepted, next_token)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Asynchronous speculative decoding (Fig. 1c, Fig. 3)
 #
-# Two rules shape the loops, so that compiled passes (CUDA graphs on a GPU) replay and the host never waits mid-round.
-# Fixed shapes: a decoding pass has one of five shapes (q tokens; tagged [shape n] where the code fixes them):
-#   1  target   1                  a target-only step
-#   2  target   B + 1              verify [x_n, d_1 .. d_B]; after a full-acceptance hit the next draft has B - 1
-#                                  real tokens and a pad that is never accepted, so one shape serves both
-#   3  drafter  B + 1 + B          sync draft: the unread committed tokens (1 .. B + 1) padded to B + 1, then B MASKs
-#   4  drafter  1 + B              async fallback draft: x_n and B MASKs
-#   5  drafter  1 + B + S (1 + B)  async packed pass: x_n, d_1 .. d_B, then S = C F + 1 segments [token, B MASKs];
-#                                  the drafter's cache rewinds to x_0 .. x_{n-1} first, so x_n is always re-read
-# One host read [one read]: a round's outcome (accepted, next token, hit, draft) comes back in one read_round; all
-# before it (plan, build, verify, accept, find the hit) is queued without waiting (sampling with a generator on
-# another device than the model's copies the probabilities to it: reproducible, at the cost of a wait).
+# Two rules shape the loops, so that compiled passes (CUDA graphs on a GPU) replay and the host
+# never waits mid-round.
+# Fixed shapes: a decoding pass has one of five shapes (q tokens; tagged [shape n] where the code
+# fixes them):
+#   1  target   1              a target-only step
+#   2  target   B + 1          verify [x_n, d_1 .. d_B]; after a full-acceptance hit the next
+#                              draft has B - 1 real tokens and a pad (below), so one shape
+#                              serves both
+#   3  drafter  B + 1 + B      sync draft: the unread committed tokens (1 .. B + 1) padded to
+#                              B + 1, then B MASKs
+#   4  drafter  1 + B          async fallback draft: x_n and B MASKs
+#   5  drafter  1 + B          async packed pass: x_n, d_1 .. d_B, then S = C F + 1 segments
+#                + S (1 + B)   [token, B MASKs]; the drafter's cache rewinds to x_0 .. x_{n-1}
+#                              first, so x_n is always read again
+# One host read [one read]: a round's outcome (accepted, next token, selected segment, draft)
+# comes back in one read_round; all before it (plan, build, verify, accept, select the segment)
+# is queued without waiting (sampling with a generator on another device than the model's copies
+# the probabilities to it: reproducible, at the cost of a wait).
+#
+# Hit and miss. The packed pass prepares one segment per planned outcome of the verification.
+# When the outcome (a, c) is one that a segment was prepared for, that is a hit: the segment's
+# block is the next round's draft, with no drafting on the critical path (select_segment).
+# Otherwise it is a miss, and the next round starts with a fallback draft.
+#
+# What each KV cache holds across one round (committed x_0 .. x_n at the start; L = num_real,
+# a = num_accepted, c = next_token; "+" = written after what the cache held):
+#
+#   step                         target's cache               drafter's cache
+#   round's start                x_0 .. x_{n-1}               x_0 .. x_{n-1}
+#   fallback draft (a miss, or   x_0 .. x_{n-1}               + x_n, B MASKs; rewound to n
+#     the first round)                                          tokens: x_0 .. x_{n-1}
+#   verify | packed pass         + x_n, d_1 .. d_B            + x_n, d_1 .. d_B, S segments
+#   commit d_1 .. d_a, c         out.tokens: x_0 .. x_n, d_1 .. d_a, c (n + a + 2 tokens)
+#   rewind                       to len(out.tokens) - 1       to n + 1 + a
+#                                = n + 1 + a                  (x_0 .. x_n, d_1 .. d_a)
+#   next round's start           x_0 .. x_{n'-1}, n' = n + a + 1: c = x_{n'} is in neither cache,
+#                                it goes first into the next verify and packed pass
+#
+# The two rewinds give the same length, n + 1 + a, unless the commit was cut at EOS or the
+# budget: then the decode is over. The drafter's rewind drops the rejected drafts d_{a+1} .. d_B
+# and every segment; the accepted d_1 .. d_a keep the KV the packed pass gave them.
+#
+# The pad after a full-acceptance hit. The full-acceptance segment hangs off d_{L-1}: its first
+# token is d_L (position n + L), its first draft row guesses the bonus token x_{n+L+1}, and its
+# other B - 1 rows draft x_{n+L+2} .. x_{n+L+B}. A hit means the guess was c, now committed as
+# x_{n'}; so those B - 1 rows are the next draft, L' = B - 1 real tokens, and a pad row (zero
+# logits, never accepted: accept_draft's num_real) keeps the draft B long [shape 2, 5]. If the
+# next round accepts all B - 1, its bonus token is the target's token at the pad's position
+# (verification row B - 1, the one after d_{B-1}): the pad itself is never compared.
 
 
 def default_budget(block_size: int) -> tuple[int, int]:
     """Branch budget (coverage C, fanout F): the paper's C = 12, F = 2 at B = 16, scaled with B."""
-    return max(1, min(block_size, round(0.75 * block_size))), 2
+    coverage = max(1, min(block_size, round(0.75 * block_size)))
+    fanout = 2
+    return coverage, fanout
 
 
 def plan_branches(
@@ -683,23 +983,25 @@ def plan_branches(
     fanout: int,
     cover: str = "first",
 ):
-    """The outcomes that get a branch: C positions k x F candidates (the drafter's F likeliest tokens at k but d_k).
-    cover="first": k = 1 .. C; "likely": the C largest r_k = prod_{j<k} c_j * (1 - c_k), c_j the drafter's probability
-    of d_j (as in D2SD). Returns positions (C,) ascending and candidates (C, F), left on the device (no wait)."""
+    """The outcomes that get a branch: C positions k x F candidates (the drafter's F likeliest
+    tokens at k, except d_k itself). cover="first": k = 1 .. C; "likely": the C largest
+    r_k = prod_{j<k} c_j * (1 - c_k), the chance that d_k is the first rejection, with c_j the
+    drafter's probability of d_j (as in D2SD). Returns positions (C,) ascending and candidates
+    (C, F), left on the device (no wait)."""
     block_size, vocab = draft_logits.shape
-    coverage, fanout = min(coverage, block_size), min(fanout, vocab - 1)
+    coverage = min(coverage, block_size)
+    fanout = min(fanout, vocab - 1)
     if cover == "first":
         positions = torch.arange(1, coverage + 1, device=draft.device)
     else:  # "likely"
-        c = torch.softmax(draft_logits, -1).gather(1, draft[:, None])[
-            :, 0
-        ]  # (B,) drafter's confidence in d_k
+        probs = torch.softmax(draft_logits, -1)
+        c = probs.gather(1, draft[:, None])[:, 0]  # (B,) the drafter's confidence in d_k
         reach = torch.cat([torch.ones_like(c[:1]), torch.cumprod(c, 0)[:-1]])  # prod_{j<k} c_j
         positions = torch.topk(reach * (1 - c), coverage).indices.sort().values + 1
-    others = draft_logits.scatter(
-        -1, draft[:, None], float("-inf")
-    )  # d_k is never its own alternative
-    return positions, others.topk(fanout, dim=-1).indices[positions - 1]  # (C,), (C, F)
+    # d_k is never its own alternative
+    others = draft_logits.scatter(-1, draft[:, None], float("-inf"))
+    candidates = others.topk(fanout, dim=-1).indices[positions - 1]
+    return positions, candidates  # (C,), (C, F)
 
 
 def build_branch_pass(
@@ -711,108 +1013,126 @@ def build_branch_pass(
     *,
     past_len: int,
     block_size: int,
-    length: int | None = None,
+    num_real: int | None = None,
 ):
-    """Input of the packed pass that drafts the next block for each planned outcome of verifying `draft` (B,).
+    """Input of the packed pass that drafts the next block for each planned outcome of verifying
+    `draft` (B,).
 
-    Causal stream: x_n (`last_token`, (1,); the cache holds x_0 .. x_{n-1}), then d_1 .. d_B (the accepted drafts get
-    their KV here). Then C x F segments [t, MASK x B], t at position n+k off d_{k-1} (d_0 = x_n): "d_k rejected, the
-    target said t"; last [d_L, MASK x B] off d_{L-1}, guessing the bonus token and on (L = `length`, the real draft
-    tokens; default B). A segment's first draft token is read where draft_block reads it (draft_rows): the causal head
-    at t (or d_L) under d1_from="causal", MASK 1 under "mask" (in the example: the row of t1, or the MASK after it).
+    Causal stream: x_n (`last_token`, (1,); the cache holds x_0 .. x_{n-1}), then d_1 .. d_B
+    (the accepted drafts get their KV here). Then C x F segments [t, MASK x B], t at position
+    n+k off d_{k-1} (d_0 = x_n): "d_k rejected, the target said t". Last, the full-acceptance
+    segment [d_L, MASK x B] off d_{L-1} (L = `num_real`, the draft's real tokens; default B):
+    it drafts the bonus token x_{n+L+1} and the B - 1 tokens after it.
+
+    A segment's first draft token is read where draft_block reads it (draft_rows), from the
+    segment's `causal_row`: the row of its first token, t (or d_L), under d1_from="causal";
+    MASK 1 under "mask". In the example: the row of t1, or the MASK after it.
     Example with B = L = 3, C = 2, F = 1, blocks of 2 MASKs shown; the cache is visible to all:
 
                      x_n d_1 d_2 d_3 | t1 m m | t2 m m | d_3 m m
         x_n (n)      x               |        |        |
-        d_1 (n+1)    x   x           |        |        |               causal stream: x_n, then the draft
+        d_1 (n+1)    x   x           |        |        |
         d_2 (n+2)    x   x   x       |        |        |
         d_3 (n+3)    x   x   x   x   |        |        |
-        t1  (n+1)    x               | x      |        |               branch (1, t1): d_1 rejected, target said t1;
-        m   (n+2)    x               | x  x x |        |               drafts x_{n+2} (row t1 or this MASK), x_{n+3}
+        t1  (n+1)    x               | x      |        |
+        m   (n+2)    x               | x  x x |        |
         m   (n+3)    x               | x  x x |        |
-        t2  (n+2)    x   x           |        | x      |               branch (2, t2): d_1 accepted, d_2 rejected
+        t2  (n+2)    x   x           |        | x      |
         m   (n+3)    x   x           |        | x  x x |
         m   (n+4)    x   x           |        | x  x x |
-        d_3 (n+3)    x   x   x       |        |        | x             full acceptance, off d_2: guesses the
-        m   (n+4)    x   x   x       |        |        | x   x x       bonus x_{n+4} (row d_3 / this MASK), x_{n+5}
+        d_3 (n+3)    x   x   x       |        |        | x
+        m   (n+4)    x   x   x       |        |        | x   x x
         m   (n+5)    x   x   x       |        |        | x   x x
 
-    Built without waiting for the device; its shape depends on B, C and F only. Returns input ids (1, q), position
-    ids (1, q), mask (1, 1, q, past+q) and the rows (S, B) drafting each segment's block (draft_rows), in the order of
-    candidates.flatten(), then full acceptance."""
+        x_n .. d_3   the causal stream: x_n, then the draft
+        t1 m m       branch (1, t1): d_1 rejected, the target said t1; drafts x_{n+2} (row t1,
+                     or its first MASK) and x_{n+3}
+        t2 m m       branch (2, t2): d_1 accepted, d_2 rejected
+        d_3 m m      full acceptance, off d_2: drafts the bonus x_{n+4} (row d_3, or its first
+                     MASK), then x_{n+5}
+
+    Built without waiting for the device; its shape depends on B, C and F only. Returns input
+    ids (1, q), position ids (1, q), mask (1, 1, q, past+q) and the rows (S, B) drafting each
+    segment's block (draft_rows), in the order of candidates.flatten(), then full acceptance."""
     fanout = candidates.shape[1]
-    length = draft.shape[0] if length is None else length
-    anchors = (
-        torch.cat(
-            [positions[:, None].expand(-1, fanout).flatten(), positions.new_full((1,), length)]
-        )
-        - 1
-    )
-    segments = torch.full(
-        (len(anchors), 1 + block_size), drafter.d3d_config.mask_token_id, device=draft.device
-    )  # [shape 5]: S = C F + 1 segments whatever the draft
-    segments[:, 0] = torch.cat([candidates.flatten(), draft[length - 1 : length]])
+    if num_real is None:
+        num_real = draft.shape[0]
+    # the causal index each segment hangs off: d_{k-1} for a branch at k, d_{L-1} for the last
+    branch_anchors = positions[:, None].expand(-1, fanout).flatten()
+    full_anchor = positions.new_full((1,), num_real)
+    anchors = torch.cat([branch_anchors, full_anchor]) - 1
+    # [shape 5]: S = C F + 1 segments whatever the draft
+    mask_id = drafter.d3d_config.mask_token_id
+    segments = torch.full((len(anchors), 1 + block_size), mask_id, device=draft.device)
+    segments[:, 0] = torch.cat([candidates.flatten(), draft[num_real - 1 : num_real]])
     num_causal = 1 + draft.shape[0]
     ids = torch.cat([last_token, draft, segments.flatten()])[None]
     mask, position_ids = packed_attention_mask(
         num_causal, anchors, block_size, prefix_len=1, past_len=past_len
     )
-    mask_starts = (
-        num_causal + 1 + (1 + block_size) * torch.arange(len(anchors), device=draft.device)
-    )
-    return (
-        ids,
-        position_ids,
-        mask,
-        draft_rows(mask_starts - 1, mask_starts, block_size, drafter.d3d_config.d1_from),
-    )
+    segment_starts = (1 + block_size) * torch.arange(len(anchors), device=draft.device)
+    mask_starts = num_causal + 1 + segment_starts
+    # each segment's first token: the causal row its block's d_1 is read from under "causal"
+    causal_rows = mask_starts - 1
+    rows = draft_rows(causal_rows, mask_starts, block_size, drafter.d3d_config.d1_from)
+    return ids, position_ids, mask, rows
 
 
-def cache_hit(
+def bonus_guess(drafter: Drafter, block_hidden, temperature: float, generator=None):
+    """The full-acceptance segment's guess of the bonus token (a 0-d device tensor), from its
+    first draft row: under d1_from="causal" the LM head at d_L's causal row, under "mask" at
+    MASK 1. block_hidden: (S, B, H), the segments' draft rows."""
+    return pick_tokens(drafter.logits(block_hidden[-1, 0]), temperature, generator)[0]
+
+
+def select_segment(
     drafter: Drafter,
     block_hidden,
     positions,
     candidates,
     num_accepted,
     next_token,
-    length: int,
+    num_real: int,
     temperature: float,
     generator=None,
+    *,
+    guess: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The cache hit: which segment of the packed pass was prepared for the outcome (a = num_accepted, c = next_token),
-    as a 0-d device tensor; -1 on a miss. The branch planned for position k = a+1 and token t = c if there is one,
-    else the full-acceptance segment if a = length and its first draft row guessed c (the bonus token: the causal head
-    at d_L under d1_from="causal", MASK 1 under "mask"; it needs B > 1: the segment's other rows are the next draft).
-    Computed on the device, so the round still reads the host once."""
+    """The prepared segment the verification outcome (a = num_accepted, c = next_token) selects,
+    as a 0-d device tensor; -1 on a miss (no segment was prepared for it). The branch planned
+    for position k = a + 1 and token t = c if there is one; else the full-acceptance segment if
+    a = L (`num_real`) and its guess of the bonus token is c (`guess`: bonus_guess, drawn here
+    if not given). That needs B > 1: the segment's other rows are the next draft. Computed on
+    the device, so the round still reads the host once."""
     num_segments, block_size = block_hidden.shape[:2]
-    guess = pick_tokens(drafter.logits(block_hidden[-1, 0]), temperature, generator)[
-        0
-    ]  # the bonus token's guess
-    branch = (
-        (positions[:, None] == num_accepted + 1) & (candidates == next_token)
-    ).flatten()  # (C*F,)
-    full = (num_accepted == length) & (guess == next_token) & (block_size > 1)
-    first = (
-        torch.cat([branch, full[None]]).long().cumsum(0) == 0
-    ).sum()  # index of the first match; S if none
+    if guess is None:
+        guess = bonus_guess(drafter, block_hidden, temperature, generator)
+    at_position = positions[:, None] == num_accepted + 1
+    branch = (at_position & (candidates == next_token)).flatten()  # (C*F,)
+    full = (num_accepted == num_real) & (guess == next_token) & (block_size > 1)
+    matches = torch.cat([branch, full[None]])
+    # the index of the first match; S if none
+    first = (matches.long().cumsum(0) == 0).sum()
     return torch.where(first < num_segments, first, -1)
 
 
 class _Lanes:
-    """Runs verification and the packed pass side by side (lanes=2): on CUDA in two streams (verify's of higher
-    priority), on a CPU the packed pass in a worker thread (the two share the cores: each gets half of torch's
-    threads); lanes=1: one after the other. The clock gets each pass's time and the two together's ("both")."""
+    """Runs verification and the packed pass side by side (lanes=2): on CUDA in two streams
+    (verify's of higher priority), on a CPU the packed pass in a worker thread (the two share
+    the cores: each gets half of torch's threads); lanes=1: one after the other. The clock gets
+    each pass's time and the two together's ("both")."""
 
     def __init__(self, device: torch.device, lanes: int):
-        self.streams, self.pool = device.type == "cuda" and lanes > 1, None
+        self.streams = device.type == "cuda" and lanes > 1
+        self.pool = None
         if self.streams:
             self.main = torch.cuda.current_stream(device)
-            self.verify_stream = torch.cuda.Stream(
-                device, priority=-1
-            )  # the critical path goes first
+            # the critical path goes first
+            self.verify_stream = torch.cuda.Stream(device, priority=-1)
             self.draft_stream = torch.cuda.Stream(device)
         elif lanes > 1:
-            self.pool, self.threads = ThreadPoolExecutor(1, "packed-pass"), torch.get_num_threads()
+            self.pool = ThreadPoolExecutor(1, "packed-pass")
+            self.threads = torch.get_num_threads()
             torch.set_num_threads(max(1, self.threads // 2))
 
     def close(self):
@@ -822,15 +1142,10 @@ class _Lanes:
 
     def both(self, verify, packed, clock: Clock):
         with clock.span("both"):
-            if (
-                not self.streams
-            ):  # a worker thread (kernels release the GIL), or one pass after the other
-                future = self.pool.submit(clock.run, "packed_draft", packed) if self.pool else None
-                p_logits = clock.run("verify", verify)
-                return p_logits, future.result() if future else clock.run("packed_draft", packed)
-            self.verify_stream.wait_stream(
-                self.main
-            )  # both read what the main stream made: the draft, the input
+            if not self.streams:
+                return self._without_streams(verify, packed, clock)
+            # both read what the main stream made: the draft, the packed pass's input
+            self.verify_stream.wait_stream(self.main)
             self.draft_stream.wait_stream(self.main)
             with torch.cuda.stream(self.verify_stream):
                 p_logits = clock.run("verify", verify)
@@ -840,11 +1155,101 @@ class _Lanes:
                 (self.verify_stream, p_logits),
                 (self.draft_stream, block_hidden),
             ):
-                self.main.wait_stream(stream)  # join: both are read on the main stream
-                result.record_stream(
-                    self.main
-                )  # made on a side stream: the allocator must not reuse it early
+                # join: both results are read on the main stream
+                self.main.wait_stream(stream)
+                # made on a side stream: the allocator must not reuse its memory early
+                result.record_stream(self.main)
             return p_logits, block_hidden
+
+    def _without_streams(self, verify, packed, clock: Clock):
+        """A worker thread (kernels release the GIL), or one pass after the other."""
+        if self.pool is None:
+            p_logits = clock.run("verify", verify)
+            return p_logits, clock.run("packed_draft", packed)
+        future = self.pool.submit(clock.run, "packed_draft", packed)
+        p_logits = clock.run("verify", verify)
+        return p_logits, future.result()
+
+
+# >>> worked async trace (python tests/worked_trace.py --write regenerates it)
+# Asynchronous decoding at B = 4, C = 2, F = 1 (cover="first": k = 1, 2), greedy,
+# made by tests/worked_trace.py (a tiny target, a drafter whose logits follow a script).
+# Prompt x_0 .. x_4 = 18 87 71 54 8; the target's prefill says x_5 = 37.
+# The target's greedy x_5 .. x_19 = 37 53 17 48 18 40 49 33 74 3 4 24 53 71 87.
+# The drafter is right at every position except x_7 (runner-up right) and x_10 (both choices wrong).
+#
+# n       the round starts with x_0 .. x_n committed (the target's cache holds x_0 .. x_{n-1})
+# d_i     the draft d_1 .. d_B it verifies: L real tokens (B; or B - 1 and a pad)
+# a       how many the target accepted: d_1 .. d_a
+# c       the target's own token after them: its correction of d_{a+1}, or the bonus if a = L
+# (k, t)  an outcome the drafter prepared a block for while the target verified: d_k rejected
+#         and the target said t; (L + 1, g): all L accepted and the bonus token is g (its guess)
+# hit     the round's outcome (a + 1, c) was prepared: that block is the next draft
+# miss    it was not: the next round drafts anew
+# cache   a KV cache of length m holds x_0 .. x_{m-1}
+#
+# (i) a rejection branch used: d_2 is rejected and the branch prepared for (k, t) = (2, c) becomes
+# the next draft, with no drafting on the critical path.
+# round 0: n = 5, x_0 .. x_5 committed
+#   draft       d_1 .. d_4 = 53 18 48 18
+#               drafted by a draft pass (x_n and 4 MASKs, its KV dropped again); d_1 from the causal
+#               row at x_n, d_2 .. d_4 from MASK 2 .. 4
+#   target      a = 1 (d_1); c = 17, its correction of d_2
+#   committed   53 17 (= x_6 .. x_7)
+#   passes      verify x_n, d_1 .. d_4: target cache -> 10; packed pass x_n, d_1 .. d_4,
+#               2 x [t, 4 MASKs], [d_4, 4 MASKs]: drafter cache -> 25; then both rewind
+#   prepared    (k, t) = (1, 54)  (2, 17)*  (5, 41)
+#   hit         (2, 17) was prepared; that branch's block is the next draft
+#   target cache  5 -> 7: x_0 .. x_4 -> x_0 .. x_5, d_1
+#   drafter cache 5 -> 7: x_0 .. x_4 -> x_0 .. x_5, d_1
+#
+# (ii) a miss: d_3 is rejected, but C = 2 covers only k = 1, 2, so nothing was prepared for (3, c):
+# the next round's draft is a fallback draft pass.
+# round 1: n = 7, x_0 .. x_7 committed
+#   draft       d_1 .. d_4 = 48 18 41 49
+#               drafted by a rejection branch of the previous round's packed pass (its t is x_n);
+#               d_1 from the causal row at x_n, d_2 .. d_4 from MASK 2 .. 4
+#   target      a = 2 (d_1 .. d_2); c = 40, its correction of d_3
+#   committed   48 18 40 (= x_8 .. x_10)
+#   passes      verify x_n, d_1 .. d_4: target cache -> 12; packed pass x_n, d_1 .. d_4,
+#               2 x [t, 4 MASKs], [d_4, 4 MASKs]: drafter cache -> 27; then both rewind
+#   prepared    (k, t) = (1, 49)  (2, 19)  (5, 33)
+#   miss        nothing prepared for (3, 40): the next round drafts anew
+#   target cache  7 -> 10: x_0 .. x_6 -> x_0 .. x_7, d_1 .. d_2
+#   drafter cache 7 -> 10: x_0 .. x_6 -> x_0 .. x_7, d_1 .. d_2
+#
+# (iii) a full-acceptance hit: all four tokens are accepted and the full-acceptance block guessed
+# the bonus token c; its other B - 1 rows and a pad are the next draft.
+# round 2: n = 10, x_0 .. x_10 committed
+#   draft       d_1 .. d_4 = 49 33 74 3
+#               drafted by a draft pass (x_n and 4 MASKs, its KV dropped again); d_1 from the causal
+#               row at x_n, d_2 .. d_4 from MASK 2 .. 4
+#   target      a = 4 (d_1 .. d_4, all real tokens); c = 4, its bonus token
+#   committed   49 33 74 3 4 (= x_11 .. x_15)
+#   passes      verify x_n, d_1 .. d_4: target cache -> 15; packed pass x_n, d_1 .. d_4,
+#               2 x [t, 4 MASKs], [d_4, 4 MASKs]: drafter cache -> 30; then both rewind
+#   prepared    (k, t) = (1, 50)  (2, 34)  (5, 4)*
+#   hit         (5, 4) was prepared; the full-acceptance block: its other B - 1 rows and a pad are
+#               the next draft
+#   target cache  10 -> 15: x_0 .. x_9 -> x_0 .. x_10, d_1 .. d_4
+#   drafter cache 10 -> 15: x_0 .. x_9 -> x_0 .. x_10, d_1 .. d_4
+#
+# The padded draft of (iii): three real tokens and a pad that is never accepted; the target's token
+# at the pad's row is the bonus. The budget is reached: decoding stops.
+# round 3: n = 15, x_0 .. x_15 committed
+#   draft       d_1 .. d_4 = 24 53 71 pad (d_4 is a pad: never accepted)
+#               drafted by the previous round's full-acceptance block: d_1 .. d_3 from its
+#               MASK 2 .. 4 (its first row guessed x_n, the bonus token)
+#   target      a = 3 (d_1 .. d_3, all real tokens); c = 87, its bonus token
+#   committed   24 53 71 87 (= x_16 .. x_19)
+#   passes      verify x_n, d_1 .. d_4: target cache -> 20; packed pass x_n, d_1 .. d_4,
+#               2 x [t, 4 MASKs], [d_3, 4 MASKs]: drafter cache -> 35; then both rewind
+#   prepared    (k, t) = (1, 25)  (2, 54)  (4, 87)*
+#   hit         (4, 87) was prepared; the full-acceptance block: its other B - 1 rows and a pad are
+#               the next draft
+#   target cache  15 -> 19: x_0 .. x_14 -> x_0 .. x_15, d_1 .. d_3
+#   drafter cache 15 -> 19: x_0 .. x_14 -> x_0 .. x_15, d_1 .. d_3
+# <<< worked async trace
 
 
 def _decode_async(
@@ -859,40 +1264,41 @@ def _decode_async(
     fanout,
     cover,
     lanes: int,
+    report=None,
 ) -> dict:
-    """While the target verifies [x_n, d_1 .. d_B], one packed drafter pass prepares the next draft for the likely
-    outcomes. Each round: (a) plan and build the packed pass; (b) verify while it runs; (c) commit the accepted prefix
-    and the target's token c; a prepared outcome's block is the next draft (a cache hit), else the drafter drafts it
-    (a miss: fallback draft). Returns hits and misses per outcome (index k-1: rejection at k; B:
-    full acceptance) and pad_full_acceptances: the rounds that accepted a padded draft (B - 1
-    tokens and a pad) whole."""
-    tc, dc = caches.target, caches.drafter
-    hits, misses = [0] * (block_size + 1), [0] * (block_size + 1)
-    pad_full = 0  # padded drafts accepted whole: their bonus token is drawn at the pad's row
+    """While the target verifies [x_n, d_1 .. d_B], one packed drafter pass prepares the next
+    draft for the likely outcomes. Each round: (a) plan and build the packed pass; (b) verify
+    while it runs; (c) commit the accepted prefix and the target's token c; on a hit the
+    selected segment's block is the next draft, on a miss the drafter drafts it anew (the
+    fallback draft). The section's comment shows what each cache holds across a round.
+
+    Returns hits and misses per outcome (index k-1: rejection at k; B: full acceptance) and
+    pad_full_acceptances: the rounds that accepted a padded draft (B - 1 tokens and a pad)
+    whole. `report`: a _RoundReport (generate's on_round), or None."""
+    tc = caches.target
+    dc = caches.drafter
+    hits = [0] * (block_size + 1)
+    misses = [0] * (block_size + 1)
+    # padded drafts accepted whole: their bonus token is the target's at the pad's position
+    pad_full = 0
     lane = _Lanes(dc.device, lanes)
-    draft_logits, length = (
-        None,
-        block_size,
-    )  # the next draft (None: not prepared) and its real tokens
+    # the next draft's logits (None: not prepared, a fallback draft makes it) and L
+    draft_logits = None
+    num_real = block_size
     try:
         while not out.done:
             n = len(out.tokens) - 1
-            last = torch.tensor(out.tokens[n:], device=dc.device)  # (1,) x_n, copied to the device
-            if (
-                draft_logits is None
-            ):  # a fallback draft (a miss, or the first round): its pass reads x_n
+            last = torch.tensor(out.tokens[n:], device=dc.device)  # (1,) x_n, on the device
+            if draft_logits is None:
+                # a fallback draft (a miss, or the first round): its pass reads x_n
                 with clock.span("fallback_draft"):
-                    draft_logits, length = (
-                        draft_block(drafter, dc, last[None], block_size),
-                        block_size,
-                    )  # [shape 4]
-                    dc.rewind(
-                        n
-                    )  # x_n again in the packed pass, whose causal stream always starts there [shape 5]
+                    draft_logits = draft_block(drafter, dc, last[None], block_size)  # [shape 4]
+                    num_real = block_size
+                    # x_n again in the packed pass, whose causal stream starts there [shape 5]
+                    dc.rewind(n)
             # (a) plan and build, on the device
-            draft, q_draft = pick_tokens(
-                draft_logits, temperature, generator
-            )  # (B,), padded if length < B
+            # (B,), with a pad after a full-acceptance hit (num_real = B - 1)
+            draft, q_draft = pick_tokens(draft_logits, temperature, generator)
             positions, candidates = plan_branches(draft_logits, draft, coverage, fanout, cover)
             ids, position_ids, mask, block_rows = build_branch_pass(
                 drafter,
@@ -902,52 +1308,68 @@ def _decode_async(
                 candidates,
                 past_len=dc.length,
                 block_size=block_size,
-                length=length,
+                num_real=num_real,
             )
+
             # (b) verify while the packed pass prepares the next draft
-            p_logits, block_hidden = lane.both(
-                lambda: verify_block(tc, last, draft),
-                lambda: dc.run(ids, position_ids, mask)[block_rows],
-                clock,
-            )  # (S, B, H)
+            def verify():
+                return verify_block(tc, last, draft)
+
+            def packed():
+                return dc.run(ids, position_ids, mask)[block_rows]  # (S, B, H)
+
+            p_logits, block_hidden = lane.both(verify, packed, clock)
             num_accepted, next_token = accept_draft(
-                p_logits, draft, q_draft, temperature, generator, length
+                p_logits, draft, q_draft, temperature, generator, num_real
             )
-            hit = cache_hit(
+            guess = bonus_guess(drafter, block_hidden, temperature, generator)
+            segment = select_segment(
                 drafter,
                 block_hidden,
                 positions,
                 candidates,
                 num_accepted,
                 next_token,
-                length,
+                num_real,
                 temperature,
                 generator,
+                guess=guess,
             )
-            num_accepted, next_token, hit, *tokens = read_round(
-                [num_accepted, next_token, hit, draft], tc, dc
-            )  # [one read]
-            # (c) resolve: commit, rewind both caches; on a cache hit the prepared block is the next draft
+            # on_round's values ride on the same read
+            shown = [] if report is None else [positions, candidates, guess]
+            # [one read]
+            num_accepted, next_token, segment, *read = read_round(
+                [num_accepted, next_token, segment, draft, *shown], tc, dc
+            )
+            tokens = read[:block_size]
+            # (c) commit, rewind both caches (the section's comment: n + 1 + a either way)
             out.commit_round(tokens[:num_accepted], next_token)
             tc.rewind(len(out.tokens) - 1)
-            dc.rewind(
-                n + 1 + num_accepted
-            )  # keep x_0 .. x_n, d_1 .. d_a; drop rejected drafts and branches
-            (hits if hit >= 0 else misses)[
-                block_size if num_accepted == length else num_accepted
-            ] += 1
-            pad_full += length < block_size and num_accepted == length
+            dc.rewind(n + 1 + num_accepted)
+            outcome = num_accepted
+            if num_accepted == num_real:
+                outcome = block_size  # full acceptance
+            if segment >= 0:
+                hits[outcome] += 1
+            else:
+                misses[outcome] += 1
+            if num_real < block_size and num_accepted == num_real:
+                pad_full += 1
+            if report is not None:
+                outcomes = _outcomes(read[block_size:], *candidates.shape, num_real)
+                report(out, tokens, num_real, num_accepted, next_token, outcomes, segment)
+            # a hit: the selected segment's block is the next draft
             draft_logits = None
-            if hit >= 0 and not out.done:
-                # the full-acceptance segment's first draft row guessed the bonus token (d1_from="causal": the causal
-                # head at d_L; "mask": MASK 1), so its other B - 1 rows are the next draft and a pad row (zero logits,
-                # never accepted) makes it B [shape 2, 5]; a rejection branch's B rows are the next draft as they are
-                full = hit == block_hidden.shape[0] - 1
-                draft_logits = drafter.logits(block_hidden[hit, 1:] if full else block_hidden[hit])
-                draft_logits, length = (
-                    F.pad(draft_logits, (0, 0, 0, int(full))),
-                    block_size - int(full),
-                )
+            if segment >= 0 and not out.done:
+                full = segment == block_hidden.shape[0] - 1
+                if full:
+                    # its first row guessed c: rows 2 .. B and a pad (the section's comment)
+                    rows = drafter.logits(block_hidden[segment, 1:])
+                    draft_logits = F.pad(rows, (0, 0, 0, 1))
+                    num_real = block_size - 1
+                else:
+                    draft_logits = drafter.logits(block_hidden[segment])
+                    num_real = block_size
     finally:
         lane.close()
     return {
@@ -961,18 +1383,18 @@ def _decode_async(
     }
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Progressive layer pruning with recovery distillation (Fig. 1b)
 
 
 def adjusted_teacher(
     teacher_logits: torch.Tensor, labels: torch.Tensor, beta: float
 ) -> torch.Tensor:
-    """The recovery target (ours): q = (1 - beta) * softmax(teacher) + beta * onehot(label). Sums to one."""
+    """The recovery target (our reading of "adjusted toward the supervised token": the paper
+    gives no formula): q = (1 - beta) * softmax(teacher) + beta * onehot(label). Sums to one."""
     q = (1 - beta) * torch.softmax(teacher_logits.float(), -1)
-    return q.scatter_add(
-        -1, labels[..., None], torch.full_like(q[..., :1], beta)
-    )  # + beta at the label, no one-hot
+    # + beta at the label, without building the one-hot
+    return q.scatter_add(-1, labels[..., None], torch.full_like(q[..., :1], beta))
 
 
 def distill_loss(
@@ -986,10 +1408,19 @@ def distill_loss(
     block_size: int | None = None,
     generator=None,
 ) -> torch.Tensor:
-    """Cross-entropy of the student against the adjusted teacher (no gradients) on one packed batch: the blocks
-    (targets x_{a+i}) and the causal stream (targets x_{j+1}), response tokens only, the two terms weighted alike."""
+    """Cross-entropy of the student against the adjusted teacher (no gradients) on one packed
+    batch: the blocks (targets x_{a+i}) and the causal stream (targets x_{j+1}), response tokens
+    only.
+
+    It ignores gamma and lambda (our reading: the paper gives recovery no weights). Those two
+    shape what the drafter learns from the labels in training; recovery only asks the pruned
+    drafter to match the unpruned one, whose distribution already carries that training, so
+    every block position counts alike and the two terms are weighted alike."""
     cfg = student.d3d_config
-    num_anchors, block_size = num_anchors or cfg.num_anchors, block_size or cfg.block_size
+    if num_anchors is None:
+        num_anchors = cfg.num_anchors
+    if block_size is None:
+        block_size = cfg.block_size
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
     with torch.no_grad():
@@ -1000,9 +1431,8 @@ def distill_loss(
     def chunk(h, y, t_h):
         with torch.no_grad():
             q = adjusted_teacher(teacher.logits(t_h), y, beta)
-        log_p = torch.log_softmax(student.logits(h), -1).clamp(
-            min=-1e4
-        )  # MASK: q = 0, log_p = -inf; keep 0*-inf out
+        # MASK: q = 0 and log_p = -inf; the clamp keeps 0 * -inf out
+        log_p = torch.log_softmax(student.logits(h), -1).clamp(min=-1e4)
         return (-(q * log_p).sum(-1),)
 
     loss = torch.zeros((), device=input_ids.device)
@@ -1021,22 +1451,17 @@ def distill_loss(
 def validation_tau(
     drafter: Drafter, batches, *, num_anchors: int = 32, seed: int = 0
 ) -> tuple[float, float]:
-    """Mean offline tau and block cross-entropy over (input_ids, loss_mask) batches, on the same anchors every call
-    (fixed seed) so that candidates are compared on identical blocks."""
+    """Mean offline tau and block cross-entropy over (input_ids, loss_mask) batches. Both are
+    measured on the same blocks: one generator, seeded with `seed`, draws each batch's anchors,
+    and offline_tau and the block loss both take them; the same seed gives the same anchors on
+    every call, so candidates are compared on identical blocks."""
     generator = torch.Generator().manual_seed(seed)
-    taus, losses = [], []
+    taus = []
+    losses = []
     for input_ids, loss_mask in batches:
-        taus.append(
-            offline_tau(drafter, input_ids, loss_mask, num_anchors=num_anchors, generator=generator)
-        )
-        _, metrics = d3d_loss(
-            drafter,
-            input_ids,
-            loss_mask,
-            num_anchors=num_anchors,
-            ar_weight=0.0,
-            generator=torch.Generator().manual_seed(seed),
-        )
+        at = sample_anchors(loss_mask, num_anchors, generator)
+        taus.append(offline_tau(drafter, input_ids, loss_mask, at=at))
+        _, metrics = d3d_loss(drafter, input_ids, loss_mask, ar_weight=0.0, at=at)
         losses.append(metrics["loss_block"].item())
     return torch.cat(taus).mean().item(), sum(losses) / len(losses)
 
@@ -1044,13 +1469,16 @@ def validation_tau(
 @contextlib.contextmanager
 def _only_layers(drafter: Drafter, layer_ids: list[int]):
     """Keep only decoder layers `layer_ids` for the duration; yields the decoder."""
-    decoder, config = drafter.model.get_decoder(), drafter.model.config
-    layers, layer_types = decoder.layers, getattr(config, "layer_types", None)
+    decoder = drafter.model.get_decoder()
+    config = drafter.model.config
+    layers = decoder.layers
+    layer_types = getattr(config, "layer_types", None)
     keep_layers(drafter.model, layer_ids)
     try:
         yield decoder
     finally:  # every layer back, numbered 0..n-1 again
-        decoder.layers, config.layer_types = layers, layer_types
+        decoder.layers = layers
+        config.layer_types = layer_types
         keep_layers(drafter.model, list(range(len(layers))))
 
 
@@ -1058,9 +1486,11 @@ def _only_layers(drafter: Drafter, layer_ids: list[int]):
 def tau_without_each_layer(
     drafter: Drafter, batches, *, num_anchors: int = 32, seed: int = 0
 ) -> dict[int, float]:
-    """{i: offline tau of the drafter without decoder layer i}, each from validation_tau on the same anchors.
-    fast.tau_without_each_layer gives the same numbers from one recorded pass per batch, at a fraction of the cost."""
-    scores, num_layers = {}, len(drafter.model.get_decoder().layers)
+    """{i: offline tau of the drafter without decoder layer i}, each from validation_tau on the
+    same anchors. systems/fast.py's tau_without_each_layer gives the same numbers from one
+    recorded pass per batch, at a fraction of the cost."""
+    scores = {}
+    num_layers = len(drafter.model.get_decoder().layers)
     for i in tqdm(range(num_layers), desc="score layers", leave=False):
         with _only_layers(drafter, [j for j in range(num_layers) if j != i]):
             scores[i] = validation_tau(drafter, batches, num_anchors=num_anchors, seed=seed)[0]
@@ -1073,7 +1503,8 @@ def _original_ids(drafter: Drafter) -> list[int]:
 
 
 def remove_layer(drafter: Drafter, index: int) -> None:
-    """Remove decoder layer `index` for good (in place); d3d_config.layer_ids keeps the original indices."""
+    """Remove decoder layer `index` for good (in place); d3d_config.layer_ids keeps the original
+    indices."""
     original = _original_ids(drafter)
     keep_layers(drafter.model, [i for i in range(len(original)) if i != index])
     drafter.d3d_config.layer_ids = [layer for i, layer in enumerate(original) if i != index]
@@ -1082,15 +1513,14 @@ def remove_layer(drafter: Drafter, index: int) -> None:
 def least_costly_layer(
     drafter: Drafter, scores: dict[int, float], val_batches, *, num_anchors: int = 32, seed: int = 0
 ) -> int:
-    """The layer whose removal costs least tau (`scores`: tau without each layer); ties, common for weak drafters, go
-    to the smallest change in block loss (ours)."""
+    """The layer whose removal costs least tau (`scores`: tau without each layer); ties, common
+    for weak drafters, go to the smallest change in block loss (our reading: the paper is
+    silent)."""
     tied = [i for i in scores if scores[i] == max(scores.values())]
     if len(tied) == 1:
         return tied[0]
-    num_layers, measure = (
-        len(drafter.model.get_decoder().layers),
-        dict(num_anchors=num_anchors, seed=seed),
-    )
+    num_layers = len(drafter.model.get_decoder().layers)
+    measure = dict(num_anchors=num_anchors, seed=seed)
     _, base_loss = validation_tau(drafter, val_batches, **measure)
 
     def loss_change(index):
@@ -1112,9 +1542,9 @@ def recover(
     generator=None,
     checkpointing: bool = False,
 ) -> int:
-    """Recovery (Fig. 1b): `steps` AdamW steps distilling the pruned drafter toward the fixed unpruned one, its
-    distribution adjusted toward the label (distill_loss, beta). A step whose gradient norm is not finite is skipped;
-    returns how many were."""
+    """Recovery (Fig. 1b): `steps` AdamW steps distilling the pruned drafter toward the fixed
+    unpruned one, its distribution adjusted toward the label (distill_loss, beta). A step whose
+    gradient norm is not finite is skipped; returns how many were."""
     if steps <= 0:
         return 0
     drafter.train()
@@ -1138,7 +1568,8 @@ def recover(
         )
         loss.backward()
         skipped += not finite_step(optimizer, params, 1.0)
-        torch.clear_autocast_cache()  # under a caller's autocast, later passes must not read stale bf16 copies
+        # under a caller's autocast, later passes must not read stale bf16 copies
+        torch.clear_autocast_cache()
     if checkpointing:
         drafter.model.activation_checkpointing_disable()
     drafter.eval()
@@ -1147,7 +1578,8 @@ def recover(
 
 def _undo_removal(drafter: Drafter, snapshot: Drafter, device) -> None:
     """Back to the drafter as it was before the last removal (its host copy)."""
-    drafter.model, drafter.d3d_config = snapshot.model.to(device), snapshot.d3d_config
+    drafter.model = snapshot.model.to(device)
+    drafter.d3d_config = snapshot.d3d_config
 
 
 def prune_drafter(
@@ -1191,7 +1623,8 @@ def prune_drafter(
         raise ValueError(f"recovery_steps={recovery_steps}: give 0 (no recovery) or more")
 
     def rows():
-        teacher = copy.deepcopy(drafter).eval().requires_grad_(False)  # the fixed, unpruned drafter
+        # the fixed, unpruned drafter
+        teacher = copy.deepcopy(drafter).eval().requires_grad_(False)
         measure = dict(num_anchors=num_anchors, seed=seed)
         generator = torch.Generator().manual_seed(seed)
         tau0, _ = validation_tau(drafter, val_batches, **measure)
@@ -1207,13 +1640,20 @@ def prune_drafter(
         }
         iteration = 0
         while len(drafter.model.get_decoder().layers) > max(1, min_layers or 1):
-            iteration, start, original = iteration + 1, time.perf_counter(), _original_ids(drafter)
-            score_all = score or tau_without_each_layer
+            iteration += 1
+            start = time.perf_counter()
+            original = _original_ids(drafter)
+            score_all = score
+            if score_all is None:
+                score_all = tau_without_each_layer
             scores = score_all(drafter.eval(), val_batches, **measure)  # 1. score
             best = least_costly_layer(drafter, scores, val_batches, **measure)
             score_seconds = time.perf_counter() - start
-            snapshot = host_copy(drafter) if tau_floor is not None else None
+            snapshot = None
+            if tau_floor is not None:
+                snapshot = host_copy(drafter)
             remove_layer(drafter, best)  # 2. remove
+            # 3. recover
             skipped = recover(
                 drafter,
                 teacher,
@@ -1224,7 +1664,7 @@ def prune_drafter(
                 num_anchors=num_anchors,
                 generator=generator,
                 checkpointing=checkpointing,
-            )  # 3. recover
+            )
             # 4. re-measure (without recovery, the score is already the pruned drafter's tau)
             tau_after = scores[best]
             if recovery_steps > 0:
@@ -1251,7 +1691,7 @@ def prune_drafter(
     return rows()
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Selective prefilling (paper appendix, Fig. 5, Tables 6-7)
 
 
@@ -1265,40 +1705,42 @@ def select_chunks(
     query_window: int = 32,
     cache: KVCache | None = None,
 ) -> dict:
-    """The drafter reads the whole prompt into its cache (`cache`, else a new one) and picks the chunks the target
-    prefills: the first, the last, then the best by score (ours: attention from the last `query_window` prompt tokens,
-    mean over layers, heads and queries) up to ceil(keep_ratio * num_chunks). Returns kept_ids and kept_positions
+    """The drafter reads the whole prompt into its cache (`cache`, else a new one) and picks the
+    chunks the target prefills: the first, the last, then the best by score (our reading: the
+    paper is silent; the attention from the last `query_window` prompt tokens, mean over layers,
+    heads and queries) up to ceil(keep_ratio * num_chunks). Returns kept_ids and kept_positions
     (1, k), drafter_cache (full prompt), chunk_scores, kept_chunks, num_chunks, chunks_kept."""
     if not 0 < keep_ratio <= 1 or chunk_size < 1:
         raise ValueError(
             f"need keep_ratio in (0, 1] and chunk_size >= 1, got {keep_ratio}, {chunk_size}"
         )
-    device, length = input_ids.device, input_ids.shape[1]
+    device = input_ids.device
+    length = input_ids.shape[1]
     window = min(query_window, length)
-    cache = cache if cache is not None else KVCache(drafter, length)
+    if cache is None:
+        cache = KVCache(drafter, length)
     cache.rewind(0)
     if length > window:  # the bulk of the prompt with the fast attention path
         prefill(cache, input_ids[:, : length - window])
-    attentions = attention_pass(
-        cache, input_ids[:, length - window :]
-    )  # per layer: (heads, window, length)
-    attention = torch.stack(attentions).mean((0, 1, 2))[
-        :length
-    ]  # (L,): attention each prompt token receives
+    # per layer: (heads, window, length)
+    attentions = attention_pass(cache, input_ids[:, length - window :])
+    # (length,): the attention each prompt token receives
+    attention = torch.stack(attentions).mean((0, 1, 2))[:length]
     num_chunks = math.ceil(length / chunk_size)
     scores = torch.zeros(num_chunks, device=device).index_add_(
         0, torch.arange(length, device=device) // chunk_size, attention
     )
     num_keep = min(num_chunks, max(2, math.ceil(keep_ratio * num_chunks)))
     ranked = scores.clone()
-    ranked[0] = ranked[-1] = float("inf")  # the first and the last chunk are always kept
+    # the first and the last chunk are always kept
+    ranked[0] = float("inf")
+    ranked[-1] = float("inf")
     kept = sorted(torch.topk(ranked, num_keep).indices.tolist())
-    positions = torch.cat(
-        [
-            torch.arange(c * chunk_size, min((c + 1) * chunk_size, length), device=device)
-            for c in kept
-        ]
-    )
+    spans = []
+    for c in kept:
+        end = min((c + 1) * chunk_size, length)
+        spans.append(torch.arange(c * chunk_size, end, device=device))
+    positions = torch.cat(spans)
     return {
         "kept_ids": input_ids[:, positions],
         "kept_positions": positions[None],
@@ -1310,7 +1752,7 @@ def select_chunks(
     }
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # generate: the entry point (target-only, sync, async; selective prefill)
 
 
@@ -1337,14 +1779,21 @@ def generate(
     caches: Caches | None = None,
     lanes: int | None = None,
     trace: bool = False,
+    on_round=None,
 ):
-    """Decode input_ids (1, prompt_len) until EOS (kept) or max_new_tokens. Returns (output_ids (1, prompt + new),
-    stats: tau, accept_lengths, num_rounds, time per phase, ...; README.md lists every key). mode "target": the target
-    alone (drafter may be None); "sync": D3D drafts, verified; "async": the drafter drafts during verification for
-    `coverage` x `fanout` outcomes (default_budget(B)) picked by `cover`, in a second lane if lanes=2 (CUDA: a stream;
-    CPU: a thread), after it if lanes=1 (None: runtime.async_lanes picks). Greedy output is the target's, token for
-    token; sampling is lossless. keep_ratio (lossy): the target prefills only the chunks select_chunks keeps; caches:
-    fixed-size KV caches to reuse (default: per request); trace=True adds a Chrome trace. Batches: systems.batched"""
+    """Decode input_ids (1, prompt_len) until EOS (kept) or max_new_tokens. Returns (output_ids
+    (1, prompt + new), stats: tau, accept_lengths, num_rounds, time per phase, ...; README.md
+    lists every key).
+
+    mode "target": the target alone (drafter may be None); "sync": D3D drafts, the target
+    verifies; "async": the drafter drafts during verification for `coverage` x `fanout`
+    outcomes (default_budget(B)) picked by `cover`, in a second lane if lanes=2 (CUDA: a
+    stream; CPU: a thread), after it if lanes=1 (None: runtime.async_lanes picks). Greedy
+    output is the target's, token for token; sampling is lossless. keep_ratio (lossy): the
+    target prefills only the chunks select_chunks keeps. caches: fixed-size KV caches to reuse
+    (default: per request). trace=True adds a Chrome trace. on_round: called with a RoundInfo
+    after each round (its values ride on the round's one host read). Batches: systems.batched.
+    """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
     block_size = check_request(
@@ -1360,30 +1809,33 @@ def generate(
         cover,
         keep_ratio,
     )  # a clear error for each bad input (runtime.py)
-    coverage, fanout = (
-        d if v is None else v for v, d in zip((coverage, fanout), default_budget(block_size or 1))
-    )
-    use_drafter = drafter if mode != "target" or keep_ratio is not None else None
-    need = cache_len(
-        input_ids.shape[1], max_new_tokens, block_size or 1, coverage * (mode == "async"), fanout
-    )
-    caches = (
-        Caches.make(target, use_drafter, need)
-        if caches is None
-        else caches.check(target, use_drafter, need)
-    )
-    # async's lanes by the rule decode.py follows too (runtime.py); the target's size matters only to its default
-    num_params = (
-        sum(p.numel() for p in target.parameters()) if mode == "async" and lanes is None else 0
-    )
-    lanes = async_lanes(
-        input_ids.device.type, caches.compiled and mode == "async", lanes, num_params
-    )
-    out, clock = (
-        Output(input_ids[0].tolist(), max_new_tokens, eos_token_id),
-        Clock(input_ids.device),
-    )
-    selection = None  # selective prefill: what the target prefills; the drafter's cache holds the full prompt
+    # B, or 1 in target mode (no drafter): it sizes the branch budget and the caches
+    sizing_block = block_size or 1
+    default_coverage, default_fanout = default_budget(sizing_block)
+    if coverage is None:
+        coverage = default_coverage
+    if fanout is None:
+        fanout = default_fanout
+    use_drafter = None
+    if mode != "target" or keep_ratio is not None:
+        use_drafter = drafter
+    branch_coverage = coverage * (mode == "async")
+    need = cache_len(input_ids.shape[1], max_new_tokens, sizing_block, branch_coverage, fanout)
+    if caches is None:
+        caches = Caches.make(target, use_drafter, need)
+    else:
+        caches = caches.check(target, use_drafter, need)
+    # async's lanes by the rule decode.py follows too (runtime.py); the target's size matters
+    # only to its default
+    num_params = 0
+    if mode == "async" and lanes is None:
+        num_params = sum(p.numel() for p in target.parameters())
+    compiled = caches.compiled and mode == "async"
+    lanes = async_lanes(input_ids.device.type, compiled, lanes, num_params)
+    out = Output(input_ids[0].tolist(), max_new_tokens, eos_token_id)
+    clock = Clock(input_ids.device)
+    # selective prefill: what the target prefills; the drafter's cache holds the full prompt
+    selection = None
     if keep_ratio is not None:
         with clock.span("scoring"):
             selection = select_chunks(
@@ -1394,11 +1846,14 @@ def generate(
                 cache=caches.drafter,
             )
     _prefill(caches, input_ids, selection, out, clock, temperature, generator)
+    report = None
+    if on_round is not None:
+        report = _RoundReport(on_round, mode, out, caches, drafter)
     stats = {}
     if mode == "target":
-        _decode_target(out, caches, clock, temperature, generator)
+        _decode_target(out, caches, clock, temperature, generator, report)
     elif mode == "sync":
-        _decode_sync(drafter, out, caches, clock, block_size, temperature, generator)
+        _decode_sync(drafter, out, caches, clock, block_size, temperature, generator, report)
     else:
         stats = _decode_async(
             drafter,
@@ -1412,8 +1867,9 @@ def generate(
             fanout,
             cover,
             lanes,
+            report,
         )
-    stats.update(
-        out.stats(clock.totals(), mode, selection), **({"trace": clock.trace()} if trace else {})
-    )
+    stats.update(out.stats(clock.totals(), mode, selection))
+    if trace:
+        stats["trace"] = clock.trace()
     return torch.tensor([out.tokens], device=input_ids.device), stats

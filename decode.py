@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import io
 import json
 import math
 import os
@@ -198,18 +197,12 @@ def answer(models, ids, mode: str, opts: dict, caches, colour: bool) -> dict:
     answer printed. Returns the run's record of it (decoding.record)."""
     target, drafter, tok, eos, _ = models
     kwargs = decoding.request_kwargs(mode, opts, caches, eos, ids.device)
-    # the rounds' text, printed once the answer's first token is known
-    rounds = io.StringIO()
-    stream = explain.ColoredStream(decode=plain_text(tok), file=rounds, colour=colour)
+    # the answer streams as the rounds commit it
+    stream = explain.ColoredStream(decode=plain_text(tok), colour=colour)
     use = decoding.drafter_for(mode, opts, drafter)
     out, stats = d3d.generate(target, use, ids, on_round=stream, **kwargs)
-    kept = decoding.record(ids, out, stats)
-    # x_0, the prefill's token, is no round's: the target's own
-    first = plain_text(tok)(kept["new_tokens"][:1])
-    if colour:
-        first = explain.COLOURS["target"] + first + explain.RESET
-    print(first + rounds.getvalue())
-    return kept
+    print()
+    return decoding.record(ids, out, stats)
 
 
 def explain_prompt(models, prompt: str, mode: str, opts: dict, thinking: bool) -> dict:

@@ -218,8 +218,8 @@ class RoundPrinter:
 class ColoredStream:
     """An on_round that writes the answer to `file` (default stdout) as each round commits it:
     accepted draft tokens in colours["draft"] (green), the target's own token in colours["target"]
-    (yellow); colour=False: plain text. The prefill's first token is not a round: it is not shown.
-    .tokens: every token written so far."""
+    (yellow); colour=False: plain text. The prefill's token, x_n of round 0, is the target's own:
+    round 0 writes it first. .tokens: every token written so far."""
 
     def __init__(self, decode=None, *, file=None, colour: bool = True, colours=None):
         if colours is None:
@@ -232,6 +232,9 @@ class ColoredStream:
         self.shown = ""  # the text of self.tokens, as written
 
     def __call__(self, info: d3d.RoundInfo) -> None:
+        if info.index == 0:
+            # the target's prefill committed x_n before the first round
+            self._write([info.x_n], "target")
         drafts = info.committed[: info.num_accepted]
         own = info.committed[info.num_accepted :]  # c, unless EOS or the budget cut it off
         self._write(drafts, "draft")

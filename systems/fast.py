@@ -1,15 +1,19 @@
-"""The fast paths, applied from outside d3d.py, which gives the same results without them: its fixed-shape decoding
-passes through torch.compile (CUDA graphs on a GPU), and pruning's scorer from one recorded pass per batch.
+"""The fast paths, applied from outside d3d.py, which gives the same results without them: its
+fixed-shape decoding passes through torch.compile (CUDA graphs on a GPU), and pruning's scorer
+from one recorded pass per batch.
 
-    caches = runtime.Caches.make(target, drafter, max_len=1024)   # fixed-size KV caches, reused for every request
-    fast.compile_passes(caches)                                # the one line
+    # fixed-size KV caches, reused for every request
+    caches = runtime.Caches.make(target, drafter, max_len=1024)
+    fast.compile_passes(caches)  # the one line
     d3d.generate(target, drafter, ids, max_new_tokens=128, caches=caches)
 
-The passes have the five fixed shapes of d3d.py's table (its asynchronous-decoding section), over all max_len slots
-of a cache. Prefills (any length) and the drafter's selective-prefill scoring stay eager. Each shape compiles once
-(about 5-20 s a shape on a CPU for a tiny model, longer for a deep one); `warm_up` does it before anything is timed.
-`compile_passes(caches, regional=True)` compiles one decoder layer per (layer class, shape) instead, reused by every
-layer of both models, the rest of each pass eager: compile time no longer grows with depth.
+The passes have the five fixed shapes of d3d.py's table (its asynchronous-decoding section),
+over all max_len slots of a cache. Prefills (any length) and the drafter's selective-prefill
+scoring stay eager. Each shape compiles once (about 5-20 s a shape on a CPU for a tiny model,
+longer for a deep one); `warm_up` does it before anything is timed.
+`compile_passes(caches, regional=True)` compiles one decoder layer per (layer class, shape)
+instead, reused by every layer of both models, the rest of each pass eager: compile time no
+longer grows with depth.
 """
 
 from __future__ import annotations
@@ -28,22 +32,25 @@ import runtime
 def compile_passes(
     caches: runtime.Caches, mode: str | None = None, backend="inductor", regional: bool = False
 ) -> None:
-    """Each cache's fixed-shape pass through torch.compile(fullgraph=True, dynamic=False): one graph per shape, and a
-    graph break is an error, not a silent slow path. mode: "reduce-overhead" (CUDA graphs) on CUDA, inductor's
-    default elsewhere; backend "eager" traces the same graphs without generating code (the tests' quick check), a
-    callable backend sees each graph.
+    """Each cache's fixed-shape pass through torch.compile(fullgraph=True, dynamic=False): one
+    graph per shape, and a graph break is an error, not a silent slow path. mode:
+    "reduce-overhead" (CUDA graphs) on CUDA, inductor's default elsewhere; backend "eager"
+    traces the same graphs without generating code (the tests' quick check), a callable backend
+    sees each graph.
 
-    regional=True: one compiled decoder layer instead of one whole-model graph per shape. Each layer's call goes
-    through one compiled function that takes the layer and its own cache layer as arguments (_OneLayer), so dynamo
-    traces each (layer class, shape) once and every layer of both models reuses that code; embedding, mask, final
-    norm and head stay eager (compiled, they ran no faster on a CPU). Compile time no longer grows with depth, and
-    decoding runs about as fast as eager, slower than whole-model graphs (a guard check per layer call): RESULTS.md,
-    "Compile time", and `decode.py --compile regional`. mode is passed as given
-    (default: none, also on CUDA): per-layer CUDA graphs would be one recording per layer and shape, each layer's
-    output in a pool that the next replay overwrites. A GPU thus runs the layers' compiled kernels without CUDA
-    graphs, launch-bound for small models; the whole-model path stays the one for decoding speed there (untested on a
-    GPU)."""
-    # one code object (KVCache.forward, or _layer_forward) serves both caches and every shape: allow that many graphs
+    regional=True: one compiled decoder layer instead of one whole-model graph per shape. Each
+    layer's call goes through one compiled function that takes the layer and its own cache
+    layer as arguments (_OneLayer), so dynamo traces each (layer class, shape) once and every
+    layer of both models reuses that code; embedding, mask, final norm and head stay eager
+    (compiled, they ran no faster on a CPU). Compile time no longer grows with depth, and
+    decoding runs about as fast as eager, slower than whole-model graphs (a guard check per
+    layer call): RESULTS.md, "Compile time", and `decode.py --compile regional`. mode is passed
+    as given (default: none, also on CUDA): per-layer CUDA graphs would be one recording per
+    layer and shape, each layer's output in a pool that the next replay overwrites. A GPU thus
+    runs the layers' compiled kernels without CUDA graphs, launch-bound for small models; the
+    whole-model path stays the one for decoding speed there (untested on a GPU)."""
+    # one code object (KVCache.forward, or _layer_forward) serves both caches and every shape:
+    # allow that many graphs
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     if regional:
         layer_pass = torch.compile(
@@ -57,21 +64,28 @@ def compile_passes(
             cache.step = functools.partial(_regional_step, cache, layer_pass)
             continue
         cuda = next(cache.model.parameters()).device.type == "cuda"
+        cache_mode = mode
+        if cache_mode is None and cuda and backend == "inductor":
+            cache_mode = "reduce-overhead"
         compiled = torch.compile(
-            cache.forward,
-            fullgraph=True,
-            dynamic=False,
-            backend=backend,
-            mode=mode or ("reduce-overhead" if cuda and backend == "inductor" else None),
+            cache.forward, fullgraph=True, dynamic=False, backend=backend, mode=cache_mode
         )
-        # a CUDA graph's outputs live in its pool and the next replay overwrites them: hand out a copy
-        cache.step = (lambda *args, _f=compiled: _f(*args).clone()) if cuda else compiled
+        cache.step = compiled
+        if cuda:
+            # a CUDA graph's outputs live in its pool and the next replay overwrites them: hand
+            # out a copy
+            cache.step = functools.partial(_copied, compiled)
+
+
+def _copied(compiled, *args):
+    """A compiled pass's output, copied out of its CUDA graph's pool."""
+    return compiled(*args).clone()
 
 
 class _OneLayer:
-    """One decoder layer's own cache layer, behind the call attention makes: update(keys, values, layer_idx, ...).
-    The index is ignored: indexing the StaticCache's list by it inside the compiled layer would make it a guarded
-    constant, one graph per layer."""
+    """One decoder layer's own cache layer, behind the call attention makes: update(keys, values,
+    layer_idx, ...). The index is ignored: indexing the StaticCache's list by it inside the
+    compiled layer would make it a guarded constant, one graph per layer."""
 
     def __init__(self, cache, index: int):
         self.layer = cache.layers[index]
@@ -81,20 +95,26 @@ class _OneLayer:
 
 
 def _layer_forward(layer, *args, **kwargs):
-    """A decoder layer's own forward (its hooks already ran in the eager call around it): what regional compiles."""
+    """A decoder layer's own forward (its hooks already ran in the eager call around it): what
+    regional compiles."""
     return type(layer).forward(layer, *args, **kwargs)
 
 
 def _through(layer_pass, layer, index: int, *args, cache=None, **kwargs):
-    return layer_pass(
-        layer, *args, cache=None if cache is None else _OneLayer(cache, index), **kwargs
-    )
+    layer_cache = None
+    if cache is not None:
+        layer_cache = _OneLayer(cache, index)
+    return layer_pass(layer, *args, cache=layer_cache, **kwargs)
 
 
 def _regional_step(cache, layer_pass, ids, positions, mask):
-    """cache.forward with decoder layer i run by layer_pass on cache layer i (the index keep_layers keeps equal to
-    each attention's layer_idx); the layers are themselves again afterwards (prefills and scoring run eagerly)."""
-    layers = (cache.model.model if cache.drafter else cache.model).get_decoder().layers
+    """cache.forward with decoder layer i run by layer_pass on cache layer i (the index
+    keep_layers keeps equal to each attention's layer_idx); the layers are themselves again
+    afterwards (prefills and scoring run eagerly)."""
+    model = cache.model
+    if cache.drafter:
+        model = cache.model.model
+    layers = model.get_decoder().layers
     for index, layer in enumerate(layers):
         layer.forward = functools.partial(_through, layer_pass, layer, index)
     try:
@@ -107,13 +127,17 @@ def _regional_step(cache, layer_pass, ids, positions, mask):
 def warm_up(
     target, drafter, caches: runtime.Caches, prompt: torch.Tensor, modes, **settings
 ) -> float:
-    """Decode `prompt` briefly in every mode of `modes` (with generate's `settings`), so that each pass shape they use
-    is compiled before anything is timed. Returns the seconds it took (compile time, reported apart)."""
+    """Decode `prompt` briefly in every mode of `modes` (with generate's `settings`), so that
+    each pass shape they use is compiled before anything is timed. Returns the seconds it took
+    (compile time, reported apart)."""
     start = time.perf_counter()
-    block_size = settings.get("block_size") or (
-        drafter.d3d_config.block_size if drafter is not None else 1
-    )
-    for mode in modes:  # two rounds at least: a first draft, then a draft after a verification
+    block_size = settings.get("block_size")
+    if not block_size:
+        block_size = 1
+        if drafter is not None:
+            block_size = drafter.d3d_config.block_size
+    # two rounds at least: a first draft, then a draft after a verification
+    for mode in modes:
         d3d.generate(
             target,
             drafter,
@@ -126,13 +150,14 @@ def warm_up(
     return time.perf_counter() - start
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Pruning's scorer from one recorded pass
 
 
 @contextlib.contextmanager
 def _recording_layer_inputs(drafter: d3d.Drafter):
-    """Record the hidden states entering each decoder layer during the passes inside: a list, layer by layer."""
+    """Record the hidden states entering each decoder layer during the passes inside: a list,
+    layer by layer."""
     entering = []
 
     def record(_, args, kwargs):
@@ -151,18 +176,18 @@ def _recording_layer_inputs(drafter: d3d.Drafter):
 
 @contextlib.contextmanager
 def _resumed_at(drafter: d3d.Drafter, start: int, hidden: torch.Tensor):
-    """Run only layers start.. (and the final norm) on `hidden` instead of the embedded input, for the duration."""
-    with d3d._only_layers(
-        drafter, list(range(start, len(drafter.model.get_decoder().layers)))
-    ) as decoder:
-        first = decoder.layers[0] if len(decoder.layers) else decoder.norm
+    """Run only layers start.. (and the final norm) on `hidden` instead of the embedded input,
+    for the duration."""
+    num_layers = len(drafter.model.get_decoder().layers)
+    with d3d._only_layers(drafter, list(range(start, num_layers))) as decoder:
+        first = decoder.norm
+        if len(decoder.layers):
+            first = decoder.layers[0]
 
         def swap_input(_, args, kwargs):
-            return (
-                ((hidden, *args[1:]), kwargs)
-                if args
-                else (args, {**kwargs, "hidden_states": hidden})
-            )
+            if args:
+                return (hidden, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": hidden}
 
         handle = first.register_forward_pre_hook(swap_input, with_kwargs=True)
         try:
@@ -175,15 +200,15 @@ def _resumed_at(drafter: d3d.Drafter, start: int, hidden: torch.Tensor):
 def tau_without_each_layer(
     drafter: d3d.Drafter, batches, *, num_anchors: int = 32, seed: int = 0
 ) -> dict[int, float]:
-    """d3d.tau_without_each_layer's numbers, bit for bit (same anchors, same operations), at less cost: per batch one
-    full pass records what enters each layer; the drafter without layer i then resumes from what entered layer i and
-    runs layers i+1.. only. A greedy step over n layers costs n(n-1)/2 layer passes instead of 2n(n-1) (validation_tau
-    also makes a second pass for the block loss)."""
+    """d3d.tau_without_each_layer's numbers, bit for bit (same anchors, same operations), at
+    less cost: per batch one full pass records what enters each layer; the drafter without
+    layer i then resumes from what entered layer i and runs layers i+1.. only. A greedy step
+    over n layers costs n(n-1)/2 layer passes instead of 2n(n-1) (validation_tau also makes a
+    second pass for the block loss)."""
     num_layers = len(drafter.model.get_decoder().layers)
     block_size = drafter.d3d_config.block_size
-    generator = torch.Generator().manual_seed(
-        seed
-    )  # as validation_tau: one generator through the batches
+    # as validation_tau: one generator draws every batch's anchors
+    generator = torch.Generator().manual_seed(seed)
     taus = {i: [] for i in range(num_layers)}
     bar = tqdm(total=len(batches) * num_layers, desc=f"score {num_layers} layers", leave=False)
     for input_ids, loss_mask in batches:

@@ -23,6 +23,7 @@ def async_round(**fields) -> d3d.RoundInfo:
         mode="async",
         index=0,
         n=5,
+        x_n=0,
         draft=[1, 7, 8, 9],
         num_real=4,
         drafted_by="draft pass",
@@ -114,8 +115,9 @@ def test_round_printer_prints_a_header_once_then_every_round():
 def test_colored_stream_writes_exactly_the_committed_text():
     rounds = [
         async_round(committed=[1, 3]),
-        async_round(num_accepted=3, committed=[4, 5, 6, 7]),
-        async_round(num_accepted=2, committed=[8, 9]),  # cut by the budget: drafts only
+        async_round(index=1, num_accepted=3, committed=[4, 5, 6, 7]),
+        # cut by the budget: drafts only
+        async_round(index=2, num_accepted=2, committed=[8, 9]),
     ]
     plain = io.StringIO()
     coloured = io.StringIO()
@@ -126,13 +128,15 @@ def test_colored_stream_writes_exactly_the_committed_text():
     for info in rounds:
         for stream in streams:
             stream(info)
-    committed = [t for info in rounds for t in info.committed]
+    # round 0 writes the prefill's token x_n (here 0, "the") before its own tokens
+    committed = [0] + [t for info in rounds for t in info.committed]
     assert plain.getvalue() == decode(committed)
     assert re.sub(r"\033\[\d+m", "", coloured.getvalue()) == decode(committed)
     green = explain.GREEN
     yellow = explain.YELLOW
     reset = explain.RESET
     assert coloured.getvalue() == (
+        f"{yellow}the{reset}"
         f"{green} cat{reset}{yellow} on{reset}"
         f"{green} a mat.{reset}{yellow} It{reset}"
         f"{green} was warm{reset}"
@@ -144,5 +148,5 @@ def test_colored_stream_without_decode_writes_ids():
     file = io.StringIO()
     stream = explain.ColoredStream(file=file, colour=False)
     stream(async_round(committed=[1, 3]))
-    stream(async_round(num_accepted=0, committed=[5]))
-    assert file.getvalue() == "1 3 5"
+    stream(async_round(index=1, num_accepted=0, committed=[5]))
+    assert file.getvalue() == "0 1 3 5"
