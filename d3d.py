@@ -1782,8 +1782,8 @@ def generate(
     on_round=None,
 ):
     """Decode input_ids (1, prompt_len) until EOS (kept) or max_new_tokens. Returns (output_ids
-    (1, prompt + new), stats: tau, accept_lengths, num_rounds, time per phase, ...; README.md
-    lists every key).
+    (1, prompt + new), stats: tau, accept_lengths, num_rounds, time per phase, ...; the
+    docstring of runtime.Output.stats lists every key).
 
     mode "target": the target alone (drafter may be None); "sync": D3D drafts, the target
     verifies; "async": the drafter drafts during verification for `coverage` x `fanout`

@@ -10,9 +10,10 @@
 A check puts FILE as d3d.py into a temporary copy of the repository, so that the drivers
 and systems/ import it too, and runs pytest there in a subprocess with this file as its
 plugin (`-p lab`: the hooks at the end keep the exercise's tests and record each outcome).
-The grade is the suite's own test functions in test_d3d.py, selected by name, never a copy
-of them; a test that monkeypatches a function of d3d.py grades nothing (LEFT_OUT). First
-right (the method's behaviour), then fast (a speed rule the method keeps).
+The grade is the suite's own test functions (test_d3d.py, and the fast path's files in
+tests/), selected by name, never a copy of them; a test that monkeypatches a function of
+d3d.py grades nothing (LEFT_OUT). First right (the method's behaviour), then fast (a speed
+rule the method keeps).
 
 A handout has lab-handout.json at its top, naming its exercises: there FILE defaults to
 the handout's own d3d.py for those exercises (runs/lab/NAME/d3d.py for the others). This
@@ -41,7 +42,8 @@ from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 REFERENCE = "d3d.py"
-SUITE = "test_d3d.py"
+# The suite's files that hold graded tests: the spec, then the fast path outside the method
+SUITE = ("test_d3d.py", "tests/test_compiled.py", "tests/test_lanes.py", "tests/test_batched.py")
 RUNS = os.path.join("runs", "lab")
 HANDOUT_FILE = "lab-handout.json"
 HANDOUT_LEAVES_OUT = ("tests/lab_solutions/", "tests/test_lab.py")  # answers, and their tests
@@ -57,7 +59,7 @@ WIDTH = 100
 @dataclass(frozen=True)
 class Exercise:
     """A function of d3d.py (or two) to write, its place in the paper, the tests grading it.
-    Tests are names of test functions in test_d3d.py, or "name[param=value]": those cases."""
+    Tests are names of test functions in SUITE's files, or "name[param=value]": those cases."""
 
     name: str
     functions: tuple[str, ...]
@@ -71,13 +73,13 @@ class Exercise:
 ONE_READ = (
     "test_a_round_reads_the_device_once pins one host read per round, but it "
     "monkeypatches d3d.accept_draft: left out"
-)  # cache_hit's speed rule
+)  # select_segment's speed rule
 
 EXERCISES = (
     Exercise(
         "packed_attention_mask",
         ("packed_attention_mask",),
-        "Fig. 1a, packed attention",
+        "Fig. 1a, packed mask",
         {
             "packed_attention_mask": """
             Number the q packed tokens: the causal stream 0 .. N-1, then S segments of
@@ -107,13 +109,15 @@ EXERCISES = (
             the end clamped to the last token), and count a label only where it exists, is
             a response token (loss_mask) and its anchor is valid. Both (b, K, B).""",
             "d3d_loss": """
-            Settings default to the config's. sample_anchors; _packed_hidden gives the
-            causal stream (b, L, H) and a block per anchor (b, K, B, H); _block_labels.
-            L_block: the weighted mean of cross_entropy over the counted block rows,
-            position i weighted exp(-(i-1)/gamma), 1 without gamma. L_AR (only if
-            lambda > 0): causal row j against x_{j+1}, where x_{j+1} is a response token.
-            block_acc (B,): per position, the share of counted rows whose argmax is the
-            label. The metrics detached.""",
+            Settings default to the config's. The anchors: `at`, else sample_anchors;
+            _packed_hidden gives the causal stream (b, L, H) and a block per anchor
+            (b, K, B, H); _block_labels. L_block: the weighted mean of cross_entropy over
+            the counted block rows, position i weighted exp(-(i-1)/gamma), 1 without
+            gamma. L_AR (only if lambda > 0): causal row j against x_{j+1}, where x_{j+1}
+            is a response token. block_acc (B,): per position i, the share of counted
+            blocks whose d_i, read where decoding reads it, is the label: under d1_from
+            "causal" d_1 is _greedy_tokens at the anchor's causal row. The metrics
+            detached.""",
         },
         (
             "test_loss_starts_near_log_vocab_and_falls",
@@ -131,9 +135,10 @@ EXERCISES = (
         "Fig. 1a and ours, where d_1 is read",
         {
             "draft_rows": """
-            Broadcast anchor and mask_start together. Rows (..., B): mask_start + 0 .. B-1,
-            the block's B MASK rows; with d1_from "causal" the first is the anchor's own row
-            instead (the causal head, which L_AR trains, drafts d_1). Tensor ops only."""
+            Broadcast causal_row and mask_start together. Rows (..., B): mask_start + 0 ..
+            B-1, the block's B MASK rows; with d1_from "causal" the first is causal_row instead
+            (the one LM head applied at that causal row, which L_AR trains, drafts d_1).
+            Tensor ops only."""
         },
         (
             "test_packed_blocks_equal_separate_passes",
@@ -146,10 +151,10 @@ EXERCISES = (
     Exercise(
         "accept_draft",
         ("accept_draft",),
-        "Sec. 3, verification: greedy, then lossless",
+        "Sec. 3, greedy, then lossless sampling",
         {
             "accept_draft": """
-            Only the first `length` draft tokens count (default all). Greedy: accept the
+            Only the first `num_real` draft tokens count (default all). Greedy: accept the
             leading d_i equal to the target's argmax, then take the argmax after them.
             Sampling at temperature T: p = softmax(p_logits / T); accept d_i while
             u_i q(d_i) <= p(d_i), u_i uniform; at the first rejection draw from max(p - q, 0)
@@ -200,7 +205,7 @@ EXERCISES = (
     Exercise(
         "plan_branches",
         ("plan_branches",),
-        "Fig. 1c and Fig. 3, which outcomes get a branch",
+        "Fig. 1c and 3, the outcomes to prepare",
         {
             "plan_branches": """
             Clip C to B and F to V - 1. Positions (C,), 1-based, ascending: 1 .. C for
@@ -218,16 +223,16 @@ EXERCISES = (
         ("test_branch_pass_is_planned_and_built_without_reading_the_device",),
     ),
     Exercise(
-        "cache_hit",
-        ("cache_hit",),
-        "Fig. 1c, the cache hit",
+        "select_segment",
+        ("select_segment",),
+        "Fig. 1c, a hit or a miss",
         {
-            "cache_hit": """
+            "select_segment": """
             Segments: the C x F branches in candidates.flatten() order, then full
             acceptance. Branch (k, t) matches when k = num_accepted + 1 and t = next_token.
-            The last segment matches when num_accepted = length, B > 1 and its first row's
-            guess (pick_tokens on drafter.logits(block_hidden[-1, 0])) is next_token. Return
-            the first match's index as a 0-d device tensor, -1 if none: no .item()."""
+            The last segment matches when num_accepted = num_real, B > 1 and its guess of
+            the bonus token (`guess`; without one, bonus_guess draws it) is next_token.
+            Return the first match's index as a 0-d device tensor, -1 if none: no .item()."""
         },
         (
             "test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for",
@@ -271,7 +276,7 @@ EXERCISES = (
     Exercise(
         "select_chunks",
         ("select_chunks",),
-        "Appendix and Fig. 5, selective prefilling",
+        "Fig. 5 and appendix, selective prefill",
         {
             "select_chunks": """
             Check keep_ratio and chunk_size. The drafter's cache (rewound to 0) reads the
@@ -293,47 +298,123 @@ BY_NAME = {exercise.name: exercise for exercise in EXERCISES}
 
 # Each graded test's claim in words; a test missing here is told by its docstring's first line
 CLAIMS = {
-    "test_mask_matches_slow_reference": "mask and positions follow the docstring's rules, pair by pair",
-    "test_mask_is_per_row_for_batched_anchors": "each row of a batch of anchors gets its own mask and positions",
-    "test_packed_blocks_equal_separate_passes": "a block in the packed pass equals drafting it alone after its prefix",
-    "test_a_prepared_block_is_the_draft_its_outcome_would_get": "each segment of the async packed pass drafts what a fresh draft_block would",
-    "test_branch_pass_is_planned_and_built_without_reading_the_device": "planning and building the packed pass read no tensor back to the host",
-    "test_loss_starts_near_log_vocab_and_falls": "an untrained drafter's losses start near log V and fall as it trains",
-    "test_loss_ignores_prompt_tokens": "only response tokens carry loss; one label gives exactly its cross-entropy",
+    "test_mask_matches_slow_reference": (
+        "mask and positions follow the docstring's rules, pair by pair"
+    ),
+    "test_mask_is_per_row_for_batched_anchors": (
+        "each row of a batch of anchors gets its own mask and positions"
+    ),
+    "test_packed_blocks_equal_separate_passes": (
+        "a block in the packed pass equals drafting it alone after its prefix"
+    ),
+    "test_a_prepared_block_is_the_draft_its_outcome_would_get": (
+        "each segment of the async packed pass drafts what a fresh draft_block would"
+    ),
+    "test_branch_pass_is_planned_and_built_without_reading_the_device": (
+        "planning and building the packed pass read no tensor back to the host"
+    ),
+    "test_loss_starts_near_log_vocab_and_falls": (
+        "an untrained drafter's losses start near log V and fall as it trains"
+    ),
+    "test_loss_ignores_prompt_tokens": (
+        "only response tokens carry loss; one label gives exactly its cross-entropy"
+    ),
     "test_loss_weighs_the_ar_term_by_lambda": "the loss is L_block + lambda * L_AR",
-    "test_block_loss_weights_position_i_by_exp_minus_i_minus_1_over_gamma": "L_block weighs block position i by exp(-(i-1)/gamma), evenly without gamma",
-    "test_loss_gives_gradients_to_drafter_only": "finite gradients reach every drafter weight, MASK's row too, not the target",
-    "test_offline_tau_drafts_the_d1_from_where_decoding_does": "offline tau reads d_1 where decoding does: the causal head's d_1 is accepted",
-    "test_sync_equals_target_greedy": "greedy sync decoding is the target's; each round accepts what the drafter got right",
-    "test_sync_stops_at_eos_inside_an_accepted_block": "sync decoding stops at an EOS inside an accepted block",
-    "test_sync_with_real_drafters_equals_target": "sync decoding with real drafters gives the target's greedy tokens",
-    "test_async_equals_sync_and_target": "async decoding equals sync and the target; prepared outcomes are cache hits",
-    "test_eos_inside_an_accepted_block_is_committed_there": "an EOS inside an accepted block is committed there, in sync and async",
-    "test_accept_rule_is_lossless": "the sampling rule is lossless: tokens follow the target's law, whatever q is",
-    "test_sampling_matches_target_distribution": "sampled decoding through generate follows the target's exact law",
-    "test_sampling_is_reproducible_with_a_generator": "sampling with a seeded generator repeats itself exactly",
+    "test_block_loss_weights_position_i_by_exp_minus_i_minus_1_over_gamma": (
+        "L_block weighs block position i by exp(-(i-1)/gamma), evenly without gamma"
+    ),
+    "test_loss_gives_gradients_to_drafter_only": (
+        "finite gradients reach every drafter weight, MASK's row too, not the target"
+    ),
+    "test_offline_tau_drafts_the_d1_from_where_decoding_does": (
+        "offline tau reads d_1 where decoding does: d_1 from the causal row is accepted"
+    ),
+    "test_sync_equals_target_greedy": (
+        "greedy sync decoding is the target's; each round accepts what the drafter got right"
+    ),
+    "test_sync_stops_at_eos_inside_an_accepted_block": (
+        "sync decoding stops at an EOS inside an accepted block"
+    ),
+    "test_sync_with_real_drafters_equals_target": (
+        "sync decoding with real drafters gives the target's greedy tokens"
+    ),
+    "test_async_equals_sync_and_target": (
+        "async decoding equals sync and the target; each prepared outcome is a hit"
+    ),
+    "test_eos_inside_an_accepted_block_is_committed_there": (
+        "an EOS inside an accepted block is committed there, in sync and async"
+    ),
+    "test_accept_rule_is_lossless": (
+        "the sampling rule is lossless: tokens follow the target's law, whatever q is"
+    ),
+    "test_sampling_matches_target_distribution": (
+        "sampled decoding through generate follows the target's exact law"
+    ),
+    "test_sampling_is_reproducible_with_a_generator": (
+        "sampling with a seeded generator repeats itself exactly"
+    ),
     "test_zero_new_tokens": "max_new_tokens=0 gives back the prompt in every mode",
-    "test_drafter_cache_holds_exactly_the_committed_tokens": "after every round the drafter's cache holds exactly the committed tokens",
-    "test_keep_ratio_one_equals_ordinary_decoding": "keep_ratio=1 keeps every chunk and decodes like the target in every mode",
-    "test_every_pass_traces_as_one_graph_and_compiles_once": "every pass keeps one shape: one graph each, no recompile on new prompts",
-    "test_plan_branches_chooses_positions_and_candidates": "positions: the first C or the C likeliest rejections; candidates never d_k",
-    "test_async_with_real_drafters_equals_target": "async decoding with real drafters gives the target's tokens, both covers",
+    "test_drafter_cache_holds_exactly_the_committed_tokens": (
+        "after every round the drafter's cache holds exactly the committed tokens"
+    ),
+    "test_keep_ratio_one_equals_ordinary_decoding": (
+        "keep_ratio=1 keeps every chunk and decodes like the target in every mode"
+    ),
+    "test_every_pass_traces_as_one_graph_and_compiles_once": (
+        "every pass keeps one shape: one graph each, no recompile on new prompts"
+    ),
+    "test_plan_branches_chooses_positions_and_candidates": (
+        "positions: the first C or the C likeliest rejections; candidates never d_k"
+    ),
+    "test_async_with_real_drafters_equals_target": (
+        "async decoding with real drafters gives the target's tokens, both covers"
+    ),
     "test_async_stops_at_eos_inside_a_block": "async decoding stops at an EOS inside a block",
-    "test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for": "a segment is a hit only for the position and token it was planned for",
-    "test_two_lanes_on_a_cpu_decode_the_same_tokens": "two CPU lanes decode the same tokens, with the same hits, as one",
-    "test_pruning_removes_one_layer_per_iteration_and_the_noop_layer_first": "one layer goes per iteration, a layer that does nothing first",
-    "test_pruning_removes_the_layer_whose_removal_costs_least": "each iteration removes the layer whose removal costs least tau",
-    "test_recovery_with_activation_checkpointing_takes_the_same_steps": "recovery with activation checkpointing takes the same steps",
-    "test_pruning_stops_where_the_rules_say": "pruning stops at min_layers, undoes a removal below tau_floor, needs a rule",
-    "test_pruned_drafter_saves_loads_and_decodes_losslessly": "a pruned drafter saves, loads and decodes losslessly",
-    "test_likely_cover_ranks_positions_by_the_chance_the_first_rejection_is_there": "likely positions rank by prod_{j<k} c_j (1 - c_k): k the first rejection",
-    "test_accept_draft_without_a_generator_draws_on_the_logits_device": "without a generator every draw is made on the logits' device, none on the host",
-    "test_sampling_after_full_acceptance_hits_draws_the_bonus_from_the_target": "a padded draft accepted whole takes its bonus token from the target's p",
-    "test_pruning_checks_its_arguments_at_the_call": "bad arguments are refused at the call, before any row is asked for",
-    "test_kept_chunks_are_in_order_with_original_positions": "kept: the first, the last and the best chunks, in order, at their positions",
-    "test_the_chunk_the_drafter_attends_to_survives": "the chunk the drafter attends to is kept, wherever it is",
-    "test_selective_prefill_decodes_like_the_target_on_the_kept_chunks": "selective prefill decodes what the target reads from the kept chunks",
-    "test_long_prompts_are_prefilled_in_chunks": "the prompt is read in prefill chunks, only the last window with attention",
+    "test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for": (
+        "a segment is a hit only for the position and token it was planned for"
+    ),
+    "test_two_lanes_on_a_cpu_decode_the_same_tokens": (
+        "two CPU lanes decode the same tokens, with the same hits, as one"
+    ),
+    "test_pruning_removes_one_layer_per_iteration_and_the_noop_layer_first": (
+        "one layer goes per iteration, a layer that does nothing first"
+    ),
+    "test_pruning_removes_the_layer_whose_removal_costs_least": (
+        "each iteration removes the layer whose removal costs least tau"
+    ),
+    "test_recovery_with_activation_checkpointing_takes_the_same_steps": (
+        "recovery with activation checkpointing takes the same steps"
+    ),
+    "test_pruning_stops_where_the_rules_say": (
+        "pruning stops at min_layers, undoes a removal below tau_floor, needs a rule"
+    ),
+    "test_pruned_drafter_saves_loads_and_decodes_losslessly": (
+        "a pruned drafter saves, loads and decodes losslessly"
+    ),
+    "test_likely_cover_ranks_positions_by_the_chance_the_first_rejection_is_there": (
+        "likely positions rank by prod_{j<k} c_j (1 - c_k): k the first rejection"
+    ),
+    "test_accept_draft_without_a_generator_draws_on_the_logits_device": (
+        "without a generator every draw is made on the logits' device, none on the host"
+    ),
+    "test_sampling_after_full_acceptance_hits_draws_the_bonus_from_the_target": (
+        "a padded draft accepted whole takes its bonus token from the target's p"
+    ),
+    "test_pruning_checks_its_arguments_at_the_call": (
+        "bad arguments are refused at the call, before any row is asked for"
+    ),
+    "test_kept_chunks_are_in_order_with_original_positions": (
+        "kept: the first, the last and the best chunks, in order, at their positions"
+    ),
+    "test_the_chunk_the_drafter_attends_to_survives": (
+        "the chunk the drafter attends to is kept, wherever it is"
+    ),
+    "test_selective_prefill_decodes_like_the_target_on_the_kept_chunks": (
+        "selective prefill decodes what the target reads from the kept chunks"
+    ),
+    "test_long_prompts_are_prefilled_in_chunks": (
+        "the prompt is read in prefill chunks, only the last window with attention"
+    ),
 }
 
 # Over 10 s each on two cores: --quick skips them
@@ -348,11 +429,11 @@ SLOW = (
 LEFT_OUT = {
     "test_a_round_reads_the_device_once": (
         "wraps d3d.accept_draft or d3d.pick_tokens to mark the rounds",
-        ("accept_draft", "decode_sync", "cache_hit"),
+        ("accept_draft", "decode_sync", "select_segment"),
     ),
     "test_every_verification_and_packed_pass_keeps_one_shape_through_full_acceptance_hits": (
         "wraps d3d.verify_block and d3d.build_branch_pass",
-        ("plan_branches", "cache_hit"),
+        ("plan_branches", "select_segment"),
     ),
     "test_recovery_distils_toward_the_label_adjusted_teacher": (
         "wraps d3d.distill_loss",
@@ -387,17 +468,29 @@ def graded(exercise: Exercise, quick: bool = False, only=()) -> list[tuple[str, 
 
 
 def suite_functions(root: str = ROOT) -> dict:
-    """{name: ast.FunctionDef} of the suite's test functions."""
-    path = os.path.join(root, SUITE)
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    return {
-        node.name: node
-        for node in tree.body
-        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
-    }
+    """{name: ast.FunctionDef} of the suite's test functions, in every file of SUITE."""
+    return {name: node for name, (_, node) in suite_index(root).items()}
+
+
+def suite_index(root: str = ROOT) -> dict:
+    """{name: (file, ast.FunctionDef)} of the suite's test functions; a missing file has none."""
+    found = {}
+    for file in SUITE:
+        path = os.path.join(root, file)
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                found[node.name] = (file, node)
+    return found
+
+
+def where(test: str, root: str = ROOT) -> str:
+    """A graded test as pytest names it: FILE::name[param=value]."""
+    file = suite_index(root).get(parse_test(test)[0], (SUITE[0], None))[0]
+    return f"{file}::{test}"
 
 
 def claim(name: str, root: str = ROOT) -> str:
@@ -648,6 +741,8 @@ def run_suite(root: str, file: str, tests: list[str], timeout: float) -> dict:
         with open(spec, "w", encoding="utf-8") as f:
             json.dump({"tests": tests, "results": results}, f)
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", **{GRADE_ENV: spec})
+        index = suite_index(root)
+        files = sorted({index[parse_test(t)[0]][0] for t in tests if parse_test(t)[0] in index})
         command = [
             sys.executable,
             "-m",
@@ -658,7 +753,7 @@ def run_suite(root: str, file: str, tests: list[str], timeout: float) -> dict:
             "-p",
             "no:cacheprovider",
             "--tb=native",
-            SUITE,
+            *(files or [SUITE[0]]),
         ]
         with open(os.path.join(copy, ".lab-log"), "w+", encoding="utf-8") as log:
             process = subprocess.Popen(
@@ -687,7 +782,8 @@ def run_suite(root: str, file: str, tests: list[str], timeout: float) -> dict:
     if not any(r["kind"] in ("selected", "collect_error") for r in records):
         tail = " / ".join(line.strip() for line in output[-2:])
         raise LabError(
-            f"pytest selected none of the tests ({tail})", f"python -m pytest -q {SUITE} shows why"
+            f"pytest selected none of the tests ({tail})",
+            f"python -m pytest -q {' '.join(SUITE)} shows why",
         )
     return gather(records, tests, timeout if timed_out else None, time.monotonic() - start)
 
@@ -737,7 +833,7 @@ def grade(exercise: Exercise, results: dict, quick: bool = False, only=()) -> di
         cases = results.get(test, [])
         failed = [c for c in cases if c["outcome"] != "passed"]
         entry = {
-            "test": f"{SUITE}::{test}",
+            "test": where(test),
             "claim": claim(parse_test(test)[0]),
             "cases": len(cases),
             "failed": len(failed),
@@ -749,7 +845,7 @@ def grade(exercise: Exercise, results: dict, quick: bool = False, only=()) -> di
             why = "the suite has no such test" if test in results["_missing"] else "not run"
             if results["_collect"]:
                 why = "not run: the suite could not import d3d.py (below)"
-            entry["first_failure"] = {"case": f"{SUITE}::{test}", "message": why}
+            entry["first_failure"] = {"case": where(test), "message": why}
         sections[section].append(entry)
     everything = {t for _, t in graded(exercise)}
     taken = {t for _, t in graded(exercise, quick, only)}
@@ -760,7 +856,7 @@ def grade(exercise: Exercise, results: dict, quick: bool = False, only=()) -> di
         "paper": exercise.paper,
         "passed": passed,
         "full": taken == everything,
-        "not_run": [f"{SUITE}::{t}" for t in sorted(everything - taken)],
+        "not_run": [where(t) for t in sorted(everything - taken)],
         "right": sections["right"],
         "fast": sections["fast"],
         "no_fast": exercise.no_fast,
@@ -795,6 +891,14 @@ def say(text: str, indent: str) -> None:
     )
 
 
+def print_verdict(text: str) -> None:
+    """A PASS or FAIL line, wrapped to WIDTH under its claim."""
+    lines = textwrap.wrap(
+        text, WIDTH, initial_indent="  ", subsequent_indent="        ", break_long_words=False
+    )
+    print("\n".join(lines))
+
+
 def print_grade(result: dict, exercise: Exercise) -> None:
     """The grade as a student reads it: each claim, PASS or FAIL, and what went wrong."""
     for section in ("right", "fast"):
@@ -805,10 +909,10 @@ def print_grade(result: dict, exercise: Exercise) -> None:
         for entry in result[section]:
             if entry["passed"]:
                 cases = f" ({entry['cases']} cases)" if entry["cases"] > 1 else ""
-                print(f"  PASS  {entry['claim']}{cases}")
+                print_verdict(f"PASS  {entry['claim']}{cases}")
                 continue
             cases = f" ({entry['failed']} of {entry['cases']} cases)" if entry["cases"] > 1 else ""
-            print(f"  FAIL  {entry['claim']}{cases}")
+            print_verdict(f"FAIL  {entry['claim']}{cases}")
             failure = entry["first_failure"]
             print(f"        {failure['case']}")
             for line in explain(failure["message"], exercise).splitlines():
@@ -866,12 +970,12 @@ def cmd_list(args) -> int:
         for section in ("right", "fast"):
             for i, test in enumerate(getattr(exercise, section)):
                 slow = " (slow)" if parse_test(test)[0] in SLOW else ""
-                print(f"  {section if i == 0 else '':5}  {SUITE}::{test}{slow}")
+                print(f"  {section if i == 0 else '':5}  {where(test)}{slow}")
         if not exercise.fast:
             say(f"fast   none graded: {exercise.no_fast}", "  ")
         for name, (why, exercises) in LEFT_OUT.items():
             if exercise.name in exercises:
-                say(f"left out: {SUITE}::{name} ({why})", "  ")
+                say(f"left out: {where(name)} ({why})", "  ")
     patched = sorted(name for name, node in suite_functions().items() if patches_d3d(node))
     print()
     say(f"left out of every grade, as they monkeypatch d3d: {', '.join(patched)}", "")
@@ -950,7 +1054,7 @@ def cmd_check(args) -> int:
     )
     source = read_checked(path, exercise.functions, fix)
     tests = [t for _, t in graded(exercise, args.quick, args.test)]
-    print(f"grading {shown(path)} as d3d: {exercise.name} ({exercise.paper})")
+    say(f"grading {shown(path)} as d3d: {exercise.name} ({exercise.paper})", "")
     for function in exercise.functions:
         if is_blank(source, function):
             print(f"note: {function} is still the blank stub")
@@ -974,7 +1078,7 @@ def check_all(args) -> int:
         path, [f for e in exercises for f in e.functions], "give the path of a d3d.py to grade"
     )
     tests = sorted({t for e in exercises for _, t in graded(e, args.quick)})
-    print(f"grading {shown(path)} as d3d: {', '.join(e.name for e in exercises)}")
+    say(f"grading {shown(path)} as d3d: {', '.join(e.name for e in exercises)}", "")
     results = run_suite(ROOT, path, tests, args.timeout)
     grades = []
     for exercise in exercises:

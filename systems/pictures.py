@@ -20,6 +20,9 @@ reads the same.
 The two mask pictures need no model (prints the paths it wrote):
     python -m systems.pictures masks --block-size 4 --num-anchors 3 --coverage 2 --fanout 1 \
         --out DIR
+The README's two, by name:
+    python -m systems.pictures masks --training-png pictures/training-mask.png \
+        --branch-png pictures/branch-pass-mask.png
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ try:
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
     from matplotlib.ticker import MaxNLocator
+    from PIL import Image  # matplotlib's own dependency
 except ImportError:
     matplotlib = None
 
@@ -256,6 +260,12 @@ def _position(p: int, past_len: int, relative: bool) -> str:
     return "n" if offset == 0 else f"n{offset:+d}"
 
 
+def _column_positions(picture: MaskPicture) -> list[int]:
+    """The position id of every column: the cached tokens 0 .. past_len-1, then the packed
+    tokens' own positions."""
+    return list(range(len(picture.past_tokens))) + list(picture.positions)
+
+
 def _new_figure(width: float, height: float):
     """A figure drawn by the Agg backend (no window, no global pyplot state), its size a whole
     number of pixels."""
@@ -265,10 +275,18 @@ def _new_figure(width: float, height: float):
 
 
 def _save(figure, path: str) -> str:
-    """Write the figure as a PNG at path (its folder made) and return the path."""
+    """Write the figure as a greyscale PNG at path (its folder made) and return the path.
+
+    Every picture is drawn in greys, so one grey channel loses nothing: the file is a third of
+    an RGBA one, and what is saved is what a black-and-white print shows."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    figure.savefig(path, format="png", facecolor="white")
+    figure.set_facecolor("white")
+    figure.canvas.draw()
+    rgba = Image.frombuffer(
+        "RGBA", figure.canvas.get_width_height(), figure.canvas.buffer_rgba(), "raw", "RGBA", 0, 1
+    )
+    rgba.convert("L").save(path, format="png", optimize=True)
     return path
 
 
@@ -306,7 +324,7 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
         tags_at[past + anchor].append(tag)
     tag_length = max(len(", ".join(tags)) for tags in tags_at.values())
     notes = [
-        "rows: token (position id); columns: the same tokens"
+        "rows and columns: token (position id); the columns are the same tokens"
         + (
             ", after the cached ones (left of the dashed line; the cache is seen by all)"
             if past
@@ -329,7 +347,13 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
         notes.append(
             "a causal row x_j predicts x_{j+1} (L_AR); a MASK at position p predicts x_p (L_block)"
         )
-    left, top = 1.3, 0.9 + 0.17 * len(notes)  # inches around the cells
+    column_names = [
+        f"{_math(t)} ({_position(p, past, relative)})"
+        for t, p in zip(picture.past_tokens + picture.tokens, _column_positions(picture))
+    ]
+    label_height = max(len(n) for n in picture.past_tokens + picture.tokens) + 5
+    left = 1.3  # inches around the cells
+    top = 0.55 + 0.17 * len(notes) + label_height * font * 0.6 / 72
     bottom = 0.45 + tag_length * font * 0.6 / 72
     right = 0.75 + longest * FONT * 0.55 / 72
     width = max(left + cols * cell + right, 0.3 + max(len(n) for n in notes) * FONT * 0.52 / 72)
@@ -350,7 +374,6 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
         for t, p in zip(picture.tokens, picture.positions)
     ]
     ax.set_yticks(range(rows), labels, fontsize=font)
-    column_names = [_math(t) for t in picture.past_tokens + picture.tokens]
     ax.set_xticks(range(cols), column_names, fontsize=font, rotation=90)
     ax.xaxis.tick_top()
     ax.tick_params(length=0, pad=2)
@@ -547,9 +570,11 @@ def block_accuracy_figure(block_acc, *, title: str | None = None):
         _label_bars(ax, bars, [f"{v:.0f}" for v in values])
     ax.set_xticks(positions)
     ax.set_ylim(0, 100)
-    ax.set_xlabel("position i in the block (the MASK that drafts $x_{a+i}$)")
-    ax.set_ylabel("accuracy (%)")
-    ax.set_title(title or f"Block accuracy by position (B = {len(positions)})", fontsize=10, pad=10)
+    ax.set_xlabel("position i in the block ($d_i$, the guess at $x_{a+i}$)")
+    ax.set_ylabel("share of blocks (%)")  # right at i, or right at 1 .. i: the title says which
+    if title is None:
+        title = f"Block accuracy by position (B = {len(positions)})"
+    ax.set_title(_math_names(title), fontsize=10, pad=10)
     ax.grid(axis="y", color="0.85", linewidth=0.6)
     ax.set_axisbelow(True)
     if len(series) > 1:
@@ -620,7 +645,7 @@ def acceptance_figure(stats: dict, block_size: int | None = None, *, title: str 
         color="black",
         linestyle=(0, (4, 2)),
         linewidth=1.0,
-        label=f"mean τ = {data['mean_tau']:.2f}",
+        label=f"mean τ = {data['mean_tau']:.2f}\nover all {sum(data['counts'])} rounds",
     )
     ax.set_xticks(data["tau"])
     ax.set_xlabel("τ: tokens committed in a round (accepted + 1)")
@@ -823,6 +848,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     masks.add_argument(
         "--out", default="runs/pictures", help="folder for the PNGs (default: runs/pictures)"
     )
+    masks.add_argument(
+        "--training-png",
+        metavar="PATH.png",
+        help="where the training mask goes (default: OUT/training_mask_B<B>_K<K>.png)",
+    )
+    masks.add_argument(
+        "--branch-png",
+        metavar="PATH.png",
+        help="where the packed pass's mask goes (default: OUT/branch_pass_B<B>_C<C>_F<F>.png)",
+    )
     return ap.parse_args(argv)
 
 
@@ -852,19 +887,24 @@ def check_mask_args(args: argparse.Namespace) -> None:
 
 
 def main(argv=None) -> list[str]:
-    """`python -m systems.pictures masks ...`: write both mask pictures into --out, printing
-    each path as it is written. Returns the paths."""
+    """`python -m systems.pictures masks ...`: write both mask pictures (into --out, or where
+    --training-png and --branch-png say), printing each path as it is written. Returns the
+    paths."""
     args = parse_args(argv)
     check_mask_args(args)
     _need_matplotlib()
-    name = f"training_mask_B{args.block_size}_K{args.num_anchors}.png"
-    training = draw_training_mask(
-        os.path.join(args.out, name), args.block_size, args.num_anchors, args.length
-    )
+    training = args.training_png
+    if training is None:
+        name = f"training_mask_B{args.block_size}_K{args.num_anchors}.png"
+        training = os.path.join(args.out, name)
+    draw_training_mask(training, args.block_size, args.num_anchors, args.length)
     print(training)
-    name = f"branch_pass_B{args.block_size}_C{args.coverage}_F{args.fanout}.png"
-    branch = draw_branch_pass(
-        os.path.join(args.out, name),
+    branch = args.branch_png
+    if branch is None:
+        name = f"branch_pass_B{args.block_size}_C{args.coverage}_F{args.fanout}.png"
+        branch = os.path.join(args.out, name)
+    draw_branch_pass(
+        branch,
         args.block_size,
         args.coverage,
         args.fanout,

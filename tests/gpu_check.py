@@ -1,38 +1,48 @@
-"""The GPU check: the one script to run first on a GPU machine. About 5 minutes on one H100/H200, nothing downloaded.
+"""The GPU check: the one script to run first on a GPU machine. About 5 minutes on one H100/H200,
+nothing downloaded.
 
-    python tests/gpu_check.py OUT_DIR           # CUDA: the paper's shapes (Qwen3-8B target, two drafters)
+    python tests/gpu_check.py OUT_DIR           # CUDA: the paper's shapes (Qwen3-8B, two drafters)
     python tests/gpu_check.py --tiny OUT_DIR    # anywhere: toy sizes on the CPU in about a minute
 
-Each step runs in its own process under its own time limit and writes OUT_DIR/<n>-<name>.txt as it finishes
-(first line: PASSED, FAILED or SKIPPED); the script prints every step's file and OUT_DIR/summary.txt, and exits
-non-zero if any check failed or a step crashed or ran out of time. What to paste back: everything it prints.
+Each step runs in its own process under its own time limit and writes OUT_DIR/<n>-<name>.txt as it
+finishes (first line: PASSED, FAILED or SKIPPED); the script prints every step's file and
+OUT_DIR/summary.txt, and exits non-zero if any check failed or a step crashed or ran out of time.
+What to paste back: everything it prints.
 
-[0] environment: versions, the GPU, a one-op torch.compile on the device, a one-op CUDA graph replayed.
-[1] per-pass truth at full depth, no inductor: random bf16 weights built on the device, the Qwen3-8B target (36 layers)
-    with two drafters, Qwen3-1.7B's shape (28 layers) and a 31-layer one of the 8B's width; every pass shape of a
-    decode (B = 16) captured as a CUDA graph in a pool of its own, replayed 20 times, timed by events: ms, TB/s and
-    TFLOP/s achieved; verification and the packed pass replayed side by side on two streams (the floor of an async
-    hit round); the sync and async round in target steps, and the speedup each gives at tau = 4, 6, 8, 10.
-[2] the shared-pool question alone: a verification graph and a packed-pass graph captured into one pool (the second
-    after the first's outputs are freed, as torch.compile's CUDA-graph trees do) or into two, replayed together on
-    two streams or one after the other: max |delta| and argmax mismatches against two pools one after the other.
-[3] the project's compiled path (fast.compile_passes): two full-width layers, B = 4, a scripted drafter that is right
-    except at every 7th position (so rejection hits and full-acceptance hits happen; none of the latter fails):
-    compile seconds per mode; after the warm-up a recompile is an error and no CUDA graph may be skipped; compiled
-    decoding equals eager target-only or differs only at near-ties (forensics.classify_divergence); two compiled lanes
-    against one (runtime.async_lanes refuses them; lifted here for this comparison only); regional compilation
-    (fast.compile_passes(regional=True)) beside it: compile seconds, ms per token, equal to eager; the attention
-    kernel each pass shape uses; a trace of a few async rounds in two lanes (OUT_DIR/trace-async.json, the project's
-    spans a track per stream; OUT_DIR/profile-async.json, torch.profiler's, with the kernels where it records them).
-[4] if time is left: the CUDA tests of test_d3d.py under TORCH_CUDA_SANITIZER=1 (a tensor read on one stream while
-    another writes it is an error).
---tiny: the same steps at toy sizes; what needs CUDA (graphs, pools, streams, events, all of [2], [4]) is skipped,
-each skip with its reason; [1] times every pass shape on the host clock; [3] traces with backend="eager".
+[0] environment: versions, the GPU, a one-op torch.compile on the device, a one-op CUDA graph
+    replayed.
+[1] per-pass truth at full depth, no inductor: random bf16 weights built on the device, the
+    Qwen3-8B target (36 layers) with two drafters, Qwen3-1.7B's shape (28 layers) and a 31-layer
+    one of the 8B's width; every pass shape of a decode (B = 16) captured as a CUDA graph in a pool
+    of its own, replayed 20 times, timed by events: ms, TB/s and TFLOP/s achieved; verification
+    and the packed pass replayed side by side on two streams (the floor of an async hit round);
+    the sync and async round in target steps, and the speedup each gives at tau = 4, 6, 8, 10.
+[2] the shared-pool question alone: a verification graph and a packed-pass graph captured into
+    one pool (the second after the first's outputs are freed, as torch.compile's CUDA-graph trees
+    do) or into two, replayed together on two streams or one after the other: max |delta| and
+    argmax mismatches against two pools one after the other.
+[3] the project's compiled path (fast.compile_passes): two full-width layers, B = 4, a scripted
+    drafter that is right except at every 7th position (so rejection hits and full-acceptance
+    hits happen; none of the latter fails): compile seconds per mode; after the warm-up a
+    recompile is an error and no CUDA graph may be skipped; compiled decoding equals eager
+    target-only or differs only at near-ties (forensics.classify_divergence); two compiled lanes
+    against one (runtime.async_lanes refuses them; lifted here for this comparison only);
+    regional compilation (fast.compile_passes(regional=True)) beside it: compile seconds, ms per
+    token, equal to eager; the attention kernel each pass shape uses; a trace of a few async
+    rounds in two lanes (OUT_DIR/trace-async.json, the project's spans a track per stream;
+    OUT_DIR/profile-async.json, torch.profiler's, with the kernels where it records them).
+[4] if time is left: the CUDA tests (SANITIZER_TESTS: tests/test_cuda.py, where every test that
+    needs CUDA lives) under TORCH_CUDA_SANITIZER=1 (a tensor read on one stream while another
+    writes it is an error).
+--tiny: the same steps at toy sizes; what needs CUDA (graphs, pools, streams, events, all of [2],
+[4]) is skipped, each skip with its reason; [1] times every pass shape on the host clock; [3]
+traces with backend="eager".
 """
 
 from __future__ import annotations
 
-# torch and the project are imported inside the steps: the parent process only starts them, each in a process of its
+# torch and the project are imported inside the steps: the parent process only starts them, each in
+# a process of its
 # own (a step that hangs or crashes the CUDA context takes nothing else with it)
 import argparse
 import contextlib
@@ -91,7 +101,7 @@ TOY = dict(
 )
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The parent: each step in its own process, its file written as it finishes
 
 
@@ -134,8 +144,8 @@ def run_steps(out: str, tiny: bool, steps: list[int], budget: float, device: str
 
 
 def run_step(out, n, name, path, tiny, limit, device) -> tuple[str, float]:
-    """Step n in a process of its own, its output into `path`; its status from the result file it writes at its
-    end (none: it crashed or ran out of time, and what it printed so far stays)."""
+    """Step n in a process of its own, its output into `path`; its status from the result file it
+    writes at its end (none: it crashed or ran out of time, and what it printed so far stays)."""
     result_path = os.path.join(out, f"{n}-{name}.json")
     if os.path.exists(result_path):
         os.remove(result_path)
@@ -173,8 +183,8 @@ def write_step_file(path, n, name, status, body, seconds=0.0):
 
 
 class Report:
-    """One step's findings, printed as they come (the parent keeps the lines): checks (a failed one fails the
-    step), skips with their reasons, and numbers kept in the step's result file."""
+    """One step's findings, printed as they come (the parent keeps the lines): checks (a failed one
+    fails the step), skips with their reasons, and numbers kept in the step's result file."""
 
     def __init__(self):
         self.checks, self.skips, self.numbers = [], [], {}
@@ -210,13 +220,13 @@ class Report:
         )
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # What the steps share
 
 
 def build(shape: dict, device, dtype, seed: int, layers: int | None = None, init: float = 0.02):
-    """A Qwen3 causal LM of `shape`, random weights made directly in `dtype` on `device` (an 8B model built in fp32 on
-    the host would take minutes)."""
+    """A Qwen3 causal LM of `shape`, random weights made directly in `dtype` on `device` (an 8B
+    model built in fp32 on the host would take minutes)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -237,7 +247,8 @@ def build(shape: dict, device, dtype, seed: int, layers: int | None = None, init
 
 
 def as_drafter(model, block_size: int):
-    """A D3D drafter of `model`, for a tokenizer of all but its last 10 ids (MASK: the first of those)."""
+    """A D3D drafter of `model`, for a tokenizer of all but its last 10 ids (MASK: the first of
+    those)."""
     import d3d
 
     rows = model.get_output_embeddings().weight.shape[0]
@@ -270,8 +281,9 @@ def setting(tiny: bool, device: str | None):
 
 
 def pass_inputs(cache, q: int, vocab: int, seed: int = 0):
-    """ids, positions and a causal mask over all slots for a pass of q tokens after what `cache` holds (a pass's cost
-    does not depend on which slots its mask opens: attention reads every slot)."""
+    """ids, positions and a causal mask over all slots for a pass of q tokens after what `cache`
+    holds (a pass's cost does not depend on which slots its mask opens: attention reads every
+    slot)."""
     import torch
     import torch.nn.functional as F
 
@@ -288,8 +300,8 @@ def pass_inputs(cache, q: int, vocab: int, seed: int = 0):
 
 
 def fixed_pass(cache, q: int, vocab: int):
-    """A function running one pass of q tokens at the cache's current length and moving the cache back, so that every
-    call (or graph replay) writes the same slots."""
+    """A function running one pass of q tokens at the cache's current length and moving the cache
+    back, so that every call (or graph replay) writes the same slots."""
     ids, positions, mask = pass_inputs(cache, q, vocab)
 
     def run():
@@ -302,8 +314,9 @@ def fixed_pass(cache, q: int, vocab: int):
 
 
 def capture(fn, pool=None):
-    """fn() captured as a CUDA graph in `pool` (default: a pool of its own), after warm-up calls on a side stream, as
-    torch.cuda.graph asks. Returns the graph and the output fn made during capture (it lives in the pool)."""
+    """fn() captured as a CUDA graph in `pool` (default: a pool of its own), after warm-up calls on
+    a side stream, as torch.cuda.graph asks. Returns the graph and the output fn made during capture
+    (it lives in the pool)."""
     import torch
 
     side = torch.cuda.Stream()
@@ -319,7 +332,8 @@ def capture(fn, pool=None):
 
 
 def time_ms(run, cuda: bool, repeats: int = 20) -> float:
-    """Mean ms of `run()` (a graph's replay on CUDA, timed by events; elsewhere a call, on the host clock)."""
+    """Mean ms of `run()` (a graph's replay on CUDA, timed by events; elsewhere a call, on the host
+    clock)."""
     import torch
 
     run()
@@ -338,8 +352,8 @@ def time_ms(run, cuda: bool, repeats: int = 20) -> float:
 
 
 def side_by_side(first, second) -> None:
-    """first() on a high-priority stream and second() on another, both after the current stream's work; the current
-    stream waits for both (as _Lanes.both)."""
+    """first() on a high-priority stream and second() on another, both after the current stream's
+    work; the current stream waits for both (as _Lanes.both)."""
     import torch
 
     main = torch.cuda.current_stream()
@@ -352,7 +366,7 @@ def side_by_side(first, second) -> None:
         main.wait_stream(stream)  # join: what both made is read on the current stream
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # [0] environment
 
 
@@ -372,13 +386,14 @@ def step_environment(report: Report, tiny: bool, device: str | None, out: str) -
     if cuda:
         props = torch.cuda.get_device_properties(device)
         report.line(
-            f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs, CUDA "
-            f"{torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, capability "
+            f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} "
+            f"SMs, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, capability "
             f"{props.major}.{props.minor}"
         )
     else:
         report.line(
-            f"device {device}: {'no CUDA' if not torch.cuda.is_available() else 'CUDA not used (--tiny)'}; "
+            f"device {device}: "
+            f"{'no CUDA' if not torch.cuda.is_available() else 'CUDA not used (--tiny)'}; "
             f"CPU capability {torch.backends.cpu.get_cpu_capability()}"
         )
     x = torch.arange(8, dtype=torch.float32, device=device)
@@ -400,12 +415,13 @@ def step_environment(report: Report, tiny: bool, device: str | None, out: str) -
         report.check("a one-op CUDA graph replayed", torch.equal(y, x * 2 + 1))
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # [1] per-pass truth at full depth
 
 
 def pass_shapes(block_size: int) -> dict:
-    """Tokens per pass of a decode (fast.py lists them): target step, verify; sync draft, fallback draft, packed."""
+    """Tokens per pass of a decode (fast.py lists them): target step, verify; sync draft, fallback
+    draft, packed."""
     import d3d
 
     coverage, fanout = d3d.default_budget(block_size)
@@ -419,9 +435,9 @@ def pass_shapes(block_size: int) -> dict:
 
 
 def cost(model, q: int, logits_rows: int, dtype, slots: int) -> tuple[float, float]:
-    """Bytes read and FLOPs of a pass of q tokens through HF causal LM `model`: its decoder layers' weights (and the
-    output layer's where the pass makes `logits_rows` rows of logits) and every slot of its KV cache; 2 FLOPs a weight
-    a token, 4 an attention score a head dimension."""
+    """Bytes read and FLOPs of a pass of q tokens through HF causal LM `model`: its decoder layers'
+    weights (and the output layer's where the pass makes `logits_rows` rows of logits) and every
+    slot of its KV cache; 2 FLOPs a weight a token, 4 an attention score a head dimension."""
     config, size = model.config, dtype.itemsize
     layer_params = sum(p.numel() for p in model.model.layers.parameters())
     head_params = model.get_output_embeddings().weight.numel() if logits_rows else 0
@@ -523,8 +539,8 @@ def step_passes(report: Report, tiny: bool, device: str | None, out: str) -> Non
                     lambda: side_by_side(verify_graph.replay, packed_graph.replay), cuda
                 )
                 report.line(
-                    f"{name}: verify and packed pass on two streams {both:.3f} ms (one after the other "
-                    f"{times[(target_name, 'verify')] + times[(name, 'packed pass')]:.3f} ms)"
+                    f"{name}: verify and packed pass on two streams {both:.3f} ms (one after the "
+                    f"other {times[(target_name, 'verify')] + times[(name, 'packed pass')]:.3f} ms)"
                 )
         if step_ms:
             speedup_table(report, name, times, target_name, step_ms, both)
@@ -533,9 +549,10 @@ def step_passes(report: Report, tiny: bool, device: str | None, out: str) -> Non
 def speedup_table(
     report: Report, name: str, times: dict, target_name: str, step_ms: float, both
 ) -> None:
-    """The rounds in target steps and the speedup they give at each tau (rounds from the passes above; host work and
-    small kernels left out: an upper bound). Async: a hit round is verify beside the packed pass, a miss adds a
-    fallback draft; hit rate HIT_RATE assumed, and 1.0 as the ceiling."""
+    """The rounds in target steps and the speedup they give at each tau (rounds from the passes
+    above; host work and small kernels left out: an upper bound). Async: a hit round is verify
+    beside the packed pass, a miss adds a fallback draft; hit rate HIT_RATE assumed, and 1.0 as the
+    ceiling."""
     t = lambda key: times.get((name, key), float("nan"))  # noqa: E731
     verify, head = times.get((target_name, "verify"), float("nan")), t("head")
     rounds = {
@@ -559,7 +576,7 @@ def speedup_table(
     report.numbers.setdefault("rounds", {})[name] = {k: v / step_ms for k, v in rounds.items()}
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # [2] the shared-pool question
 
 
@@ -635,7 +652,8 @@ def step_shared_pool(report: Report, tiny: bool, device: str | None, out: str) -
                     )
                     mismatches[k] += int((got != truth_argmax[k]).sum())
             report.line(
-                f"  {label:<32}max |delta| verify {worst['verify']:.3g}, packed {worst['packed']:.3g}; "
+                f"  {label:<32}max |delta| verify {worst['verify']:.3g}, packed "
+                f"{worst['packed']:.3g}; "
                 f"argmax mismatches verify {mismatches['verify']}, packed {mismatches['packed']}"
             )
             report.numbers[label] = {"max_abs_delta": worst, "argmax_mismatches": mismatches}
@@ -647,16 +665,17 @@ def step_shared_pool(report: Report, tiny: bool, device: str | None, out: str) -
     )
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # [3] the project's compiled path
 
 
 def oracle_drafter(drafter, reference_len: int):
-    """`drafter` with its outputs replaced by a script in tensor operations (so its passes compile and capture; its
-    KV cache moves as usual): the draft for absolute position P is reference[P] (the target's own greedy tokens, set
-    into .reference), except where P % MISS_EVERY == 0: there a wrong token, with reference[P] as the runner-up (a
-    rejection branch can catch it). A MASK at P drafts P; a causal token at P drafts P + 1 (d_1 from the causal head).
-    Its "hidden states" are the scripted logits, which its `logits` returns as they are."""
+    """`drafter` with its outputs replaced by a script in tensor operations (so its passes compile
+    and capture; its KV cache moves as usual): the draft for absolute position P is reference[P]
+    (the target's own greedy tokens, set into .reference), except where P % MISS_EVERY == 0: there a
+    wrong token, with reference[P] as the runner-up (a rejection branch can catch it). A MASK at P
+    drafts P; a causal token at P drafts P + 1 (d_1 from the causal head). Its "hidden states" are
+    the scripted logits, which its `logits` returns as they are."""
     import torch
 
     import d3d
@@ -692,8 +711,9 @@ def oracle_drafter(drafter, reference_len: int):
 
 
 def attention_ops(passes: dict) -> dict:
-    """{label: the scaled-dot-product attention ops an eager call of passes[label]() dispatches to}, from one
-    torch.profiler session (host-side ops, each pass inside a record_function of its label)."""
+    """{label: the scaled-dot-product attention ops an eager call of passes[label]() dispatches to},
+    from one torch.profiler session (host-side ops, each pass inside a record_function of its
+    label)."""
     import torch
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -746,8 +766,8 @@ def step_compiled(report: Report, tiny: bool, device: str | None, out: str) -> N
     backend = "eager" if tiny else "inductor"
     report.line(
         f"{device}, {dtype}, 2 layers each (target {target_shape['hidden_size']} wide, drafter "
-        f"{drafter_shape['hidden_size']}), B = {block_size}, {len(prompts)} prompts x {max_new} tokens, "
-        f"backend {backend}" + (", mode reduce-overhead (CUDA graphs)" if cuda else "")
+        f"{drafter_shape['hidden_size']}), B = {block_size}, {len(prompts)} prompts x {max_new} "
+        f"tokens, backend {backend}" + (", mode reduce-overhead (CUDA graphs)" if cuda else "")
     )
     need = runtime.cache_len(reference_len, max_new, block_size, *d3d.default_budget(block_size))
     setup = (target, drafter, prompts, eager, max_new)
@@ -780,8 +800,8 @@ def step_compiled(report: Report, tiny: bool, device: str | None, out: str) -> N
             sum(col) for col in zip(*(s["misses_per_position"] for _, s in runs["async, 1 lane"]))
         ]
         report.line(
-            f"  async hits per outcome (rejection at 1..{block_size}, full acceptance): {hits}; misses "
-            f"{misses}"
+            f"  async hits per outcome (rejection at 1..{block_size}, full acceptance): {hits}; "
+            f"misses {misses}"
         )
         report.check(
             "rejection branches and the full-acceptance block both hit",
@@ -805,7 +825,8 @@ def step_compiled(report: Report, tiny: bool, device: str | None, out: str) -> N
         check_against_eager(report, setup, regional, "regional")
         for label in regional:
             report.line(
-                f"  {label}: ms per token, whole-model graphs {ms_per_token(runs.get(label, [])):.2f}, "
+                f"  {label}: ms per token, whole-model graphs "
+                f"{ms_per_token(runs.get(label, [])):.2f}, "
                 f"regional {ms_per_token(regional[label]):.2f}"
             )
     eager_caches = runtime.Caches.make(target, drafter, need)
@@ -823,14 +844,16 @@ def step_compiled(report: Report, tiny: bool, device: str | None, out: str) -> N
         }
         for label, ops in attention_ops(passes).items():
             report.line(
-                f"  attention in the {label} ({shapes[label]} tokens, eager): {', '.join(ops) or 'none seen'}"
+                f"  attention in the {label} ({shapes[label]} tokens, eager): "
+                f"{', '.join(ops) or 'none seen'}"
             )
     trace(report, target, drafter, prompts[0], eager[0], max_new, cuda, out)
 
 
 def compiled_caches(report: Report, setup, need: int, backend: str, regional: bool):
-    """New caches with their passes compiled (fast.compile_passes), every mode warmed up (async in two lanes too: on
-    a CPU each runs with half the threads, which dynamo's guards see); the seconds and graphs each mode took."""
+    """New caches with their passes compiled (fast.compile_passes), every mode warmed up (async in
+    two lanes too: on a CPU each runs with half the threads, which dynamo's guards see); the seconds
+    and graphs each mode took."""
     import torch
     from torch._dynamo.utils import counters
 
@@ -849,15 +872,17 @@ def compiled_caches(report: Report, setup, need: int, backend: str, regional: bo
                 fast.warm_up(target, drafter, caches, prompts[0], (mode,), lanes=lanes)
             report.line(
                 f"  {'regional' if regional else 'whole-model'}: compiled and warmed up {mode}"
-                f"{', 2 lanes' if lanes == 2 else ''}: {counters['stats']['unique_graphs'] - graphs} new "
+                f"{', 2 lanes' if lanes == 2 else ''}: "
+                f"{counters['stats']['unique_graphs'] - graphs} new "
                 f"graph(s) in {time.perf_counter() - start:.1f} s"
             )
     return caches
 
 
 def decode_each(setup, caches, settings) -> dict:
-    """{label: [(new tokens, stats) per prompt]} for each (label, mode, lanes) of `settings`, the oracle scripted
-    with each prompt's reference; two compiled lanes are let through (they are what this step compares)."""
+    """{label: [(new tokens, stats) per prompt]} for each (label, mode, lanes) of `settings`, the
+    oracle scripted with each prompt's reference; two compiled lanes are let through (they are what
+    this step compares)."""
     import torch
 
     import d3d
@@ -920,8 +945,8 @@ def ms_per_token(decoded: list) -> float:
 def trace(
     report: Report, target, drafter, prompt, reference, max_new, cuda: bool, out: str
 ) -> None:
-    """A few async rounds with eager passes in two lanes: the project's spans (generate(trace=True)) and
-    torch.profiler's events, each written to OUT_DIR."""
+    """A few async rounds with eager passes in two lanes: the project's spans (generate(trace=True))
+    and torch.profiler's events, each written to OUT_DIR."""
     import torch
 
     import d3d
@@ -974,14 +999,20 @@ def trace(
             + (
                 f"{len(kernels)} kernels on streams {streams}"
                 if kernels
-                else "the profiler recorded no kernels on this machine (some sandboxed GPUs forbid it); the spans "
+                else "the profiler recorded no kernels on this machine "
+                "(some sandboxed GPUs forbid it); the spans "
                 f"in {spans_path} are timed by CUDA events, a track per stream"
             )
         )
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # [4] the stream sanitizer
+
+
+# Every test that needs CUDA lives in tests/test_cuda.py (tests/test_gpu_check.py holds it so);
+# the training step has no second stream to check and the most memory to ask of the sanitizer
+SANITIZER_TESTS = ("tests/test_cuda.py", "-k", "not training_step")
 
 
 def step_sanitizer(report: Report, tiny: bool, device: str | None, out: str) -> None:
@@ -989,16 +1020,7 @@ def step_sanitizer(report: Report, tiny: bool, device: str | None, out: str) -> 
     if not cuda:
         return report.skip("the CUDA tests under TORCH_CUDA_SANITIZER=1", "needs CUDA")
     env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-s",
-        "-k",
-        "cuda and not training_step",
-        "test_d3d.py",
-    ]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-s", *SANITIZER_TESTS]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     report.line("\n".join(result.stdout.splitlines()[-15:]))
     report.check(
@@ -1018,7 +1040,8 @@ STEP_FUNCTIONS = {
 
 
 def run_one(out: str, n: int, tiny: bool, device: str | None) -> int:
-    """Step n in this process: its findings on stdout, its status and numbers in OUT_DIR/<n>-<name>.json."""
+    """Step n in this process: its findings on stdout, its status and numbers in
+    OUT_DIR/<n>-<name>.json."""
     sys.path.insert(0, ROOT)
     report = Report()
     with report.guarded(f"step {n} ran to its end"):

@@ -1,16 +1,17 @@
-"""The lab's exercises 1 to 5 on the shipped toy, under every float order this CPU offers, each with several seeds:
-the runs behind LAB.md's ranges.
+"""The lab's exercises 1 to 5 on the shipped toy, under every float order this CPU offers, each with
+several seeds: the runs behind LAB.md's ranges.
 
-    python tests/lab_runs.py runs/lab-ranges                      # 9 drafters x 2 seeds x each float order
+    python tests/lab_runs.py runs/lab-ranges        # 9 drafters x 2 seeds x each float order
     python tests/lab_runs.py runs/lab-ranges --orders native --seeds 0 --runs base lam0
 
-Every run is `python train.py --seed S --threads 1 FLAGS --out OUT/ORDER/NAME-sS` with the float order's environment;
-`--jobs` of them at a time (default 2, one per core of a 2-core machine). A run whose train_args.json is there is not
-run again, so an interrupted sweep resumes. At the end it prints each run's offline tau, then one range per outcome
-over all runs, and writes OUT/runs.json.
+Every run is `python train.py --seed S --threads 1 FLAGS --out OUT/ORDER/NAME-sS` with the float
+order's environment; `--jobs` of them at a time (default 2, one per core of a 2-core machine). A run
+whose train_args.json is there is not run again, so an interrupted sweep resumes. At the end it
+prints each run's offline tau, then one range per outcome over all runs, and writes OUT/runs.json.
 
-Float orders: `native` (torch's choice on this CPU), `avx2` (where the CPU has AVX-512: ATEN_CPU_CAPABILITY=avx2 and
-the same cap for MKL and oneDNN), `sse` (a CPU without AVX: ATEN_CPU_CAPABILITY=default, SSE4.2 / SSE4.1 caps).
+Float orders: `native` (torch's choice on this CPU), `avx2` (where the CPU has AVX-512:
+ATEN_CPU_CAPABILITY=avx2 and the same cap for MKL and oneDNN), `sse` (a CPU without AVX:
+ATEN_CPU_CAPABILITY=default, SSE4.2 / SSE4.1 caps).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ RUNS = {
 
 
 def available_orders() -> list[str]:
-    """avx2 is a float order of its own only on a CPU with AVX-512 (elsewhere it is the native one)."""
+    """avx2 is a float order of its own only on a CPU with AVX-512 (elsewhere it is the native
+    one)."""
     native = torch.backends.cpu.get_cpu_capability()
     return (
         ["native", "sse"] if native in ("AVX2", "DEFAULT", "NO AVX") else ["native", "avx2", "sse"]
@@ -89,7 +91,8 @@ def run_one(out: str, order: str, name: str, seed: int, extra: list[str]) -> dic
                 stderr=subprocess.STDOUT,
             )
             log.write(
-                f"\n[lab_runs] {' '.join(cmd)}: exit {done.returncode} after {time.monotonic() - t0:.0f} s\n"
+                f"\n[lab_runs] {' '.join(cmd)}: exit {done.returncode} after "
+                f"{time.monotonic() - t0:.0f} s\n"
             )
         if done.returncode != 0:
             raise RuntimeError(
@@ -115,8 +118,8 @@ def run_one(out: str, order: str, name: str, seed: int, extra: list[str]) -> dic
 
 
 def ranges(results: list[dict]) -> list[tuple[str, float, float, int]]:
-    """(outcome, lowest, highest, runs) for each run name: tau with its own d_1 rule, and for the default and
-    lambda = 0 the other rule too."""
+    """(outcome, lowest, highest, runs) for each run name: tau with its own d_1 rule, and for the
+    default and lambda = 0 the other rule too."""
     out = []
     for name in RUNS:
         rows = [r for r in results if r["run"] == name]
@@ -150,8 +153,8 @@ def main(argv=None) -> list[dict]:
     orders = args.orders or available_orders()
     jobs = [(o, n, s) for n in args.runs for o in orders for s in args.seeds]
     print(
-        f"[lab] {len(jobs)} runs ({', '.join(args.runs)} x float orders {', '.join(orders)} x seeds "
-        f"{args.seeds}), {args.jobs} at a time, into {os.path.abspath(args.out)}"
+        f"[lab] {len(jobs)} runs ({', '.join(args.runs)} x float orders {', '.join(orders)} x "
+        f"seeds {args.seeds}), {args.jobs} at a time, into {os.path.abspath(args.out)}"
     )
     results = []
     with (
@@ -164,8 +167,9 @@ def main(argv=None) -> list[dict]:
             bar.update(1)
     for r in results:
         print(
-            f"{r['run']:>6} {r['order']:>6} seed {r['seed']}: tau {r['tau']:.2f} (d_1 from the head "
-            f"{r['tau_d1_head']:.2f}, from MASK 1 {r['tau_d1_mask']:.2f}), {r['train_seconds']:.0f} s"
+            f"{r['run']:>6} {r['order']:>6} seed {r['seed']}: tau {r['tau']:.2f} "
+            f"(d_1 from the head {r['tau_d1_head']:.2f}, from MASK 1 {r['tau_d1_mask']:.2f}), "
+            f"{r['train_seconds']:.0f} s"
         )
     print("outcome                 range over runs")
     for key, lo, hi, n in ranges(results):

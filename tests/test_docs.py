@@ -1,6 +1,7 @@
-"""Every command in README.md, LAB.md and RESULTS.md parses: each `python SCRIPT ...` (or torchrun) line in a fenced
-block, and each inline one that names no placeholder, runs its script's own argument parser, stopped right after it
-parsed. A flag renamed in the code and not in the docs fails here.
+"""Every command in README.md, LAB.md and RESULTS.md parses: each `python SCRIPT ...` (or torchrun)
+line in a fenced block, and each inline one that names no placeholder, runs its script's own
+argument parser, stopped right after it parsed. A flag renamed in the code and not in the docs fails
+here.
 
 Run: python -m pytest -q tests/test_docs.py
 """
@@ -31,7 +32,8 @@ def fenced_lines(text: str) -> list[str]:
 
 
 def is_pattern(span: str) -> bool:
-    """An inline span that shows a pattern, not a command: [optional parts], ..., or placeholders such as N, F1, λ."""
+    """An inline span that shows a pattern, not a command: [optional parts], ..., or placeholders
+    such as N, F1, λ."""
     return any(mark in span for mark in ("[", "...", "…", "λ", "$")) or any(
         re.fullmatch(r"[A-Z][A-Z0-9]*", token) for token in span.split()
     )
@@ -74,7 +76,8 @@ class Parsed(Exception):
 
 
 def parse_only(script: str, argv: list[str]) -> argparse.Namespace:
-    """Run `script` as __main__ with argv until its argument parser returns; argparse's own error is a SystemExit."""
+    """Run `script` as __main__ with argv until its argument parser returns; argparse's own error is
+    a SystemExit."""
     real = argparse.ArgumentParser.parse_args
 
     def stop_after_parsing(self, args=None, namespace=None):
@@ -139,3 +142,12 @@ def test_lab_md_shows_every_lab_command_and_a_start_and_check_of_every_exercise(
         assert ["start", exercise.name] in shown and ["check", exercise.name] in shown, (
             exercise.name
         )
+
+
+def test_every_picture_lab_md_shows_is_in_the_repository():
+    """Each `![...](PATH)` of LAB.md names a file of the repository, by a relative path."""
+    text = open(os.path.join(ROOT, "LAB.md")).read()
+    shown = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", text)
+    assert len(shown) >= 5
+    missing = [path for path in shown if not os.path.isfile(os.path.join(ROOT, path))]
+    assert not missing, missing

@@ -1,11 +1,14 @@
-"""Tests for tests/gpu_check.py, on the CPU: the --tiny check passes and writes what it says, and a check that fails
-makes its step FAILED and the script's exit non-zero.
+"""Tests for tests/gpu_check.py, on the CPU: the --tiny check passes and writes what it says, and a
+check that fails makes its step FAILED and the script's exit non-zero.
 
 Run: python -m pytest -q tests/test_gpu_check.py
 """
 
+import glob
 import json
 import os
+import re
+import runpy
 import subprocess
 import sys
 
@@ -25,8 +28,9 @@ def run_check(out, *args, env=None):
 
 
 def test_tiny_check_passes_and_writes_each_step_and_the_trace(tmp_path):
-    """Every step's file starts with its status (the CUDA-only parts skipped, each with its reason), the summary
-    lists them all, and the trace of async rounds holds each lane's spans on its own track."""
+    """Every step's file starts with its status (the CUDA-only parts skipped, each with its reason),
+    the summary lists them all, and the trace of async rounds holds each lane's spans on its own
+    track."""
     run = run_check(tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     statuses = {}
@@ -62,8 +66,9 @@ def test_tiny_check_passes_and_writes_each_step_and_the_trace(tmp_path):
 
 
 def test_a_failing_check_fails_its_step_and_the_exit(tmp_path):
-    """A bug planted in the project (acceptance takes one draft token too many) reaches step [3]'s check that compiled
-    decoding equals target-only: the step's file says FAILED, the exit is non-zero."""
+    """A bug planted in the project (acceptance takes one draft token too many) reaches step [3]'s
+    check that compiled decoding equals target-only: the step's file says FAILED, the exit is
+    non-zero."""
     plant = tmp_path / "plant"
     plant.mkdir()
     (plant / "sitecustomize.py").write_text(
@@ -83,3 +88,28 @@ def test_a_failing_check_fails_its_step_and_the_exit(tmp_path):
     assert step3.startswith("[3] compiled-path: FAILED")
     assert "FAILED compiled sync equals eager target-only or differs at near-ties" in step3
     assert "1 steps, 1 failed" in (tmp_path / "out" / "summary.txt").read_text()
+
+
+def test_the_sanitizer_step_selects_every_test_that_needs_cuda():
+    """Step [4]'s selection, collected here on the CPU, is not empty: every test function of
+    tests/test_cuda.py but the training step. And no other test file skips for want of CUDA, so
+    that selection holds every CUDA test of the suite."""
+    selection = runpy.run_path(CHECK)["SANITIZER_TESTS"]
+    collect = [sys.executable, "-m", "pytest", "--collect-only", "-q", *selection]
+    run = subprocess.run(collect, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    selected = {
+        line.split("::")[1].split("[")[0] for line in run.stdout.splitlines() if "::" in line
+    }
+    with open(os.path.join(ROOT, "tests", "test_cuda.py"), encoding="utf-8") as f:
+        defined = set(re.findall(r"^def (test_\w+)", f.read(), re.M))
+    assert selected and selected == defined - {"test_cuda_training_step_at_qwen3_shapes_fits"}
+    skips_for_cuda = re.compile(r"skip\w*\((?:[^()]|\([^()]*\))*cuda", re.S | re.I)
+    others = glob.glob(os.path.join(ROOT, "tests", "test_*.py")) + [
+        os.path.join(ROOT, "test_d3d.py")
+    ]
+    for path in others:
+        if os.path.basename(path) == "test_cuda.py":
+            continue
+        with open(path, encoding="utf-8") as f:
+            assert not skips_for_cuda.search(f.read()), path

@@ -13,6 +13,7 @@ import concurrent.futures
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -161,15 +162,23 @@ def grade_json(lab_runs, name) -> dict:
 
 
 def test_every_graded_test_is_in_the_suite_and_patches_nothing_of_d3d():
-    """The selection: each exercise's tests exist in test_d3d.py, none monkeypatches d3d (those
-    are LEFT_OUT, and each of those does), every claim belongs to a graded test."""
+    """The selection: each exercise's tests exist in the suite's files, each name in one file only
+    (the plugin selects by name), none monkeypatches d3d (those are LEFT_OUT, and each of those
+    does), every claim belongs to a graded test."""
     suite = lab.suite_functions()
+    defined = []
+    for file in lab.SUITE:
+        with open(os.path.join(ROOT, file), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        defined += [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
+    assert len(defined) == len(set(defined)), sorted(n for n in defined if defined.count(n) > 1)
     names = {lab.parse_test(t)[0] for e in lab.EXERCISES for t in e.right + e.fast}
     assert names <= set(suite), sorted(names - set(suite))
     assert not [n for n in names if lab.patches_d3d(suite[n])]
     assert set(lab.LEFT_OUT) <= set(suite), sorted(set(lab.LEFT_OUT) - set(suite))
     assert all(lab.patches_d3d(suite[n]) for n in lab.LEFT_OUT), lab.LEFT_OUT
     assert set(lab.CLAIMS) == names and set(lab.SLOW) <= names
+    assert all(len(f"  FAIL  {c}") <= lab.WIDTH for c in lab.CLAIMS.values())  # one line each
     assert len(lab.EXERCISES) >= 8 and all(e.right for e in lab.EXERCISES)
     assert all(e.fast or e.no_fast for e in lab.EXERCISES)
     for exercise in lab.EXERCISES:
@@ -230,7 +239,7 @@ def test_list_names_every_exercise_its_place_and_its_tests():
     assert listed.returncode == 0
     for exercise in lab.EXERCISES:
         assert f"{exercise.name}: {exercise.paper}" in listed.stdout
-        assert all(f"test_d3d.py::{t}" in listed.stdout for t in exercise.right + exercise.fast)
+        assert all(lab.where(t) in listed.stdout for t in exercise.right + exercise.fast)
     assert all(name in listed.stdout for name in lab.LEFT_OUT)
 
 
@@ -327,7 +336,7 @@ def test_a_solution_passes_or_fails_as_it_says(lab_runs, name):
     for entry in result["right"] + result["fast"]:
         assert not entry["passed"], entry["test"]
         message = entry["first_failure"]["message"]
-        assert "test_d3d.py:" in message and "blank stub" not in message, message
+        assert re.search(r"test_\w+\.py:\d+: ", message) and "blank stub" not in message, message
         assert f"FAIL  {entry['claim']}" in run.stdout
     assert {e["test"].split("::")[1] for e in result["right"] + result["fast"]} == set(
         facts["FAILS"]
@@ -377,12 +386,12 @@ def test_a_handout_grades_its_own_d3d_py_and_holds_no_answer(lab_runs):
     [
         (["start", "nope"], "no exercise 'nope'"),
         (["check", "nope"], "no exercise 'nope'"),
-        (["check", "cache_hit"], "runs/lab/cache_hit/d3d.py not found"),
-        (["check", "cache_hit", "missing.py"], "missing.py not found"),
-        (["check", "cache_hit", "README.md"], "README.md line"),
-        (["check", "cache_hit", "runtime.py"], "has no function cache_hit"),
-        (["check", "cache_hit", "d3d.py", "--test", "test_zero_new_tokens"], "not graded by"),
-        (["check", "cache_hit", "--timeout", "0"], "--timeout"),
+        (["check", "select_segment"], "runs/lab/select_segment/d3d.py not found"),
+        (["check", "select_segment", "missing.py"], "missing.py not found"),
+        (["check", "select_segment", "README.md"], "README.md line"),
+        (["check", "select_segment", "runtime.py"], "has no function select_segment"),
+        (["check", "select_segment", "d3d.py", "--test", "test_zero_new_tokens"], "not graded by"),
+        (["check", "select_segment", "--timeout", "0"], "--timeout"),
         (["handout", "out", "nope"], "no exercise 'nope'"),
         (["check"], "NAME"),
         (["grade", "x"], "invalid choice"),

@@ -109,6 +109,39 @@ def test_branch_pass_cells_drawn_are_build_branch_pass_mask(mpl):
     assert drawn_mask(picture, relative=True) == picture.mask
 
 
+def tick_texts(labels) -> list[str]:
+    """Tick labels as plain text: mathtext's $, braces and backslashes dropped."""
+    return [label.get_text().translate(str.maketrans("", "", "${}")) for label in labels]
+
+
+def test_mask_pictures_label_rows_and_columns_by_token_and_position(mpl):
+    """Every column names its token and position, as the rows do: the blocks' MASK columns
+    would otherwise all read "MASK"."""
+    training = pictures.mask_figure(pictures.training_mask_data(4, 3)).axes[0]
+    rows = tick_texts(training.get_yticklabels())
+    assert rows[:2] == ["x_0 (0)", "x_1 (1)"] and rows[9:11] == ["MASK (1)", "MASK (2)"]
+    assert tick_texts(training.get_xticklabels()) == rows  # the same tokens, in the same order
+    branch = pictures.mask_figure(pictures.branch_pass_data(4, 2, 1), relative=True).axes[0]
+    columns = tick_texts(branch.get_xticklabels())
+    assert columns[:4] == ["x_n-2 (n-2)", "x_n-1 (n-1)", "x_n (n)", "d_1 (n+1)"]
+    assert columns[2:] == tick_texts(branch.get_yticklabels())
+
+
+def test_pngs_are_greyscale_and_small(mpl, tmp_path):
+    """One grey channel (what a black-and-white print shows), under 150 KB for the pictures a
+    README shows."""
+    from PIL import Image
+
+    paths = [
+        pictures.draw_training_mask(str(tmp_path / "mask.png"), 4, 3),
+        pictures.draw_branch_pass(str(tmp_path / "branch.png"), 4, 2, 1),
+    ]
+    for path in paths:
+        with Image.open(path) as image:
+            assert image.mode == "L", path
+        assert (tmp_path / path).stat().st_size < 150_000, path
+
+
 # ---------------------------------------------------------------------------------------------
 # Bars and curves from real runs
 
@@ -141,6 +174,10 @@ def test_acceptance_bars_drawn_are_the_stats_counts(mpl, async_stats):
     assert heights(histogram.containers[0]) == [counts[t] for t in range(1, 6)]
     assert heights(outcomes.containers[0]) == async_stats["hits_per_position"]
     assert heights(outcomes.containers[1]) == async_stats["misses_per_position"]
+    mean = histogram.lines[0].get_label()  # pooled over rounds: not a mean of per-prompt means
+    rounds = async_stats["num_rounds"]
+    assert mean == f"mean τ = {async_stats['tau']:.2f}\nover all {rounds} rounds"
+    assert histogram.lines[0].get_xdata()[0] == pytest.approx(async_stats["tau"])
     sync = {"accept_lengths": async_stats["accept_lengths"]}  # a sync run's stats: B given
     assert len(pictures.acceptance_figure(sync, block_size=4).axes) == 1
     with pytest.raises(pictures.PicturesUnavailable, match="pass block_size"):
@@ -156,6 +193,9 @@ def test_block_accuracy_bars_are_the_accuracies_in_percent(mpl):
     assert heights(ax.containers[0]) == data["percent"]["block accuracy"]
     assert heights(ax.containers[1]) == [100.0, 100.0, 50.0, 50.0]
     assert ax.get_ylim() == (0.0, 100.0)
+    assert ax.get_ylabel() == "share of blocks (%)"  # not "accuracy": eval draws shares of 1 .. i
+    titled = pictures.block_accuracy_figure(block_acc, title="d_1 .. d_i all accepted").axes[0]
+    assert titled.get_title() == "$d_{1}$ .. $d_{i}$ all accepted"  # names as subscripts
     with pytest.raises(pictures.PicturesUnavailable, match="fractions"):
         pictures.block_accuracy_data([90.0, 50.0])
 
@@ -218,8 +258,8 @@ def test_every_png_has_its_size_and_is_not_blank(mpl, tmp_path, async_stats, pru
     for path, figure in drawn.items():
         pixels = imread(path)
         width, height = figure.get_size_inches() * figure.dpi
-        assert pixels.shape[:2] == (round(height), round(width)), path
-        grey = pixels[..., :3].mean(-1)
+        assert pixels.shape == (round(height), round(width)), path  # one grey channel
+        grey = pixels
         assert (grey < 0.5).mean() > 0.005 and (grey > 0.9).mean() > 0.3, path  # ink on white
 
 
@@ -244,6 +284,16 @@ def test_masks_command_writes_both_pictures_and_prints_their_paths(mpl, tmp_path
         "branch_pass_B5_C3_F2.png",
     ]
     assert all((tmp_path / "pics" / p.rsplit("/", 1)[1]).stat().st_size > 0 for p in paths)
+
+
+def test_masks_command_writes_each_picture_where_its_flag_says(mpl, tmp_path, capsys):
+    training = tmp_path / "pictures" / "training-mask.png"
+    branch = tmp_path / "branch-pass-mask.png"
+    argv = ["masks", "--training-png", str(training), "--branch-png", str(branch)]
+    assert pictures.cli([*argv, "--out", str(tmp_path / "unused")]) == 0
+    assert capsys.readouterr().out.split() == [str(training), str(branch)]
+    assert training.stat().st_size > 0 and branch.stat().st_size > 0
+    assert not (tmp_path / "unused").exists()
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,9 @@ RIGHT = True
 FAILS = ()  # tests that must fail: none
 
 
-def accept_draft(p_logits, draft, q_draft, temperature, generator=None, length=None):
+def accept_draft(p_logits, draft, q_draft, temperature, generator=None, num_real=None):
     block_size = draft.shape[0]
-    limit = block_size if length is None else length
+    limit = block_size if num_real is None else num_real
     counted = torch.arange(block_size, device=draft.device) < limit  # (B,)
     if temperature == 0:
         best = p_logits.argmax(-1)  # (B+1,)

@@ -8,9 +8,9 @@ RIGHT = False
 FAILS = ("test_accept_rule_is_lossless",)  # tests that must fail (others may too)
 
 
-def accept_draft(p_logits, draft, q_draft, temperature, generator=None, length=None):
+def accept_draft(p_logits, draft, q_draft, temperature, generator=None, num_real=None):
     block_size = draft.shape[0]
-    limit = block_size if length is None else length
+    limit = block_size if num_real is None else num_real
     real = torch.arange(block_size, device=draft.device) < limit
     if temperature == 0:
         target_tokens = p_logits.argmax(-1)

@@ -1,7 +1,7 @@
 """plan_branches, wrong: the candidates are the drafter's F likeliest tokens at k, d_k among
 them. "The target said d_k" is never an outcome (d_k would have been accepted), so a slot of
 every position's budget is wasted, and the runner-up the target does say often has no
-branch: fewer cache hits (test_async_equals_sync_and_target counts them too).
+branch: fewer hits (test_async_equals_sync_and_target counts them too).
 """
 
 EXERCISE = "plan_branches"
