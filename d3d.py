@@ -24,28 +24,31 @@ Paper -> this file, top to bottom:
 The paper's symbols -> the code's names:
     B           block_size: MASK tokens drafted in one pass
     K           num_anchors: blocks per training sequence
+    a_1 .. a_K  anchors: the positions the K training blocks hang off; block k's labels are
+                x_{a_k+1} .. x_{a_k+B} (a alone is the accepted count, below)
     lambda      ar_weight: weight of L_AR
     gamma       decay_gamma: block position weights exp(-(i-1)/gamma) (None: uniform)
-    beta        beta: recovery's pull toward the label (adjusted_teacher)
+    beta        beta: recovery's pull toward the label (our reading; adjusted_teacher)
     tau         tau: tokens committed per round (accepted + 1), mean over rounds
-    x_0 .. x_n  out.tokens: the committed tokens; x_n the last, the one a block hangs off
+    x_0 .. x_n  out.tokens: the prompt, then the tokens committed so far; x_n is the last
     d_1 .. d_B  draft: one block's drafted tokens (d_1 from d1_from's row, draft_rows)
+    L           num_real: a draft's real tokens (B, or B - 1 and a pad; see the async section)
     a           num_accepted: the accepted prefix d_1 .. d_a
     c           next_token: the target's own token after d_a (correction, or bonus if a = L)
-    L           num_real: a draft's real tokens (B, or B - 1 and a pad; see the async section)
-    C, F        coverage, fanout: positions k that get rejection branches, candidates per k
+    k, t        an outcome the async pass prepares for: d_k rejected, the target said t
+    C, F        coverage, fanout: how many positions k get rejection branches; tokens t per k
     r_k         the chance that d_k is the first rejection (plan_branches, cover="likely")
     p, q        p_target, q_draft: the target's and the drafter's token probabilities
 
-What the loops take from runtime.py, one line each, so that this file reads alone:
+What the loops take from runtime.py, in brief, so that this file reads alone:
     KVCache(model, max_len)   fixed-size KV cache: .run(ids (1, q), positions, mask
                               (1, 1, q, length + q)) writes q tokens after .length (a host int)
                               -> drafter hidden states (q, H) or target float logits (q, V);
-                              .rewind(n) keeps the sequence's first n tokens; .reset(skipped)
+                              .rewind(m) keeps the sequence's first m tokens; .reset(skipped)
                               empties it for a request whose first `skipped` prompt tokens it
                               will not hold (positions count them)
-    Caches                    .target, .drafter: KVCaches made once per run
-                              (Caches.make(target, drafter, max_len))
+    Caches                    .target, .drafter: the two KVCaches, made by Caches.make(target,
+                              drafter, max_len); generate can reuse them across requests
     causal_pass(cache, ids)   a causal pass over ids (1, q) after what the cache holds;
                               prefill(cache, ids, positions): the same for a prompt of any
                               length, eagerly; attention_pass: the same, and it returns each
@@ -62,8 +65,8 @@ What the loops take from runtime.py, one line each, so that this file reads alon
     check_request, cache_len, async_lanes  generate's input checks (-> B); KV slots a request
                               needs; default lanes
     additive_mask(mask, model)  bool mask (True = may attend) -> HF's additive float mask
-    keep_layers(model, ids)   a new layer list of those decoder layers only, renumbered
-                              0..n-1 (cache slots, config)
+    keep_layers(model, ids)   a new layer list of those decoder layers only, renumbered from
+                              0 (cache slots, config)
     in_logit_chunks(V, fn, *rows)  fn over a few rows at a time, so V-wide logits never exist
                               for all rows at once
     finite_step(optimizer, params, max_norm)  clip and step (skipped if the norm is not
@@ -74,6 +77,9 @@ What the loops take from runtime.py, one line each, so that this file reads alon
 Shapes: b batch, N causal (clean) tokens, K anchors (blocks), B block size, H hidden size,
 V vocabulary, T segment tokens and q = N + T tokens of a packed pass, S segments of the async
 packed pass, past tokens already in a KV cache.
+Three coordinates: a token's *index* is its row in a packed pass; its *position* is its place
+in the text (x_p is at position p); a *block position* k = 1 .. B names d_k, which sits at
+position n + k and comes from row k - 1 of the draft's logits.
 "Our reading" marks a choice this implementation makes where the paper is silent (README.md,
 "Departures and readings"); "the paper" is always arXiv 2611.06425.
 """
@@ -142,7 +148,7 @@ class D3DConfig:
     target_vocab_size: int = 0
     # fingerprint of the tokenizer the drafter was made for (drivers check the target's)
     tokenizer_hash: str = ""
-    # which layers of the initial checkpoint the drafter kept
+    # which layers of the initial checkpoint the drafter kept (None: all)
     layer_ids: list[int] | None = None
     # where d_1 is read (draft_rows): "causal", the LM head at x_n's causal row (our reading: the
     # paper is silent); "mask", at MASK 1
@@ -255,9 +261,10 @@ def make_drafter(
     **config,
 ) -> Drafter:
     """Turn any HF causal LM with the target's tokenizer into a D3D drafter. MASK:
-    `mask_token_id` (not a text token), else `<|MASK|>` if the tokenizer has it, else its first
-    unused id (embeddings grow only if that id has no row). `layers`: decoder layers to keep;
-    `target_vocab_size`: default this model's; other keywords go to D3DConfig."""
+    `mask_token_id` (not a text token), else `<|MASK|>` if the tokenizer has it, else the first
+    id past the text tokens, len(tokenizer) (embeddings grow only if that id has no row).
+    `layers`: decoder layers to keep; `target_vocab_size`: default this model's; other
+    keywords go to D3DConfig."""
     rows = model.get_output_embeddings().weight.shape[0]
     text_vocab = len(tokenizer)
     if rows < text_vocab:
@@ -323,14 +330,16 @@ def packed_attention_mask(
     Two coordinates: a token's *index* is its place in the packed sequence; its *position* is
     its place in the text (the position id RoPE sees). The `num_causal` causal tokens have
     indices 0, 1, ... and positions past_len, past_len + 1, ..., after `past_len` cached tokens
-    that every token sees. Segment s hangs off the causal token of index i = anchors[.., s],
-    whose position is p = past_len + i: `prefix_len` causal tokens (1 for an async branch), then
-    `block_size` MASKs, at positions p + 1, p + 2, ....
+    that every token sees.
+    A segment is `prefix_len` prefix tokens (0 in training and draft_block; 1 in the async
+    pass) and then a block of `block_size` MASKs. Segment s *hangs off* the causal token of
+    index i = anchors[..., s], at position p = past_len + i: its tokens sit at positions p + 1,
+    p + 2, ....
 
     Who sees whom: a causal token sees the causal tokens of lower or equal index. A segment
     token sees the causal tokens of index <= i (so, by position, nothing after p: two segments
-    whose position spans overlap still cannot read each other's future), no other segment, and
-    in its own segment the prefix tokens up to itself; a MASK sees the whole segment.
+    whose position spans overlap still cannot read each other's future) and no other segment.
+    Inside its segment, a prefix token sees the prefix up to itself; a MASK sees it all.
 
     Example: c0..c4 (past_len = 0, so index = position), blocks of B = 2 off c1 and c3
     (x = may attend):
@@ -341,14 +350,14 @@ def packed_attention_mask(
         c2 (pos 2)   x  x  x        |     |
         c3 (pos 3)   x  x  x  x     |     |
         c4 (pos 4)   x  x  x  x  x  |     |
-        m  (pos 2)   x  x           | x x |          block off c1: MASKs for tokens 2, 3
+        m  (pos 2)   x  x           | x x |          block off c1: the tokens at 2, 3
         m  (pos 3)   x  x           | x x |
-        m  (pos 4)   x  x  x  x     |     | x x      block off c3: MASKs for tokens 4, 5
+        m  (pos 4)   x  x  x  x     |     | x x      block off c3: the tokens at 4, 5
         m  (pos 5)   x  x  x  x     |     | x x
 
     In training each MASK row predicts its own token (L_block). Decoding, under the default
-    d1_from="causal", reads the block's first token (token 2 off c1) from c1's causal row
-    instead, and the MASK rows from the second on (draft_rows).
+    d1_from="causal", reads the first token of the block off c1 (position 2) from c1's row
+    instead, and the rest from MASK 2 on (draft_rows).
 
     anchors: (S,) or (b, S) long, causal indices. Returns mask (b, 1, q, past_len + q) bool and
     position_ids (b, q) long, q = num_causal + S * (prefix_len + block_size)."""
@@ -363,7 +372,8 @@ def packed_attention_mask(
     idx_in_seg = token % seg_len  # (T,) its index inside the segment
     is_prefix = idx_in_seg < prefix_len  # (T,)
     causal_idx = torch.arange(num_causal, device=device)
-    seg_anchor = anchors[:, seg_of]  # (b, T) causal index each segment token hangs off
+    # (b, T) the causal index each segment token hangs off
+    seg_anchor = anchors[:, seg_of]
     # causal rows: the causal stream up to themselves (b, N, N), and no segment (b, N, T)
     cc = (causal_idx[None, :] <= causal_idx[:, None]).expand(b, -1, -1)
     cs = torch.zeros(b, num_causal, len(seg_of), dtype=torch.bool, device=device)
@@ -390,18 +400,18 @@ def packed_attention_mask(
 def sample_anchors(
     loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
 ):
-    """K anchors per row, uniformly without replacement among positions p whose next token is a
-    response token. Returns anchors (b, K) sorted, and valid (b, K) (False where a row has fewer
-    than K candidates)."""
-    b, length = loss_mask.shape
-    candidate = torch.zeros_like(loss_mask, dtype=torch.bool)
-    candidate[:, :-1] = loss_mask[:, 1:].bool()
+    """K anchors per sequence, uniformly without replacement among positions p whose next token
+    is a response token. Returns anchors (b, K) sorted, and valid (b, K) (False where a
+    sequence has fewer than K such positions: its extra anchors count nowhere)."""
+    b, seq_len = loss_mask.shape
+    eligible = torch.zeros_like(loss_mask, dtype=torch.bool)
+    eligible[:, :-1] = loss_mask[:, 1:].bool()
     device = "cpu"
     if generator is not None:
         device = generator.device
-    scores = torch.rand(b, length, generator=generator, device=device)
-    scores = scores.to(loss_mask.device).masked_fill(~candidate, -1.0)
-    top = scores.topk(min(num_anchors, length), dim=1)
+    scores = torch.rand(b, seq_len, generator=generator, device=device)
+    scores = scores.to(loss_mask.device).masked_fill(~eligible, -1.0)
+    top = scores.topk(min(num_anchors, seq_len), dim=1)
     anchors, order = top.indices.sort(dim=1)
     return anchors, top.values.gather(1, order) >= 0
 
@@ -436,8 +446,10 @@ def draft_rows(
     """Where a block's draft d_1 .. d_B is read, one rule for validation and decoding: rows
     (..., B) of a packed pass. d_2 .. d_B are read at MASK 2 .. B (rows mask_start + 1, ...).
     d_1: under d1_from="mask", at MASK 1 (row mask_start); under d1_from="causal" (our reading:
-    the paper is silent), at `causal_row`, the causal row just before the block (the token the
-    block hangs off): the one LM head applied there predicts the next token, as L_AR trains it.
+    the paper is silent), at `causal_row`: the row of the token just before the block's MASKs.
+    The one LM head applied there predicts the next token, as L_AR trains it.
+    That token is the anchor x_{a_k} in training and validation, x_n in draft_block, and a
+    segment's first token (t or d_L) in build_branch_pass.
     causal_row, mask_start: row indices (...), broadcast together."""
     causal_row, mask_start = torch.broadcast_tensors(causal_row, mask_start)
     rows = mask_start[..., None] + torch.arange(block_size, device=mask_start.device)
@@ -449,18 +461,18 @@ def draft_rows(
 def cross_entropy(
     drafter: Drafter, hidden: torch.Tensor, labels: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row cross-entropy of the drafter's logits at `hidden` (n, H) against `labels` (n,),
-    and its argmax (n,)."""
+    """Per-row cross-entropy of the drafter's logits at `hidden` (rows, H) against `labels`
+    (rows,), and its argmax (rows,)."""
 
     def chunk(h, y):
-        log_p = torch.log_softmax(drafter.logits(h), -1)  # (n, V), float32
+        log_p = torch.log_softmax(drafter.logits(h), -1)  # (rows, V), float32
         return -log_p.gather(-1, y[:, None])[:, 0], log_p.argmax(-1)
 
     return in_logit_chunks(drafter.d3d_config.target_vocab_size, chunk, hidden, labels)
 
 
 def _greedy_tokens(drafter: Drafter, hidden: torch.Tensor) -> torch.Tensor:
-    """The drafter's argmax token at each row of `hidden` (n, H), a few rows of logits at a
+    """The drafter's argmax token at each row of `hidden` (rows, H), a few rows of logits at a
     time."""
 
     def chunk(h):
@@ -471,15 +483,15 @@ def _greedy_tokens(drafter: Drafter, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _block_labels(input_ids, loss_mask, anchors, valid, block_size):
-    """Targets x_{a+i} (i = 1..B) of every block (b, K, B), and where they count (they exist,
-    are response tokens, and the anchor is valid)."""
+    """Labels x_{a_k+i} (i = 1..B) of every block k (b, K, B), and where they count (they
+    exist, are response tokens, and the anchor is valid)."""
     num_causal = input_ids.shape[1]
     steps = torch.arange(1, block_size + 1, device=anchors.device)
-    idx = anchors[:, :, None] + steps  # (b, K, B)
-    inside = idx < num_causal
-    idx = idx.clamp(max=num_causal - 1)
-    labels = input_ids.gather(1, idx.flatten(1)).view_as(idx)
-    is_response = loss_mask.bool().gather(1, idx.flatten(1)).view_as(idx)
+    label_pos = anchors[:, :, None] + steps  # (b, K, B) the position a_k + i of each label
+    inside = label_pos < num_causal
+    label_pos = label_pos.clamp(max=num_causal - 1)
+    labels = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)
+    is_response = loss_mask.bool().gather(1, label_pos.flatten(1)).view_as(label_pos)
     counts = inside & is_response & valid[:, :, None]
     return labels, counts
 
@@ -511,7 +523,7 @@ def d3d_loss(
     returns them (default: drawn here with `generator`).
 
     Returns (loss, {loss_block, loss_ar, block_acc}). block_acc (B,): per block position i, the
-    share of counted blocks whose d_i, read where decoding reads it (draft_rows), is x_{a+i}.
+    share of counted blocks whose d_i, read where decoding reads it (draft_rows), is x_{a_k+i}.
     So block_acc[0] is the accuracy of d_1 from the config's d1_from: under "causal" the
     causal row at the anchor, under "mask" MASK 1; block_acc[1:] are MASK 2 .. B's."""
     cfg = drafter.d3d_config
@@ -575,9 +587,9 @@ def offline_tau(
     at=None,
 ) -> torch.Tensor:
     """Validation tau without the target (the responses are its greedy output): a block drafted
-    at anchor a, d_1 read as `d1_from` says (default: the config's), is accepted as far as it
-    matches x_{a+1} .... `at`: (anchors, valid) as sample_anchors returns them (default: drawn
-    here). Returns tau (accepted + 1) per valid anchor."""
+    at anchor a_k, d_1 read as `d1_from` says (default: the config's), is accepted as far as it
+    matches x_{a_k+1}, x_{a_k+2}, .... `at`: (anchors, valid) as sample_anchors returns them
+    (default: drawn here). Returns tau (accepted + 1) per valid anchor."""
     if block_size is None:
         block_size = drafter.d3d_config.block_size
     if d1_from is None:
@@ -603,6 +615,24 @@ def offline_tau(
 
 # --------------------------------------------------------------------------------------------------
 # Drafting, verification and acceptance
+#
+# Two rules shape the decoding loops, so that compiled passes (CUDA graphs on a GPU) replay and
+# the host never waits mid-round. The code tags where it keeps them: [shape n], [one read].
+# Fixed shapes: a decoding pass has one of five shapes (q tokens):
+#   1  target   1              a target-only step
+#   2  target   B + 1          verify [x_n, d_1 .. d_B]; after a full-acceptance hit the next
+#                              draft has B - 1 real tokens and a pad (async section), so one
+#                              shape serves both
+#   3  drafter  B + 1 + B      sync draft: the unread committed tokens (1 .. B + 1) padded to
+#                              B + 1, then B MASKs
+#   4  drafter  1 + B          async fallback draft: x_n and B MASKs
+#   5  drafter  1 + B          async packed pass: x_n, d_1 .. d_B, then S = C F + 1 segments
+#                + S (1 + B)   [token, B MASKs]; the drafter's cache holds x_0 .. x_{n-1}
+#                              (a fallback draft rewinds it there), so x_n is always read here
+# One host read [one read]: a round's outcome (accepted, next token, selected segment, draft)
+# comes back in one read_round. All before it (plan, build, verify, accept, select the segment)
+# is queued without waiting. One exception: sampling with a generator on another device than
+# the model's copies the probabilities to it (reproducible, at the cost of a wait).
 
 
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -634,30 +664,33 @@ def draft_block(
     width: int | None = None,
 ) -> torch.Tensor:
     """One drafter pass over the committed tokens it has not read, new_tokens (1, m) ending with
-    x_n, + a MASK block off x_n (its KV dropped again). `width`: the causal part padded to this
-    many tokens (one shape for every m; the pads come after x_n and no block sees them).
-    Returns the draft logits (B, V): row i-1 drafts position n+i."""
+    x_n, then a MASK block off x_n (its KV dropped again: the cache keeps the m new tokens).
+    `width`: the causal part padded to this many tokens (one shape for every m; the pads come
+    after x_n and no block sees them). Returns the draft logits (B, V): row i - 1 drafts d_i,
+    at position n + i."""
     m = new_tokens.shape[1]
     device = new_tokens.device
     start = cache.length
     if width is None:
         width = m
     width = max(width, m)
-    last = torch.tensor([m - 1], device=device)  # x_n's row: the token the block hangs off
-    mask, positions = packed_attention_mask(width, last, block_size, past_len=start)
+    # the block hangs off x_n, the last of the new tokens (row m - 1)
+    x_n_row = torch.tensor([m - 1], device=device)
+    mask, positions = packed_attention_mask(width, x_n_row, block_size, past_len=start)
     masks = torch.full((1, block_size), drafter.d3d_config.mask_token_id, device=device)
     ids = torch.cat([F.pad(new_tokens, (0, width - m)), masks], 1)
     hidden = cache.run(ids, positions, mask)  # (width + B, H)
     cache.rewind(start + m)
-    mask_start = last.new_full((1,), width)
-    rows = draft_rows(last, mask_start, block_size, drafter.d3d_config.d1_from)[0]
+    mask_start = x_n_row.new_full((1,), width)
+    rows = draft_rows(x_n_row, mask_start, block_size, drafter.d3d_config.d1_from)[0]
     return drafter.logits(hidden[rows])
 
 
 @torch.no_grad()
 def verify_block(cache: KVCache, last_token: torch.Tensor, draft: torch.Tensor):
     """One target pass on [x_n, d_1 .. d_B] (the cache holds x_0 .. x_{n-1}). Returns logits
-    (B+1, V): row i is the target's distribution for the token after x_n, d_1 .. d_i."""
+    (B+1, V): row i is the target's prediction of the token after x_n, d_1 .. d_i (row 0:
+    after x_n alone, i.e. of position n + 1)."""
     # [shape 2]: the draft is always (B,)
     return causal_pass(cache, torch.cat([last_token.view(1), draft])[None])
 
@@ -700,18 +733,19 @@ def accept_draft(
     if generator is not None:
         device = generator.device
     u = torch.rand(block_size, generator=generator, device=device).to(p_d.device)
-    # u < p/q, without dividing by a tiny q
+    # u <= p/q, without dividing by a tiny q
     accepts = (u * q_d <= p_d) & real
     num_accepted = accepts.long().cumprod(0).sum()
-    p_next = _at(p_target, num_accepted)  # (V,) the target's law after the accepted prefix
+    # (V,) the target's distribution after the accepted prefix
+    p_next = _at(p_target, num_accepted)
     # past the draft's last row: q = 0
     q_next = _at(F.pad(q_draft, (0, 0, 0, 1)), num_accepted)
     residual = (p_next - q_next).clamp(min=0)
     # p == q up to rounding: rejection had probability ~0
     residual = torch.where(residual.sum() > 0, residual, p_next)
     # all real tokens accepted: the bonus token from p
-    law = torch.where(real.sum() == num_accepted, p_next, residual)
-    return num_accepted, _sample(law / law.sum(), generator)
+    next_dist = torch.where(real.sum() == num_accepted, p_next, residual)
+    return num_accepted, _sample(next_dist / next_dist.sum(), generator)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -728,9 +762,9 @@ class RoundInfo:
     mode: str
     # 0, 1, 2, ... (the prefill's first token is not a round)
     index: int
-    # the round starts with x_0 .. x_n committed (x_n = output tokens[n])
+    # the round starts with x_0 .. x_n committed (x_n = out.tokens[n]; the prompt counts)
     n: int
-    # the token x_n itself: the one the round's block hangs off (round 0: the prefill's token)
+    # the token x_n itself: the last committed, just before d_1 (round 0: the prefill's token)
     x_n: int
     # d_1 .. d_B as verified ([] in target mode); the last is a pad after a full-acceptance hit
     # (then num_real = B - 1)
@@ -741,7 +775,7 @@ class RoundInfo:
     # segment of the previous round's packed pass), "full acceptance" (the previous round's
     # full-acceptance segment), "" in target mode
     drafted_by: str
-    # where d_1 was read: "causal" (the causal row before the block) or "mask" (MASK 1)
+    # where d_1 was read: "causal" (the row just before the block's MASKs) or "mask" (MASK 1)
     d1_from: str
     # a: the accepted prefix d_1 .. d_a
     num_accepted: int
@@ -846,7 +880,7 @@ def _prefill(
 ) -> None:
     """The target prefills the prompt (or the chunks selective prefill kept) and produces the
     first token itself; the drafter reads the prompt (selective prefill: it already has), so
-    that its first draft starts at x_n."""
+    that its first draft pass reads x_n alone."""
     ids = input_ids
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
     if selection is not None:
@@ -892,8 +926,9 @@ def _decode_sync(
 ) -> None:
     """Draft a block, verify it, commit, repeat. At the top of a round (committed x_0 .. x_n):
     the target's cache holds x_0 .. x_{n-1} (x_n goes with the draft); the drafter's holds
-    x_0 .. x_{d-1}, n - B <= d <= n (it reads the rest, padded to B + 1 tokens, in its next
-    pass). `report`: a _RoundReport (generate's on_round), or None."""
+    x_0 .. x_{j-1}, n - B <= j <= n (it reads x_j .. x_n, padded to B + 1 tokens, in its next
+    pass: j = n - a after a round that accepted a). `report`: a _RoundReport (generate's
+    on_round), or None."""
     tc = caches.target
     dc = caches.drafter
     while not out.done:
@@ -910,7 +945,8 @@ def _decode_sync(
         # [one read]
         num_accepted, next_token, *tokens = read_round([num_accepted, next_token, draft], tc, dc)
         out.commit_round(tokens[:num_accepted], next_token)
-        tc.rewind(len(out.tokens) - 1)  # keep x_0 .. x_n, d_1 .. d_a
+        # keep x_0 .. x_n, d_1 .. d_a (n as at the round's start): c is not read yet
+        tc.rewind(len(out.tokens) - 1)
         if report is not None:
             report(out, tokens, block_size, num_accepted, next_token)
 
@@ -918,29 +954,12 @@ def _decode_sync(
 # --------------------------------------------------------------------------------------------------
 # Asynchronous speculative decoding (Fig. 1c, Fig. 3)
 #
-# Two rules shape the loops, so that compiled passes (CUDA graphs on a GPU) replay and the host
-# never waits mid-round.
-# Fixed shapes: a decoding pass has one of five shapes (q tokens; tagged [shape n] where the code
-# fixes them):
-#   1  target   1              a target-only step
-#   2  target   B + 1          verify [x_n, d_1 .. d_B]; after a full-acceptance hit the next
-#                              draft has B - 1 real tokens and a pad (below), so one shape
-#                              serves both
-#   3  drafter  B + 1 + B      sync draft: the unread committed tokens (1 .. B + 1) padded to
-#                              B + 1, then B MASKs
-#   4  drafter  1 + B          async fallback draft: x_n and B MASKs
-#   5  drafter  1 + B          async packed pass: x_n, d_1 .. d_B, then S = C F + 1 segments
-#                + S (1 + B)   [token, B MASKs]; the drafter's cache rewinds to x_0 .. x_{n-1}
-#                              first, so x_n is always read again
-# One host read [one read]: a round's outcome (accepted, next token, selected segment, draft)
-# comes back in one read_round; all before it (plan, build, verify, accept, select the segment)
-# is queued without waiting (sampling with a generator on another device than the model's copies
-# the probabilities to it: reproducible, at the cost of a wait).
-#
-# Hit and miss. The packed pass prepares one segment per planned outcome of the verification.
-# When the outcome (a, c) is one that a segment was prepared for, that is a hit: the segment's
-# block is the next round's draft, with no drafting on the critical path (select_segment).
-# Otherwise it is a miss, and the next round starts with a fallback draft.
+# Hit and miss. The packed pass prepares one segment per planned outcome of the verification:
+# a branch per (k, t) = "d_k rejected, the target said t", and one full-acceptance segment.
+# The outcome (a, c) is a hit when a segment was prepared for it: the branch (a + 1, c), or,
+# if a = L, the full-acceptance segment whose bonus guess is c (select_segment). That segment's
+# block is the next round's draft, with no drafting on the critical path. Otherwise it is a
+# miss, and the next round starts with a fallback draft.
 #
 # What each KV cache holds across one round (committed x_0 .. x_n at the start; L = num_real,
 # a = num_accepted, c = next_token; "+" = written after what the cache held):
@@ -949,7 +968,8 @@ def _decode_sync(
 #   round's start                x_0 .. x_{n-1}               x_0 .. x_{n-1}
 #   fallback draft (a miss, or   x_0 .. x_{n-1}               + x_n, B MASKs; rewound to n
 #     the first round)                                          tokens: x_0 .. x_{n-1}
-#   verify | packed pass         + x_n, d_1 .. d_B            + x_n, d_1 .. d_B, S segments
+#   verify, packed pass (side    + x_n, d_1 .. d_B            + x_n, d_1 .. d_B, S segments
+#     by side)
 #   commit d_1 .. d_a, c         out.tokens: x_0 .. x_n, d_1 .. d_a, c (n + a + 2 tokens)
 #   rewind                       to len(out.tokens) - 1       to n + 1 + a
 #                                = n + 1 + a                  (x_0 .. x_n, d_1 .. d_a)
@@ -965,12 +985,13 @@ def _decode_sync(
 # other B - 1 rows draft x_{n+L+2} .. x_{n+L+B}. A hit means the guess was c, now committed as
 # x_{n'}; so those B - 1 rows are the next draft, L' = B - 1 real tokens, and a pad row (zero
 # logits, never accepted: accept_draft's num_real) keeps the draft B long [shape 2, 5]. If the
-# next round accepts all B - 1, its bonus token is the target's token at the pad's position
-# (verification row B - 1, the one after d_{B-1}): the pad itself is never compared.
+# next round accepts all B - 1, its bonus token is the target's prediction for the pad's
+# position, from verification row B - 1 (after d_{B-1}); the pad itself is never compared.
 
 
 def default_budget(block_size: int) -> tuple[int, int]:
-    """Branch budget (coverage C, fanout F): the paper's C = 12, F = 2 at B = 16, scaled with B."""
+    """Branch budget (coverage C, fanout F): the paper's C = 12, F = 2 at B = 16; C scales with
+    B (C = 0.75 B, rounded, within 1 .. B)."""
     coverage = max(1, min(block_size, round(0.75 * block_size)))
     fanout = 2
     return coverage, fanout
@@ -983,11 +1004,12 @@ def plan_branches(
     fanout: int,
     cover: str = "first",
 ):
-    """The outcomes that get a branch: C positions k x F candidates (the drafter's F likeliest
-    tokens at k, except d_k itself). cover="first": k = 1 .. C; "likely": the C largest
-    r_k = prod_{j<k} c_j * (1 - c_k), the chance that d_k is the first rejection, with c_j the
-    drafter's probability of d_j (as in D2SD). Returns positions (C,) ascending and candidates
-    (C, F), left on the device (no wait)."""
+    """The outcomes that get a branch: C block positions k x F candidate tokens t (the drafter's
+    F likeliest tokens at k, except d_k itself). cover="first": k = 1 .. C; "likely": the C
+    largest r_k = prod_{j<k} q(d_j) * (1 - q(d_k)), the chance that d_k is the first rejection,
+    with q(d_j) the drafter's probability of d_j (as in D2SD). Returns positions (C,), the k
+    ascending (1-based: d_k's logits are row k - 1), and candidates (C, F), left on the device
+    (no wait)."""
     block_size, vocab = draft_logits.shape
     coverage = min(coverage, block_size)
     fanout = min(fanout, vocab - 1)
@@ -995,11 +1017,15 @@ def plan_branches(
         positions = torch.arange(1, coverage + 1, device=draft.device)
     else:  # "likely"
         probs = torch.softmax(draft_logits, -1)
-        c = probs.gather(1, draft[:, None])[:, 0]  # (B,) the drafter's confidence in d_k
-        reach = torch.cat([torch.ones_like(c[:1]), torch.cumprod(c, 0)[:-1]])  # prod_{j<k} c_j
-        positions = torch.topk(reach * (1 - c), coverage).indices.sort().values + 1
+        # (B,) q(d_k), the drafter's probability of its own d_k
+        q_d = probs.gather(1, draft[:, None])[:, 0]
+        # prod_{j<k} q(d_j): the chance that d_k is reached
+        reach = torch.cat([torch.ones_like(q_d[:1]), torch.cumprod(q_d, 0)[:-1]])
+        # row k - 1 -> block position k
+        positions = torch.topk(reach * (1 - q_d), coverage).indices.sort().values + 1
     # d_k is never its own alternative
     others = draft_logits.scatter(-1, draft[:, None], float("-inf"))
+    # block position k -> row k - 1
     candidates = others.topk(fanout, dim=-1).indices[positions - 1]
     return positions, candidates  # (C,), (C, F)
 
@@ -1019,37 +1045,42 @@ def build_branch_pass(
     `draft` (B,).
 
     Causal stream: x_n (`last_token`, (1,); the cache holds x_0 .. x_{n-1}), then d_1 .. d_B
-    (the accepted drafts get their KV here). Then C x F segments [t, MASK x B], t at position
-    n+k off d_{k-1} (d_0 = x_n): "d_k rejected, the target said t". Last, the full-acceptance
-    segment [d_L, MASK x B] off d_{L-1} (L = `num_real`, the draft's real tokens; default B):
-    it drafts the bonus token x_{n+L+1} and the B - 1 tokens after it.
+    (the accepted drafts get their KV here); causal index j holds d_j (d_0 = x_n). Then C x F
+    segments [t, MASK x B] off d_{k-1}, t at position n + k: "d_k rejected, the target said
+    t". Last, the full-acceptance segment [d_L, MASK x B] off d_{L-1} (L = `num_real`, the
+    draft's real tokens; default B): it drafts the bonus token x_{n+L+1} and the B - 1 tokens
+    after it.
 
-    A segment's first draft token is read where draft_block reads it (draft_rows), from the
-    segment's `causal_row`: the row of its first token, t (or d_L), under d1_from="causal";
-    MASK 1 under "mask". In the example: the row of t1, or the MASK after it.
-    Example with B = L = 3, C = 2, F = 1, blocks of 2 MASKs shown; the cache is visible to all:
+    A segment's first draft token is read where draft_block reads it (draft_rows): under
+    d1_from="causal" at the row of the segment's first token (t, or d_L), the token just before
+    its MASKs; under "mask" at MASK 1.
+    Example with B = L = 3, C = 2, F = 1; the cache is visible to all:
 
-                     x_n d_1 d_2 d_3 | t1 m m | t2 m m | d_3 m m
-        x_n (n)      x               |        |        |
-        d_1 (n+1)    x   x           |        |        |
-        d_2 (n+2)    x   x   x       |        |        |
-        d_3 (n+3)    x   x   x   x   |        |        |
-        t1  (n+1)    x               | x      |        |
-        m   (n+2)    x               | x  x x |        |
-        m   (n+3)    x               | x  x x |        |
-        t2  (n+2)    x   x           |        | x      |
-        m   (n+3)    x   x           |        | x  x x |
-        m   (n+4)    x   x           |        | x  x x |
-        d_3 (n+3)    x   x   x       |        |        | x
-        m   (n+4)    x   x   x       |        |        | x   x x
-        m   (n+5)    x   x   x       |        |        | x   x x
+                     x_n d_1 d_2 d_3 | t1 m m m | t2 m m m | d_3 m m m
+        x_n (n)      x               |          |          |
+        d_1 (n+1)    x   x           |          |          |
+        d_2 (n+2)    x   x   x       |          |          |
+        d_3 (n+3)    x   x   x   x   |          |          |
+        t1  (n+1)    x               | x        |          |
+        m   (n+2)    x               | x  x x x |          |
+        m   (n+3)    x               | x  x x x |          |
+        m   (n+4)    x               | x  x x x |          |
+        t2  (n+2)    x   x           |          | x        |
+        m   (n+3)    x   x           |          | x  x x x |
+        m   (n+4)    x   x           |          | x  x x x |
+        m   (n+5)    x   x           |          | x  x x x |
+        d_3 (n+3)    x   x   x       |          |          | x
+        m   (n+4)    x   x   x       |          |          | x   x x x
+        m   (n+5)    x   x   x       |          |          | x   x x x
+        m   (n+6)    x   x   x       |          |          | x   x x x
 
         x_n .. d_3   the causal stream: x_n, then the draft
-        t1 m m       branch (1, t1): d_1 rejected, the target said t1; drafts x_{n+2} (row t1,
-                     or its first MASK) and x_{n+3}
-        t2 m m       branch (2, t2): d_1 accepted, d_2 rejected
-        d_3 m m      full acceptance, off d_2: drafts the bonus x_{n+4} (row d_3, or its first
-                     MASK), then x_{n+5}
+        t1 m m m     branch (1, t1): d_1 rejected, the target said t1; drafts x_{n+2} (row t1,
+                     or MASK 1) .. x_{n+4}
+        t2 m m m     branch (2, t2): d_1 accepted, d_2 rejected; drafts x_{n+3} .. x_{n+5}
+        d_3 m m m    full acceptance, off d_2: drafts the bonus x_{n+4} (row d_3, or MASK 1),
+                     then x_{n+5}, x_{n+6}
+        (no branch at k = 3: C = 2 covers k = 1, 2)
 
     Built without waiting for the device; its shape depends on B, C and F only. Returns input
     ids (1, q), position ids (1, q), mask (1, 1, q, past+q) and the rows (S, B) drafting each
@@ -1057,7 +1088,7 @@ def build_branch_pass(
     fanout = candidates.shape[1]
     if num_real is None:
         num_real = draft.shape[0]
-    # the causal index each segment hangs off: d_{k-1} for a branch at k, d_{L-1} for the last
+    # the causal index each segment hangs off: k - 1 (d_{k-1}) for a branch at k, L - 1 last
     branch_anchors = positions[:, None].expand(-1, fanout).flatten()
     full_anchor = positions.new_full((1,), num_real)
     anchors = torch.cat([branch_anchors, full_anchor]) - 1
@@ -1072,7 +1103,7 @@ def build_branch_pass(
     )
     segment_starts = (1 + block_size) * torch.arange(len(anchors), device=draft.device)
     mask_starts = num_causal + 1 + segment_starts
-    # each segment's first token: the causal row its block's d_1 is read from under "causal"
+    # each segment's first token (t or d_L): its row gives the block's d_1 under "causal"
     causal_rows = mask_starts - 1
     rows = draft_rows(causal_rows, mask_starts, block_size, drafter.d3d_config.d1_from)
     return ids, position_ids, mask, rows
@@ -1080,8 +1111,8 @@ def build_branch_pass(
 
 def bonus_guess(drafter: Drafter, block_hidden, temperature: float, generator=None):
     """The full-acceptance segment's guess of the bonus token (a 0-d device tensor), from its
-    first draft row: under d1_from="causal" the LM head at d_L's causal row, under "mask" at
-    MASK 1. block_hidden: (S, B, H), the segments' draft rows."""
+    first draft row: under d1_from="causal" the LM head at d_L's row (the segment's first
+    token), under "mask" at MASK 1. block_hidden: (S, B, H), the segments' draft rows."""
     return pick_tokens(drafter.logits(block_hidden[-1, 0]), temperature, generator)[0]
 
 
@@ -1103,7 +1134,7 @@ def select_segment(
     for position k = a + 1 and token t = c if there is one; else the full-acceptance segment if
     a = L (`num_real`) and its guess of the bonus token is c (`guess`: bonus_guess, drawn here
     if not given). That needs B > 1: the segment's other rows are the next draft. Computed on
-    the device, so the round still reads the host once."""
+    the device, so the round keeps its one host read."""
     num_segments, block_size = block_hidden.shape[:2]
     if guess is None:
         guess = bonus_guess(drafter, block_hidden, temperature, generator)
@@ -1118,9 +1149,9 @@ def select_segment(
 
 class _Lanes:
     """Runs verification and the packed pass side by side (lanes=2): on CUDA in two streams
-    (verify's of higher priority), on a CPU the packed pass in a worker thread (the two share
-    the cores: each gets half of torch's threads); lanes=1: one after the other. The clock gets
-    each pass's time and the two together's ("both")."""
+    (verify's has the higher priority), on a CPU the packed pass in a worker thread (the two
+    share the cores: each gets half of torch's threads); lanes=1: one after the other. The
+    clock times each pass, and both together ("both")."""
 
     def __init__(self, device: torch.device, lanes: int):
         self.streams = device.type == "cuda" and lanes > 1
@@ -1267,10 +1298,11 @@ def _decode_async(
     report=None,
 ) -> dict:
     """While the target verifies [x_n, d_1 .. d_B], one packed drafter pass prepares the next
-    draft for the likely outcomes. Each round: (a) plan and build the packed pass; (b) verify
-    while it runs; (c) commit the accepted prefix and the target's token c; on a hit the
+    draft for the likely outcomes. Each round: (1) plan and build the packed pass; (2) verify
+    while it runs; (3) commit the accepted prefix and the target's token c; on a hit the
     selected segment's block is the next draft, on a miss the drafter drafts it anew (the
-    fallback draft). The section's comment shows what each cache holds across a round.
+    fallback draft). "What each KV cache holds" at this section's start follows one round; the
+    worked trace above shows four.
 
     Returns hits and misses per outcome (index k-1: rejection at k; B: full acceptance) and
     pad_full_acceptances: the rounds that accepted a padded draft (B - 1 tokens and a pad)
@@ -1279,7 +1311,7 @@ def _decode_async(
     dc = caches.drafter
     hits = [0] * (block_size + 1)
     misses = [0] * (block_size + 1)
-    # padded drafts accepted whole: their bonus token is the target's at the pad's position
+    # padded drafts (after a full-acceptance hit) accepted whole
     pad_full = 0
     lane = _Lanes(dc.device, lanes)
     # the next draft's logits (None: not prepared, a fallback draft makes it) and L
@@ -1288,21 +1320,21 @@ def _decode_async(
     try:
         while not out.done:
             n = len(out.tokens) - 1
-            last = torch.tensor(out.tokens[n:], device=dc.device)  # (1,) x_n, on the device
+            x_n = torch.tensor(out.tokens[n:], device=dc.device)  # (1,), on the device
             if draft_logits is None:
                 # a fallback draft (a miss, or the first round): its pass reads x_n
                 with clock.span("fallback_draft"):
-                    draft_logits = draft_block(drafter, dc, last[None], block_size)  # [shape 4]
+                    draft_logits = draft_block(drafter, dc, x_n[None], block_size)  # [shape 4]
                     num_real = block_size
-                    # x_n again in the packed pass, whose causal stream starts there [shape 5]
+                    # drop x_n's KV: the packed pass's causal stream starts with x_n [shape 5]
                     dc.rewind(n)
-            # (a) plan and build, on the device
+            # (1) plan and build, on the device
             # (B,), with a pad after a full-acceptance hit (num_real = B - 1)
             draft, q_draft = pick_tokens(draft_logits, temperature, generator)
             positions, candidates = plan_branches(draft_logits, draft, coverage, fanout, cover)
             ids, position_ids, mask, block_rows = build_branch_pass(
                 drafter,
-                last,
+                x_n,
                 draft,
                 positions,
                 candidates,
@@ -1311,9 +1343,9 @@ def _decode_async(
                 num_real=num_real,
             )
 
-            # (b) verify while the packed pass prepares the next draft
+            # (2) verify while the packed pass prepares the next draft
             def verify():
-                return verify_block(tc, last, draft)
+                return verify_block(tc, x_n, draft)
 
             def packed():
                 return dc.run(ids, position_ids, mask)[block_rows]  # (S, B, H)
@@ -1342,7 +1374,7 @@ def _decode_async(
                 [num_accepted, next_token, segment, draft, *shown], tc, dc
             )
             tokens = read[:block_size]
-            # (c) commit, rewind both caches (the section's comment: n + 1 + a either way)
+            # (3) commit; rewind both caches to n + 1 + a ("What each KV cache holds")
             out.commit_round(tokens[:num_accepted], next_token)
             tc.rewind(len(out.tokens) - 1)
             dc.rewind(n + 1 + num_accepted)
@@ -1363,7 +1395,8 @@ def _decode_async(
             if segment >= 0 and not out.done:
                 full = segment == block_hidden.shape[0] - 1
                 if full:
-                    # its first row guessed c: rows 2 .. B and a pad (the section's comment)
+                    # its first row guessed c: rows 2 .. B and a pad ("The pad after a
+                    # full-acceptance hit", at this section's start)
                     rows = drafter.logits(block_hidden[segment, 1:])
                     draft_logits = F.pad(rows, (0, 0, 0, 1))
                     num_real = block_size - 1
@@ -1390,11 +1423,13 @@ def _decode_async(
 def adjusted_teacher(
     teacher_logits: torch.Tensor, labels: torch.Tensor, beta: float
 ) -> torch.Tensor:
-    """The recovery target (our reading of "adjusted toward the supervised token": the paper
-    gives no formula): q = (1 - beta) * softmax(teacher) + beta * onehot(label). Sums to one."""
-    q = (1 - beta) * torch.softmax(teacher_logits.float(), -1)
+    """The distribution recovery distils to (our reading of "adjusted toward the supervised
+    token": the paper gives no formula): (1 - beta) * softmax(teacher) + beta * onehot(label).
+    Sums to one."""
+    soft_label = (1 - beta) * torch.softmax(teacher_logits.float(), -1)
     # + beta at the label, without building the one-hot
-    return q.scatter_add(-1, labels[..., None], torch.full_like(q[..., :1], beta))
+    beta_column = torch.full_like(soft_label[..., :1], beta)
+    return soft_label.scatter_add(-1, labels[..., None], beta_column)
 
 
 def distill_loss(
@@ -1408,9 +1443,9 @@ def distill_loss(
     block_size: int | None = None,
     generator=None,
 ) -> torch.Tensor:
-    """Cross-entropy of the student against the adjusted teacher (no gradients) on one packed
-    batch: the blocks (targets x_{a+i}) and the causal stream (targets x_{j+1}), response tokens
-    only.
+    """Cross-entropy of the student against adjusted_teacher(teacher, label, beta), with no
+    gradient through the teacher, on one packed batch: the blocks (labels x_{a_k+i}) and the
+    causal stream (labels x_{j+1}), response tokens only. The two means are added.
 
     It ignores gamma and lambda (our reading: the paper gives recovery no weights). Those two
     shape what the drafter learns from the labels in training; recovery only asks the pruned
@@ -1424,26 +1459,31 @@ def distill_loss(
     anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
     with torch.no_grad():
-        t_causal, t_block = _packed_hidden(teacher, input_ids, anchors, block_size)
-    s_causal, s_block = _packed_hidden(student, input_ids, anchors, block_size)
+        teacher_causal, teacher_block = _packed_hidden(teacher, input_ids, anchors, block_size)
+    student_causal, student_block = _packed_hidden(student, input_ids, anchors, block_size)
     has_label = loss_mask[:, 1:].bool()
 
-    def chunk(h, y, t_h):
+    def chunk(student_h, label, teacher_h):
         with torch.no_grad():
-            q = adjusted_teacher(teacher.logits(t_h), y, beta)
-        # MASK: q = 0 and log_p = -inf; the clamp keeps 0 * -inf out
-        log_p = torch.log_softmax(student.logits(h), -1).clamp(min=-1e4)
-        return (-(q * log_p).sum(-1),)
+            soft_label = adjusted_teacher(teacher.logits(teacher_h), label, beta)
+        # MASK: soft_label = 0 and log_p = -inf; the clamp keeps 0 * -inf out
+        log_p = torch.log_softmax(student.logits(student_h), -1).clamp(min=-1e4)
+        return (-(soft_label * log_p).sum(-1),)
 
     loss = torch.zeros((), device=input_ids.device)
-    for s, t, y, where in (
-        (s_block, t_block, labels, counts),
-        (s_causal[:, :-1], t_causal[:, :-1], input_ids[:, 1:], has_label),
+    # the blocks, then the causal stream (row j, label x_{j+1})
+    for student_hidden, teacher_hidden, label_ids, counted in (
+        (student_block, teacher_block, labels, counts),
+        (student_causal[:, :-1], teacher_causal[:, :-1], input_ids[:, 1:], has_label),
     ):
         (token_loss,) = in_logit_chunks(
-            student.d3d_config.target_vocab_size, chunk, s[where], y[where], t[where]
+            student.d3d_config.target_vocab_size,
+            chunk,
+            student_hidden[counted],
+            label_ids[counted],
+            teacher_hidden[counted],
         )
-        loss = loss + token_loss.sum() / where.sum().clamp(min=1)
+        loss = loss + token_loss.sum() / counted.sum().clamp(min=1)
     return loss
 
 
@@ -1453,8 +1493,8 @@ def validation_tau(
 ) -> tuple[float, float]:
     """Mean offline tau and block cross-entropy over (input_ids, loss_mask) batches. Both are
     measured on the same blocks: one generator, seeded with `seed`, draws each batch's anchors,
-    and offline_tau and the block loss both take them; the same seed gives the same anchors on
-    every call, so candidates are compared on identical blocks."""
+    and offline_tau and the block loss both take them. The same seed gives the same anchors on
+    every call, so drafters with different layers are compared on identical blocks."""
     generator = torch.Generator().manual_seed(seed)
     taus = []
     losses = []
@@ -1476,7 +1516,7 @@ def _only_layers(drafter: Drafter, layer_ids: list[int]):
     keep_layers(drafter.model, layer_ids)
     try:
         yield decoder
-    finally:  # every layer back, numbered 0..n-1 again
+    finally:  # every layer back, numbered from 0 again
         decoder.layers = layers
         config.layer_types = layer_types
         keep_layers(drafter.model, list(range(len(layers))))
@@ -1503,8 +1543,8 @@ def _original_ids(drafter: Drafter) -> list[int]:
 
 
 def remove_layer(drafter: Drafter, index: int) -> None:
-    """Remove decoder layer `index` for good (in place); d3d_config.layer_ids keeps the original
-    indices."""
+    """Remove decoder layer `index` (its index among the current layers) for good, in place;
+    d3d_config.layer_ids keeps the original indices."""
     original = _original_ids(drafter)
     keep_layers(drafter.model, [i for i in range(len(original)) if i != index])
     drafter.d3d_config.layer_ids = [layer for i, layer in enumerate(original) if i != index]
@@ -1513,9 +1553,9 @@ def remove_layer(drafter: Drafter, index: int) -> None:
 def least_costly_layer(
     drafter: Drafter, scores: dict[int, float], val_batches, *, num_anchors: int = 32, seed: int = 0
 ) -> int:
-    """The layer whose removal costs least tau (`scores`: tau without each layer); ties, common
-    for weak drafters, go to the smallest change in block loss (our reading: the paper is
-    silent)."""
+    """The layer whose removal costs least tau (`scores`: tau without each layer, by index among
+    the current layers); ties, common for weak drafters, go to the smallest change in block
+    loss (our reading: the paper is silent)."""
     tied = [i for i in scores if scores[i] == max(scores.values())]
     if len(tied) == 1:
         return tied[0]
@@ -1598,14 +1638,14 @@ def prune_drafter(
     score=None,
 ):
     """Greedy progressive pruning, in place (Fig. 1b). Each iteration: score every layer by the
-    offline tau without it (`score`: tau_without_each_layer, or fast.py's, which is quicker),
+    offline tau without it (`score`: tau_without_each_layer, or systems/fast.py's, quicker),
     remove the one that costs least, recover for `recovery_steps` steps distilled from the fixed
     unpruned drafter, re-measure tau. Stops at `min_layers`, or after the first removal whose
     recovered tau falls below tau_floor x the unpruned tau (undone: "kept" False). Checks its
-    arguments at the call, then returns a generator of rows for the caller to print: the unpruned
-    drafter's, then one per iteration (each runs as its row is taken). The copy kept to undo a
-    removal waits in host memory; `checkpointing` recomputes each layer's activations in
-    recovery's backward."""
+    arguments at the call, then returns an iterator of rows for the caller to print: the
+    unpruned drafter's, then one per iteration (each runs as its row is taken). The copy kept
+    to undo a removal waits in host memory; `checkpointing` recomputes each layer's activations
+    in recovery's backward."""
     if min_layers is None and tau_floor is None:
         raise ValueError(
             "give a stopping rule: min_layers (a target depth) or tau_floor "
@@ -1672,7 +1712,8 @@ def prune_drafter(
             kept = tau_floor is None or tau_after >= tau_floor * tau0  # of the unpruned tau
             if not kept:  # below the floor: undo this removal and stop
                 _undo_removal(drafter, snapshot, teacher.device)
-            candidates = {original[i]: round(tau, 4) for i, tau in scores.items()}
+            # tau without each layer, by the layer's original index
+            layer_taus = {original[i]: round(tau, 4) for i, tau in scores.items()}
             yield {
                 "iteration": iteration,
                 "removed_layer": original[best],
@@ -1683,7 +1724,7 @@ def prune_drafter(
                 "score_seconds": score_seconds,
                 "kept": kept,
                 "recovery_skipped": skipped,
-                "candidates": candidates,
+                "candidates": layer_taus,
             }
             if not kept:
                 break
@@ -1708,27 +1749,28 @@ def select_chunks(
     """The drafter reads the whole prompt into its cache (`cache`, else a new one) and picks the
     chunks the target prefills: the first, the last, then the best by score (our reading: the
     paper is silent; the attention from the last `query_window` prompt tokens, mean over layers,
-    heads and queries) up to ceil(keep_ratio * num_chunks). Returns kept_ids and kept_positions
-    (1, k), drafter_cache (full prompt), chunk_scores, kept_chunks, num_chunks, chunks_kept."""
+    heads and queries), ceil(keep_ratio * num_chunks) in all but at least 2, in their order.
+    Returns kept_ids and kept_positions (1, kept tokens), drafter_cache (full prompt),
+    chunk_scores, kept_chunks, num_chunks, chunks_kept."""
     if not 0 < keep_ratio <= 1 or chunk_size < 1:
         raise ValueError(
             f"need keep_ratio in (0, 1] and chunk_size >= 1, got {keep_ratio}, {chunk_size}"
         )
     device = input_ids.device
-    length = input_ids.shape[1]
-    window = min(query_window, length)
+    prompt_len = input_ids.shape[1]
+    window = min(query_window, prompt_len)
     if cache is None:
-        cache = KVCache(drafter, length)
+        cache = KVCache(drafter, prompt_len)
     cache.rewind(0)
-    if length > window:  # the bulk of the prompt with the fast attention path
-        prefill(cache, input_ids[:, : length - window])
-    # per layer: (heads, window, length)
-    attentions = attention_pass(cache, input_ids[:, length - window :])
-    # (length,): the attention each prompt token receives
-    attention = torch.stack(attentions).mean((0, 1, 2))[:length]
-    num_chunks = math.ceil(length / chunk_size)
+    if prompt_len > window:  # the bulk of the prompt with the fast attention path
+        prefill(cache, input_ids[:, : prompt_len - window])
+    # per layer: (heads, window, prompt_len)
+    attentions = attention_pass(cache, input_ids[:, prompt_len - window :])
+    # (prompt_len,): the attention each prompt token receives
+    attention = torch.stack(attentions).mean((0, 1, 2))[:prompt_len]
+    num_chunks = math.ceil(prompt_len / chunk_size)
     scores = torch.zeros(num_chunks, device=device).index_add_(
-        0, torch.arange(length, device=device) // chunk_size, attention
+        0, torch.arange(prompt_len, device=device) // chunk_size, attention
     )
     num_keep = min(num_chunks, max(2, math.ceil(keep_ratio * num_chunks)))
     ranked = scores.clone()
@@ -1737,9 +1779,9 @@ def select_chunks(
     ranked[-1] = float("inf")
     kept = sorted(torch.topk(ranked, num_keep).indices.tolist())
     spans = []
-    for c in kept:
-        end = min((c + 1) * chunk_size, length)
-        spans.append(torch.arange(c * chunk_size, end, device=device))
+    for chunk in kept:
+        end = min((chunk + 1) * chunk_size, prompt_len)
+        spans.append(torch.arange(chunk * chunk_size, end, device=device))
     positions = torch.cat(spans)
     return {
         "kept_ids": input_ids[:, positions],
