@@ -206,7 +206,8 @@ class Report:
         """An exception inside fails the check `name` with its message, and the step goes on."""
         try:
             yield
-        except Exception as error:  # noqa: BLE001 -- a check that crashed is a failed check, with its reason
+        # a check that crashed is a failed check, with its reason
+        except Exception as error:  # noqa: BLE001
             self.check(name, False, f"{type(error).__name__}: {error}")
 
     def status(self) -> str:
