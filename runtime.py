@@ -645,7 +645,7 @@ def check_request(
 
 
 # a CPU's second thread pays from this target size on (a tiny model's passes hold the GIL:
-# two threads were measured slower, RESULTS.md, "Speed")
+# two threads were measured slower, RESULTS.md, "Speed on the toy")
 TWO_LANES_MIN_PARAMS = 20_000_000
 
 
@@ -663,7 +663,7 @@ def default_mode(device_type: str) -> tuple[str, str]:
         return "sync", why
     why = (
         "on a CPU a pass costs in proportion to its tokens, so async's packed pass costs more "
-        "than the draft a hit saves (RESULTS.md, Speed)"
+        "than the draft a hit saves (RESULTS.md, Speed on the toy)"
     )
     return "sync", why
 
