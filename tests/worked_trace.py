@@ -17,14 +17,15 @@ import sys
 import textwrap
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import d3d  # noqa: E402  (d3d.py lives one folder up)
 import runtime  # noqa: E402
 from systems import explain  # noqa: E402
+
+# the spec's tiny models and tokenizer (odd sizes; 99 rows, 90 known tokens)
+from test_d3d import TEXT_VOCAB, make_tokenizer, tiny_qwen3  # noqa: E402
 
 D3D_PY = os.path.join(ROOT, "d3d.py")
 BEGIN = "# >>> worked async trace"
@@ -33,7 +34,6 @@ END = "# <<< worked async trace"
 BLOCK_SIZE = 4  # B
 COVERAGE = 2  # C: rejection branches at k = 1, 2
 FANOUT = 1  # F: one candidate token t per covered position
-TEXT_VOCAB = 90  # tokens the tokenizer knows; the models have 99 rows
 PROMPT = [18, 87, 71, 54, 8]  # x_0 .. x_4; the target's first token x_5 ends the prefill
 MAX_NEW_TOKENS = 15  # x_5 .. x_19: the prefill's token, then rounds of 2, 3, 5 and 4 tokens
 
@@ -53,33 +53,6 @@ CASES = [
     "The padded draft of (iii): three real tokens and a pad that is never accepted; the target's "
     "token at the pad's row is the bonus. The budget is reached: decoding stops.",
 ]
-
-
-def make_tokenizer() -> PreTrainedTokenizerFast:
-    """t0 .. t89, one word each: the drafter needs a tokenizer (make_drafter picks MASK past it)."""
-    vocab = {f"t{i}": i for i in range(TEXT_VOCAB)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
-
-
-def tiny_qwen3(seed: int, init: float) -> Qwen3ForCausalLM:
-    """A tiny Qwen3 from a config (odd sizes), fp32. A large `init` spreads the target's logits,
-    so that its greedy choices are far from ties (top-2 margin > 0.2 on this trace)."""
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=99,
-        hidden_size=32,
-        intermediate_size=37,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=512,
-        initializer_range=init,
-        attn_implementation="sdpa",
-    )
-    return Qwen3ForCausalLM(config).eval()
 
 
 class ScriptedDrafter(d3d.Drafter):
