@@ -416,17 +416,6 @@ def sample_anchors(
     return anchors, top.values.gather(1, order) >= 0
 
 
-def _packed_hidden(drafter, input_ids, anchors, block_size):
-    """Training-shape pass: hidden states of the causal stream (b, N, H) and of a MASK block per
-    anchor (b, K, B, H)."""
-    num_causal = input_ids.shape[1]
-    num_anchors = anchors.shape[1]
-    inputs = _packed_inputs(drafter, input_ids, anchors, block_size)
-    hidden = drafter.hidden_states(*inputs)  # (b, N + K*B, H)
-    block_hidden = hidden[:, num_causal:].unflatten(1, (num_anchors, block_size))
-    return hidden[:, :num_causal], block_hidden
-
-
 def _packed_inputs(drafter, input_ids, anchors, block_size):
     """(ids, positions, mask) of the packed sequence: the causal stream, then a block of B MASKs
     per anchor."""
@@ -438,6 +427,17 @@ def _packed_inputs(drafter, input_ids, anchors, block_size):
         device=input_ids.device,
     )
     return torch.cat([input_ids, masks], 1), positions, mask
+
+
+def _packed_hidden(drafter, input_ids, anchors, block_size):
+    """Training-shape pass: hidden states of the causal stream (b, N, H) and of a MASK block per
+    anchor (b, K, B, H)."""
+    num_causal = input_ids.shape[1]
+    num_anchors = anchors.shape[1]
+    inputs = _packed_inputs(drafter, input_ids, anchors, block_size)
+    hidden = drafter.hidden_states(*inputs)  # (b, N + K*B, H)
+    block_hidden = hidden[:, num_causal:].unflatten(1, (num_anchors, block_size))
+    return hidden[:, :num_causal], block_hidden
 
 
 def draft_rows(
@@ -856,25 +856,6 @@ class _RoundReport:
         self.on_round(info)
 
 
-def _drafted_by(segment: int, num_segments: int) -> str:
-    """Which pass drafts the round after an async round whose outcome selected `segment`."""
-    if segment < 0:
-        return "draft pass"
-    if segment == num_segments - 1:
-        return "full acceptance"
-    return "branch"
-
-
-def _outcomes(planned: list[int], coverage: int, fanout: int, num_real: int):
-    """The packed pass's segments as (k, t) pairs, from the values read [positions (C),
-    candidates (C x F), guess]: each planned rejection, then full acceptance (L + 1, guess)."""
-    positions = planned[:coverage]
-    candidates = planned[coverage : coverage + coverage * fanout]
-    outcomes = [(positions[i // fanout], t) for i, t in enumerate(candidates)]
-    outcomes.append((num_real + 1, planned[-1]))
-    return outcomes
-
-
 def _prefill(
     caches: Caches, input_ids, selection, out: Output, clock: Clock, temperature, generator
 ) -> None:
@@ -1200,6 +1181,25 @@ class _Lanes:
         future = self.pool.submit(clock.run, "packed_draft", packed)
         p_logits = clock.run("verify", verify)
         return p_logits, future.result()
+
+
+def _drafted_by(segment: int, num_segments: int) -> str:
+    """Which pass drafts the round after an async round whose outcome selected `segment`."""
+    if segment < 0:
+        return "draft pass"
+    if segment == num_segments - 1:
+        return "full acceptance"
+    return "branch"
+
+
+def _outcomes(planned: list[int], coverage: int, fanout: int, num_real: int):
+    """The packed pass's segments as (k, t) pairs, from the values read [positions (C),
+    candidates (C x F), guess]: each planned rejection, then full acceptance (L + 1, guess)."""
+    positions = planned[:coverage]
+    candidates = planned[coverage : coverage + coverage * fanout]
+    outcomes = [(positions[i // fanout], t) for i, t in enumerate(candidates)]
+    outcomes.append((num_real + 1, planned[-1]))
+    return outcomes
 
 
 # >>> worked async trace (python tests/worked_trace.py --write regenerates it)
