@@ -20,7 +20,7 @@ reads the same.
 The two mask pictures need no model (prints the paths it wrote):
     python -m systems.pictures masks --block-size 4 --num-anchors 3 --coverage 2 --fanout 1 \
         --out DIR
-The README's two, by name:
+The README's two, by name (LAB.md shows the command):
     python -m systems.pictures masks --training-png pictures/training-mask.png \
         --branch-png pictures/branch-pass-mask.png
 """

@@ -103,7 +103,7 @@ def test_the_docs_show_the_commands_of_every_script():
     assert len(ALL) > 40
     assert {script for _, script, _ in ALL} == set(SCRIPTS)
     assert (
-        "README.md",
+        "RESULTS.md",
         "train.py",
         [
             "prune",
