@@ -568,7 +568,8 @@ def check_resume(saved: dict, recipe: dict, out: str) -> None:
     """Refuse to resume a checkpoint trained with other settings: say which one differs."""
     fresh = "start fresh with --no-resume, or give another --out"
     if "recipe" not in saved:
-        raise runtime.UserError(f"--out {out} holds a checkpoint that records no recipe — {fresh}")
+        message = f"--out {out} holds a checkpoint that records no recipe — {fresh}"
+        raise runtime.UserError(message)
     for key, value in recipe.items():
         before = saved["recipe"].get(key)
         if before != value:

@@ -166,7 +166,8 @@ def read_json(flag: str, path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             value = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{flag}: {path} is not valid JSON ({e}) — restore or rewrite it") from None
+        message = f"{flag}: {path} is not valid JSON ({e}) — restore or rewrite it"
+        raise UserError(message) from None
     if not isinstance(value, dict):
         raise UserError(f"{flag}: {path} holds no JSON object — restore or rewrite it")
     return value
@@ -236,9 +237,8 @@ def check_drafter_folder(flag: str, path: str) -> str:
     """A D3D drafter folder: an HF model folder plus d3d_config.json."""
     if not os.path.isdir(path):
         if os.path.exists(path):
-            raise UserError(
-                f"{flag} {path} is a file, not a folder — give a drafter folder that train.py wrote"
-            )
+            fix = "give a drafter folder that train.py wrote"
+            raise UserError(f"{flag} {path} is a file, not a folder — {fix}")
         raise UserError(
             f"{flag} {path}: no such folder — train one with `python train.py`, or check the path"
         )

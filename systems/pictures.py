@@ -523,7 +523,8 @@ def block_accuracy_data(block_acc) -> dict:
         percent[name] = [100.0 * v for v in values]
     sizes = {len(v) for v in percent.values()}
     if len(sizes) != 1:
-        raise PicturesUnavailable(f"series of lengths {sorted(sizes)} — give every series B values")
+        lengths = sorted(sizes)
+        raise PicturesUnavailable(f"series of lengths {lengths} — give every series B values")
     return {"positions": list(range(1, sizes.pop() + 1)), "percent": percent}
 
 
