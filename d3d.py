@@ -6,24 +6,29 @@ block while the target verifies this one.
 
 Paper -> this file, top to bottom:
     config (B, MASK, K, lambda, gamma); the drafter   D3DConfig; make_drafter, Drafter
+    decoding's settings, in the manner of HF's        DecodeConfig (generate's; keywords
+      GenerationConfig                                  replace its fields)
     packed attention (Fig. 1a)                        packed_attention_mask
     L_block + lambda L_AR (Fig. 1a)                   d3d_loss, sample_anchors
     where d_1 is read (our reading: the LM head at    draft_rows, D3DConfig.d1_from: one rule
       the causal row of x_n)                            for every pass
-    drafting, verification, acceptance                draft_block, verify_block, accept_draft
+    drafting, verification, acceptance                draft_block, verify_block, accept_draft;
+                                                        Sampler (greedy, or T and a generator)
     target-only and synchronous decoding              _decode_target, _decode_sync
     asynchronous decoding (Fig. 1c, Fig. 3): one      _decode_async: plan_branches,
       packed pass drafts, during verification, for      build_branch_pass, select_segment,
       each likely outcome                               _Lanes (a CUDA stream, or a CPU thread)
-    layer pruning (Fig. 1b): score, remove,           prune_drafter: tau_without_each_layer,
-      recover, re-measure                               least_costly_layer, remove_layer,
+    layer pruning (Fig. 1b): score, remove,           prune_drafter (its settings: PruneConfig):
+      recover, re-measure                               tau_without_each_layer,
+                                                        least_costly_layer, remove_layer,
                                                         recover, validation_tau (offline_tau)
     selective prefilling (appendix, Fig. 5)           select_chunks
     the entry point                                   generate(mode="target" | "sync" | "async")
 
 The paper's symbols -> the code's names:
     B           block_size: MASK tokens drafted in one pass
-    K           num_anchors: blocks per training sequence
+    K           num_anchors: blocks per training sequence (a measurement's own count, in
+                validation and pruning, is val_anchors)
     a_1 .. a_K  anchors: the positions the K training blocks hang off; block k's labels are
                 x_{a_k+1} .. x_{a_k+B} (a alone is the accepted count, below)
     lambda      ar_weight: weight of L_AR
@@ -64,6 +69,9 @@ What the loops take from runtime.py, in brief, so that this file reads alone:
                               the decode: no mid-round wait
     check_request, cache_len, async_lanes  generate's input checks (-> B); KV slots a request
                               needs; default lanes
+    setting, check_settings, with_settings  a config field with its help and Range; every
+                              field checked against its range; a config with keyword settings
+                              replacing fields (TypeError for an unknown name)
     additive_mask(mask, model)  bool mask (True = may attend) -> HF's additive float mask
     keep_layers(model, ids)   a new layer list of those decoder layers only, renumbered from
                               0 (cache slots, config)
@@ -93,7 +101,7 @@ import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -105,12 +113,14 @@ from runtime import (
     Clock,
     KVCache,
     Output,
+    Range,
     additive_mask,
     async_lanes,
     attention_pass,
     cache_len,
     causal_pass,
     check_request,
+    check_settings,
     finite_step,
     host_copy,
     in_logit_chunks,
@@ -118,7 +128,9 @@ from runtime import (
     load_causal_lm,
     prefill,
     read_round,
+    setting,
     tokenizer_fingerprint,
+    with_settings,
 )
 
 MASK_TOKEN = "<|MASK|>"
@@ -131,36 +143,50 @@ CONFIG_NAME = "d3d_config.json"
 
 @dataclass
 class D3DConfig:
-    """The method's settings, saved as d3d_config.json next to every drafter."""
+    """The method's settings, saved as d3d_config.json next to every drafter: the one source of
+    B, K, lambda, gamma and d1_from for training, validation and decoding. An ablation replaces
+    a field: Drafter(drafter.model, replace(drafter.d3d_config, ar_weight=0.0))."""
 
-    # B: MASK tokens drafted in one pass (paper default 16; Table 4 compares 8/16/32)
-    block_size: int = 16
-    # id of MASK in the drafter's embedding table (set by make_drafter)
-    mask_token_id: int = -1
-    # K: blocks per training sequence. Table 5 (D3D-1.7B, Qwen3-8B, B = 16, MATH-500): tau 7.89 /
-    # 8.14 / 8.15 / 8.17 at K = 16 / 64 / 128 / 256, near saturation at 64
-    num_anchors: int = 64
-    # lambda: weight of the auxiliary autoregressive loss L_AR (Table 3: 1.0 is best)
-    ar_weight: float = 1.0
-    # gamma: block position weights exp(-(i-1)/gamma), gamma > 0; None = uniform weights
-    decay_gamma: float | None = None
-    # rows of the target's output layer; drafter logits are cut to this size
-    target_vocab_size: int = 0
-    # fingerprint of the tokenizer the drafter was made for (drivers check the target's)
-    tokenizer_hash: str = ""
-    # which layers of the initial checkpoint the drafter kept (None: all)
-    layer_ids: list[int] | None = None
-    # where d_1 is read (draft_rows): "causal", the LM head at x_n's causal row (our reading: the
-    # paper is silent); "mask", at MASK 1
-    d1_from: str = "causal"
+    block_size: int = setting(
+        16,
+        "B: MASK tokens drafted in one pass (paper default 16; Table 4 compares 8/16/32)",
+        Range(int, low=1),
+    )
+    mask_token_id: int = setting(-1, "id of MASK in the drafter's embedding table (make_drafter)")
+    num_anchors: int = setting(
+        64,
+        "K: blocks per training sequence. Table 5 (D3D-1.7B, Qwen3-8B, B = 16, MATH-500): tau "
+        "7.89 / 8.14 / 8.15 / 8.17 at K = 16 / 64 / 128 / 256, near saturation at 64",
+        Range(int, low=1),
+    )
+    ar_weight: float = setting(
+        1.0,
+        "lambda: weight of the auxiliary autoregressive loss L_AR (Table 3: 1.0 is best)",
+        Range(float, low=0),
+    )
+    decay_gamma: float | None = setting(
+        None,
+        "gamma: block position weights exp(-(i-1)/gamma), gamma > 0; None: uniform weights",
+        Range(float, low=0, low_open=True),
+    )
+    target_vocab_size: int = setting(
+        0, "rows of the target's output layer; drafter logits are cut to this size"
+    )
+    tokenizer_hash: str = setting(
+        "", "fingerprint of the tokenizer the drafter was made for (drivers check the target's)"
+    )
+    layer_ids: list[int] | None = setting(
+        None, "which layers of the initial checkpoint the drafter kept (None: all)"
+    )
+    d1_from: str = setting(
+        "causal",
+        'where d_1 is read (draft_rows): "causal", the LM head at x_n\'s causal row (our '
+        'reading: the paper is silent); "mask", at MASK 1',
+        Range(str, choices=("causal", "mask")),
+    )
 
     def __post_init__(self):
-        for name in ("block_size", "num_anchors"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.d1_from not in ("causal", "mask"):
-            raise ValueError(f"d1_from must be 'causal' or 'mask', got {self.d1_from!r}")
-        _check_gamma(self.decay_gamma)
+        check_settings(self)
 
     @classmethod
     def load(cls, path: str) -> "D3DConfig":
@@ -169,12 +195,71 @@ class D3DConfig:
         return cls(**fields)
 
 
-def _check_gamma(decay_gamma: float | None) -> None:
-    """gamma > 0, or None for uniform block position weights (0 would divide by zero)."""
-    if decay_gamma is not None and not decay_gamma > 0:
-        raise ValueError(
-            f"decay_gamma (gamma) must be > 0, got {decay_gamma}: give None for uniform weights"
-        )
+MODES = ("target", "sync", "async")
+
+
+@dataclass
+class DecodeConfig:
+    """How generate decodes, in the manner of transformers' GenerationConfig: generate(target,
+    drafter, input_ids, config, **settings), each keyword replacing a field. DecodeConfig()
+    decodes a fixed 128 new tokens (no EOS stops it), greedily, in sync mode, with the
+    drafter's B. None means "not given" in every field: its help says what is used then."""
+
+    max_new_tokens: int = setting(
+        128, "tokens decoded after the prompt (fewer if EOS comes first)", Range(int, low=0)
+    )
+    mode: str = setting(
+        "sync",
+        '"target": the target alone (the drafter may be None); "sync": D3D drafts a block, the '
+        'target verifies it; "async": the drafter drafts the next block during verification',
+        Range(str, choices=MODES),
+    )
+    temperature: float = setting(
+        0.0,
+        "0: greedy, the target's own output token for token; > 0: sampling, lossless",
+        Range(float, low=0),
+    )
+    eos_token_id: int | list[int] | None = setting(
+        None,
+        "a token (or a list) that ends the output, kept; None: only max_new_tokens ends it",
+        Range(int, low=0, each=True),
+    )
+    block_size: int | None = setting(
+        None, "B: MASK tokens drafted in one pass; None: the drafter's", Range(int, low=1)
+    )
+    coverage: int | None = setting(
+        None,
+        "C (async): how many block positions k get rejection branches; None: default_budget(B)",
+        Range(int, low=0),
+    )
+    fanout: int | None = setting(
+        None,
+        "F (async): candidate tokens t per covered position; None: default_budget(B)",
+        Range(int, low=0),
+    )
+    cover: str = setting(
+        "first",
+        'which positions C covers (async, plan_branches): "first", k = 1 .. C; "likely", '
+        "the C likeliest first rejections",
+        Range(str, choices=("first", "likely")),
+    )
+    lanes: int | None = setting(
+        None,
+        "async: 2 runs the packed pass beside verification (CUDA: a stream; CPU: a thread), 1 "
+        "after it; None: runtime.async_lanes picks",
+        Range(int, choices=(1, 2)),
+    )
+    keep_ratio: float | None = setting(
+        None,
+        "selective prefill (lossy): the share of prompt chunks the target prefills "
+        "(select_chunks); None: the whole prompt",
+        Range(float, low=0, high=1, low_open=True),
+    )
+    chunk_size: int = setting(64, "tokens per prompt chunk of selective prefill", Range(int, low=1))
+    trace: bool = setting(False, "add a Chrome trace of the phases (stats['trace'])", Range(bool))
+
+    def __post_init__(self):
+        check_settings(self)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -195,17 +280,15 @@ class Drafter(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def hidden_states(
-        self, input_ids, position_ids, attention_mask, past_key_values=None
-    ) -> torch.Tensor:
-        """Last hidden states (b, q, H); attention_mask: bool (b, 1, q, past+q), True = may
-        attend."""
+    def hidden_states(self, ids, positions, mask, cache=None) -> torch.Tensor:
+        """Last hidden states (b, q, H) of ids (b, q) at positions (b, q); mask: bool (b, 1, q,
+        past + q), True = may attend; cache: an HF cache holding the past (KVCache.hf)."""
         out = self.model.get_decoder()(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=additive_mask(attention_mask, self.model),
-            cache=past_key_values,
-            use_cache=past_key_values is not None,
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=additive_mask(mask, self.model),
+            cache=cache,
+            use_cache=cache is not None,
         )
         return out.last_hidden_state
 
@@ -218,12 +301,8 @@ class Drafter(nn.Module):
             logits[..., self.d3d_config.mask_token_id] = float("-inf")
         return logits
 
-    def forward(
-        self, input_ids, position_ids, attention_mask, past_key_values=None
-    ) -> torch.Tensor:
-        return self.logits(
-            self.hidden_states(input_ids, position_ids, attention_mask, past_key_values)
-        )
+    def forward(self, ids, positions, mask, cache=None) -> torch.Tensor:
+        return self.logits(self.hidden_states(ids, positions, mask, cache))
 
     def save_pretrained(self, path: str, tokenizer=None) -> None:
         os.makedirs(path, exist_ok=True)
@@ -252,14 +331,8 @@ class Drafter(nn.Module):
 
 
 def make_drafter(
-    model: nn.Module,
-    mask_token_id: int | None = None,
-    *,
-    tokenizer,
-    layers: list[int] | None = None,
-    target_vocab_size: int | None = None,
-    **config,
-) -> Drafter:
+    model, mask_token_id=None, *, tokenizer, layers=None, target_vocab_size=None, **config
+):
     """Turn any HF causal LM with the target's tokenizer into a D3D drafter. MASK:
     `mask_token_id` (not a text token), else `<|MASK|>` if the tokenizer has it, else the first
     id past the text tokens, len(tokenizer) (embeddings grow only if that id has no row).
@@ -317,14 +390,7 @@ def make_drafter(
 # Packed attention: one causal stream, blocks hanging off points of it (Fig. 1a)
 
 
-def packed_attention_mask(
-    num_causal: int,
-    anchors: torch.Tensor,
-    block_size: int,
-    *,
-    prefix_len: int = 0,
-    past_len: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_attention_mask(num_causal: int, anchors, block_size: int, *, prefix_len=0, past_len=0):
     """Mask and position ids of a packed sequence [causal stream | segment 1 | segment 2 | ...].
 
     Two coordinates: a token's *index* is its place in the packed sequence; its *position* is
@@ -397,20 +463,16 @@ def packed_attention_mask(
 # Training: blockwise denoising + auxiliary autoregressive supervision (Fig. 1a)
 
 
-def sample_anchors(
-    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
-):
-    """K anchors per sequence, uniformly without replacement among positions p whose next token
-    is a response token. Returns anchors (b, K) sorted, and valid (b, K) (False where a
-    sequence has fewer than K such positions: its extra anchors count nowhere)."""
+def sample_anchors(loss_mask, num_anchors: int, generator=None):
+    """`num_anchors` anchors per sequence (K in training), uniformly without replacement among
+    positions p whose next token is a response token, drawn with `generator` (Sampler.uniform).
+    Returns anchors (b, K) sorted, and valid (b, K) (False where a sequence has fewer than K
+    such positions: its extra anchors count nowhere)."""
     b, seq_len = loss_mask.shape
     eligible = torch.zeros_like(loss_mask, dtype=torch.bool)
     eligible[:, :-1] = loss_mask[:, 1:].bool()
-    device = "cpu"
-    if generator is not None:
-        device = generator.device
-    scores = torch.rand(b, seq_len, generator=generator, device=device)
-    scores = scores.to(loss_mask.device).masked_fill(~eligible, -1.0)
+    scores = Sampler(generator=generator).uniform((b, seq_len), loss_mask.device)
+    scores = scores.masked_fill(~eligible, -1.0)
     top = scores.topk(min(num_anchors, seq_len), dim=1)
     anchors, order = top.indices.sort(dim=1)
     return anchors, top.values.gather(1, order) >= 0
@@ -421,11 +483,8 @@ def _packed_inputs(drafter, input_ids, anchors, block_size):
     per anchor."""
     b, num_causal = input_ids.shape
     mask, positions = packed_attention_mask(num_causal, anchors, block_size)
-    masks = torch.full(
-        (b, anchors.shape[1] * block_size),
-        drafter.d3d_config.mask_token_id,
-        device=input_ids.device,
-    )
+    mask_id = drafter.d3d_config.mask_token_id
+    masks = input_ids.new_full((b, anchors.shape[1] * block_size), mask_id)
     return torch.cat([input_ids, masks], 1), positions, mask
 
 
@@ -504,51 +563,33 @@ def _position_weights(block_size: int, decay_gamma: float | None, device) -> tor
     return torch.exp(-steps / decay_gamma)
 
 
-def d3d_loss(
-    drafter: Drafter,
-    input_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    *,
-    num_anchors: int | None = None,
-    block_size: int | None = None,
-    ar_weight: float | None = None,
-    decay_gamma: float | None = None,
-    generator: torch.Generator | None = None,
-    at=None,
-):
+def d3d_loss(drafter: Drafter, input_ids, loss_mask, *, generator=None, at=None):
     """L = L_block + lambda * L_AR on right-padded input_ids (b, N), loss_mask (b, N) True on
-    response tokens. L_block: cross-entropy of block k position i against x_{a_k+i}, weighted
-    exp(-(i-1)/gamma) if gamma is set (gamma > 0; None: uniform); L_AR: the causal stream's
-    next-token loss. Settings default to the config's. `at`: (anchors, valid) as sample_anchors
-    returns them (default: drawn here with `generator`).
+    response tokens, with the drafter's config: K blocks of B MASKs, lambda = ar_weight, block
+    position weights exp(-(i-1)/gamma) (gamma = decay_gamma; None: uniform). L_block:
+    cross-entropy of block k position i against x_{a_k+i}; L_AR: the causal stream's next-token
+    loss. `at`: (anchors, valid) as sample_anchors returns them (default: K drawn here with
+    `generator`).
 
     Returns (loss, {loss_block, loss_ar, block_acc}). block_acc (B,): per block position i, the
     share of counted blocks whose d_i, read where decoding reads it (draft_rows), is x_{a_k+i}.
     So block_acc[0] is the accuracy of d_1 from the config's d1_from: under "causal" the
     causal row at the anchor, under "mask" MASK 1; block_acc[1:] are MASK 2 .. B's."""
     cfg = drafter.d3d_config
-    if num_anchors is None:
-        num_anchors = cfg.num_anchors
-    if block_size is None:
-        block_size = cfg.block_size
-    if ar_weight is None:
-        ar_weight = cfg.ar_weight
-    if decay_gamma is None:
-        decay_gamma = cfg.decay_gamma
-    _check_gamma(decay_gamma)
+    block_size = cfg.block_size
     if at is None:
-        at = sample_anchors(loss_mask, num_anchors, generator)
+        at = sample_anchors(loss_mask, cfg.num_anchors, generator)
     anchors, valid = at
     # (b, N, H), (b, K, B, H)
     causal_hidden, block_hidden = _packed_hidden(drafter, input_ids, anchors, block_size)
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)  # (b, K, B)
-    weights = _position_weights(block_size, decay_gamma, input_ids.device)
+    weights = _position_weights(block_size, cfg.decay_gamma, input_ids.device)
     # the labelled block rows
     token_loss, predicted = cross_entropy(drafter, block_hidden[counts], labels[counts])
     w = (counts * weights)[counts]
     loss_block = (token_loss * w).sum() / w.sum().clamp(min=1e-8)
     loss_ar = torch.zeros((), device=input_ids.device)
-    if ar_weight > 0:
+    if cfg.ar_weight > 0:
         # causal row j predicts x_{j+1}: response tokens only
         has_label = loss_mask[:, 1:].bool()
         ar_hidden = causal_hidden[:, :-1][has_label]
@@ -571,31 +612,19 @@ def d3d_loss(
         "loss_ar": loss_ar.detach(),
         "block_acc": block_acc,
     }
-    return loss_block + ar_weight * loss_ar, metrics
+    return loss_block + cfg.ar_weight * loss_ar, metrics
 
 
 @torch.no_grad()
-def offline_tau(
-    drafter: Drafter,
-    input_ids,
-    loss_mask,
-    *,
-    num_anchors: int = 32,
-    block_size: int | None = None,
-    d1_from: str | None = None,
-    generator: torch.Generator | None = None,
-    at=None,
-) -> torch.Tensor:
-    """Validation tau without the target (the responses are its greedy output): a block drafted
-    at anchor a_k, d_1 read as `d1_from` says (default: the config's), is accepted as far as it
+def offline_tau(drafter: Drafter, input_ids, loss_mask, *, val_anchors=32, generator=None, at=None):
+    """Validation tau without the target (the responses are its greedy output): a block of the
+    config's B drafted at anchor a_k, d_1 read as its d1_from says, is accepted as far as it
     matches x_{a_k+1}, x_{a_k+2}, .... `at`: (anchors, valid) as sample_anchors returns them
-    (default: drawn here). Returns tau (accepted + 1) per valid anchor."""
-    if block_size is None:
-        block_size = drafter.d3d_config.block_size
-    if d1_from is None:
-        d1_from = drafter.d3d_config.d1_from
+    (default: `val_anchors` per sequence, drawn here). Returns tau (accepted + 1) per valid
+    anchor."""
+    block_size = drafter.d3d_config.block_size
     if at is None:
-        at = sample_anchors(loss_mask, num_anchors, generator)
+        at = sample_anchors(loss_mask, val_anchors, generator)
     anchors, valid = at
     num_causal = input_ids.shape[1]
     num_anchors = anchors.shape[1]
@@ -603,7 +632,7 @@ def offline_tau(
     hidden = drafter.hidden_states(*inputs)  # (b, N + K*B, H)
     block_starts = block_size * torch.arange(num_anchors, device=anchors.device)
     mask_starts = num_causal + block_starts
-    rows = draft_rows(anchors, mask_starts, block_size, d1_from)  # (b, K, B)
+    rows = draft_rows(anchors, mask_starts, block_size, drafter.d3d_config.d1_from)  # (b, K, B)
     index = rows.flatten(1)[..., None].expand(-1, -1, hidden.shape[-1])
     rows = hidden.gather(1, index).unflatten(1, rows.shape[1:])  # (b, K, B, H)
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
@@ -635,34 +664,47 @@ def offline_tau(
 # the model's copies the probabilities to it (reproducible, at the cost of a wait).
 
 
-def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of probs (..., V); draws on the generator's device so that seeded runs
-    are reproducible."""
-    device = probs.device
-    if generator is not None:
-        device = generator.device
-    flat = probs.reshape(-1, probs.shape[-1]).to(device)
-    tokens = torch.multinomial(flat, 1, generator=generator)
-    return tokens.view(probs.shape[:-1]).to(probs.device)
+@dataclass
+class Sampler:
+    """How tokens are picked: greedy at temperature 0, else drawn from softmax(logits /
+    temperature) with `generator` (None: torch's default generator). Every random number of
+    decoding, and training's anchors, comes from `uniform` or `draw`, drawn on the generator's
+    device: a seeded run draws the same numbers wherever the model runs."""
 
+    temperature: float = 0.0
+    generator: torch.Generator | None = None
 
-def pick_tokens(logits: torch.Tensor, temperature: float, generator=None):
-    """Greedy (temperature 0) or sampled tokens from logits (..., V). Returns (tokens, probs or
-    None)."""
-    if temperature == 0:
-        return logits.argmax(-1), None
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return _sample(probs, generator), probs
+    def _device(self, device) -> torch.device:
+        """Where a draw runs: the generator's device (the one place that decides it)."""
+        if self.generator is None:
+            return device
+        return self.generator.device
+
+    def uniform(self, shape: tuple, device) -> torch.Tensor:
+        """U(0, 1) numbers of `shape`, returned on `device`."""
+        numbers = torch.rand(shape, generator=self.generator, device=self._device(device))
+        return numbers.to(device)
+
+    def draw(self, probs: torch.Tensor) -> torch.Tensor:
+        """One token per row of probs (..., V)."""
+        flat = probs.reshape(-1, probs.shape[-1]).to(self._device(probs.device))
+        tokens = torch.multinomial(flat, 1, generator=self.generator)
+        return tokens.view(probs.shape[:-1]).to(probs.device)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """softmax(logits / temperature), in float32."""
+        return torch.softmax(logits.float() / self.temperature, dim=-1)
+
+    def pick(self, logits: torch.Tensor):
+        """Greedy or sampled tokens from logits (..., V). Returns (tokens, probs or None)."""
+        if self.temperature == 0:
+            return logits.argmax(-1), None
+        probs = self.probs(logits)
+        return self.draw(probs), probs
 
 
 @torch.no_grad()
-def draft_block(
-    drafter: Drafter,
-    cache: KVCache,
-    new_tokens: torch.Tensor,
-    block_size: int,
-    width: int | None = None,
-) -> torch.Tensor:
+def draft_block(drafter: Drafter, cache: KVCache, new_tokens, block_size: int, width=None):
     """One drafter pass over the committed tokens it has not read, new_tokens (1, m) ending with
     x_n, then a MASK block off x_n (its KV dropped again: the cache keeps the m new tokens).
     `width`: the causal part padded to this many tokens (one shape for every m; the pads come
@@ -701,38 +743,27 @@ def _at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, index.view(1))[0]
 
 
-def accept_draft(
-    p_logits: torch.Tensor,
-    draft: torch.Tensor,
-    q_draft: torch.Tensor | None,
-    temperature: float,
-    generator=None,
-    num_real: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_draft(p_logits, draft, q_draft, sampler: Sampler, num_real: int | None = None):
     """(num_accepted, next_token) as 0-d tensors, left on the device (the round reads them with
     its one host read). Greedy: accept d_i while it is the target's argmax, then take the
     argmax. Sampling (lossless): accept d_i with probability min(1, p(d_i) / q(d_i)); at the
     first rejection draw from max(p - q, 0) normalised; after full acceptance draw the bonus
     token from p. Only the first `num_real` tokens (L, default all) can be accepted: a pad
-    never is."""
+    never is. p_logits (B+1, V), draft (B,), q_draft (B, V) or None (greedy)."""
     block_size = draft.shape[0]
     if num_real is None:
         num_real = block_size
     real = torch.arange(block_size, device=draft.device) < num_real  # (B,)
-    if temperature == 0:
+    if sampler.temperature == 0:
         target_tokens = p_logits.argmax(-1)  # (B+1,)
         agrees = (draft == target_tokens[:block_size]) & real
         num_accepted = agrees.long().cumprod(0).sum()
         return num_accepted, _at(target_tokens, num_accepted)
-    p_target = torch.softmax(p_logits.float() / temperature, dim=-1)  # (B+1, V)
+    p_target = sampler.probs(p_logits)  # (B+1, V)
     rows = torch.arange(block_size, device=draft.device)
     p_d = p_target[rows, draft]
     q_d = q_draft[rows, draft]
-    # seeded: draw on the generator's device
-    device = p_d.device
-    if generator is not None:
-        device = generator.device
-    u = torch.rand(block_size, generator=generator, device=device).to(p_d.device)
+    u = sampler.uniform((block_size,), p_d.device)
     # u <= p/q, without dividing by a tiny q
     accepts = (u * q_d <= p_d) & real
     num_accepted = accepts.long().cumprod(0).sum()
@@ -745,7 +776,7 @@ def accept_draft(
     residual = torch.where(residual.sum() > 0, residual, p_next)
     # all real tokens accepted: the bonus token from p
     next_dist = torch.where(real.sum() == num_accepted, p_next, residual)
-    return num_accepted, _sample(next_dist / next_dist.sum(), generator)
+    return num_accepted, sampler.draw(next_dist / next_dist.sum())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -797,22 +828,43 @@ class RoundInfo:
 
 
 class _RoundReport:
-    """Builds each round's RoundInfo from values the round already read, and calls on_round. It
-    carries what a round needs from the one before: the output's length and the caches' lengths
-    at the round's start, and which pass drafted the round's draft."""
+    """Reports each round to generate's watchers: on_round gets a RoundInfo, built from values
+    the round already read; a transformers streamer gets the round's committed tokens (put,
+    (1, n) on the CPU). It carries what a round needs from the one before: the output's length
+    and the caches' lengths at the round's start, and which pass drafted the round's draft.
+    Without watchers it does nothing."""
 
-    def __init__(self, on_round, mode: str, out: Output, caches: Caches, drafter):
+    def __init__(self, on_round, streamer, mode: str, caches: Caches, drafter):
         self.on_round = on_round
+        self.streamer = streamer
         self.mode = mode
         self.caches = caches
         self.index = 0
-        self.size = len(out.tokens)
-        self.lengths = self._cache_lengths()
+        self.size = 0
+        self.lengths = (0, 0)
         self.d1_from = ""
         self.drafted_by = ""
         if mode != "target":
             self.d1_from = drafter.d3d_config.d1_from
             self.drafted_by = "draft pass"
+
+    @property
+    def wants_outcomes(self) -> bool:
+        """Whether the async round should read its plan for on_round."""
+        return self.on_round is not None
+
+    def start(self, out: Output) -> None:
+        """After the prefill: the prompt and the prefill's token go to the streamer."""
+        if self.streamer is not None:
+            self.streamer.put(torch.tensor([out.tokens[: out.prompt_len]]))
+            if len(out.tokens) > out.prompt_len:
+                self.streamer.put(torch.tensor([out.tokens[out.prompt_len :]]))
+        self.size = len(out.tokens)
+        self.lengths = self._cache_lengths()
+
+    def end(self) -> None:
+        if self.streamer is not None:
+            self.streamer.end()
 
     def _cache_lengths(self) -> tuple[int, int]:
         drafter_length = 0
@@ -820,18 +872,25 @@ class _RoundReport:
             drafter_length = self.caches.drafter.length
         return self.caches.target.length, drafter_length
 
-    def __call__(
-        self,
-        out: Output,
-        draft: list[int],
-        num_real: int,
-        num_accepted: int,
-        next_token: int,
-        outcomes: list[tuple[int, int]] | None = None,
-        segment: int | None = None,
-    ) -> None:
+    def __call__(self, out: Output, draft, num_real, outcome, plan=None) -> None:
+        """One round: `draft` (d_1 .. d_B as ints) with L = num_real real tokens, `outcome`
+        (a, c) as ints; async: `plan`, (outcomes, segment) (_outcomes; the selected index)."""
+        committed = out.tokens[self.size :]
+        if self.streamer is not None:
+            self.streamer.put(torch.tensor([committed]))
+        if self.on_round is not None:
+            self.on_round(self._info(out, draft, num_real, outcome, plan))
+        self.index += 1
+        self.size = len(out.tokens)
+        self.lengths = self._cache_lengths()
+        if plan is not None and self.on_round is not None:
+            outcomes, segment = plan
+            self.drafted_by = _drafted_by(segment, len(outcomes))
+
+    def _info(self, out: Output, draft, num_real, outcome, plan) -> RoundInfo:
         end = self._cache_lengths()
-        info = RoundInfo(
+        outcomes, segment = plan or (None, None)
+        return RoundInfo(
             mode=self.mode,
             index=self.index,
             n=self.size - 1,
@@ -840,25 +899,17 @@ class _RoundReport:
             num_real=num_real,
             drafted_by=self.drafted_by,
             d1_from=self.d1_from,
-            num_accepted=num_accepted,
-            next_token=next_token,
+            num_accepted=outcome[0],
+            next_token=outcome[1],
             committed=out.tokens[self.size :],
             target_cache=(self.lengths[0], end[0]),
             drafter_cache=(self.lengths[1], end[1]),
             outcomes=outcomes,
             segment=segment,
         )
-        self.index += 1
-        self.size = len(out.tokens)
-        self.lengths = end
-        if segment is not None:
-            self.drafted_by = _drafted_by(segment, len(outcomes))
-        self.on_round(info)
 
 
-def _prefill(
-    caches: Caches, input_ids, selection, out: Output, clock: Clock, temperature, generator
-) -> None:
+def _prefill(caches: Caches, input_ids, selection, out: Output, clock: Clock, sampler) -> None:
     """The target prefills the prompt (or the chunks selective prefill kept) and produces the
     first token itself; the drafter reads the prompt (selective prefill: it already has), so
     that its first draft pass reads x_n alone."""
@@ -874,62 +925,48 @@ def _prefill(
         return
     with clock.span("prefill"):
         logits = prefill(caches.target, ids, positions)[-1]
-        token = pick_tokens(logits, temperature, generator)[0]
+        token = sampler.pick(logits)[0]
         out.commit(read_round([token], caches.target))
         if caches.drafter is not None and selection is None:
             prefill(caches.drafter, input_ids)
 
 
-def _decode_target(
-    out: Output, caches: Caches, clock: Clock, temperature, generator, report=None
-) -> None:
+def _decode_target(out: Output, caches: Caches, clock: Clock, sampler: Sampler, report) -> None:
     """Plain autoregressive decoding with the target alone: the reference output and the speedup
-    baseline. `report`: a _RoundReport (generate's on_round), or None."""
+    baseline. `report`: a _RoundReport."""
     token = torch.tensor([out.tokens[-1:]], device=caches.target.device)  # (1, 1)
     while not out.done:
         logits = causal_pass(caches.target, token)[-1]  # [shape 1]
-        token = pick_tokens(logits, temperature, generator)[0].view(1, 1)
+        token = sampler.pick(logits)[0].view(1, 1)
         (next_token,) = read_round([token], caches.target)  # [one read]
         out.commit([next_token])
-        if report is not None:
-            report(out, [], 0, 0, next_token)
+        report(out, [], 0, (0, next_token))
 
 
-def _decode_sync(
-    drafter,
-    out: Output,
-    caches: Caches,
-    clock: Clock,
-    block_size,
-    temperature,
-    generator,
-    report=None,
-) -> None:
+def _decode_sync(drafter, out: Output, caches: Caches, clock: Clock, config, *, sampler, report):
     """Draft a block, verify it, commit, repeat. At the top of a round (committed x_0 .. x_n):
     the target's cache holds x_0 .. x_{n-1} (x_n goes with the draft); the drafter's holds
     x_0 .. x_{j-1}, n - B <= j <= n (it reads x_j .. x_n, padded to B + 1 tokens, in its next
-    pass: j = n - a after a round that accepted a). `report`: a _RoundReport (generate's
-    on_round), or None."""
+    pass: j = n - a after a round that accepted a). config: the DecodeConfig, its B resolved;
+    `report`: a _RoundReport."""
     tc = caches.target
     dc = caches.drafter
+    block_size = config.block_size
     while not out.done:
         with clock.span("draft"):
             new_tokens = torch.tensor([out.tokens[dc.length :]], device=dc.device)
             # [shape 3]
             draft_logits = draft_block(drafter, dc, new_tokens, block_size, width=block_size + 1)
-            draft, q_draft = pick_tokens(draft_logits, temperature, generator)
+            draft, q_draft = sampler.pick(draft_logits)
         with clock.span("verify"):
             p_logits = verify_block(tc, new_tokens[0, -1], draft)
-            num_accepted, next_token = accept_draft(
-                p_logits, draft, q_draft, temperature, generator
-            )
+            num_accepted, next_token = accept_draft(p_logits, draft, q_draft, sampler)
         # [one read]
         num_accepted, next_token, *tokens = read_round([num_accepted, next_token, draft], tc, dc)
         out.commit_round(tokens[:num_accepted], next_token)
         # keep x_0 .. x_n, d_1 .. d_a (n as at the round's start): c is not read yet
         tc.rewind(len(out.tokens) - 1)
-        if report is not None:
-            report(out, tokens, block_size, num_accepted, next_token)
+        report(out, tokens, block_size, (num_accepted, next_token))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -978,13 +1015,7 @@ def default_budget(block_size: int) -> tuple[int, int]:
     return coverage, fanout
 
 
-def plan_branches(
-    draft_logits: torch.Tensor,
-    draft: torch.Tensor,
-    coverage: int,
-    fanout: int,
-    cover: str = "first",
-):
+def plan_branches(draft_logits, draft, coverage: int, fanout: int, cover: str = "first"):
     """The outcomes that get a branch: C block positions k x F candidate tokens t (the drafter's
     F likeliest tokens at k, except d_k itself). cover="first": k = 1 .. C; "likely": the C
     largest r_k = prod_{j<k} q(d_j) * (1 - q(d_k)), the chance that d_k is the first rejection,
@@ -1012,18 +1043,10 @@ def plan_branches(
 
 
 def build_branch_pass(
-    drafter: Drafter,
-    last_token,
-    draft,
-    positions,
-    candidates,
-    *,
-    past_len: int,
-    block_size: int,
-    num_real: int | None = None,
+    drafter: Drafter, last_token, draft, positions, candidates, num_real=None, *, past_len: int
 ):
-    """Input of the packed pass that drafts the next block for each planned outcome of verifying
-    `draft` (B,).
+    """Input of the packed pass that drafts the next block (B MASKs) for each planned outcome of
+    verifying `draft` (B,); positions (C,), candidates (C, F): plan_branches.
 
     Causal stream: x_n (`last_token`, (1,); the cache holds x_0 .. x_{n-1}), then d_1 .. d_B
     (the accepted drafts get their KV here); causal index j holds d_j (d_0 = x_n). Then C x F
@@ -1066,9 +1089,10 @@ def build_branch_pass(
     Built without waiting for the device; its shape depends on B, C and F only. Returns input
     ids (1, q), position ids (1, q), mask (1, 1, q, past+q) and the rows (S, B) drafting each
     segment's block (draft_rows), in the order of candidates.flatten(), then full acceptance."""
+    block_size = draft.shape[0]
     fanout = candidates.shape[1]
     if num_real is None:
-        num_real = draft.shape[0]
+        num_real = block_size
     # the causal index each segment hangs off: k - 1 (d_{k-1}) for a branch at k, L - 1 last
     branch_anchors = positions[:, None].expand(-1, fanout).flatten()
     full_anchor = positions.new_full((1,), num_real)
@@ -1077,7 +1101,7 @@ def build_branch_pass(
     mask_id = drafter.d3d_config.mask_token_id
     segments = torch.full((len(anchors), 1 + block_size), mask_id, device=draft.device)
     segments[:, 0] = torch.cat([candidates.flatten(), draft[num_real - 1 : num_real]])
-    num_causal = 1 + draft.shape[0]
+    num_causal = 1 + block_size
     ids = torch.cat([last_token, draft, segments.flatten()])[None]
     mask, position_ids = packed_attention_mask(
         num_causal, anchors, block_size, prefix_len=1, past_len=past_len
@@ -1090,42 +1114,32 @@ def build_branch_pass(
     return ids, position_ids, mask, rows
 
 
-def bonus_guess(drafter: Drafter, block_hidden, temperature: float, generator=None):
+def bonus_guess(drafter: Drafter, block_hidden, sampler: Sampler):
     """The full-acceptance segment's guess of the bonus token (a 0-d device tensor), from its
     first draft row: under d1_from="causal" the LM head at d_L's row (the segment's first
-    token), under "mask" at MASK 1. block_hidden: (S, B, H), the segments' draft rows."""
-    return pick_tokens(drafter.logits(block_hidden[-1, 0]), temperature, generator)[0]
+    token), under "mask" at MASK 1. block_hidden: (S, B, H), the segments' draft rows. At B = 1
+    the guess is -1, never a token: the segment has no row after it to be the next draft."""
+    guess = sampler.pick(drafter.logits(block_hidden[-1, 0]))[0]
+    if block_hidden.shape[1] == 1:
+        return torch.full_like(guess, -1)
+    return guess
 
 
-def select_segment(
-    drafter: Drafter,
-    block_hidden,
-    positions,
-    candidates,
-    num_accepted,
-    next_token,
-    num_real: int,
-    temperature: float,
-    generator=None,
-    *,
-    guess: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The prepared segment the verification outcome (a = num_accepted, c = next_token) selects,
-    as a 0-d device tensor; -1 on a miss (no segment was prepared for it). The branch planned
-    for position k = a + 1 and token t = c if there is one; else the full-acceptance segment if
-    a = L (`num_real`) and its guess of the bonus token is c (`guess`: bonus_guess, drawn here
-    if not given). That needs B > 1: the segment's other rows are the next draft. Computed on
-    the device, so the round keeps its one host read."""
-    num_segments, block_size = block_hidden.shape[:2]
-    if guess is None:
-        guess = bonus_guess(drafter, block_hidden, temperature, generator)
+def select_segment(num_accepted, next_token, num_real: int, positions, candidates, guess):
+    """The prepared segment the verification outcome (a = num_accepted, c = next_token) of a
+    draft with L = num_real real tokens selects, as a 0-d device tensor; -1 on a miss (no
+    segment was prepared for it). Segments: the branches (k, t) of positions (C,) and
+    candidates (C, F) in candidates.flatten() order, then full acceptance. The branch planned
+    for k = a + 1 and t = c if there is one; else the full-acceptance segment if a = L and its
+    `guess` of the bonus token (bonus_guess) is c. Computed on the device, so the round keeps
+    its one host read."""
     at_position = positions[:, None] == num_accepted + 1
     branch = (at_position & (candidates == next_token)).flatten()  # (C*F,)
-    full = (num_accepted == num_real) & (guess == next_token) & (block_size > 1)
+    full = (num_accepted == num_real) & (guess == next_token)
     matches = torch.cat([branch, full[None]])
     # the index of the first match; S if none
     first = (matches.long().cumsum(0) == 0).sum()
-    return torch.where(first < num_segments, first, -1)
+    return torch.where(first < len(matches), first, -1)
 
 
 class _Lanes:
@@ -1192,14 +1206,63 @@ def _drafted_by(segment: int, num_segments: int) -> str:
     return "branch"
 
 
-def _outcomes(planned: list[int], coverage: int, fanout: int, num_real: int):
+def _outcomes(planned: list[int], shape, num_real: int):
     """The packed pass's segments as (k, t) pairs, from the values read [positions (C),
-    candidates (C x F), guess]: each planned rejection, then full acceptance (L + 1, guess)."""
+    candidates (C x F), guess] (`shape`: candidates' (C, F)): each planned rejection, then full
+    acceptance (L + 1, guess). None when nothing was read (no on_round)."""
+    if not planned:
+        return None
+    coverage, fanout = shape
     positions = planned[:coverage]
     candidates = planned[coverage : coverage + coverage * fanout]
     outcomes = [(positions[i // fanout], t) for i, t in enumerate(candidates)]
     outcomes.append((num_real + 1, planned[-1]))
     return outcomes
+
+
+def _next_draft(drafter: Drafter, block_hidden, segment: int):
+    """A hit's next draft, from the selected segment's block: (logits (B, V), L). A branch's
+    block is all of it, L = B. The full-acceptance segment's first row guessed c, so rows 2 ..
+    B and a pad, L = B - 1 ("The pad after a full-acceptance hit", at this section's start)."""
+    num_segments, block_size = block_hidden.shape[:2]
+    if segment < num_segments - 1:
+        return drafter.logits(block_hidden[segment]), block_size
+    rows = drafter.logits(block_hidden[segment, 1:])
+    return F.pad(rows, (0, 0, 0, 1)), block_size - 1
+
+
+class _Tally:
+    """Async's hits and misses per outcome (index k - 1: d_k rejected; index B: full
+    acceptance), and the padded drafts (B - 1 tokens and a pad) accepted whole."""
+
+    def __init__(self, config):
+        self.config = config
+        self.hits = [0] * (config.block_size + 1)
+        self.misses = [0] * (config.block_size + 1)
+        self.pad_full = 0
+
+    def add(self, num_accepted: int, num_real: int, segment: int) -> None:
+        block_size = self.config.block_size
+        outcome = num_accepted
+        if num_accepted == num_real:
+            outcome = block_size  # full acceptance
+        if segment >= 0:
+            self.hits[outcome] += 1
+        else:
+            self.misses[outcome] += 1
+        if num_real < block_size and num_accepted == num_real:
+            self.pad_full += 1
+
+    def stats(self) -> dict:
+        return {
+            "hits_per_position": self.hits,
+            "misses_per_position": self.misses,
+            "pad_full_acceptances": self.pad_full,
+            "coverage": self.config.coverage,
+            "fanout": self.config.fanout,
+            "cover": self.config.cover,
+            "lanes": self.config.lanes,
+        }
 
 
 # >>> worked async trace (python tests/worked_trace.py --write regenerates it)
@@ -1283,37 +1346,23 @@ def _outcomes(planned: list[int], coverage: int, fanout: int, num_real: int):
 # <<< worked async trace
 
 
-def _decode_async(
-    drafter,
-    out: Output,
-    caches: Caches,
-    clock: Clock,
-    block_size,
-    temperature,
-    generator,
-    coverage,
-    fanout,
-    cover,
-    lanes: int,
-    report=None,
-) -> dict:
+def _decode_async(drafter, out: Output, caches: Caches, clock: Clock, config, *, sampler, report):
     """While the target verifies [x_n, d_1 .. d_B], one packed drafter pass prepares the next
     draft for the likely outcomes. Each round: (1) plan and build the packed pass; (2) verify
     while it runs; (3) commit the accepted prefix and the target's token c; on a hit the
     selected segment's block is the next draft, on a miss the drafter drafts it anew (the
     fallback draft). "What each KV cache holds" at this section's start follows one round; the
-    worked trace above shows four.
+    worked trace above shows four. config: the DecodeConfig, its B, C, F and lanes resolved;
+    `report`: a _RoundReport.
 
-    Returns hits and misses per outcome (index k-1: rejection at k; B: full acceptance) and
-    pad_full_acceptances: the rounds that accepted a padded draft (B - 1 tokens and a pad)
-    whole. `report`: a _RoundReport (generate's on_round), or None."""
+    Returns the tally's stats: hits and misses per outcome (index k-1: rejection at k; B: full
+    acceptance), pad_full_acceptances (the rounds that accepted a padded draft whole), and
+    coverage, fanout, cover, lanes."""
     tc = caches.target
     dc = caches.drafter
-    hits = [0] * (block_size + 1)
-    misses = [0] * (block_size + 1)
-    # padded drafts (after a full-acceptance hit) accepted whole
-    pad_full = 0
-    lane = _Lanes(dc.device, lanes)
+    block_size = config.block_size
+    tally = _Tally(config)
+    lane = _Lanes(dc.device, config.lanes)
     # the next draft's logits (None: not prepared, a fallback draft makes it) and L
     draft_logits = None
     num_real = block_size
@@ -1330,17 +1379,10 @@ def _decode_async(
                     dc.rewind(n)
             # (1) plan and build, on the device
             # (B,), with a pad after a full-acceptance hit (num_real = B - 1)
-            draft, q_draft = pick_tokens(draft_logits, temperature, generator)
-            positions, candidates = plan_branches(draft_logits, draft, coverage, fanout, cover)
-            ids, position_ids, mask, block_rows = build_branch_pass(
-                drafter,
-                x_n,
-                draft,
-                positions,
-                candidates,
-                past_len=dc.length,
-                block_size=block_size,
-                num_real=num_real,
+            draft, q_draft = sampler.pick(draft_logits)
+            plan = plan_branches(draft_logits, draft, config.coverage, config.fanout, config.cover)
+            *packed_inputs, block_rows = build_branch_pass(
+                drafter, x_n, draft, *plan, num_real, past_len=dc.length
             )
 
             # (2) verify while the packed pass prepares the next draft
@@ -1348,27 +1390,14 @@ def _decode_async(
                 return verify_block(tc, x_n, draft)
 
             def packed():
-                return dc.run(ids, position_ids, mask)[block_rows]  # (S, B, H)
+                return dc.run(*packed_inputs)[block_rows]  # (S, B, H)
 
             p_logits, block_hidden = lane.both(verify, packed, clock)
-            num_accepted, next_token = accept_draft(
-                p_logits, draft, q_draft, temperature, generator, num_real
-            )
-            guess = bonus_guess(drafter, block_hidden, temperature, generator)
-            segment = select_segment(
-                drafter,
-                block_hidden,
-                positions,
-                candidates,
-                num_accepted,
-                next_token,
-                num_real,
-                temperature,
-                generator,
-                guess=guess,
-            )
+            num_accepted, next_token = accept_draft(p_logits, draft, q_draft, sampler, num_real)
+            guess = bonus_guess(drafter, block_hidden, sampler)
+            segment = select_segment(num_accepted, next_token, num_real, *plan, guess)
             # on_round's values ride on the same read
-            shown = [] if report is None else [positions, candidates, guess]
+            shown = [*plan, guess] if report.wants_outcomes else []
             # [one read]
             num_accepted, next_token, segment, *read = read_round(
                 [num_accepted, next_token, segment, draft, *shown], tc, dc
@@ -1378,46 +1407,61 @@ def _decode_async(
             out.commit_round(tokens[:num_accepted], next_token)
             tc.rewind(len(out.tokens) - 1)
             dc.rewind(n + 1 + num_accepted)
-            outcome = num_accepted
-            if num_accepted == num_real:
-                outcome = block_size  # full acceptance
-            if segment >= 0:
-                hits[outcome] += 1
-            else:
-                misses[outcome] += 1
-            if num_real < block_size and num_accepted == num_real:
-                pad_full += 1
-            if report is not None:
-                outcomes = _outcomes(read[block_size:], *candidates.shape, num_real)
-                report(out, tokens, num_real, num_accepted, next_token, outcomes, segment)
+            tally.add(num_accepted, num_real, segment)
+            outcomes = _outcomes(read[block_size:], plan[1].shape, num_real)
+            report(out, tokens, num_real, (num_accepted, next_token), (outcomes, segment))
             # a hit: the selected segment's block is the next draft
             draft_logits = None
             if segment >= 0 and not out.done:
-                full = segment == block_hidden.shape[0] - 1
-                if full:
-                    # its first row guessed c: rows 2 .. B and a pad ("The pad after a
-                    # full-acceptance hit", at this section's start)
-                    rows = drafter.logits(block_hidden[segment, 1:])
-                    draft_logits = F.pad(rows, (0, 0, 0, 1))
-                    num_real = block_size - 1
-                else:
-                    draft_logits = drafter.logits(block_hidden[segment])
-                    num_real = block_size
+                draft_logits, num_real = _next_draft(drafter, block_hidden, segment)
     finally:
         lane.close()
-    return {
-        "hits_per_position": hits,
-        "misses_per_position": misses,
-        "pad_full_acceptances": pad_full,
-        "coverage": coverage,
-        "fanout": fanout,
-        "cover": cover,
-        "lanes": lanes,
-    }
+    return tally.stats()
 
 
 # --------------------------------------------------------------------------------------------------
 # Progressive layer pruning with recovery distillation (Fig. 1b)
+
+
+@dataclass
+class PruneConfig:
+    """How prune_drafter prunes, recovers and measures (prune_drafter, recover and distill_loss
+    read it). A stopping rule, min_layers or tau_floor, is prune_drafter's to require."""
+
+    min_layers: int | None = setting(
+        None, "stop at this many decoder layers; None: only tau_floor stops", Range(int, low=1)
+    )
+    tau_floor: float | None = setting(
+        None,
+        "stop after the first removal whose recovered tau falls below tau_floor x the unpruned "
+        "tau (that removal is undone); None: only min_layers stops",
+        Range(float, low=0, low_open=True),
+    )
+    recovery_steps: int = setting(
+        100, "AdamW steps of recovery distillation after each removal (0: none)", Range(int, low=0)
+    )
+    lr: float = setting(5e-5, "recovery's learning rate", Range(float, low=0, low_open=True))
+    beta: float = setting(
+        0.5,
+        "recovery's pull toward the label (our reading; adjusted_teacher)",
+        Range(float, low=0, high=1),
+    )
+    val_anchors: int = setting(
+        32,
+        "anchors a measurement samples per sequence: validation tau, scoring, recovery (not K)",
+        Range(int, low=1),
+    )
+    seed: int = setting(
+        0,
+        "seeds the measurement's anchors (the same on every call) and recovery's",
+        Range(int, low=0),
+    )
+    checkpointing: bool = setting(
+        False, "recompute each layer's activations in recovery's backward", Range(bool)
+    )
+
+    def __post_init__(self):
+        check_settings(self)
 
 
 def adjusted_teacher(
@@ -1432,31 +1476,19 @@ def adjusted_teacher(
     return soft_label.scatter_add(-1, labels[..., None], beta_column)
 
 
-def distill_loss(
-    student: Drafter,
-    teacher: Drafter,
-    input_ids,
-    loss_mask,
-    *,
-    beta: float = 0.5,
-    num_anchors: int | None = None,
-    block_size: int | None = None,
-    generator=None,
-) -> torch.Tensor:
-    """Cross-entropy of the student against adjusted_teacher(teacher, label, beta), with no
-    gradient through the teacher, on one packed batch: the blocks (labels x_{a_k+i}) and the
-    causal stream (labels x_{j+1}), response tokens only. The two means are added.
+def distill_loss(student: Drafter, teacher: Drafter, input_ids, loss_mask, config, generator=None):
+    """Cross-entropy of the student against adjusted_teacher(teacher, label, config.beta), with
+    no gradient through the teacher, on one packed batch of the student's B: the blocks (labels
+    x_{a_k+i}, config.val_anchors per sequence) and the causal stream (labels x_{j+1}), response
+    tokens only. The two means are added. config: a PruneConfig.
 
     It ignores gamma and lambda (our reading: the paper gives recovery no weights). Those two
     shape what the drafter learns from the labels in training; recovery only asks the pruned
     drafter to match the unpruned one, whose distribution already carries that training, so
     every block position counts alike and the two terms are weighted alike."""
-    cfg = student.d3d_config
-    if num_anchors is None:
-        num_anchors = cfg.num_anchors
-    if block_size is None:
-        block_size = cfg.block_size
-    anchors, valid = sample_anchors(loss_mask, num_anchors, generator)
+    block_size = student.d3d_config.block_size
+    beta = config.beta
+    anchors, valid = sample_anchors(loss_mask, config.val_anchors, generator)
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
     with torch.no_grad():
         teacher_causal, teacher_block = _packed_hidden(teacher, input_ids, anchors, block_size)
@@ -1476,32 +1508,28 @@ def distill_loss(
         (student_block, teacher_block, labels, counts),
         (student_causal[:, :-1], teacher_causal[:, :-1], input_ids[:, 1:], has_label),
     ):
-        (token_loss,) = in_logit_chunks(
-            student.d3d_config.target_vocab_size,
-            chunk,
-            student_hidden[counted],
-            label_ids[counted],
-            teacher_hidden[counted],
-        )
+        rows = (student_hidden[counted], label_ids[counted], teacher_hidden[counted])
+        (token_loss,) = in_logit_chunks(student.d3d_config.target_vocab_size, chunk, *rows)
         loss = loss + token_loss.sum() / counted.sum().clamp(min=1)
     return loss
 
 
 @torch.no_grad()
-def validation_tau(
-    drafter: Drafter, batches, *, num_anchors: int = 32, seed: int = 0
-) -> tuple[float, float]:
-    """Mean offline tau and block cross-entropy over (input_ids, loss_mask) batches. Both are
-    measured on the same blocks: one generator, seeded with `seed`, draws each batch's anchors,
-    and offline_tau and the block loss both take them. The same seed gives the same anchors on
-    every call, so drafters with different layers are compared on identical blocks."""
+def validation_tau(drafter: Drafter, batches, *, val_anchors: int = 32, seed: int = 0):
+    """(mean offline tau, mean block cross-entropy) over (input_ids, loss_mask) batches. Both
+    are measured on the same blocks: one generator, seeded with `seed`, draws each batch's
+    `val_anchors` anchors per sequence, and offline_tau and the block loss both take them. The
+    same seed gives the same anchors on every call, so drafters with different layers are
+    compared on identical blocks."""
     generator = torch.Generator().manual_seed(seed)
+    # the block loss alone: lambda = 0 skips L_AR's rows
+    block_only = Drafter(drafter.model, replace(drafter.d3d_config, ar_weight=0.0))
     taus = []
     losses = []
     for input_ids, loss_mask in batches:
-        at = sample_anchors(loss_mask, num_anchors, generator)
+        at = sample_anchors(loss_mask, val_anchors, generator)
         taus.append(offline_tau(drafter, input_ids, loss_mask, at=at))
-        _, metrics = d3d_loss(drafter, input_ids, loss_mask, ar_weight=0.0, at=at)
+        _, metrics = d3d_loss(block_only, input_ids, loss_mask, at=at)
         losses.append(metrics["loss_block"].item())
     return torch.cat(taus).mean().item(), sum(losses) / len(losses)
 
@@ -1523,9 +1551,7 @@ def _only_layers(drafter: Drafter, layer_ids: list[int]):
 
 
 @torch.no_grad()
-def tau_without_each_layer(
-    drafter: Drafter, batches, *, num_anchors: int = 32, seed: int = 0
-) -> dict[int, float]:
+def tau_without_each_layer(drafter: Drafter, batches, *, val_anchors: int = 32, seed: int = 0):
     """{i: offline tau of the drafter without decoder layer i}, each from validation_tau on the
     same anchors. systems/fast.py's tau_without_each_layer gives the same numbers from one
     recorded pass per batch, at a fraction of the cost."""
@@ -1533,7 +1559,7 @@ def tau_without_each_layer(
     num_layers = len(drafter.model.get_decoder().layers)
     for i in tqdm(range(num_layers), desc="score layers", leave=False):
         with _only_layers(drafter, [j for j in range(num_layers) if j != i]):
-            scores[i] = validation_tau(drafter, batches, num_anchors=num_anchors, seed=seed)[0]
+            scores[i] = validation_tau(drafter, batches, val_anchors=val_anchors, seed=seed)[0]
     return scores
 
 
@@ -1550,9 +1576,7 @@ def remove_layer(drafter: Drafter, index: int) -> None:
     drafter.d3d_config.layer_ids = [layer for i, layer in enumerate(original) if i != index]
 
 
-def least_costly_layer(
-    drafter: Drafter, scores: dict[int, float], val_batches, *, num_anchors: int = 32, seed: int = 0
-) -> int:
+def least_costly_layer(drafter: Drafter, scores: dict, val_batches, *, val_anchors=32, seed=0):
     """The layer whose removal costs least tau (`scores`: tau without each layer, by index among
     the current layers); ties, common for weak drafters, go to the smallest change in block
     loss (our reading: the paper is silent)."""
@@ -1560,7 +1584,7 @@ def least_costly_layer(
     if len(tied) == 1:
         return tied[0]
     num_layers = len(drafter.model.get_decoder().layers)
-    measure = dict(num_anchors=num_anchors, seed=seed)
+    measure = dict(val_anchors=val_anchors, seed=seed)
     _, base_loss = validation_tau(drafter, val_batches, **measure)
 
     def loss_change(index):
@@ -1570,47 +1594,29 @@ def least_costly_layer(
     return min(tied, key=loss_change)
 
 
-def recover(
-    drafter: Drafter,
-    teacher: Drafter,
-    train_batches,
-    *,
-    steps: int,
-    lr: float = 5e-5,
-    beta: float = 0.5,
-    num_anchors: int = 32,
-    generator=None,
-    checkpointing: bool = False,
-) -> int:
-    """Recovery (Fig. 1b): `steps` AdamW steps distilling the pruned drafter toward the fixed
-    unpruned one, its distribution adjusted toward the label (distill_loss, beta). A step whose
-    gradient norm is not finite is skipped; returns how many were."""
-    if steps <= 0:
+def recover(drafter: Drafter, teacher: Drafter, train_batches, config, generator=None) -> int:
+    """Recovery (Fig. 1b): config.recovery_steps AdamW steps (config: a PruneConfig) distilling
+    the pruned drafter toward the fixed unpruned one, its distribution adjusted toward the label
+    (distill_loss, beta). A step whose gradient norm is not finite is skipped; returns how many
+    were."""
+    if config.recovery_steps <= 0:
         return 0
     drafter.train()
-    if checkpointing:
+    if config.checkpointing:
         drafter.model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False}
         )
     params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
     skipped = 0
-    for step in tqdm(range(steps), desc="recover", leave=False):
+    for step in tqdm(range(config.recovery_steps), desc="recover", leave=False):
         input_ids, loss_mask = train_batches[step % len(train_batches)]
-        loss = distill_loss(
-            drafter,
-            teacher,
-            input_ids,
-            loss_mask,
-            beta=beta,
-            num_anchors=num_anchors,
-            generator=generator,
-        )
+        loss = distill_loss(drafter, teacher, input_ids, loss_mask, config, generator)
         loss.backward()
         skipped += not finite_step(optimizer, params, 1.0)
         # under a caller's autocast, later passes must not read stale bf16 copies
         torch.clear_autocast_cache()
-    if checkpointing:
+    if config.checkpointing:
         drafter.model.activation_checkpointing_disable()
     drafter.eval()
     return skipped
@@ -1623,50 +1629,33 @@ def _undo_removal(drafter: Drafter, snapshot: Drafter, device) -> None:
 
 
 def prune_drafter(
-    drafter: Drafter,
-    val_batches,
-    train_batches,
-    *,
-    min_layers: int | None = None,
-    tau_floor: float | None = None,
-    recovery_steps: int = 100,
-    lr: float = 5e-5,
-    beta: float = 0.5,
-    num_anchors: int = 32,
-    seed: int = 0,
-    checkpointing: bool = False,
-    score=None,
+    drafter: Drafter, val_batches, train_batches, config=None, *, score=None, **settings
 ):
-    """Greedy progressive pruning, in place (Fig. 1b). Each iteration: score every layer by the
-    offline tau without it (`score`: tau_without_each_layer, or systems/fast.py's, quicker),
-    remove the one that costs least, recover for `recovery_steps` steps distilled from the fixed
-    unpruned drafter, re-measure tau. Stops at `min_layers`, or after the first removal whose
-    recovered tau falls below tau_floor x the unpruned tau (undone: "kept" False). Checks its
-    arguments at the call, then returns an iterator of rows for the caller to print: the
-    unpruned drafter's, then one per iteration (each runs as its row is taken). The copy kept
-    to undo a removal waits in host memory; `checkpointing` recomputes each layer's activations
-    in recovery's backward."""
-    if min_layers is None and tau_floor is None:
+    """Greedy progressive pruning, in place (Fig. 1b), as config (a PruneConfig; keyword
+    `settings` replace its fields) says. Each iteration: score every layer by the offline tau
+    without it (`score`: tau_without_each_layer, or systems/fast.py's, quicker), remove the one
+    that costs least, recover for recovery_steps steps distilled from the fixed unpruned
+    drafter, re-measure tau. Stops at min_layers, or after the first removal whose recovered
+    tau falls below tau_floor x the unpruned tau (undone: "kept" False). Checks its settings at
+    the call, then returns an iterator of rows for the caller to print: the unpruned
+    drafter's, then one per iteration (each runs as its row is taken). The copy kept to undo a
+    removal waits in host memory."""
+    config = with_settings(config, PruneConfig, settings)
+    if config.min_layers is None and config.tau_floor is None:
         raise ValueError(
             "give a stopping rule: min_layers (a target depth) or tau_floor "
             "(fraction of unpruned tau)"
         )
-    if min_layers is not None and min_layers < 1:
-        raise ValueError(
-            f"min_layers={min_layers}: a drafter keeps at least one decoder layer; give 1 or more"
-        )
-    if tau_floor is not None and not tau_floor > 0:
-        raise ValueError(
-            f"tau_floor={tau_floor}: give a positive fraction of the unpruned tau (e.g. 0.9)"
-        )
-    if recovery_steps < 0:
-        raise ValueError(f"recovery_steps={recovery_steps}: give 0 (no recovery) or more")
+    min_layers = config.min_layers
+    tau_floor = config.tau_floor
+    if score is None:
+        score = tau_without_each_layer
 
     def rows():
         # the fixed, unpruned drafter
         teacher = copy.deepcopy(drafter).eval().requires_grad_(False)
-        measure = dict(num_anchors=num_anchors, seed=seed)
-        generator = torch.Generator().manual_seed(seed)
+        measure = dict(val_anchors=config.val_anchors, seed=config.seed)
+        generator = torch.Generator().manual_seed(config.seed)
         tau0, _ = validation_tau(drafter, val_batches, **measure)
         yield {
             "iteration": 0,
@@ -1683,10 +1672,7 @@ def prune_drafter(
             iteration += 1
             start = time.perf_counter()
             original = _original_ids(drafter)
-            score_all = score
-            if score_all is None:
-                score_all = tau_without_each_layer
-            scores = score_all(drafter.eval(), val_batches, **measure)  # 1. score
+            scores = score(drafter.eval(), val_batches, **measure)  # 1. score
             best = least_costly_layer(drafter, scores, val_batches, **measure)
             score_seconds = time.perf_counter() - start
             snapshot = None
@@ -1694,20 +1680,10 @@ def prune_drafter(
                 snapshot = host_copy(drafter)
             remove_layer(drafter, best)  # 2. remove
             # 3. recover
-            skipped = recover(
-                drafter,
-                teacher,
-                train_batches,
-                steps=recovery_steps,
-                lr=lr,
-                beta=beta,
-                num_anchors=num_anchors,
-                generator=generator,
-                checkpointing=checkpointing,
-            )
+            skipped = recover(drafter, teacher, train_batches, config, generator)
             # 4. re-measure (without recovery, the score is already the pruned drafter's tau)
             tau_after = scores[best]
-            if recovery_steps > 0:
+            if config.recovery_steps > 0:
                 tau_after = validation_tau(drafter, val_batches, **measure)[0]
             kept = tau_floor is None or tau_after >= tau_floor * tau0  # of the unpruned tau
             if not kept:  # below the floor: undo this removal and stop
@@ -1738,14 +1714,8 @@ def prune_drafter(
 
 @torch.no_grad()
 def select_chunks(
-    drafter: Drafter,
-    input_ids: torch.Tensor,
-    *,
-    keep_ratio: float,
-    chunk_size: int = 64,
-    query_window: int = 32,
-    cache: KVCache | None = None,
-) -> dict:
+    drafter: Drafter, input_ids, *, keep_ratio, chunk_size=64, query_window=32, cache=None
+):
     """The drafter reads the whole prompt into its cache (`cache`, else a new one) and picks the
     chunks the target prefills: the first, the last, then the best by score (our reading: the
     paper is silent; the attention from the last `query_window` prompt tokens, mean over layers,
@@ -1798,71 +1768,49 @@ def select_chunks(
 # generate: the entry point (target-only, sync, async; selective prefill)
 
 
-MODES = ("target", "sync", "async")
-
-
 @torch.no_grad()
 def generate(
-    target: nn.Module,
-    drafter: Drafter | None,
-    input_ids: torch.Tensor,
+    target,
+    drafter,
+    input_ids,
+    config=None,
     *,
-    max_new_tokens: int,
-    mode: str = "sync",
-    block_size: int | None = None,
-    temperature: float = 0.0,
-    eos_token_id=None,
-    generator: torch.Generator | None = None,
-    coverage: int | None = None,
-    fanout: int | None = None,
-    cover: str = "first",
-    keep_ratio: float | None = None,
-    chunk_size: int = 64,
-    caches: Caches | None = None,
-    lanes: int | None = None,
-    trace: bool = False,
+    generator=None,
+    caches=None,
     on_round=None,
+    streamer=None,
+    **settings,
 ):
-    """Decode input_ids (1, prompt_len) until EOS (kept) or max_new_tokens. Returns (output_ids
+    """Decode input_ids (1, prompt_len) as config (a DecodeConfig; default DecodeConfig())
+    says, each keyword in `settings` replacing one of its fields (generate(target, drafter, ids,
+    max_new_tokens=64, mode="async")), until EOS (kept) or max_new_tokens. Returns (output_ids
     (1, prompt + new), stats: tau, accept_lengths, num_rounds, time per phase, ...; the
     docstring of runtime.Output.stats lists every key).
 
-    mode "target": the target alone (drafter may be None); "sync": D3D drafts, the target
-    verifies; "async": the drafter drafts during verification for `coverage` x `fanout`
-    outcomes (default_budget(B)) picked by `cover`, in a second lane if lanes=2 (CUDA: a
-    stream; CPU: a thread), after it if lanes=1 (None: runtime.async_lanes picks). Greedy
-    output is the target's, token for token; sampling is lossless. keep_ratio (lossy): the
-    target prefills only the chunks select_chunks keeps. caches: fixed-size KV caches to reuse
-    (default: per request). trace=True adds a Chrome trace. on_round: called with a RoundInfo
-    after each round (its values ride on the round's one host read). Batches: systems.batched.
-    """
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
-    block_size = check_request(
-        target,
-        drafter,
-        input_ids,
-        max_new_tokens,
-        mode,
-        block_size,
-        temperature,
-        coverage,
-        fanout,
-        cover,
-        keep_ratio,
-    )  # a clear error for each bad input (runtime.py)
+    Greedy output is the target's, token for token; sampling is lossless (its draws use
+    `generator`). caches: fixed-size KV caches to reuse (default: per request). on_round:
+    called with a RoundInfo after each round (its values ride on the round's one host read).
+    streamer: a transformers streamer (TextStreamer, ...), given the prompt, then the prefill's
+    token, then each round's committed tokens ((1, n) on the CPU), then end(). Batches:
+    systems.batched."""
+    config = with_settings(config, DecodeConfig, settings)
+    # a clear error for each bad input (runtime.py); B, None without a drafter
+    block_size = check_request(target, drafter, input_ids, config)
     # B, or 1 in target mode (no drafter): it sizes the branch budget and the caches
     sizing_block = block_size or 1
     default_coverage, default_fanout = default_budget(sizing_block)
+    coverage = config.coverage
     if coverage is None:
         coverage = default_coverage
+    fanout = config.fanout
     if fanout is None:
         fanout = default_fanout
     use_drafter = None
-    if mode != "target" or keep_ratio is not None:
+    if config.mode != "target" or config.keep_ratio is not None:
         use_drafter = drafter
-    branch_coverage = coverage * (mode == "async")
-    need = cache_len(input_ids.shape[1], max_new_tokens, sizing_block, branch_coverage, fanout)
+    prompt_len = input_ids.shape[1]
+    branch_coverage = coverage * (config.mode == "async")
+    need = cache_len(prompt_len, config.max_new_tokens, sizing_block, branch_coverage, fanout)
     if caches is None:
         caches = Caches.make(target, use_drafter, need)
     else:
@@ -1870,48 +1818,33 @@ def generate(
     # async's lanes by the rule decode.py follows too (runtime.py); the target's size matters
     # only to its default
     num_params = 0
-    if mode == "async" and lanes is None:
+    if config.mode == "async" and config.lanes is None:
         num_params = sum(p.numel() for p in target.parameters())
-    compiled = caches.compiled and mode == "async"
-    lanes = async_lanes(input_ids.device.type, compiled, lanes, num_params)
-    out = Output(input_ids[0].tolist(), max_new_tokens, eos_token_id)
+    compiled = caches.compiled and config.mode == "async"
+    lanes = async_lanes(input_ids.device.type, compiled, config.lanes, num_params)
+    # every setting resolved: the loops read B, C, F and the lanes from here
+    config = replace(config, block_size=block_size, coverage=coverage, fanout=fanout, lanes=lanes)
+    out = Output(input_ids[0].tolist(), config.max_new_tokens, config.eos_token_id)
     clock = Clock(input_ids.device)
+    sampler = Sampler(config.temperature, generator)
     # selective prefill: what the target prefills; the drafter's cache holds the full prompt
     selection = None
-    if keep_ratio is not None:
+    if config.keep_ratio is not None:
+        keep = dict(keep_ratio=config.keep_ratio, chunk_size=config.chunk_size)
         with clock.span("scoring"):
-            selection = select_chunks(
-                drafter,
-                input_ids,
-                keep_ratio=keep_ratio,
-                chunk_size=chunk_size,
-                cache=caches.drafter,
-            )
-    _prefill(caches, input_ids, selection, out, clock, temperature, generator)
-    report = None
-    if on_round is not None:
-        report = _RoundReport(on_round, mode, out, caches, drafter)
+            selection = select_chunks(drafter, input_ids, cache=caches.drafter, **keep)
+    _prefill(caches, input_ids, selection, out, clock, sampler)
+    report = _RoundReport(on_round, streamer, config.mode, caches, drafter)
+    report.start(out)
     stats = {}
-    if mode == "target":
-        _decode_target(out, caches, clock, temperature, generator, report)
-    elif mode == "sync":
-        _decode_sync(drafter, out, caches, clock, block_size, temperature, generator, report)
+    if config.mode == "target":
+        _decode_target(out, caches, clock, sampler, report)
+    elif config.mode == "sync":
+        _decode_sync(drafter, out, caches, clock, config, sampler=sampler, report=report)
     else:
-        stats = _decode_async(
-            drafter,
-            out,
-            caches,
-            clock,
-            block_size,
-            temperature,
-            generator,
-            coverage,
-            fanout,
-            cover,
-            lanes,
-            report,
-        )
-    stats.update(out.stats(clock.totals(), mode, selection))
-    if trace:
+        stats = _decode_async(drafter, out, caches, clock, config, sampler=sampler, report=report)
+    report.end()
+    stats.update(out.stats(clock.totals(), config.mode, selection))
+    if config.trace:
         stats["trace"] = clock.trace()
     return torch.tensor([out.tokens], device=input_ids.device), stats

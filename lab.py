@@ -109,15 +109,16 @@ EXERCISES = (
             the end clamped to the last token), and count a label only where it exists, is
             a response token (loss_mask) and its anchor is valid. Both (b, K, B).""",
             "d3d_loss": """
-            Settings default to the config's. The anchors: `at`, else sample_anchors;
-            _packed_hidden gives the causal stream (b, L, H) and a block per anchor
-            (b, K, B, H); _block_labels. L_block: the weighted mean of cross_entropy over
-            the counted block rows, position i weighted exp(-(i-1)/gamma), 1 without
-            gamma. L_AR (only if lambda > 0): causal row j against x_{j+1}, where x_{j+1}
-            is a response token. block_acc (B,): per position i, the share of counted
-            blocks whose d_i, read where decoding reads it, is the label: under d1_from
-            "causal" d_1 is _greedy_tokens at the anchor's causal row. The metrics
-            detached.""",
+            Every setting is the drafter's config: K = num_anchors, B = block_size,
+            lambda = ar_weight, gamma = decay_gamma, d1_from. The anchors: `at`, else
+            sample_anchors (K of them, with `generator`); _packed_hidden gives the causal
+            stream (b, L, H) and a block per anchor (b, K, B, H); _block_labels. L_block:
+            the weighted mean of cross_entropy over the counted block rows, position i
+            weighted exp(-(i-1)/gamma), 1 without gamma. L_AR (only if lambda > 0): causal
+            row j against x_{j+1}, where x_{j+1} is a response token. block_acc (B,): per
+            position i, the share of counted blocks whose d_i, read where decoding reads
+            it, is the label: under d1_from "causal" d_1 is _greedy_tokens at the anchor's
+            causal row. The metrics detached.""",
         },
         (
             "test_loss_starts_near_log_vocab_and_falls",
@@ -154,13 +155,15 @@ EXERCISES = (
         "Sec. 3, greedy, then lossless sampling",
         {
             "accept_draft": """
-            Only the first `num_real` draft tokens count (default all). Greedy: accept the
-            leading d_i equal to the target's argmax, then take the argmax after them.
-            Sampling at temperature T: p = softmax(p_logits / T); accept d_i while
-            u_i q(d_i) <= p(d_i), u_i uniform; at the first rejection draw from max(p - q, 0)
-            renormalised; after full acceptance draw the bonus token from p. Draw the u_i on
-            the generator's device (the logits' without one). Return two 0-d tensors left on
-            the device: no .item(), no Python if on a tensor (_at and _sample help)."""
+            Only the first `num_real` draft tokens count (default all). Greedy
+            (sampler.temperature 0): accept the leading d_i equal to the target's argmax,
+            then take the argmax after them. Sampling: p = sampler.probs(p_logits); accept
+            d_i while u_i q(d_i) <= p(d_i), the u_i from sampler.uniform; at the first
+            rejection draw (sampler.draw) from max(p - q, 0) renormalised; after full
+            acceptance draw the bonus token from p. Take every random number from the
+            sampler: it draws on its generator's device (the logits' without one). Return
+            two 0-d tensors left on the device: no .item(), no Python if on a tensor (_at
+            helps)."""
         },
         (
             "test_sync_equals_target_greedy",
@@ -181,13 +184,15 @@ EXERCISES = (
         "Sec. 3 and Table 1, synchronous decoding",
         {
             "_decode_sync": """
-            Until out.done, one round: the drafter reads the committed tokens it has not
-            read (out.tokens from dc.length on) and drafts a block after them (draft_block,
-            padded to width B + 1, so that every round has one shape); pick_tokens; the
-            target verifies [x_n, d_1 .. d_B] (verify_block); accept_draft; one read_round
-            for the accepted count, the next token and the draft; out.commit_round; rewind
-            the target's cache to the committed tokens but x_n. Time the two phases with
-            clock.span("draft") and clock.span("verify")."""
+            B is config.block_size. Until out.done, one round: the drafter reads the
+            committed tokens it has not read (out.tokens from dc.length on) and drafts a
+            block after them (draft_block, padded to width B + 1, so that every round has
+            one shape); sampler.pick; the target verifies [x_n, d_1 .. d_B] (verify_block);
+            accept_draft with the sampler; one read_round for the accepted count, the next
+            token and the draft; out.commit_round; rewind the target's cache to the
+            committed tokens but x_n; report(out, the draft read, B, (accepted, next
+            token)). Time the two phases with clock.span("draft") and
+            clock.span("verify")."""
         },
         (
             "test_sync_equals_target_greedy",
@@ -230,9 +235,10 @@ EXERCISES = (
             "select_segment": """
             Segments: the C x F branches in candidates.flatten() order, then full
             acceptance. Branch (k, t) matches when k = num_accepted + 1 and t = next_token.
-            The last segment matches when num_accepted = num_real, B > 1 and its guess of
-            the bonus token (`guess`; without one, bonus_guess draws it) is next_token.
-            Return the first match's index as a 0-d device tensor, -1 if none: no .item()."""
+            The last segment matches when num_accepted = num_real and `guess`, its guess
+            of the bonus token (bonus_guess; -1 at B = 1, so it never matches there), is
+            next_token. Return the first match's index as a 0-d device tensor, -1 if none:
+            no .item()."""
         },
         (
             "test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for",
@@ -251,17 +257,20 @@ EXERCISES = (
         "Fig. 1b, progressive layer pruning",
         {
             "prune_drafter": """
-            Check the arguments at the call, each a ValueError: a stopping rule, min_layers
-            >= 1, tau_floor > 0, recovery_steps >= 0. Then return a generator of rows. The
-            fixed teacher: a deep copy of the unpruned drafter, in eval mode, without
-            gradients. Yield row 0 (the unpruned tau0), then, while deeper than
-            max(1, min_layers): score every layer
-            (`score`, default tau_without_each_layer), least_costly_layer, a host_copy if
-            tau_floor is set, remove_layer, recover, re-measure with validation_tau (without
-            recovery steps the score is already the new tau); below tau_floor * tau0 undo
-            the removal (_undo_removal) and stop. A row's keys: iteration, removed_layer (its
-            original index), layers, tau_before_recovery, tau_after_recovery, seconds,
-            score_seconds, kept, recovery_skipped, candidates."""
+            At the call: with_settings(config, PruneConfig, settings), the keywords
+            replacing its fields (PruneConfig checks each range: min_layers >= 1, tau_floor
+            > 0, recovery_steps >= 0, ...), then a ValueError without a stopping rule
+            (min_layers or tau_floor). Then return a generator of rows. The fixed teacher: a
+            deep copy of the unpruned drafter, in eval mode, without gradients. Measure with
+            the config's val_anchors and seed; recovery's generator is seeded with its seed.
+            Yield row 0 (the unpruned tau0), then, while deeper than max(1, min_layers):
+            score every layer (`score`, default tau_without_each_layer), least_costly_layer,
+            a host_copy if tau_floor is set, remove_layer, recover (with the config),
+            re-measure with validation_tau (without recovery steps the score is already the
+            new tau); below tau_floor * tau0 undo the removal (_undo_removal) and stop. A
+            row's keys: iteration, removed_layer (its original index), layers,
+            tau_before_recovery, tau_after_recovery, seconds, score_seconds, kept,
+            recovery_skipped, candidates."""
         },
         (
             "test_pruning_removes_one_layer_per_iteration_and_the_noop_layer_first",
@@ -428,7 +437,7 @@ SLOW = (
 # that each of them does, and that no graded test does). test name -> (what, exercises)
 LEFT_OUT = {
     "test_a_round_reads_the_device_once": (
-        "wraps d3d.accept_draft or d3d.pick_tokens to mark the rounds",
+        "wraps d3d.accept_draft or d3d.Sampler.pick to mark the rounds",
         ("accept_draft", "decode_sync", "select_segment"),
     ),
     "test_every_verification_and_packed_pass_keeps_one_shape_through_full_acceptance_hits": (
@@ -502,8 +511,32 @@ def claim(name: str, root: str = ROOT) -> str:
     return doc.splitlines()[0] if doc else name.removeprefix("test_").replace("_", " ")
 
 
+def d3d_path(node) -> str | None:
+    """'' for the name d3d itself, 'Sampler' for d3d.Sampler (any depth); None for the rest."""
+    if isinstance(node, ast.Name):
+        return "" if node.id == "d3d" else None
+    if isinstance(node, ast.Attribute):
+        owner = d3d_path(node.value)
+        if owner is not None:
+            return f"{owner}.{node.attr}".lstrip(".")
+    return None
+
+
 def patches_d3d(node: ast.FunctionDef) -> list[str]:
-    """What of d3d a test function monkeypatches or assigns ('?' where the name is computed)."""
+    """What of d3d a test function monkeypatches or assigns ('?' where the name is computed):
+    setattr on d3d, on a class of it (Sampler.pick), on "d3d.NAME", or on a local name that
+    the function binds to an expression holding d3d."""
+    # local names bound to d3d or a part of it, not to what it returns: owner, name =
+    # (d3d.Sampler, "pick") if ... (drafter = d3d.make_drafter(...) is not one)
+    bound = set()
+    for child in ast.walk(node):
+        if isinstance(child, ast.Assign):
+            called = [c.func for c in ast.walk(child.value) if isinstance(c, ast.Call)]
+            skip = {id(n) for f in called for n in ast.walk(f)}
+            parts = [n for n in ast.walk(child.value) if d3d_path(n) is not None]
+            if any(id(n) not in skip for n in parts):
+                for target in child.targets:
+                    bound.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
     found = []
     for child in ast.walk(node):
         if (
@@ -514,10 +547,14 @@ def patches_d3d(node: ast.FunctionDef) -> list[str]:
         ):
             first = child.args[0]
             second = child.args[1] if len(child.args) > 1 else None
-            if isinstance(first, ast.Name) and first.id == "d3d":
-                found.append(second.value if isinstance(second, ast.Constant) else "?")
+            attr = second.value if isinstance(second, ast.Constant) else "?"
+            owner = d3d_path(first)
+            if owner is not None:
+                found.append(f"{owner}.{attr}".lstrip("."))
             elif isinstance(first, ast.Constant) and str(first.value).startswith("d3d."):
                 found.append(str(first.value)[4:])
+            elif isinstance(first, ast.Name) and first.id in bound:
+                found.append("?")
         if isinstance(child, ast.Assign):
             found += [
                 t.attr

@@ -20,11 +20,12 @@ import copy
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,128 @@ class UserError(ValueError):
     """Bad input from the person running a driver: a flag out of its range, a file that is
     missing, empty or cut short. Its message is one line, "<what is wrong> — <how to fix it>";
     the drivers print it as `error: ...` and exit with status 2 (systems/cli.py)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Settings: one range each, checked by one validator
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a setting accepts: a type, and bounds that may be open or closed, or a list
+    of `choices`. `each`: the setting takes a list (or one value), and every item must lie in
+    the range. kind=bool takes True or False."""
+
+    kind: type = int
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    each: bool = False
+    choices: tuple | None = None
+
+    def describe(self) -> str:
+        """The range in words: '>= 1', '> 0', 'in (0, 1]', "one of 'first', 'likely'"."""
+        if self.choices is not None:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        if self.kind is bool:
+            return "True or False"
+        if self.low is not None and self.high is not None:
+            left = "(" if self.low_open else "["
+            right = ")" if self.high_open else "]"
+            return f"in {left}{self.low}, {self.high}{right}"
+        if self.low is not None:
+            sign = ">" if self.low_open else ">="
+            return f"{sign} {self.low}"
+        if self.high is not None:
+            sign = "<" if self.high_open else "<="
+            return f"{sign} {self.high}"
+        return "any finite number"
+
+    def holds(self, value) -> bool:
+        """Whether one value lies in the range (a float must also be finite)."""
+        if self.choices is not None:
+            return type(value) is self.kind and value in self.choices
+        if self.kind is bool or isinstance(value, bool):
+            return self.kind is bool and isinstance(value, bool)
+        if not isinstance(value, (int, float)):
+            return False
+        if self.kind is int and not isinstance(value, int):
+            return False
+        if not math.isfinite(value):
+            return False
+        if self.low is not None:
+            if value < self.low:
+                return False
+            if self.low_open and value == self.low:
+                return False
+        if self.high is not None:
+            if value > self.high:
+                return False
+            if self.high_open and value == self.high:
+                return False
+        return True
+
+
+def flag_name(name: str) -> str:
+    """A keyword of main(**kw) as its command-line flag: num_anchors -> --num-anchors."""
+    return "--" + name.replace("_", "-")
+
+
+def check_ranges(
+    values: dict, ranges: dict[str, Range], flags: dict[str, str] | None = None, owner=None
+):
+    """Raise UserError for the first value outside its range. None means "not given" and is
+    always allowed (the caller then uses its documented default). The message names a flag
+    (`flags` renames a keyword whose flag is spelt otherwise: sampling_check_samples ->
+    --sampling-check), or with `owner` a config's field (DecodeConfig.max_new_tokens)."""
+    if flags is None:
+        flags = {}
+    for name, allowed in ranges.items():
+        value = values.get(name)
+        if value is None:
+            continue
+        where = flags.get(name, flag_name(name))
+        if owner is not None:
+            where = f"{owner}.{name}"
+        items = [value]
+        if allowed.each and isinstance(value, (list, tuple)):
+            items = value
+        for item in items:
+            if not allowed.holds(item):
+                raise UserError(
+                    f"{where} must be {allowed.kind.__name__} {allowed.describe()}, "
+                    f"got {item!r} — give a value {allowed.describe()}"
+                )
+
+
+def setting(default, help: str, range: Range | None = None):
+    """A config field with its explanation and range written once, where the drivers' flags
+    can read them (dataclasses.fields(config)[i].metadata)."""
+    return field(default=default, metadata={"help": help, "range": range})
+
+
+def check_settings(config) -> None:
+    """A config's __post_init__: every field against the range in its metadata."""
+    ranges = {f.name: f.metadata["range"] for f in fields(config) if f.metadata.get("range")}
+    check_ranges(vars(config), ranges, owner=type(config).__name__)
+
+
+def with_settings(config, kind: type, settings: dict):
+    """`config` (None: the defaults of `kind`) with the keyword `settings` replacing its fields,
+    as model.generate(**kwargs) updates its GenerationConfig; an unknown name is a TypeError."""
+    names = {f.name for f in fields(kind)}
+    unknown = sorted(set(settings) - names)
+    if unknown:
+        known = ", ".join(sorted(names))
+        raise TypeError(f"{kind.__name__} has no setting {unknown[0]!r}; its settings: {known}")
+    if config is None:
+        return kind(**settings)
+    if not isinstance(config, kind):
+        raise TypeError(f"config must be a {kind.__name__}, got {type(config).__name__}")
+    if not settings:
+        return config
+    return replace(config, **settings)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -583,21 +706,10 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 # generate's input checks
 
 
-def check_request(
-    target,
-    drafter,
-    input_ids,
-    max_new_tokens,
-    mode,
-    block_size,
-    temperature,
-    coverage,
-    fanout,
-    cover,
-    keep_ratio,
-) -> int | None:
-    """d3d.generate's input checks: a clear error for each bad input. Returns the block size
-    (default: the drafter's; None without a drafter)."""
+def check_request(target, drafter, input_ids, config) -> int | None:
+    """d3d.generate's input checks beyond each setting's range (DecodeConfig checks those): a
+    clear error for each bad input. Returns the block size (config.block_size, default the
+    drafter's; None without a drafter)."""
     if isinstance(input_ids, (list, tuple)):
         raise ValueError(
             "d3d.generate decodes one prompt (1, prompt_len); a list of prompts decodes as "
@@ -608,35 +720,25 @@ def check_request(
             "input_ids must have shape (1, prompt_len) (batch 1, not empty: at least one "
             f"token), got {tuple(input_ids.shape)}"
         )
-    if max_new_tokens < 0 or temperature < 0:
-        raise ValueError(
-            f"need max_new_tokens >= 0 and temperature >= 0, got {max_new_tokens}, {temperature}"
-        )
-    if drafter is None and (mode != "target" or keep_ratio is not None):
+    needs_drafter = config.mode != "target" or config.keep_ratio is not None
+    if drafter is None and needs_drafter:
         why = ""
-        if keep_ratio:
+        if config.keep_ratio:
             why = " (it scores the prompt chunks)"
-        raise ValueError(f"mode {mode!r} needs a drafter{why}")
-    if drafter is not None:
-        target_rows = target.get_output_embeddings().weight.shape[0]
-        drafter_rows = drafter.d3d_config.target_vocab_size
-        if drafter_rows != target_rows:
-            raise ValueError(
-                f"the drafter was made for a target vocabulary of {drafter_rows} tokens, "
-                f"this target has {target_rows}: use a drafter made with the target's "
-                "tokenizer"
-            )
-        if block_size is None:
-            block_size = drafter.d3d_config.block_size
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-    bad_budget = (coverage or 0) < 0 or (fanout or 0) < 0
-    if bad_budget or cover not in ("first", "likely"):
+        raise ValueError(f"mode {config.mode!r} needs a drafter{why}")
+    if drafter is None:
+        return None
+    target_rows = target.get_output_embeddings().weight.shape[0]
+    drafter_rows = drafter.d3d_config.target_vocab_size
+    if drafter_rows != target_rows:
         raise ValueError(
-            "need coverage, fanout >= 0, cover 'first' or 'likely'; "
-            f"got {coverage}, {fanout}, {cover!r}"
+            f"the drafter was made for a target vocabulary of {drafter_rows} tokens, "
+            f"this target has {target_rows}: use a drafter made with the target's "
+            "tokenizer"
         )
-    return block_size
+    if config.block_size is None:
+        return drafter.d3d_config.block_size
+    return config.block_size
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 fp32, no network. Each section opens with its clearest test.
 
     mask, loss, drafter, synchronous decoding (lossless), sampling (lossless), asynchronous
-    decoding (lossless, then what makes it fast), pruning, selective prefill, bad input
+    decoding (lossless, then what makes it fast), pruning, selective prefill, bad input and
+    settings (DecodeConfig), a transformers streamer
 
 What is not the method's claims lives in tests/: test_compiled.py (compiled and regional
 passes), test_cuda.py (CUDA only), test_lanes.py (lanes and threads), test_batched.py
@@ -11,6 +12,7 @@ passes), test_cuda.py (CUDA only), test_lanes.py (lanes and threads), test_batch
 Run: python -m pytest -q test_d3d.py
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -103,12 +105,12 @@ class ScriptedDrafter(d3d.Drafter):
         )
         self.cache, self.rows, self.batch_sizes = None, [], []
 
-    def hidden_states(self, input_ids, position_ids, attention_mask, past_key_values=None):
+    def hidden_states(self, ids, positions, mask, cache=None):
         # the cache moves as usual
-        super().hidden_states(input_ids, position_ids, attention_mask, past_key_values)
-        self.follow(past_key_values, input_ids.shape[0])
-        self.batch_sizes.append(input_ids.shape[0])
-        scripted = torch.zeros(*input_ids.shape, self.d3d_config.target_vocab_size)
+        super().hidden_states(ids, positions, mask, cache)
+        self.follow(cache, ids.shape[0])
+        self.batch_sizes.append(ids.shape[0])
+        scripted = torch.zeros(*ids.shape, self.d3d_config.target_vocab_size)
         for b, prompt in enumerate(self.rows):
             reference, right_upto = self.references[prompt], self.right_uptos[prompt]
 
@@ -117,13 +119,13 @@ class ScriptedDrafter(d3d.Drafter):
                     return reference[pos]
                 return 0
 
-            is_mask = input_ids[b] == self.d3d_config.mask_token_id
+            is_mask = ids[b] == self.d3d_config.mask_token_id
             # MASK tokens in a row; blocks (of the config's size) can follow each other directly
             run = 0
-            for j in range(input_ids.shape[1]):
+            for j in range(ids.shape[1]):
                 run = run + 1 if is_mask[j] else 0
                 index_in_block = (run - 1) % self.d3d_config.block_size + 1
-                pos = int(position_ids[b, j])
+                pos = int(positions[b, j])
                 if is_mask[j]:
                     good = ref(pos)
                     if index_in_block > right_upto:  # wrong, with the right token as the runner-up
@@ -277,6 +279,11 @@ def test_packed_blocks_equal_separate_passes(tok, d1_from):
 # Loss: L_block + lambda L_AR
 
 
+def with_config(drafter, **fields):
+    """The drafter's model under a D3DConfig with `fields` replaced: an ablation's drafter."""
+    return d3d.Drafter(drafter.model, dataclasses.replace(drafter.d3d_config, **fields))
+
+
 def batch(seed=0, b=3, length=21, prompt_len=6):
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, TEXT_VOCAB, (b, length), generator=g)
@@ -293,11 +300,11 @@ def test_loss_weighs_the_ar_term_by_lambda(tok, ar_weight):
     would agree)."""
     drafter = d3d.make_drafter(tiny_qwen3(seed=2), tokenizer=tok, block_size=4)
     x, loss_mask = batch()
-    loss, metrics = d3d.d3d_loss(
-        drafter, x, loss_mask, generator=torch.Generator().manual_seed(0), ar_weight=ar_weight
-    )
+    weighted = with_config(drafter, ar_weight=ar_weight)
+    loss, metrics = d3d.d3d_loss(weighted, x, loss_mask, generator=torch.Generator().manual_seed(0))
+    without_ar = with_config(drafter, ar_weight=0.0)
     block_only, _ = d3d.d3d_loss(
-        drafter, x, loss_mask, generator=torch.Generator().manual_seed(0), ar_weight=0
+        without_ar, x, loss_mask, generator=torch.Generator().manual_seed(0)
     )
     assert metrics["loss_ar"] > 1
     torch.testing.assert_close(loss, block_only + ar_weight * metrics["loss_ar"])
@@ -310,14 +317,8 @@ def test_block_loss_weights_position_i_by_exp_minus_i_minus_1_over_gamma(tok, ga
     without gamma), computed here from the same anchors, one row at a time."""
     drafter = d3d.make_drafter(tiny_qwen3(seed=2), tokenizer=tok, block_size=4)
     x, loss_mask = batch()
-    _, metrics = d3d.d3d_loss(
-        drafter,
-        x,
-        loss_mask,
-        generator=torch.Generator().manual_seed(0),
-        ar_weight=0,
-        decay_gamma=gamma,
-    )
+    drafter = with_config(drafter, ar_weight=0.0, decay_gamma=gamma)
+    _, metrics = d3d.d3d_loss(drafter, x, loss_mask, generator=torch.Generator().manual_seed(0))
     anchors, valid = d3d.sample_anchors(
         loss_mask, drafter.d3d_config.num_anchors, torch.Generator().manual_seed(0)
     )
@@ -348,7 +349,10 @@ def test_loss_ignores_prompt_tokens(tok):
     only_last = torch.zeros_like(loss_mask)
     only_last[0, -1] = True
     loss, metrics = d3d.d3d_loss(
-        drafter, x, only_last, num_anchors=5, generator=torch.Generator().manual_seed(0)
+        with_config(drafter, num_anchors=5),
+        x,
+        only_last,
+        generator=torch.Generator().manual_seed(0),
     )
     label = x[:, -1]
     causal = drafter.model(x).logits[0, -2, :99].float()
@@ -408,11 +412,10 @@ def test_offline_tau_drafts_the_d1_from_where_decoding_does(tok, target):
     drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=4)
     taus = {
         first: d3d.offline_tau(
-            drafter,
+            with_config(drafter, d1_from=first),
             input_ids,
             loss_mask,
-            num_anchors=16,
-            d1_from=first,
+            val_anchors=16,
             generator=torch.Generator().manual_seed(0),
         )
         for first in ("causal", "mask")
@@ -425,7 +428,7 @@ def test_offline_tau_drafts_the_d1_from_where_decoding_does(tok, target):
             drafter,
             input_ids,
             loss_mask,
-            num_anchors=16,
+            val_anchors=16,
             generator=torch.Generator().manual_seed(0),
         ),
         taus["mask"],
@@ -465,8 +468,9 @@ def test_chunked_distillation_equals_one_chunk(tok, monkeypatch):
     results = []
     for rows in (10**6, 3):
         monkeypatch.setitem(runtime.LOGITS_PER_CHUNK, "cpu", rows * 99)
+        config = d3d.PruneConfig(val_anchors=4)
         loss = d3d.distill_loss(
-            student, teacher, x, loss_mask, generator=torch.Generator().manual_seed(0)
+            student, teacher, x, loss_mask, config, torch.Generator().manual_seed(0)
         )
         results.append((loss, torch.autograd.grad(loss, list(student.parameters()))))
     torch.testing.assert_close(results[0][0], results[1][0])
@@ -672,10 +676,10 @@ class AuditedDrafter(d3d.Drafter):
         super().__init__(drafter.model, drafter.d3d_config)
         self.inner, self.committed, self.checked = drafter, committed, 0
 
-    def hidden_states(self, input_ids, position_ids, attention_mask, past_key_values=None):
-        if past_key_values is not None and int(position_ids[0, 0]) > 0:
-            self.check(past_key_values, int(position_ids[0, 0]))
-        return self.inner.hidden_states(input_ids, position_ids, attention_mask, past_key_values)
+    def hidden_states(self, ids, positions, mask, cache=None):
+        if cache is not None and int(positions[0, 0]) > 0:
+            self.check(cache, int(positions[0, 0]))
+        return self.inner.hidden_states(ids, positions, mask, cache)
 
     def logits(self, hidden):
         return self.inner.logits(hidden)
@@ -781,7 +785,7 @@ def test_accept_rule_is_lossless():
     rejected_first = 0
     for _ in range(n):
         draft = torch.multinomial(q_draft, 1, generator=g)[:, 0]
-        num_accepted, next_token = d3d.accept_draft(p_logits, draft, q_draft, 1.0, g)
+        num_accepted, next_token = d3d.accept_draft(p_logits, draft, q_draft, d3d.Sampler(1.0, g))
         emitted = draft[:num_accepted].tolist() + [next_token]
         first[emitted[0]] += 1
         rejected_first += num_accepted == 0
@@ -955,7 +959,7 @@ def test_accept_draft_without_a_generator_draws_on_the_logits_device():
     draft = torch.zeros(3, dtype=torch.long, device="meta")
     for num_real in (None, 2):
         with Devices() as devices:
-            d3d.accept_draft(p_logits, draft, q_draft, 1.0, num_real=num_real)
+            d3d.accept_draft(p_logits, draft, q_draft, d3d.Sampler(1.0), num_real=num_real)
         assert devices.made == {"meta"}, f"tensors made on {devices.made}, the logits on meta"
 
 
@@ -1112,7 +1116,6 @@ def test_a_prepared_block_is_the_draft_its_outcome_would_get(tok, d1_from):
             positions,
             candidates,
             past_len=cache.length,
-            block_size=block_size,
         )
         prepared = drafter.logits(cache.run(ids, position_ids, mask)[rows])  # (C * F + 1, B, V)
         outcomes = [
@@ -1129,30 +1132,28 @@ def test_a_prepared_block_is_the_draft_its_outcome_would_get(tok, d1_from):
 
 def test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for(tok):
     """Segments: (k=1, t=5), (1, 6), (2, 5), (2, 7), then full acceptance. A branch drafted off
-    another prefix is never reused because its token happens to match."""
+    another prefix is never reused because its token happens to match. At B = 1 the
+    full-acceptance segment has no row after its guess to be the next draft: never a hit."""
     drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=4)
     block_hidden = torch.randn(5, 4, 32, generator=torch.Generator().manual_seed(1))
     # the full-acceptance segment's bonus-token guess
-    guess = int(drafter.logits(block_hidden[-1, 0]).argmax())
+    guess = d3d.bonus_guess(drafter, block_hidden, d3d.Sampler())
+    assert int(guess) == int(drafter.logits(block_hidden[-1, 0]).argmax())
     positions, candidates = torch.tensor([1, 2]), torch.tensor([[5, 6], [5, 7]])
 
-    def hit(num_accepted, next_token):
-        index = d3d.select_segment(
-            drafter,
-            block_hidden,
-            positions,
-            candidates,
-            torch.tensor(num_accepted),
-            torch.tensor(next_token),
-            4,
-            0.0,
-        )
-        return int(index)
+    def hit(num_accepted, next_token, guess=guess, num_real=4):
+        outcome = torch.tensor(num_accepted), torch.tensor(next_token)
+        return int(d3d.select_segment(*outcome, num_real, positions, candidates, guess))
 
     assert hit(0, 5) == 0 and hit(0, 6) == 1 and hit(1, 5) == 2 and hit(1, 7) == 3
     # the token, at another position: a miss
     assert hit(0, 7) == -1 and hit(1, 6) == -1 and hit(2, 5) == -1
-    assert hit(4, guess) == 4 and hit(4, (guess + 1) % TEXT_VOCAB) == -1 and hit(3, guess) == -1
+    g = int(guess)
+    assert hit(4, g) == 4 and hit(4, (g + 1) % TEXT_VOCAB) == -1 and hit(3, g) == -1
+    # B = 1: a block of one row; its guess is -1, so full acceptance misses whatever c is
+    one_row = d3d.bonus_guess(drafter, block_hidden[:, :1], d3d.Sampler())
+    assert int(one_row) == -1
+    assert all(hit(1, t, one_row, num_real=1) != 4 for t in range(TEXT_VOCAB))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1172,12 +1173,10 @@ def test_branch_pass_is_planned_and_built_without_reading_the_device(tok, monkey
     last = torch.tensor([11])  # x_n
     for cover in ("first", "likely"):
         positions, candidates = d3d.plan_branches(logits, logits.argmax(-1), 3, 2, cover)
-        d3d.build_branch_pass(
-            drafter, last, logits.argmax(-1), positions, candidates, past_len=5, block_size=4
-        )
+        d3d.build_branch_pass(drafter, last, logits.argmax(-1), positions, candidates, past_len=5)
     monkeypatch.undo()
     ids, position_ids, mask, rows = d3d.build_branch_pass(
-        drafter, last, logits.argmax(-1), positions, candidates, past_len=5, block_size=4
+        drafter, last, logits.argmax(-1), positions, candidates, past_len=5
     )
     # 3 x 2 branches + the full block
     assert ids.shape == (1, 1 + 4 + 7 * 5) and rows.shape == (
@@ -1206,13 +1205,14 @@ def test_a_round_reads_the_device_once(tok, target, monkeypatch, mode, temperatu
 
         monkeypatch.setattr(torch.Tensor, name, counted)
     # once a round (target: a token)
-    boundary = getattr(d3d, "pick_tokens" if mode == "target" else "accept_draft")
+    owner, name = (d3d.Sampler, "pick") if mode == "target" else (d3d, "accept_draft")
+    boundary = getattr(owner, name)
 
     def marked(*args, **kwargs):
         events.append("round")
         return boundary(*args, **kwargs)
 
-    monkeypatch.setattr(d3d, boundary.__name__, marked)
+    monkeypatch.setattr(owner, name, marked)
     generator = torch.Generator().manual_seed(0)
     d3d.generate(
         target,
@@ -1333,14 +1333,14 @@ def test_scoring_all_removals_in_one_pass_each_gives_the_full_passes_numbers(tok
         loss.backward()
         optimizer.step()
     drafter.eval()
-    quick = fast.tau_without_each_layer(drafter, data, num_anchors=4, seed=3)
-    slow = d3d.tau_without_each_layer(drafter, data, num_anchors=4, seed=3)
+    quick = fast.tau_without_each_layer(drafter, data, val_anchors=4, seed=3)
+    slow = d3d.tau_without_each_layer(drafter, data, val_anchors=4, seed=3)
     # layers differ, blocks hit
     assert quick == slow and len(set(quick.values())) > 1 and max(quick.values()) > 1
     assert len(drafter.model.model.layers) == 4 == drafter.model.config.num_hidden_layers
     assert [layer.self_attn.layer_idx for layer in drafter.model.model.layers] == [0, 1, 2, 3]
-    assert d3d.validation_tau(drafter, data, num_anchors=4, seed=3) == d3d.validation_tau(
-        drafter, data, num_anchors=4, seed=3
+    assert d3d.validation_tau(drafter, data, val_anchors=4, seed=3) == d3d.validation_tau(
+        drafter, data, val_anchors=4, seed=3
     )
 
 
@@ -1369,7 +1369,12 @@ def test_recovery_distils_toward_the_label_adjusted_teacher(tok, monkeypatch):
     x, loss_mask = prune_data()[0]
     loss = {
         beta: d3d.distill_loss(
-            student, teacher, x, loss_mask, beta=beta, generator=torch.Generator().manual_seed(3)
+            student,
+            teacher,
+            x,
+            loss_mask,
+            d3d.PruneConfig(beta=beta, val_anchors=4),
+            torch.Generator().manual_seed(3),
         ).item()
         for beta in (0.0, 0.5, 1.0)
     }
@@ -1392,9 +1397,9 @@ def test_recovery_distils_toward_the_label_adjusted_teacher(tok, monkeypatch):
     betas = []
     real = d3d.distill_loss
 
-    def distill_loss(*args, **kwargs):
-        betas.append(kwargs["beta"])
-        return real(*args, **kwargs)
+    def distill_loss(student, teacher, input_ids, loss_mask, config, generator=None):
+        betas.append(config.beta)
+        return real(student, teacher, input_ids, loss_mask, config, generator)
 
     monkeypatch.setattr(d3d, "distill_loss", distill_loss)
     list(
@@ -1405,7 +1410,7 @@ def test_recovery_distils_toward_the_label_adjusted_teacher(tok, monkeypatch):
             min_layers=2,
             recovery_steps=1,
             beta=0.7,
-            num_anchors=4,
+            val_anchors=4,
         )
     )
     assert betas and set(betas) == {0.7}
@@ -1423,8 +1428,9 @@ def test_distillation_leaves_the_teacher_untouched(tok):
     before = [p.clone() for p in teacher.parameters()]
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-2)
     for i, (x, loss_mask) in enumerate(prune_data()):
+        config = d3d.PruneConfig(val_anchors=4)
         loss = d3d.distill_loss(
-            student, teacher, x, loss_mask, generator=torch.Generator().manual_seed(i)
+            student, teacher, x, loss_mask, config, torch.Generator().manual_seed(i)
         )
         assert torch.isfinite(loss)
         optimizer.zero_grad()
@@ -1536,9 +1542,9 @@ def test_pruning_checks_its_arguments_at_the_call(tok):
     with pytest.raises(ValueError, match="give a stopping rule"):
         d3d.prune_drafter(drafter, data, data)  # no next(): the call itself refuses
     bad = [
-        ({"min_layers": 0}, "min_layers=0"),
-        ({"tau_floor": 0.0}, "tau_floor=0.0"),
-        ({"min_layers": 1, "recovery_steps": -1}, "recovery_steps=-1"),
+        ({"min_layers": 0}, "PruneConfig.min_layers must be int >= 1, got 0"),
+        ({"tau_floor": 0.0}, "PruneConfig.tau_floor must be float > 0, got 0.0"),
+        ({"min_layers": 1, "recovery_steps": -1}, "PruneConfig.recovery_steps must be int >= 0"),
     ]
     for arguments, message in bad:
         with pytest.raises(ValueError, match=message):
@@ -1712,26 +1718,83 @@ def test_long_prompts_are_prefilled_in_chunks(tok, target, monkeypatch):
 # Bad input: clear errors, never a wrong answer
 
 
+def test_keyword_settings_replace_the_configs_fields_and_unknown_names_are_refused(tok, target):
+    """generate(..., config, **settings) decodes with the config's fields replaced and leaves the
+    config as it was; a name DecodeConfig lacks is a TypeError naming it, never ignored."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=4)
+    prompt = torch.tensor([[1, 2, 3]])
+    config = d3d.DecodeConfig(max_new_tokens=12, mode="async")
+    out, stats = d3d.generate(target, drafter, prompt, config, max_new_tokens=5)
+    assert out.shape[1] == 3 + 5 and "hits_per_position" in stats
+    assert config == d3d.DecodeConfig(max_new_tokens=12, mode="async")
+    same, _ = d3d.generate(target, drafter, prompt, max_new_tokens=5, mode="async")
+    assert same.tolist() == out.tolist()
+    with pytest.raises(TypeError, match="'bogus'"):
+        d3d.generate(target, drafter, prompt, bogus=1)
+    with pytest.raises(TypeError, match="'max_tokens'"):
+        d3d.generate(target, drafter, prompt, config, max_tokens=5)
+    with pytest.raises(TypeError, match="DecodeConfig"):
+        d3d.generate(target, drafter, prompt, d3d.PruneConfig())
+    with pytest.raises(TypeError, match="'num_anchors'"):
+        d3d.prune_drafter(drafter, [], [], min_layers=1, num_anchors=4)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_new_tokens", -1),
+        ("mode", "fast"),
+        ("lanes", 3),
+        ("trace", "yes"),
+        ("cover", 1),
+        ("keep_ratio", 1.5),
+        ("temperature", float("nan")),
+        ("eos_token_id", [2, -1]),
+    ],
+)
+def test_a_decode_setting_outside_its_range_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"DecodeConfig.{field} must be"):
+        d3d.DecodeConfig(**{field: value})
+
+
+def test_every_setting_carries_its_help_and_range():
+    """The drivers' flags read a field's explanation and range from its metadata."""
+    decode_fields = [f.name for f in dataclasses.fields(d3d.DecodeConfig)]
+    assert decode_fields == [
+        "max_new_tokens", "mode", "temperature", "eos_token_id", "block_size", "coverage",
+        "fanout", "cover", "lanes", "keep_ratio", "chunk_size", "trace",
+    ]  # fmt: skip
+    for config in (d3d.DecodeConfig, d3d.D3DConfig, d3d.PruneConfig):
+        for f in dataclasses.fields(config):
+            assert isinstance(f.metadata.get("help"), str) and f.metadata["help"], f.name
+            if config is not d3d.D3DConfig:
+                assert isinstance(f.metadata.get("range"), runtime.Range), f.name
+
+
 def test_bad_inputs_raise_clear_errors(tok, target, tmp_path):
     drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok)
     prompt = torch.tensor([[1, 2, 3]])
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ValueError, match="DecodeConfig.block_size must be int >= 1, got 0"):
         d3d.generate(target, drafter, prompt, max_new_tokens=5, block_size=0)
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ValueError, match="D3DConfig.block_size must be int >= 1, got 0"):
         d3d.make_drafter(tiny_qwen3(), tokenizer=tok, block_size=0)
-    with pytest.raises(ValueError, match="d1_from"):
+    with pytest.raises(ValueError, match="D3DConfig.d1_from must be str one of 'causal', 'mask'"):
         d3d.make_drafter(tiny_qwen3(), tokenizer=tok, d1_from="ar")
+    # gamma > 0 (0 would divide by zero); None: uniform weights
+    with pytest.raises(ValueError, match="D3DConfig.decay_gamma must be float > 0, got 0.0"):
+        d3d.make_drafter(tiny_qwen3(), tokenizer=tok, decay_gamma=0.0)
+    assert d3d.D3DConfig(decay_gamma=None).decay_gamma is None
     with pytest.raises(ValueError, match="empty"):
         d3d.generate(target, drafter, torch.zeros(1, 0, dtype=torch.long), max_new_tokens=5)
     with pytest.raises(ValueError, match="batch 1"):
         d3d.generate(target, drafter, prompt.repeat(2, 1), max_new_tokens=5)
     with pytest.raises(ValueError, match="needs a drafter"):
         d3d.generate(target, None, prompt, max_new_tokens=5, mode="sync")
-    with pytest.raises(ValueError, match="keep_ratio"):
+    with pytest.raises(ValueError, match=r"DecodeConfig.keep_ratio must be float in \(0, 1\]"):
         d3d.generate(target, drafter, prompt, max_new_tokens=5, keep_ratio=0.0)
     with pytest.raises(ValueError, match="scores the prompt chunks"):
         d3d.generate(target, None, prompt, max_new_tokens=5, mode="target", keep_ratio=0.5)
-    with pytest.raises(ValueError, match="unknown mode"):
+    with pytest.raises(ValueError, match="DecodeConfig.mode must be str one of 'target'"):
         d3d.generate(target, drafter, prompt, max_new_tokens=5, mode="fast")
     with pytest.raises(
         ValueError, match="target vocabulary"
@@ -1855,3 +1918,59 @@ def test_a_finished_sequence_takes_no_more_tokens():
     assert out.commit([1, 9, 2]) == [1, 9] and out.done and out.tokens == [5, 6, 1, 9]
     with pytest.raises(RuntimeError, match="finished sequence"):
         out.commit([3])
+
+
+# --------------------------------------------------------------------------------------------------
+# A transformers streamer
+
+
+class RecordingStreamer:
+    """What generate hands a streamer, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def put(self, value):
+        self.calls.append(("put", value))
+
+    def end(self):
+        self.calls.append(("end", None))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_text_streamer_prints_the_new_tokens_one_round_at_a_time(mode, capsys):
+    """On the shipped toy: transformers' TextStreamer(skip_prompt=True) prints exactly the decoded
+    new tokens; a streamer sees the prompt, then the prefill's token, then one put per round
+    ((1, n) on the CPU, the round's committed tokens), then end()."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+
+    import toy
+
+    tok = AutoTokenizer.from_pretrained(toy.SHIPPED)
+    target = AutoModelForCausalLM.from_pretrained(toy.SHIPPED).eval()
+    drafter = d3d.make_drafter(AutoModelForCausalLM.from_pretrained(toy.SHIPPED), tokenizer=tok)
+    chat = [{"role": "user", "content": "7 * 6 + 8 - 5"}]
+    ids = tok.apply_chat_template(
+        chat, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    config = d3d.DecodeConfig(max_new_tokens=40, mode=mode, block_size=4)
+    capsys.readouterr()
+    streamer = TextStreamer(tok, skip_prompt=True)
+    out, _ = d3d.generate(target, drafter, ids, config, streamer=streamer)
+    new = out[0, ids.shape[1] :]
+    # what it printed, flushed by end(): the new tokens decoded as TextStreamer decodes them, "\n"
+    printed = capsys.readouterr().out
+    assert printed.strip() and printed == tok.decode(new) + "\n"
+    recorder = RecordingStreamer()
+    again, stats = d3d.generate(target, drafter, ids, config, streamer=recorder)
+    assert again.tolist() == out.tolist()
+    kinds = [kind for kind, _ in recorder.calls]
+    assert kinds == ["put"] * (2 + stats["num_rounds"]) + ["end"]
+    puts = [value for kind, value in recorder.calls if kind == "put"]
+    assert all(p.device.type == "cpu" and p.dtype == torch.long for p in puts)
+    assert all(p.dim() == 2 and p.shape[0] == 1 for p in puts)
+    assert puts[0].shape == ids.shape and torch.equal(puts[0], ids)  # the prompt first
+    assert puts[1].tolist() == [[new[0].item()]]  # then the prefill's token
+    rounds = puts[2:]
+    assert [p.shape[1] for p in rounds] == stats["accept_lengths"]
+    assert torch.cat([p[0] for p in puts[1:]]).tolist() == new.tolist()

@@ -189,10 +189,6 @@ class TrainSettings:
     freeze: bool  # freeze the embeddings and the head, except the MASK row
     pad_id: int
     max_len: int  # sequences cut to this many tokens
-    num_anchors: int  # K, blocks per training sequence
-    block_size: int  # B, MASK tokens per block
-    ar_weight: float  # lambda, weight of L_AR
-    decay_gamma: float | None  # gamma, block position weights (None: uniform)
     eval_every: int  # offline tau every N steps
     val_anchors: int  # blocks per held-out answer for tau
     save_every: int  # checkpoint every N steps
@@ -243,15 +239,8 @@ def train_drafter(drafter: d3d.Drafter, train, val, s: TrainSettings) -> dict:
             last = a == s.grad_accum - 1
             with gradient_sync(model, s, last):
                 with autocast():
-                    loss, metrics = model(
-                        input_ids,
-                        loss_mask,
-                        num_anchors=s.num_anchors,
-                        block_size=s.block_size,
-                        ar_weight=s.ar_weight,
-                        decay_gamma=s.decay_gamma,
-                        generator=batches.anchors_rng,
-                    )
+                    # d3d.d3d_loss: K, B, lambda and gamma from the drafter's config
+                    loss, metrics = model(input_ids, loss_mask, generator=batches.anchors_rng)
                 (loss / s.grad_accum).backward()
         # a NaN or Inf gradient never reaches AdamW: the step is skipped
         stepped = runtime.finite_step(optimizer, drafter.parameters(), s.grad_clip)
@@ -270,14 +259,14 @@ def train_drafter(drafter: d3d.Drafter, train, val, s: TrainSettings) -> dict:
         done = step + 1
         if evaluates(s, val) and done % s.eval_every == 0 and done < s.steps:
             tau = evaluate(drafter, val, model, s, autocast)
-            history.append(report(done, tau, loss_ema, skipped, s))
+            history.append(report(done, tau, loss_ema, skipped, s, drafter.d3d_config.block_size))
         if done % s.save_every == 0 or done == s.steps:
             save(drafter, model, optimizer, scheduler, done, skipped, recipe, s)
     bar.close()
     # also when a rerun finds the run finished: evaluates with the new --num-val, ...
     if evaluates(s, val):
         tau = evaluate(drafter, val, model, s, autocast)
-        history.append(report(s.steps, tau, loss_ema, skipped, s))
+        history.append(report(s.steps, tau, loss_ema, skipped, s, drafter.d3d_config.block_size))
     result = {
         "offline_tau": tau,
         "history": history,
@@ -478,8 +467,7 @@ def evaluate(drafter, val, model, s: TrainSettings, autocast) -> float:
     return evaluation.evaluate_tau(
         drafter,
         val,
-        block_size=s.block_size,
-        num_anchors=s.val_anchors,
+        val_anchors=s.val_anchors,
         pad_id=s.pad_id,
         max_len=s.max_len,
         autocast=autocast,
@@ -487,11 +475,11 @@ def evaluate(drafter, val, model, s: TrainSettings, autocast) -> float:
     )
 
 
-def report(done: int, tau: float, loss_ema, skipped: int, s: TrainSettings) -> dict:
+def report(done: int, tau: float, loss_ema, skipped: int, s: TrainSettings, block_size) -> dict:
     """Print an evaluation (rank 0) and return it as a row of the history."""
     if s.rank == 0:
         line = f"[train] step {done}: loss {loss_ema or float('nan'):.3f}, "
-        line += f"offline tau (B={s.block_size}) {tau:.3f}"
+        line += f"offline tau (B={block_size}) {tau:.3f}"
         if skipped:
             line += f", {skipped} steps skipped (non-finite gradient)"
         tqdm.write(line)
@@ -555,10 +543,10 @@ def checkpoint_recipe(drafter: d3d.Drafter, s: TrainSettings) -> dict:
     return {
         "init": s.init,
         "layer_ids": config.layer_ids,
-        "block_size": s.block_size,
-        "num_anchors": s.num_anchors,
-        "ar_weight": s.ar_weight,
-        "decay_gamma": s.decay_gamma,
+        "block_size": config.block_size,
+        "num_anchors": config.num_anchors,
+        "ar_weight": config.ar_weight,
+        "decay_gamma": config.decay_gamma,
         "d1_from": config.d1_from,
         "tokenizer": config.tokenizer_hash,
     }
@@ -1013,10 +1001,6 @@ def main(**overrides) -> dict:
         freeze=args.freeze_embeddings,
         pad_id=pad_id,
         max_len=args.max_len,
-        num_anchors=args.num_anchors,
-        block_size=args.block_size,
-        ar_weight=args.ar_weight,
-        decay_gamma=args.decay_gamma,
         eval_every=args.eval_every,
         val_anchors=args.val_anchors,
         save_every=args.save_every,
@@ -1039,8 +1023,7 @@ def main(**overrides) -> dict:
         other = "causal"
     other_tau = f"offline_tau_d1_from_{other}"
     held_out = dict(
-        block_size=args.block_size,
-        num_anchors=args.val_anchors,
+        val_anchors=args.val_anchors,
         pad_id=pad_id,
         max_len=args.max_len,
     )

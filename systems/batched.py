@@ -8,30 +8,23 @@ Modes "target" and "sync"; each row gives what d3d.generate gives that prompt al
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import runtime
-from d3d import Drafter, accept_draft, draft_rows, packed_attention_mask, pick_tokens
-from runtime import Clock, Output, additive_mask, ignored_cache, mean
+from d3d import DecodeConfig, Drafter, Sampler, accept_draft, draft_rows, packed_attention_mask
+from runtime import Clock, Output, additive_mask, ignored_cache, mean, with_settings
 
 
 @torch.no_grad()
-def generate(
-    target: nn.Module,
-    drafter: Drafter | None,
-    prompts: list[torch.Tensor],
-    *,
-    max_new_tokens: int,
-    mode: str = "sync",
-    block_size: int | None = None,
-    temperature: float = 0.0,
-    eos_token_id=None,
-    generator: torch.Generator | None = None,
-):
+def generate(target, drafter, prompts: list, config=None, *, generator=None, **settings):
     """Decode a list of 1-D prompts (prompt_len,) as one ragged batch, each row as
-    d3d.generate decodes it alone. Returns (list of 1-D outputs, prompt + new, stats).
+    d3d.generate decodes it alone, with the same DecodeConfig (and keyword `settings`; modes
+    "target" and "sync", no selective prefill, no trace). Returns (list of 1-D outputs,
+    prompt + new, stats).
 
     stats, the batch's totals (times in seconds):
         tau                 mean tokens committed per round, over every row's rounds
@@ -45,25 +38,13 @@ def generate(
         rows                per request, in prompt order: tau, accept_lengths, num_rounds,
                             num_new_tokens (as in d3d.generate's stats, runtime.Output.stats)
                             and time_done, when the row finished (from the clock's start)"""
-    check_request(prompts, mode)
-    block_size = runtime.check_request(
-        target,
-        drafter,
-        prompts[0][None],
-        max_new_tokens,
-        mode,
-        block_size,
-        temperature,
-        None,
-        None,
-        "first",
-        None,
-    )
-    if mode == "target":
-        return decode_target(target, prompts, max_new_tokens, temperature, eos_token_id, generator)
-    return decode_sync(
-        target, drafter, prompts, max_new_tokens, block_size, temperature, eos_token_id, generator
-    )
+    config = with_settings(config, DecodeConfig, settings)
+    check_request(prompts, config)
+    block_size = runtime.check_request(target, drafter, prompts[0][None], config)
+    sampler = Sampler(config.temperature, generator)
+    if config.mode == "target":
+        return decode_target(target, prompts, config, sampler)
+    return decode_sync(target, drafter, prompts, replace(config, block_size=block_size), sampler)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -73,7 +54,7 @@ def generate(
 # one shared position, where each row here has its own.
 
 
-def check_request(prompts, mode: str) -> None:
+def check_request(prompts, config: DecodeConfig) -> None:
     """A clear error for a batch generate cannot decode."""
     is_list = isinstance(prompts, (list, tuple)) and len(prompts) > 0
     if not is_list or any(not _is_prompt(p) for p in prompts):
@@ -81,12 +62,14 @@ def check_request(prompts, mode: str) -> None:
             "a batch of prompts must be a non-empty list of 1-D id tensors (prompt_len,), "
             "none empty"
         )
-    if mode not in ("target", "sync"):
+    if config.mode not in ("target", "sync") or config.keep_ratio is not None:
         raise ValueError(
-            f"a batch decodes in modes 'target' and 'sync', not {mode!r} (batched async is not "
-            "built: each row would need its own branch plan; selective prefill neither): "
-            "decode such prompts one at a time with d3d.generate"
+            f"a batch decodes in modes 'target' and 'sync', not {config.mode!r}, and without "
+            "keep_ratio (batched async is not built: each row would need its own branch plan; "
+            "selective prefill neither): decode such prompts one at a time with d3d.generate"
         )
+    if config.trace:
+        raise ValueError("a batch records no trace: give trace=False, or use d3d.generate")
 
 
 def _is_prompt(prompt) -> bool:
@@ -211,20 +194,20 @@ def draft_batch(
     return logits
 
 
-def prefill(target, prompts, max_new_tokens, eos_token_id, temperature, generator):
+def prefill(target, prompts, config: DecodeConfig, sampler: Sampler):
     """_prefill for a batch: the target prefills the left-padded prompts and gives every row
     its first token."""
     device = prompts[0].device
-    outs = [Output(p.tolist(), max_new_tokens, eos_token_id) for p in prompts]
+    outs = [Output(p.tolist(), config.max_new_tokens, config.eos_token_id) for p in prompts]
     cache = RaggedCache(target, len(outs), device)
     times = {"clock": Clock(device), "rounds": 0, "done": {}}
-    if max_new_tokens > 0:
+    if config.max_new_tokens > 0:
         with times["clock"].span("prefill"):
             ids, new_valid = left_pad([out.tokens for out in outs], device)
             logits = target_pass(target, cache, ids, new_valid, logits_to_keep=1)
             logits = logits[:, -1]  # (b, V)
             cache.commit(new_valid)
-            tokens = pick_tokens(logits, temperature, generator)[0].tolist()
+            tokens = sampler.pick(logits)[0].tolist()
             for out, token in zip(outs, tokens):
                 out.commit([token])
     return outs, cache, times
@@ -268,13 +251,11 @@ def finish(outs, times, device) -> tuple[list[torch.Tensor], dict]:
     return [torch.tensor(out.tokens, device=device) for out in outs], stats
 
 
-def decode_target(target, prompts, max_new_tokens, temperature, eos_token_id, generator):
+def decode_target(target, prompts, config: DecodeConfig, sampler: Sampler):
     """_decode_target for a batch: one target pass gives every unfinished row its next
     token."""
     device = prompts[0].device
-    outs, cache, times = prefill(
-        target, prompts, max_new_tokens, eos_token_id, temperature, generator
-    )
+    outs, cache, times = prefill(target, prompts, config, sampler)
     active = drop_finished(outs, list(range(len(outs))), [cache], times)
     while active:
         with times["clock"].span("verify"):
@@ -284,7 +265,7 @@ def decode_target(target, prompts, max_new_tokens, temperature, eos_token_id, ge
             logits = target_pass(target, cache, ids, new_valid, logits_to_keep=1)
             logits = logits[:, -1]  # (b, V)
             cache.commit(new_valid)
-            tokens = pick_tokens(logits, temperature, generator)[0].tolist()
+            tokens = sampler.pick(logits)[0].tolist()
             for row, token in zip(active, tokens):
                 outs[row].commit([token])
         times["rounds"] += 1
@@ -292,15 +273,12 @@ def decode_target(target, prompts, max_new_tokens, temperature, eos_token_id, ge
     return finish(outs, times, device)
 
 
-def decode_sync(
-    target, drafter, prompts, max_new_tokens, block_size, temperature, eos_token_id, generator
-):
+def decode_sync(target, drafter, prompts, config: DecodeConfig, sampler: Sampler):
     """_decode_sync for a batch: one drafter pass and one target pass per round; a row's
-    rejected tail is a hole."""
+    rejected tail is a hole. config: its B resolved."""
     device = prompts[0].device
-    outs, target_cache, times = prefill(
-        target, prompts, max_new_tokens, eos_token_id, temperature, generator
-    )
+    block_size = config.block_size
+    outs, target_cache, times = prefill(target, prompts, config, sampler)
     drafter_cache = RaggedCache(drafter.model, len(outs), device)
     caches = [target_cache, drafter_cache]
     active = drop_finished(outs, list(range(len(outs))), caches, times)
@@ -310,7 +288,7 @@ def decode_sync(
             new_tokens = [outs[row].tokens[n:] for row, n in zip(active, seen)]
             draft_logits = draft_batch(drafter, drafter_cache, new_tokens, block_size)
             # (b, B), (b, B, V) or None
-            draft, q_draft = pick_tokens(draft_logits, temperature, generator)
+            draft, q_draft = sampler.pick(draft_logits)
         with times["clock"].span("verify"):
             # (b, 1): each row's x_n
             last = torch.tensor([outs[row].tokens[-1:] for row in active], device=device)
@@ -324,7 +302,7 @@ def decode_sync(
             q_row = None
             if q_draft is not None:
                 q_row = q_draft[i]
-            outcome = accept_draft(p_logits[i], draft[i], q_row, temperature, generator)
+            outcome = accept_draft(p_logits[i], draft[i], q_row, sampler)
             outcomes.append(torch.stack(outcome))
         accepted = torch.stack(outcomes)
         # the round's one host read

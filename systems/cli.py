@@ -12,88 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import struct
 import sys
-from dataclasses import dataclass
 
-from runtime import UserError
-
-# --------------------------------------------------------------------------------------------------
-# Flags: one range each
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a flag accepts: a type, and bounds that may be open or closed.
-    `each`: the flag takes a list and every item must lie in the range."""
-
-    kind: type = int
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-    each: bool = False
-
-    def describe(self) -> str:
-        """The range in words: '>= 1', '> 0', 'in (0, 1]'."""
-        if self.low is not None and self.high is not None:
-            left = "(" if self.low_open else "["
-            right = ")" if self.high_open else "]"
-            return f"in {left}{self.low}, {self.high}{right}"
-        if self.low is not None:
-            sign = ">" if self.low_open else ">="
-            return f"{sign} {self.low}"
-        if self.high is not None:
-            sign = "<" if self.high_open else "<="
-            return f"{sign} {self.high}"
-        return "any finite number"
-
-    def holds(self, value) -> bool:
-        """Whether one value lies in the range (a float must also be finite)."""
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return False
-        if self.kind is int and not isinstance(value, int):
-            return False
-        if not math.isfinite(value):
-            return False
-        if self.low is not None:
-            if value < self.low:
-                return False
-            if self.low_open and value == self.low:
-                return False
-        if self.high is not None:
-            if value > self.high:
-                return False
-            if self.high_open and value == self.high:
-                return False
-        return True
-
-
-def flag_name(name: str) -> str:
-    """A keyword of main(**kw) as its command-line flag: num_anchors -> --num-anchors."""
-    return "--" + name.replace("_", "-")
-
-
-def check_ranges(values: dict, ranges: dict[str, Range], flags: dict[str, str] | None = None):
-    """Raise UserError for the first value outside its range. None means "not given" and is
-    always allowed (the driver then uses its documented default). `flags` renames a keyword
-    whose flag is spelt otherwise (sampling_check_samples -> --sampling-check)."""
-    if flags is None:
-        flags = {}
-    for name, allowed in ranges.items():
-        value = values.get(name)
-        if value is None:
-            continue
-        flag = flags.get(name, flag_name(name))
-        items = value if allowed.each else [value]
-        for item in items:
-            if not allowed.holds(item):
-                raise UserError(
-                    f"{flag} must be {allowed.kind.__name__} {allowed.describe()}, "
-                    f"got {item!r} — give a value {allowed.describe()}"
-                )
+# the ranges live in runtime.py, beside the configs that use them; the drivers import them here
+from runtime import Range, UserError, check_ranges, flag_name  # noqa: F401
 
 
 class Parser(argparse.ArgumentParser):

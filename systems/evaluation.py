@@ -6,6 +6,7 @@ trained on, for eval and prune alike)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -24,8 +25,7 @@ def evaluate_tau(
     drafter,
     examples,
     *,
-    block_size: int,
-    num_anchors: int = 32,
+    val_anchors: int = 32,
     batch_size: int = 8,
     pad_id: int,
     max_len: int = 1024,
@@ -35,15 +35,17 @@ def evaluate_tau(
     per_block: bool = False,
     sharded: torch.nn.Module | None = None,
 ):
-    """Mean offline tau (accepted + 1) over blocks drafted at `num_anchors` sampled points
-    per held-out answer (with per_block: the tau of every block, a tensor); d_1 from where
-    the drafter's config says (d1_from overrides: "causal" or "mask").
+    """Mean offline tau (accepted + 1) over blocks of the drafter's B drafted at `val_anchors`
+    sampled points per held-out answer (with per_block: the tau of every block, a tensor); d_1
+    from where the drafter's config says (d1_from, if given, replaces it for the measurement:
+    "causal" or "mask").
 
     `sharded`: the FSDP root (train.py's TrainingLoss) around `drafter`; every pass goes
     through its forward, which gathers the weights, so every process must evaluate, on
     the same examples."""
     # the same anchors at every evaluation
     generator = torch.Generator().manual_seed(seed)
+    block_size = drafter.d3d_config.block_size
     was_training = drafter.training
     taus = []
     drafter.eval()
@@ -53,21 +55,14 @@ def evaluate_tau(
         if sharded is not None
         else functools.partial(d3d.offline_tau, drafter)
     )
-    for s in tqdm(
-        range(0, len(examples), batch_size), desc=f"offline tau B={block_size}", leave=False
-    ):
-        input_ids, loss_mask = answers.collate(examples[s : s + batch_size], pad_id, max_len)
-        with autocast():
-            taus.append(
-                run(
-                    input_ids.to(drafter.device),
-                    loss_mask.to(drafter.device),
-                    num_anchors=num_anchors,
-                    block_size=block_size,
-                    d1_from=d1_from,
-                    generator=generator,
-                )
-            )
+    starts = range(0, len(examples), batch_size)
+    with replaced_config(drafter, d1_from=d1_from or drafter.d3d_config.d1_from):
+        for s in tqdm(starts, desc=f"offline tau B={block_size}", leave=False):
+            input_ids, loss_mask = answers.collate(examples[s : s + batch_size], pad_id, max_len)
+            input_ids = input_ids.to(drafter.device)
+            loss_mask = loss_mask.to(drafter.device)
+            with autocast():
+                taus.append(run(input_ids, loss_mask, val_anchors=val_anchors, generator=generator))
     if sharded is not None:
         sharded.reshard()  # the root stays gathered after a forward that no backward follows
     drafter.train(was_training)
@@ -79,8 +74,7 @@ def block_accuracy(
     drafter,
     examples,
     *,
-    block_size: int,
-    num_anchors: int = 32,
+    val_anchors: int = 32,
     batch_size: int = 8,
     pad_id: int,
     max_len: int = 1024,
@@ -92,6 +86,9 @@ def block_accuracy(
     unlike the acceptance curve. On the anchors evaluate_tau draws (the same seed and
     batches), so block_acc[0] is the share of blocks whose d_1 is accepted."""
     generator = torch.Generator().manual_seed(seed)
+    block_size = drafter.d3d_config.block_size
+    # the block loss's metrics alone: lambda = 0 skips L_AR's rows
+    block_only = d3d.Drafter(drafter.model, dataclasses.replace(drafter.d3d_config, ar_weight=0.0))
     was_training = drafter.training
     drafter.eval()
     right = torch.zeros(block_size, dtype=torch.float64)
@@ -100,22 +97,26 @@ def block_accuracy(
         input_ids, loss_mask = answers.collate(examples[s : s + batch_size], pad_id, max_len)
         input_ids = input_ids.to(drafter.device)
         loss_mask = loss_mask.to(drafter.device)
-        at = d3d.sample_anchors(loss_mask, num_anchors, generator)
+        at = d3d.sample_anchors(loss_mask, val_anchors, generator)
         with autocast():
-            _, metrics = d3d.d3d_loss(
-                drafter,
-                input_ids,
-                loss_mask,
-                num_anchors=num_anchors,
-                block_size=block_size,
-                ar_weight=0.0,
-                at=at,
-            )
+            _, metrics = d3d.d3d_loss(block_only, input_ids, loss_mask, at=at)
         counts = labelled_blocks(input_ids, loss_mask, at, block_size)
         right += metrics["block_acc"].double().cpu() * counts
         total += counts
     drafter.train(was_training)
     return (right / total.clamp(min=1)).tolist()
+
+
+@contextlib.contextmanager
+def replaced_config(drafter, **fields):
+    """The drafter with fields of its D3DConfig replaced for the duration of a measurement (the
+    FSDP root reaches the same drafter object), as it was after."""
+    saved = drafter.d3d_config
+    drafter.d3d_config = dataclasses.replace(saved, **fields)
+    try:
+        yield drafter
+    finally:
+        drafter.d3d_config = saved
 
 
 def labelled_blocks(input_ids, loss_mask, at, block_size: int) -> torch.Tensor:
@@ -275,10 +276,9 @@ def eval_main(argv=None) -> dict:
     taus = per_block_taus(
         drafter,
         val,
-        block_size=block_size,
         pad_id=pad_id,
         max_len=recipe["max_len"],
-        num_anchors=val_anchors,
+        val_anchors=val_anchors,
         autocast=bf16_autocast(device, bf16),
     )
     result = {first: t.mean().item() for first, t in taus.items()}
@@ -293,10 +293,9 @@ def eval_main(argv=None) -> dict:
     block_acc = block_accuracy(
         drafter,
         val,
-        block_size=block_size,
         pad_id=pad_id,
         max_len=recipe["max_len"],
-        num_anchors=val_anchors,
+        val_anchors=val_anchors,
         autocast=bf16_autocast(device, bf16),
     )
     print_block_accuracy(block_acc, drafter.d3d_config.d1_from)
@@ -368,7 +367,8 @@ def plot_curves(path: str, drafter, examples, *, title: str, **settings) -> dict
     """At the end of training (train.py --plot): the acceptance curves of `drafter` on
     the held-out answers, printed as a table and drawn at `path`. Returns the curves."""
     taus = per_block_taus(drafter, examples, **settings)
-    curves = {first: acceptance_curve(t, settings["block_size"]) for first, t in taus.items()}
+    block_size = drafter.d3d_config.block_size
+    curves = {first: acceptance_curve(t, block_size) for first, t in taus.items()}
     print_curves(curves, tag="[done]")
     print(f"[done] block acceptance by position: {draw_curves(path, curves, title)}")
     return curves

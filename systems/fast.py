@@ -197,9 +197,7 @@ def _resumed_at(drafter: d3d.Drafter, start: int, hidden: torch.Tensor):
 
 
 @torch.no_grad()
-def tau_without_each_layer(
-    drafter: d3d.Drafter, batches, *, num_anchors: int = 32, seed: int = 0
-) -> dict[int, float]:
+def tau_without_each_layer(drafter: d3d.Drafter, batches, *, val_anchors: int = 32, seed: int = 0):
     """d3d.tau_without_each_layer's numbers, bit for bit (same anchors, same operations), at
     less cost: per batch one full pass records what enters each layer; the drafter without
     layer i then resumes from what entered layer i and runs layers i+1.. only. A greedy step
@@ -212,14 +210,12 @@ def tau_without_each_layer(
     taus = {i: [] for i in range(num_layers)}
     bar = tqdm(total=len(batches) * num_layers, desc=f"score {num_layers} layers", leave=False)
     for input_ids, loss_mask in batches:
-        anchors, valid = d3d.sample_anchors(loss_mask, num_anchors, generator)
+        anchors, valid = d3d.sample_anchors(loss_mask, val_anchors, generator)
         with _recording_layer_inputs(drafter) as entering:
             drafter.hidden_states(*d3d._packed_inputs(drafter, input_ids, anchors, block_size))
         for i in range(num_layers):
             with _resumed_at(drafter, i + 1, entering[i]):
-                tau = d3d.offline_tau(
-                    drafter, input_ids, loss_mask, block_size=block_size, at=(anchors, valid)
-                )
+                tau = d3d.offline_tau(drafter, input_ids, loss_mask, at=(anchors, valid))
                 taus[i].append(tau)
             bar.update()
     bar.close()

@@ -200,13 +200,7 @@ def branch_pass_data(
     config = d3d.D3DConfig(block_size=block_size, mask_token_id=vocab, d1_from=d1_from)
     drafter = types.SimpleNamespace(d3d_config=config)  # all build_branch_pass reads of a drafter
     ids, position_ids, mask, rows = d3d.build_branch_pass(
-        drafter,
-        torch.tensor([x_n]),
-        draft,
-        positions,
-        candidates,
-        past_len=past_len,
-        block_size=block_size,
+        drafter, torch.tensor([x_n]), draft, positions, candidates, past_len=past_len
     )
     names = {x_n: "x_n", vocab: "MASK", **{k: f"d_{k}" for k in range(1, block_size + 1)}}
     for k in range(1, block_size + 1):

@@ -263,20 +263,20 @@ def prune_main(
         else contextlib.nullcontext()
     ):
         table = []
-        for row in d3d.prune_drafter(
-            model,
-            val_batches,
-            train_batches,
+        prune_config = d3d.PruneConfig(
             min_layers=min_layers,
             tau_floor=tau_floor,
             recovery_steps=recovery_steps,
             lr=lr,
             beta=beta,
-            num_anchors=val_anchors,
+            val_anchors=val_anchors,
             seed=seed,
             checkpointing=checkpointing,
-            score=fast.tau_without_each_layer,
-        ):
+        )
+        rows = d3d.prune_drafter(
+            model, val_batches, train_batches, prune_config, score=fast.tau_without_each_layer
+        )
+        for row in rows:
             table.append(row)
             for line in describe_iteration(
                 row, recovery_steps, tau_floor, table[0]["tau_after_recovery"]

@@ -88,7 +88,6 @@ def test_branch_pass_picture_is_build_branch_pass_mask(tok, block_size, coverage
         positions,
         candidates,
         past_len=past_len,
-        block_size=block_size,
     )
     assert picture.mask == mask[0, 0].tolist()
     assert picture.positions == position_ids[0].tolist()

@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import io
 import json
@@ -201,11 +202,14 @@ def test_training_lowers_loss_and_saves_a_lossless_drafter(setup, tmp_path):
         layers="2",
         block_size=4,
     )
-    losses = [
-        d3d.d3d_loss(
-            m, input_ids, loss_mask, num_anchors=6, generator=torch.Generator().manual_seed(0)
-        )[0]
+    # both on K = 6 blocks, the same anchors
+    same_k = [
+        d3d.Drafter(m.model, dataclasses.replace(m.d3d_config, num_anchors=6))
         for m in (initial, drafter)
+    ]
+    losses = [
+        d3d.d3d_loss(m, input_ids, loss_mask, generator=torch.Generator().manual_seed(0))[0]
+        for m in same_k
     ]
     assert losses[1] < 0.7 * losses[0]
     target = answers.load_target(setup["target"], "cpu")
@@ -525,7 +529,7 @@ def test_prune_in_bf16_reads_the_weights_recovery_changed(setup, tmp_path):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         list(
             d3d.prune_drafter(
-                drafter, batches, batches, min_layers=2, recovery_steps=3, lr=1e-2, num_anchors=4
+                drafter, batches, batches, min_layers=2, recovery_steps=3, lr=1e-2, val_anchors=4
             )
         )
         ids = batches[0][0][:, :12]

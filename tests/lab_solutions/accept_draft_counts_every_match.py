@@ -8,22 +8,21 @@ RIGHT = False
 FAILS = ("test_sync_equals_target_greedy",)  # tests that must fail (others may too)
 
 
-def accept_draft(p_logits, draft, q_draft, temperature, generator=None, num_real=None):
+def accept_draft(p_logits, draft, q_draft, sampler, num_real=None):
     block_size = draft.shape[0]
     limit = block_size if num_real is None else num_real
     real = torch.arange(block_size, device=draft.device) < limit
-    if temperature == 0:
+    if sampler.temperature == 0:
         target_tokens = p_logits.argmax(-1)
         num_accepted = ((draft == target_tokens[:block_size]) & real).long().sum()  # the bug
         return num_accepted, _at(target_tokens, num_accepted)
-    p_target = torch.softmax(p_logits.float() / temperature, dim=-1)
+    p_target = sampler.probs(p_logits)
     rows = torch.arange(block_size, device=draft.device)
     p_d, q_d = p_target[rows, draft], q_draft[rows, draft]
-    device = p_d.device if generator is None else generator.device
-    u = torch.rand(block_size, generator=generator, device=device).to(p_d.device)
+    u = sampler.uniform((block_size,), p_d.device)
     num_accepted = ((u * q_d <= p_d) & real).long().cumprod(0).sum()
     p_next = _at(p_target, num_accepted)
     residual = (p_next - _at(F.pad(q_draft, (0, 0, 0, 1)), num_accepted)).clamp(min=0)
     residual = torch.where(residual.sum() > 0, residual, p_next)
     law = torch.where(real.sum() == num_accepted, p_next, residual)
-    return num_accepted, _sample(law / law.sum(), generator)
+    return num_accepted, sampler.draw(law / law.sum())

@@ -8,19 +8,18 @@ RIGHT = False
 FAILS = ("test_accept_rule_is_lossless",)  # tests that must fail (others may too)
 
 
-def accept_draft(p_logits, draft, q_draft, temperature, generator=None, num_real=None):
+def accept_draft(p_logits, draft, q_draft, sampler, num_real=None):
     block_size = draft.shape[0]
     limit = block_size if num_real is None else num_real
     real = torch.arange(block_size, device=draft.device) < limit
-    if temperature == 0:
+    if sampler.temperature == 0:
         target_tokens = p_logits.argmax(-1)
         num_accepted = ((draft == target_tokens[:block_size]) & real).long().cumprod(0).sum()
         return num_accepted, _at(target_tokens, num_accepted)
-    p_target = torch.softmax(p_logits.float() / temperature, dim=-1)
+    p_target = sampler.probs(p_logits)
     rows = torch.arange(block_size, device=draft.device)
     p_d, q_d = p_target[rows, draft], q_draft[rows, draft]
-    device = p_d.device if generator is None else generator.device
-    u = torch.rand(block_size, generator=generator, device=device).to(p_d.device)
+    u = sampler.uniform((block_size,), p_d.device)
     num_accepted = ((u * q_d <= p_d) & real).long().cumprod(0).sum()
     p_next = _at(p_target, num_accepted)
-    return num_accepted, _sample(p_next, generator)  # the bug: p, not max(p - q, 0)
+    return num_accepted, sampler.draw(p_next)  # the bug: p, not max(p - q, 0)
