@@ -688,20 +688,16 @@ def oracle_drafter(drafter, reference_len: int):
                 "reference", torch.zeros(reference_len, dtype=torch.long, device=drafter.device)
             )
 
-        def hidden_states(self, input_ids, position_ids, attention_mask, past_key_values=None):
-            super().hidden_states(
-                input_ids, position_ids, attention_mask, past_key_values
-            )  # the cache moves
+        def hidden_states(self, ids, positions, mask, cache=None):
+            super().hidden_states(ids, positions, mask, cache)  # the cache moves
             config = self.d3d_config
-            drafts = torch.where(input_ids == config.mask_token_id, position_ids, position_ids + 1)
+            drafts = torch.where(ids == config.mask_token_id, positions, positions + 1)
             right = self.reference[drafts.clamp(max=reference_len - 1)]
             miss = drafts % MISS_EVERY == 0
             drafted = torch.where(
                 miss, (right + 1) % config.mask_token_id, right
             )  # never MASK, never `right`
-            logits = torch.zeros(
-                *input_ids.shape, config.target_vocab_size, device=input_ids.device
-            )
+            logits = torch.zeros(*ids.shape, config.target_vocab_size, device=ids.device)
             logits.scatter_(-1, drafted[..., None], 10.0)
             return logits.scatter_add(-1, right[..., None], 5.0 * miss[..., None].float())
 

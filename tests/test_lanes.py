@@ -30,7 +30,7 @@ def test_two_lanes_on_a_cpu_decode_the_same_tokens(tok, target):
         one_stats["hits_per_position"] == two_stats["hits_per_position"] and two_stats["lanes"] == 2
     )
     assert torch.get_num_threads() == threads
-    with pytest.raises(ValueError, match="lanes"):
+    with pytest.raises(ValueError, match="DecodeConfig.lanes must be int one of 1, 2, got 3"):
         d3d.generate(target, drafter, prompt, max_new_tokens=4, mode="async", lanes=3)
 
 

@@ -54,14 +54,14 @@ class PositionDrafter(d3d.Drafter):
         super().__init__(drafter.model, drafter.d3d_config)
         self.reference = reference
 
-    def hidden_states(self, input_ids, position_ids, attention_mask, past_key_values=None):
-        super().hidden_states(input_ids, position_ids, attention_mask, past_key_values)
+    def hidden_states(self, ids, positions, mask, cache=None):
+        super().hidden_states(ids, positions, mask, cache)
         vocab = self.d3d_config.target_vocab_size
-        scripted = torch.zeros(*input_ids.shape, vocab)
-        is_mask = input_ids == self.d3d_config.mask_token_id
-        for b in range(input_ids.shape[0]):
-            for j in range(input_ids.shape[1]):
-                p = int(position_ids[b, j])
+        scripted = torch.zeros(*ids.shape, vocab)
+        is_mask = ids == self.d3d_config.mask_token_id
+        for b in range(ids.shape[0]):
+            for j in range(ids.shape[1]):
+                p = int(positions[b, j])
                 if not is_mask[b, j]:
                     p = p + 1
                 good = 0

@@ -80,12 +80,12 @@ class ScriptedDrafter(d3d.Drafter):
             return wrong, (right + 2) % TEXT_VOCAB
         return right, wrong
 
-    def hidden_states(self, input_ids, position_ids, attention_mask, past_key_values=None):
-        super().hidden_states(input_ids, position_ids, attention_mask, past_key_values)
-        logits = torch.zeros(*input_ids.shape, self.d3d_config.target_vocab_size)
-        is_mask = input_ids == self.d3d_config.mask_token_id
-        for j in range(input_ids.shape[1]):
-            q = int(position_ids[0, j]) + 1
+    def hidden_states(self, ids, positions, mask, cache=None):
+        super().hidden_states(ids, positions, mask, cache)
+        logits = torch.zeros(*ids.shape, self.d3d_config.target_vocab_size)
+        is_mask = ids == self.d3d_config.mask_token_id
+        for j in range(ids.shape[1]):
+            q = int(positions[0, j]) + 1
             if is_mask[0, j]:
                 q -= 1
             first, second = self.choices(min(q, len(self.reference) - 1))
