@@ -4,7 +4,6 @@ check that fails makes its step FAILED and the script's exit non-zero.
 Run: python -m pytest -q tests/test_gpu_check.py
 """
 
-import glob
 import json
 import os
 import re
@@ -12,16 +11,22 @@ import runpy
 import subprocess
 import sys
 
+from project_files import project_files
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECK = os.path.join(ROOT, "tests", "gpu_check.py")
+STEPS = runpy.run_path(CHECK)["STEPS"]  # n: (name, --tiny time limit, limit without --tiny)
+SLACK = 120  # seconds beyond the steps' limits: the parent's start, each step's file written
 
 
-def run_check(out, *args, env=None):
+def run_check(out, *args, steps=tuple(STEPS), env=None):
+    """gpu_check.py --tiny on `steps`, under a time limit that each step's own limit fits in, one
+    after the other: a step that hangs fails as the script says, not as this call's timeout."""
     return subprocess.run(
-        [sys.executable, CHECK, "--tiny", str(out), *args],
+        [sys.executable, CHECK, "--tiny", str(out), "--steps", *map(str, steps), *args],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=sum(STEPS[n][1] for n in steps) + SLACK,
         cwd=ROOT,
         env=env,
     )
@@ -82,7 +87,7 @@ def test_a_failing_check_fails_its_step_and_the_exit(tmp_path):
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(plant), ROOT, os.environ.get("PYTHONPATH", "")]),
     }
-    run = run_check(tmp_path / "out", "--steps", "3", env=env)
+    run = run_check(tmp_path / "out", steps=[3], env=env)
     assert run.returncode != 0
     step3 = (tmp_path / "out" / "3-compiled-path.txt").read_text()
     assert step3.startswith("[3] compiled-path: FAILED")
@@ -105,11 +110,14 @@ def test_the_sanitizer_step_selects_every_test_that_needs_cuda():
         defined = set(re.findall(r"^def (test_\w+)", f.read(), re.M))
     assert selected and selected == defined - {"test_cuda_training_step_at_qwen3_shapes_fits"}
     skips_for_cuda = re.compile(r"skip\w*\((?:[^()]|\([^()]*\))*cuda", re.S | re.I)
-    others = glob.glob(os.path.join(ROOT, "tests", "test_*.py")) + [
-        os.path.join(ROOT, "test_d3d.py")
+    others = [
+        path
+        for path in project_files(".py")
+        if path == "test_d3d.py" or re.fullmatch(r"tests/test_\w+\.py", path)
     ]
+    assert "test_d3d.py" in others and "tests/test_gpu_check.py" in others, others
     for path in others:
-        if os.path.basename(path) == "test_cuda.py":
+        if path == "tests/test_cuda.py":
             continue
-        with open(path, encoding="utf-8") as f:
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
             assert not skips_for_cuda.search(f.read()), path

@@ -19,6 +19,7 @@ import sys
 import types
 
 import pytest
+from project_files import project_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -34,7 +35,13 @@ def sha(path) -> str:
 
 
 def solution_files() -> list[str]:
-    return sorted(name for name in os.listdir(SOLUTIONS) if name.endswith(".py"))
+    """The solutions the project ships (project_files.py): names of files in SOLUTIONS."""
+    folder = os.path.relpath(SOLUTIONS, ROOT).replace(os.sep, "/")
+    return sorted(
+        path[len(folder) + 1 :]
+        for path in project_files(".py", names=[folder])
+        if path.startswith(folder + "/") and "/" not in path[len(folder) + 1 :]
+    )
 
 
 def solution_facts(name: str) -> dict:
@@ -48,7 +55,9 @@ def solution_facts(name: str) -> dict:
     }
 
 
-def lab_py(cwd, *argv, timeout=600) -> subprocess.CompletedProcess:
+def lab_py(cwd, *argv, timeout=1200) -> subprocess.CompletedProcess:
+    """lab.py in `cwd`. The time limit is a net for a hung command, beyond lab.py check's own
+    (--timeout, 900 s by default), so a check that runs long ends with lab.py's grade."""
     return subprocess.run(
         [sys.executable, "lab.py", *map(str, argv)],
         cwd=cwd,

@@ -5,7 +5,20 @@ Run: python -m pytest -q tests/test_layers.py
 
 import os
 
+from project_files import project_files
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# who may import whom: each layer and the layers below it. Outside a git checkout these names are
+# also where the modules are looked for: `name.py`, and the folder systems/
+LAYERS = {
+    "runtime": set(),
+    "d3d": {"runtime"},
+    "toy": {"runtime", "systems"},
+    "systems": {"runtime", "d3d", "systems"},
+    "train": {"runtime", "d3d", "toy", "systems"},
+    "decode": {"runtime", "d3d", "toy", "systems"},
+    "lab": {"runtime", "d3d", "toy", "systems"},
+}
 
 
 def test_d3d_names_only_what_d3d_defines():
@@ -25,20 +38,19 @@ def test_d3d_names_only_what_d3d_defines():
         if isinstance(t, ast.Name)
     }
     wrong = []
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("runs", "__pycache__")]
-        for name in files:
-            path = os.path.join(folder, name)
-            if not name.endswith(".py") or path == os.path.join(root, "d3d.py"):
-                continue
-            for node in ast.walk(ast.parse(open(path).read())):
-                if (
-                    isinstance(node, ast.Attribute)
-                    and isinstance(node.value, ast.Name)
-                    and node.value.id == "d3d"
-                    and node.attr not in defined
-                ):
-                    wrong.append(f"{os.path.relpath(path, root)}:{node.lineno} d3d.{node.attr}")
+    for path in project_files(".py"):
+        if path == "d3d.py":
+            continue
+        with open(os.path.join(root, path), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "d3d"
+                and node.attr not in defined
+            ):
+                wrong.append(f"{path}:{node.lineno} d3d.{node.attr}")
     assert not wrong, wrong
 
 
@@ -49,26 +61,18 @@ def test_modules_form_layers_without_cycles():
     import ast
     import os
 
-    root = ROOT
-    modules = {
-        name[:-3]: name
-        for name in os.listdir(root)
-        if name.endswith(".py") and not name.startswith("test_")
-    }
-    modules |= {
-        f"systems.{name[:-3]}": os.path.join("systems", name)
-        for name in os.listdir(os.path.join(root, "systems"))
-        if name.endswith(".py") and name != "__init__.py"
-    }
-    allowed = {
-        "runtime": set(),
-        "d3d": {"runtime"},
-        "toy": {"runtime", "systems"},
-        "systems": {"runtime", "d3d", "systems"},
-        "train": {"runtime", "d3d", "toy", "systems"},
-        "decode": {"runtime", "d3d", "toy", "systems"},
-        "lab": {"runtime", "d3d", "toy", "systems"},
-    }
+    root, allowed = ROOT, LAYERS
+    modules = {}
+    for path in project_files(".py", names=allowed):
+        folder, _, name = path.rpartition("/")
+        if folder == "" and not name.startswith("test_"):
+            module = name[:-3]
+        elif folder == "systems" and name != "__init__.py":
+            module = f"systems.{name[:-3]}"
+        else:
+            continue
+        if module.split(".")[0] in allowed:  # a file with no layer is not a module of these
+            modules[module] = path
     graph, wrong = {}, []
     for module, path in modules.items():
         tree = ast.parse(open(os.path.join(root, path)).read())

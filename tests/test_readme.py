@@ -13,6 +13,7 @@ import os
 import re
 
 import pytest
+from project_files import project_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ("README.md", "LAB.md", "RESULTS.md")
@@ -83,13 +84,12 @@ def test_every_picture_shown_is_in_the_repository(doc):
 
 def test_every_picture_in_the_repository_says_how_it_was_drawn():
     """Each PNG in pictures/ is named next to a command in README or LAB that draws it."""
-    folder = os.path.join(ROOT, "pictures")
-    if not os.path.isdir(folder):
-        pytest.skip("no pictures/ folder")
+    shipped = [p for p in project_files(".png", names=["pictures"]) if p.startswith("pictures/")]
+    if not shipped:
+        pytest.skip("no pictures in pictures/")
     text = re.sub(r"\\\n\s*", " ", read("README.md") + read("LAB.md"))  # continuations joined
     unexplained = []
-    for name in sorted(os.listdir(folder)):
-        path = f"pictures/{name}"
+    for path in shipped:
         lines = [line for line in text.splitlines() if path in line]
         drawn = [line for line in lines if "python" in line and ("--plot" in line or "png" in line)]
         if not drawn:

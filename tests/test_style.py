@@ -5,38 +5,20 @@ and linter hold the same limit (pyproject.toml, .ci/run); this test holds it wit
 the suite alone catches a long line."""
 
 import os
-import subprocess
 import unicodedata
 
 import pytest
+from project_files import NAMES, by_name, project_files, tracked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_COLUMNS = 100  # pyproject.toml's line-length
 SHOWN = 20  # offenders named in a failure
-# where ruff does not look either (pyproject.toml's extend-exclude), and what git ignores
-SKIPPED = {"runs", "toy-target", "__pycache__"}
 
 
 def python_files() -> list[str]:
-    """The project's .py files, relative to ROOT: what git tracks, and new files it does not
-    ignore. Outside a git checkout, every .py file but those in hidden or SKIPPED folders."""
-    try:
-        listed = subprocess.run(
-            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.splitlines()
-    except (OSError, subprocess.CalledProcessError):
-        listed = []
-        for folder, dirs, files in os.walk(ROOT):
-            dirs[:] = [d for d in dirs if not d.startswith(".") and d not in SKIPPED]
-            for name in files:
-                if name.endswith(".py"):
-                    listed.append(os.path.relpath(os.path.join(folder, name), ROOT))
-    # a file deleted but not yet committed is still listed
-    return sorted(p for p in set(listed) if os.path.isfile(os.path.join(ROOT, p)))
+    """The project's .py files, relative to ROOT: what git tracks (project_files.py), so a
+    script of the user's own beside the code is not held to the project's style."""
+    return project_files(".py")
 
 
 def columns(line: str) -> int:
@@ -79,3 +61,13 @@ def test_every_python_line_fits_in_100_columns():
         f"{shown}{more}",
         pytrace=False,
     )
+
+
+def test_the_project_found_by_name_holds_every_file_git_tracks():
+    """Outside a git checkout the tests find the project's Python files by name (NAMES): those
+    names must reach every .py file git tracks, or a copy of the project would test less."""
+    listed = tracked()
+    if listed is None:
+        pytest.skip("not a git checkout: no list of tracked files to compare with")
+    missing = sorted({p for p in listed if p.endswith(".py")} - set(by_name(NAMES)))
+    assert not missing, f"add their module or folder to NAMES in tests/project_files.py: {missing}"
