@@ -931,7 +931,7 @@ def _prefill(caches: Caches, input_ids, selection, out: Output, clock: Clock, sa
             prefill(caches.drafter, input_ids)
 
 
-def _decode_target(out: Output, caches: Caches, clock: Clock, sampler: Sampler, report) -> None:
+def _decode_target(out: Output, caches: Caches, sampler: Sampler, report) -> None:
     """Plain autoregressive decoding with the target alone: the reference output and the speedup
     baseline. `report`: a _RoundReport."""
     token = torch.tensor([out.tokens[-1:]], device=caches.target.device)  # (1, 1)
@@ -1838,7 +1838,7 @@ def generate(
     report.start(out)
     stats = {}
     if config.mode == "target":
-        _decode_target(out, caches, clock, sampler, report)
+        _decode_target(out, caches, sampler, report)
     elif config.mode == "sync":
         _decode_sync(drafter, out, caches, clock, config, sampler=sampler, report=report)
     else:
