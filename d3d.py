@@ -10,14 +10,17 @@ Paper -> this file, top to bottom:
       GenerationConfig                                  replace its fields)
     packed attention (Fig. 1a)                        packed_attention_mask
     L_block + lambda L_AR (Fig. 1a)                   d3d_loss, sample_anchors
-    where d_1 is read (our reading: the LM head at    draft_rows, D3DConfig.d1_from: one rule
-      the causal row of x_n)                            for every pass
+    where a drafted block's d_1 is read (our          draft_rows, D3DConfig.d1_from: one rule
+      reading: the LM head at the token before          for every block a pass drafts
+      the block's MASKs)
     drafting, verification, acceptance                draft_block, verify_block, accept_draft;
-                                                        Sampler (greedy, or T and a generator)
+                                                        Sampler (greedy, or a temperature and
+                                                        a generator)
     target-only and synchronous decoding              _decode_target, _decode_sync
     asynchronous decoding (Fig. 1c, Fig. 3): one      _decode_async: plan_branches,
       packed pass drafts, during verification, for      build_branch_pass, select_segment,
-      each likely outcome                               _Lanes (a CUDA stream, or a CPU thread)
+      each likely outcome                               _Overlap (a CUDA stream, or a CPU
+                                                        thread)
     layer pruning (Fig. 1b): score, remove,           prune_drafter (its settings: PruneConfig):
       recover, re-measure                               tau_without_each_layer,
                                                         least_costly_layer, remove_layer,
@@ -25,39 +28,53 @@ Paper -> this file, top to bottom:
     selective prefilling (appendix, Fig. 5)           select_chunks
     the entry point                                   generate(mode="target" | "sync" | "async")
 
-The paper's symbols -> the code's names:
+The symbols -> the code's names. Each letter means one thing in this file. B, K, C, F, lambda
+and tau are the paper's; the others are this file's notation.
     B           block_size: MASK tokens drafted in one pass
     K           num_anchors: blocks per training sequence (a measurement's own count, in
                 validation and pruning, is val_anchors)
-    a_1 .. a_K  anchors: the positions the K training blocks hang off; block k's labels are
-                x_{a_k+1} .. x_{a_k+B} (a alone is the accepted count, below)
-    lambda      ar_weight: weight of L_AR
-    gamma       decay_gamma: block position weights exp(-(i-1)/gamma) (None: uniform)
+    k           a training block, k = 1 .. K
+    j           a position in the text: x_j is the token at position j
+    j_k         anchors: the position block k hangs off; its labels are x_{j_k+1} .. x_{j_k+B}
+    i           a block position, i = 1 .. B: a block's i-th token (label x_{j_k+i}; draft d_i,
+                at position n + i)
+    w_i         block position i's weight in L_block, exp(-(i-1)/gamma)
+    lambda      ar_weight: the weight of L_AR in L = L_block + lambda * L_AR
+    gamma       decay_gamma: the decay of w_i (None: every w_i = 1)
     beta        beta: recovery's pull toward the label (our reading; adjusted_teacher)
-    tau         tau: tokens committed per round (accepted + 1), mean over rounds
+    tau         tau: tokens committed per round (a + 1), mean over rounds
     x_0 .. x_n  out.tokens: the prompt, then the tokens committed so far; x_n is the last
-    d_1 .. d_B  draft: one block's drafted tokens (d_1 from d1_from's row, draft_rows)
-    L           num_real: a draft's real tokens (B, or B - 1 and a pad; see the async section)
+    d_1 .. d_B  draft: one block's drafted tokens (d_1 read where d1_from says: draft_rows)
+    R           num_real: a draft's real tokens (B, or B - 1 and a pad; see the async section)
     a           num_accepted: the accepted prefix d_1 .. d_a
-    c           next_token: the target's own token after d_a (correction, or bonus if a = L)
-    k, t        an outcome the async pass prepares for: d_k rejected, the target said t
-    C, F        coverage, fanout: how many positions k get rejection branches; tokens t per k
-    r_k         the chance that d_k is the first rejection (plan_branches, cover="likely")
+    t           a token the target says after an accepted prefix: verification's next_token
+                (after d_a: its correction of d_{a+1}, or the bonus token if a = R), or one
+                that a branch is prepared for (candidates)
+    (i, t)      an outcome of verification: d_1 .. d_{i-1} accepted, then the target says t
+                (i <= R: d_i rejected; i = R + 1: full acceptance, t the bonus token). The
+                round's own outcome is (a + 1, next_token)
+    C, F        coverage, fanout: how many block positions i get rejection branches (the
+                covered positions); candidate tokens t per covered position
+    g           the full-acceptance segment's guess of the bonus token (bonus_guess)
+    rho_i       the chance that d_i is the first rejection (plan_branches, cover="likely")
     p, q        p_target, q_draft: the target's and the drafter's token probabilities
+    u           a U(0, 1) draw of lossless sampling (accept_draft)
+    m           a MASK token, in the mask diagrams (where # marks "may attend")
 
 What the loops take from runtime.py, in brief, so that this file reads alone:
-    KVCache(model, max_len)   fixed-size KV cache: .run(ids (1, q), positions, mask
-                              (1, 1, q, length + q)) writes q tokens after .length (a host int)
-                              -> drafter hidden states (q, H) or target float logits (q, V);
-                              .rewind(m) keeps the sequence's first m tokens; .reset(skipped)
-                              empties it for a request whose first `skipped` prompt tokens it
-                              will not hold (positions count them)
+    KVCache(model, max_len)   fixed-size KV cache: .run(ids (1, W), positions, mask
+                              (1, 1, W, length + W)) writes W tokens after .length (a host
+                              int) -> drafter hidden states (W, H) or target float logits
+                              (W, V); .rewind(length) keeps the sequence's first `length`
+                              tokens; .reset(skipped) empties it for a request whose first
+                              `skipped` prompt tokens it will not hold (positions count them)
     Caches                    .target, .drafter: the two KVCaches, made by Caches.make(target,
-                              drafter, max_len); generate can reuse them across requests
-    causal_pass(cache, ids)   a causal pass over ids (1, q) after what the cache holds;
+                              drafter, max_len); generate can reuse them across requests;
+                              .compiled: whether their passes are torch.compile'd
+    causal_pass(cache, ids)   a causal pass over ids (1, W) after what the cache holds;
                               prefill(cache, ids, positions): the same for a prompt of any
                               length, eagerly; attention_pass: the same, and it returns each
-                              layer's attention weights (heads, q, cache length)
+                              layer's attention weights (heads, W, cache length)
     read_round(values, *caches)  the round's one host read: every value flattened into one
                               list of ints (and each cache's own length checked against
                               .length: a model that ignored its cache fails)
@@ -73,8 +90,8 @@ What the loops take from runtime.py, in brief, so that this file reads alone:
                               field checked against its range; a config with keyword settings
                               replacing fields (TypeError for an unknown name)
     additive_mask(mask, model)  bool mask (True = may attend) -> HF's additive float mask
-    keep_layers(model, ids)   a new layer list of those decoder layers only, renumbered from
-                              0 (cache slots, config)
+    keep_layers(model, ids)   keeps those decoder layers only, in place, renumbered from 0
+                              (cache slots, config)
     in_logit_chunks(V, fn, *rows)  fn over a few rows at a time, so V-wide logits never exist
                               for all rows at once
     finite_step(optimizer, params, max_norm)  clip and step (skipped if the norm is not
@@ -83,11 +100,17 @@ What the loops take from runtime.py, in brief, so that this file reads alone:
                               LM; a tokenizer's hash
 
 Shapes: b batch, N causal (clean) tokens, K anchors (blocks), B block size, H hidden size,
-V vocabulary, T segment tokens and q = N + T tokens of a packed pass, S segments of the async
-packed pass, past tokens already in a KV cache.
-Three coordinates: a token's *index* is its row in a packed pass; its *position* is its place
-in the text (x_p is at position p); a *block position* k = 1 .. B names d_k, which sits at
-position n + k and comes from row k - 1 of the draft's logits.
+V vocabulary, M the segments' tokens and W = N + M the tokens of a pass, S segments of the async
+packed pass, past: tokens already in a KV cache.
+Three coordinates: a token's *row* is its place in one pass's input, and so the place of its
+hidden state and its logits in that pass's output; its *position* is its place in the text
+(x_j is at position j; the position id RoPE sees); its *block position* i = 1 .. B says which
+token of its block it is (d_i sits at position n + i). A row is always a pass's row: the
+drafted d_i's logits are draft_logits[i - 1], and verification's row i is p_logits[i].
+Words, each in one sense: "mask", an attention mask (bool, True = may attend); "MASK", the
+drafter's mask token (mask_token_id); loss_mask, True on the tokens that carry loss (response
+tokens); "segment", a stretch of a packed pass that hangs off one point of its causal stream
+(in training a block; in the async pass a first token and a block); "outcome", a pair (i, t).
 "Our reading" marks a choice this implementation makes where the paper is silent (README.md,
 "Departures and readings"); "the paper" is always arXiv 2611.06425.
 """
@@ -104,7 +127,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -170,7 +192,7 @@ class D3DConfig:
         Range(float, low=0, low_open=True),
     )
     target_vocab_size: int = setting(
-        0, "rows of the target's output layer; drafter logits are cut to this size"
+        0, "the target's vocabulary size (its output layer); drafter logits are cut to it"
     )
     tokenizer_hash: str = setting(
         "", "fingerprint of the tokenizer the drafter was made for (drivers check the target's)"
@@ -180,8 +202,9 @@ class D3DConfig:
     )
     d1_from: str = setting(
         "causal",
-        'where d_1 is read (draft_rows): "causal", the LM head at x_n\'s causal row (our '
-        'reading: the paper is silent); "mask", at MASK 1',
+        'where a block\'s d_1 is read (draft_rows): "causal", the LM head at the token just '
+        "before the block's MASKs, x_n when decoding (our reading: the paper is silent); "
+        '"mask", at MASK 1',
         Range(str, choices=("causal", "mask")),
     )
 
@@ -229,7 +252,7 @@ class DecodeConfig:
     )
     coverage: int | None = setting(
         None,
-        "C (async): how many block positions k get rejection branches; None: default_budget(B)",
+        "C (async): how many block positions i get rejection branches; None: default_budget(B)",
         Range(int, low=0),
     )
     fanout: int | None = setting(
@@ -239,7 +262,7 @@ class DecodeConfig:
     )
     cover: str = setting(
         "first",
-        'which positions C covers (async, plan_branches): "first", k = 1 .. C; "likely", '
+        'which positions C covers (async, plan_branches): "first", i = 1 .. C; "likely", '
         "the C likeliest first rejections",
         Range(str, choices=("first", "likely")),
     )
@@ -268,8 +291,8 @@ class DecodeConfig:
 
 class Drafter(nn.Module):
     """An HF causal LM plus its D3DConfig: `hidden_states` of a packed pass, `logits` over the
-    target's vocabulary. There is one LM head: applied to a causal row it predicts the next
-    token (the row L_AR trains), applied to a MASK row it drafts that MASK's token."""
+    target's vocabulary. There is one LM head: applied at a causal token's row it predicts the
+    next token (as L_AR trains it), applied at a MASK's row it drafts that MASK's token."""
 
     def __init__(self, model: nn.Module, config: D3DConfig):
         super().__init__()
@@ -281,8 +304,8 @@ class Drafter(nn.Module):
         return next(self.parameters()).device
 
     def hidden_states(self, ids, positions, mask, cache=None) -> torch.Tensor:
-        """Last hidden states (b, q, H) of ids (b, q) at positions (b, q); mask: bool (b, 1, q,
-        past + q), True = may attend; cache: an HF cache holding the past (KVCache.hf)."""
+        """Last hidden states (b, W, H) of ids (b, W) at positions (b, W); mask: bool (b, 1, W,
+        past + W), True = may attend; cache: an HF cache holding the past (KVCache.hf)."""
         out = self.model.get_decoder()(
             input_ids=ids,
             position_ids=positions,
@@ -294,8 +317,8 @@ class Drafter(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float logits over the target's vocabulary, MASK excluded."""
-        all_rows = self.model.get_output_embeddings()(hidden)
-        logits = all_rows[..., : self.d3d_config.target_vocab_size].float()
+        all_logits = self.model.get_output_embeddings()(hidden)
+        logits = all_logits[..., : self.d3d_config.target_vocab_size].float()
         if self.d3d_config.mask_token_id < logits.shape[-1]:
             # MASK can never be drafted
             logits[..., self.d3d_config.mask_token_id] = float("-inf")
@@ -335,22 +358,23 @@ def make_drafter(
 ):
     """Turn any HF causal LM with the target's tokenizer into a D3D drafter. MASK:
     `mask_token_id` (not a text token), else `<|MASK|>` if the tokenizer has it, else the first
-    id past the text tokens, len(tokenizer) (embeddings grow only if that id has no row).
+    id past the text tokens, len(tokenizer) (embeddings grow only if the table lacks that id).
     `layers`: decoder layers to keep; `target_vocab_size`: default this model's; other
     keywords go to D3DConfig."""
-    rows = model.get_output_embeddings().weight.shape[0]
+    drafter_vocab = model.get_output_embeddings().weight.shape[0]
     text_vocab = len(tokenizer)
-    if rows < text_vocab:
+    if drafter_vocab < text_vocab:
         raise ValueError(
-            f"the drafter's vocabulary ({rows} rows) does not cover the tokenizer's {text_vocab} "
+            f"the drafter's vocabulary ({drafter_vocab} ids) does not cover the tokenizer's "
+            f"{text_vocab} "
             "tokens: initialise the drafter from a checkpoint of the target's family "
             "(same tokenizer)"
         )
     if not target_vocab_size:
-        target_vocab_size = rows
-    if target_vocab_size > rows:
+        target_vocab_size = drafter_vocab
+    if target_vocab_size > drafter_vocab:
         raise ValueError(
-            f"the drafter's vocabulary ({rows} rows) does not cover the target's "
+            f"the drafter's vocabulary ({drafter_vocab} ids) does not cover the target's "
             f"({target_vocab_size}): initialise the drafter from a checkpoint with the target's "
             "tokenizer and vocabulary"
         )
@@ -367,8 +391,8 @@ def make_drafter(
             f"{tokenizer.convert_ids_to_tokens(mask_token_id)!r}: the target can produce it. Leave "
             f"mask_token_id=None to use a free id (>= {text_vocab})"
         )
-    if mask_token_id >= rows:
-        # no free row: grow the embedding table (and a tied or separate output layer)
+    if mask_token_id >= drafter_vocab:
+        # no free id: grow the embedding table (and a tied or separate output layer)
         model.resize_token_embeddings(mask_token_id + 1, mean_resizing=False)
     if layers is not None and not layers:
         raise ValueError("a drafter keeps at least one decoder layer, got layers=[]")
@@ -393,40 +417,40 @@ def make_drafter(
 def packed_attention_mask(num_causal: int, anchors, block_size: int, *, prefix_len=0, past_len=0):
     """Mask and position ids of a packed sequence [causal stream | segment 1 | segment 2 | ...].
 
-    Two coordinates: a token's *index* is its place in the packed sequence; its *position* is
-    its place in the text (the position id RoPE sees). The `num_causal` causal tokens have
-    indices 0, 1, ... and positions past_len, past_len + 1, ..., after `past_len` cached tokens
-    that every token sees.
+    Two of the three coordinates (module docstring) matter here: a token's *row*, its place in
+    the packed sequence, and its *position*, its place in the text (the position id RoPE sees).
+    The `num_causal` causal tokens are rows 0, 1, ... at positions past_len, past_len + 1, ...,
+    after `past_len` cached tokens that every token sees.
     A segment is `prefix_len` prefix tokens (0 in training and draft_block; 1 in the async
-    pass) and then a block of `block_size` MASKs. Segment s *hangs off* the causal token of
-    index i = anchors[..., s], at position p = past_len + i: its tokens sit at positions p + 1,
-    p + 2, ....
+    pass) and then a block of `block_size` MASKs. Each segment *hangs off* one causal token,
+    its anchor: anchors[..., s] is the row of segment s's anchor, at position j = past_len +
+    that row, and the segment's tokens sit at positions j + 1, j + 2, ....
 
-    Who sees whom: a causal token sees the causal tokens of lower or equal index. A segment
-    token sees the causal tokens of index <= i (so, by position, nothing after p: two segments
+    Who sees whom: a causal token sees the causal tokens of lower or equal row. A segment token
+    sees the causal tokens up to its anchor (so, by position, nothing after j: two segments
     whose position spans overlap still cannot read each other's future) and no other segment.
     Inside its segment, a prefix token sees the prefix up to itself; a MASK sees it all.
 
-    Example: c0..c4 (past_len = 0, so index = position), blocks of B = 2 off c1 and c3
-    (x = may attend):
+    Example: x_0 .. x_4 (past_len = 0, so row = position), blocks of B = 2 off x_1 and x_3
+    (# = may attend, m = a MASK token):
 
-                     c0 c1 c2 c3 c4 | m m | m m
-        c0 (pos 0)   x              |     |
-        c1 (pos 1)   x  x           |     |
-        c2 (pos 2)   x  x  x        |     |
-        c3 (pos 3)   x  x  x  x     |     |
-        c4 (pos 4)   x  x  x  x  x  |     |
-        m  (pos 2)   x  x           | x x |          block off c1: the tokens at 2, 3
-        m  (pos 3)   x  x           | x x |
-        m  (pos 4)   x  x  x  x     |     | x x      block off c3: the tokens at 4, 5
-        m  (pos 5)   x  x  x  x     |     | x x
+                     x_0 x_1 x_2 x_3 x_4 | m m | m m
+        x_0 (pos 0)  #                   |     |
+        x_1 (pos 1)  #   #               |     |
+        x_2 (pos 2)  #   #   #           |     |
+        x_3 (pos 3)  #   #   #   #       |     |
+        x_4 (pos 4)  #   #   #   #   #   |     |
+        m   (pos 2)  #   #               | # # |          block off x_1: the tokens at 2, 3
+        m   (pos 3)  #   #               | # # |
+        m   (pos 4)  #   #   #   #       |     | # #      block off x_3: the tokens at 4, 5
+        m   (pos 5)  #   #   #   #       |     | # #
 
     In training each MASK row predicts its own token (L_block). Decoding, under the default
-    d1_from="causal", reads the first token of the block off c1 (position 2) from c1's row
+    d1_from="causal", reads the first token of the block off x_1 (position 2) from x_1's row
     instead, and the rest from MASK 2 on (draft_rows).
 
-    anchors: (S,) or (b, S) long, causal indices. Returns mask (b, 1, q, past_len + q) bool and
-    position_ids (b, q) long, q = num_causal + S * (prefix_len + block_size)."""
+    anchors: (S,) or (b, S) long, rows of the causal stream. Returns mask (b, 1, W, past_len +
+    W) bool and position_ids (b, W) long, W = num_causal + S * (prefix_len + block_size)."""
     if anchors.dim() == 1:
         anchors = anchors[None]
     device = anchors.device
@@ -434,28 +458,28 @@ def packed_attention_mask(num_causal: int, anchors, block_size: int, *, prefix_l
     # every segment has the same shape: sizes are host ints, nothing is read back
     seg_len = prefix_len + block_size
     token = torch.arange(num_segments * seg_len, device=device)
-    seg_of = token // seg_len  # (T,) the segment of each segment token
-    idx_in_seg = token % seg_len  # (T,) its index inside the segment
-    is_prefix = idx_in_seg < prefix_len  # (T,)
-    causal_idx = torch.arange(num_causal, device=device)
-    # (b, T) the causal index each segment token hangs off
+    seg_of = token // seg_len  # (M,) the segment of each segment token
+    place_in_seg = token % seg_len  # (M,) its place inside the segment
+    is_prefix = place_in_seg < prefix_len  # (M,)
+    causal_row = torch.arange(num_causal, device=device)
+    # (b, M) the row of the anchor each segment token hangs off
     seg_anchor = anchors[:, seg_of]
-    # causal rows: the causal stream up to themselves (b, N, N), and no segment (b, N, T)
-    cc = (causal_idx[None, :] <= causal_idx[:, None]).expand(b, -1, -1)
+    # causal tokens see the causal stream up to themselves (b, N, N), and no segment (b, N, M)
+    cc = (causal_row[None, :] <= causal_row[:, None]).expand(b, -1, -1)
     cs = torch.zeros(b, num_causal, len(seg_of), dtype=torch.bool, device=device)
-    # segment rows: the causal stream up to the anchor (b, T, N)
-    sc = causal_idx[None, None, :] <= seg_anchor[:, :, None]
-    # and their own segment (T, T): prefix tokens causally, MASKs the whole segment
+    # segment tokens see the causal stream up to the anchor (b, M, N)
+    sc = causal_row[None, None, :] <= seg_anchor[:, :, None]
+    # and their own segment (M, M): prefix tokens causally, MASKs the whole segment
     same = seg_of[:, None] == seg_of[None, :]
-    ss = same & ((idx_in_seg[None, :] <= idx_in_seg[:, None]) | ~is_prefix[:, None])
-    causal_rows = torch.cat([cc, cs], 2)
-    segment_rows = torch.cat([sc, ss.expand(b, -1, -1)], 2)
-    mask = torch.cat([causal_rows, segment_rows], 1)  # (b, q, q)
+    ss = same & ((place_in_seg[None, :] <= place_in_seg[:, None]) | ~is_prefix[:, None])
+    causal_part = torch.cat([cc, cs], 2)
+    segment_part = torch.cat([sc, ss.expand(b, -1, -1)], 2)
+    mask = torch.cat([causal_part, segment_part], 1)  # (b, W, W)
     past = torch.ones(b, mask.shape[1], past_len, dtype=torch.bool, device=device)
     mask = torch.cat([past, mask], 2)
-    causal_positions = causal_idx.expand(b, -1)
-    segment_positions = seg_anchor + 1 + idx_in_seg
-    positions = torch.cat([causal_positions, segment_positions], 1) + past_len  # (b, q)
+    causal_positions = causal_row.expand(b, -1)
+    segment_positions = seg_anchor + 1 + place_in_seg
+    positions = torch.cat([causal_positions, segment_positions], 1) + past_len  # (b, W)
     return mask[:, None], positions
 
 
@@ -464,10 +488,10 @@ def packed_attention_mask(num_causal: int, anchors, block_size: int, *, prefix_l
 
 
 def sample_anchors(loss_mask, num_anchors: int, generator=None):
-    """`num_anchors` anchors per sequence (K in training), uniformly without replacement among
-    positions p whose next token is a response token, drawn with `generator` (Sampler.uniform).
-    Returns anchors (b, K) sorted, and valid (b, K) (False where a sequence has fewer than K
-    such positions: its extra anchors count nowhere)."""
+    """`num_anchors` anchors j_k per sequence (K in training), uniformly without replacement
+    among the positions j whose next token x_{j+1} is a response token, drawn with `generator`
+    (Sampler.uniform). Returns anchors (b, K) sorted, and valid (b, K) (False where a sequence
+    has fewer than K such positions: its extra anchors count nowhere)."""
     b, seq_len = loss_mask.shape
     eligible = torch.zeros_like(loss_mask, dtype=torch.bool)
     eligible[:, :-1] = loss_mask[:, 1:].bool()
@@ -483,14 +507,14 @@ def _packed_inputs(drafter, input_ids, anchors, block_size):
     per anchor."""
     b, num_causal = input_ids.shape
     mask, positions = packed_attention_mask(num_causal, anchors, block_size)
-    mask_id = drafter.d3d_config.mask_token_id
-    masks = input_ids.new_full((b, anchors.shape[1] * block_size), mask_id)
-    return torch.cat([input_ids, masks], 1), positions, mask
+    mask_token_id = drafter.d3d_config.mask_token_id
+    mask_tokens = input_ids.new_full((b, anchors.shape[1] * block_size), mask_token_id)
+    return torch.cat([input_ids, mask_tokens], 1), positions, mask
 
 
 def _packed_hidden(drafter, input_ids, anchors, block_size):
-    """Training-shape pass: hidden states of the causal stream (b, N, H) and of a MASK block per
-    anchor (b, K, B, H)."""
+    """Training-shape pass: hidden states of the causal stream (b, N, H) and of each block's B
+    MASKs (b, K, B, H)."""
     num_causal = input_ids.shape[1]
     num_anchors = anchors.shape[1]
     inputs = _packed_inputs(drafter, input_ids, anchors, block_size)
@@ -500,20 +524,23 @@ def _packed_hidden(drafter, input_ids, anchors, block_size):
 
 
 def draft_rows(
-    causal_row: torch.Tensor, mask_start: torch.Tensor, block_size: int, d1_from: str
+    prefix_row: torch.Tensor, first_mask_row: torch.Tensor, block_size: int, d1_from: str
 ) -> torch.Tensor:
-    """Where a block's draft d_1 .. d_B is read, one rule for validation and decoding: rows
-    (..., B) of a packed pass. d_2 .. d_B are read at MASK 2 .. B (rows mask_start + 1, ...).
-    d_1: under d1_from="mask", at MASK 1 (row mask_start); under d1_from="causal" (our reading:
-    the paper is silent), at `causal_row`: the row of the token just before the block's MASKs.
-    The one LM head applied there predicts the next token, as L_AR trains it.
-    That token is the anchor x_{a_k} in training and validation, x_n in draft_block, and a
-    segment's first token (t or d_L) in build_branch_pass.
-    causal_row, mask_start: row indices (...), broadcast together."""
-    causal_row, mask_start = torch.broadcast_tensors(causal_row, mask_start)
-    rows = mask_start[..., None] + torch.arange(block_size, device=mask_start.device)
+    """Where the tokens d_1 .. d_B a block drafts are read: rows (..., B) of a packed pass, one
+    rule for every block of every pass (offline_tau, draft_block, build_branch_pass).
+    d_2 .. d_B are read at MASK 2 .. B (rows first_mask_row + 1, ...). d_1: under
+    d1_from="mask", at MASK 1 (row first_mask_row); under d1_from="causal" (our reading: the
+    paper is silent), at `prefix_row`, the row of the token just before the block's MASKs: the
+    one LM head applied there predicts the next token, as L_AR trains it on the causal stream.
+    That token is the anchor x_{j_k} in validation (and in training's block_acc; the loss
+    itself reads every MASK), x_n in draft_block, and a segment's first token (t or d_R) in
+    build_branch_pass. A full-acceptance hit's next draft is its block shifted by one (its
+    first token was the bonus guess): that draft's d_1 is the block's MASK 2 (_next_draft).
+    prefix_row, first_mask_row: rows (...), broadcast together."""
+    prefix_row, first_mask_row = torch.broadcast_tensors(prefix_row, first_mask_row)
+    rows = first_mask_row[..., None] + torch.arange(block_size, device=first_mask_row.device)
     if d1_from == "causal":
-        rows[..., 0] = causal_row
+        rows[..., 0] = prefix_row
     return rows
 
 
@@ -542,11 +569,11 @@ def _greedy_tokens(drafter: Drafter, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _block_labels(input_ids, loss_mask, anchors, valid, block_size):
-    """Labels x_{a_k+i} (i = 1..B) of every block k (b, K, B), and where they count (they
+    """Labels x_{j_k+i} (i = 1..B) of every block k (b, K, B), and where they count (they
     exist, are response tokens, and the anchor is valid)."""
     num_causal = input_ids.shape[1]
     steps = torch.arange(1, block_size + 1, device=anchors.device)
-    label_pos = anchors[:, :, None] + steps  # (b, K, B) the position a_k + i of each label
+    label_pos = anchors[:, :, None] + steps  # (b, K, B) the position j_k + i of each label
     inside = label_pos < num_causal
     label_pos = label_pos.clamp(max=num_causal - 1)
     labels = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)
@@ -566,15 +593,15 @@ def _position_weights(block_size: int, decay_gamma: float | None, device) -> tor
 def d3d_loss(drafter: Drafter, input_ids, loss_mask, *, generator=None, at=None):
     """L = L_block + lambda * L_AR on right-padded input_ids (b, N), loss_mask (b, N) True on
     response tokens, with the drafter's config: K blocks of B MASKs, lambda = ar_weight, block
-    position weights exp(-(i-1)/gamma) (gamma = decay_gamma; None: uniform). L_block:
-    cross-entropy of block k position i against x_{a_k+i}; L_AR: the causal stream's next-token
-    loss. `at`: (anchors, valid) as sample_anchors returns them (default: K drawn here with
-    `generator`).
+    position weights w_i = exp(-(i-1)/gamma) (gamma = decay_gamma; None: uniform). L_block:
+    cross-entropy of block k's MASK i against x_{j_k+i}, weighted by w_i; L_AR: the causal
+    stream's next-token loss. `at`: (anchors, valid) as sample_anchors returns them (default:
+    K drawn here with `generator`).
 
     Returns (loss, {loss_block, loss_ar, block_acc}). block_acc (B,): per block position i, the
-    share of counted blocks whose d_i, read where decoding reads it (draft_rows), is x_{a_k+i}.
+    share of counted blocks whose d_i, read where decoding reads it (draft_rows), is x_{j_k+i}.
     So block_acc[0] is the accuracy of d_1 from the config's d1_from: under "causal" the
-    causal row at the anchor, under "mask" MASK 1; block_acc[1:] are MASK 2 .. B's."""
+    anchor's row of the causal stream, under "mask" MASK 1; block_acc[1:] are MASK 2 .. B's."""
     cfg = drafter.d3d_config
     block_size = cfg.block_size
     if at is None:
@@ -590,7 +617,7 @@ def d3d_loss(drafter: Drafter, input_ids, loss_mask, *, generator=None, at=None)
     loss_block = (token_loss * w).sum() / w.sum().clamp(min=1e-8)
     loss_ar = torch.zeros((), device=input_ids.device)
     if cfg.ar_weight > 0:
-        # causal row j predicts x_{j+1}: response tokens only
+        # the causal token at position j predicts x_{j+1}: response tokens only
         has_label = loss_mask[:, 1:].bool()
         ar_hidden = causal_hidden[:, :-1][has_label]
         ar_tok, _ = cross_entropy(drafter, ar_hidden, input_ids[:, 1:][has_label])
@@ -599,7 +626,7 @@ def d3d_loss(drafter: Drafter, input_ids, loss_mask, *, generator=None, at=None)
         correct = torch.zeros_like(counts)
         correct[counts] = predicted == labels[counts]
         if cfg.d1_from == "causal":
-            # d_1 as decoding reads it: the causal row at the anchor (draft_rows)
+            # d_1 as decoding reads it: the anchor's row of the causal stream (draft_rows)
             first = counts[:, :, 0]  # (b, K)
             hidden_size = causal_hidden.shape[-1]
             index = anchors[:, :, None].expand(-1, -1, hidden_size)
@@ -618,10 +645,9 @@ def d3d_loss(drafter: Drafter, input_ids, loss_mask, *, generator=None, at=None)
 @torch.no_grad()
 def offline_tau(drafter: Drafter, input_ids, loss_mask, *, val_anchors=32, generator=None, at=None):
     """Validation tau without the target (the responses are its greedy output): a block of the
-    config's B drafted at anchor a_k, d_1 read as its d1_from says, is accepted as far as it
-    matches x_{a_k+1}, x_{a_k+2}, .... `at`: (anchors, valid) as sample_anchors returns them
-    (default: `val_anchors` per sequence, drawn here). Returns tau (accepted + 1) per valid
-    anchor."""
+    config's B drafted at anchor j_k, d_1 read as its d1_from says, is accepted as far as it
+    matches x_{j_k+1}, x_{j_k+2}, .... `at`: (anchors, valid) as sample_anchors returns them
+    (default: `val_anchors` per sequence, drawn here). Returns tau (a + 1) per valid anchor."""
     block_size = drafter.d3d_config.block_size
     if at is None:
         at = sample_anchors(loss_mask, val_anchors, generator)
@@ -631,12 +657,13 @@ def offline_tau(drafter: Drafter, input_ids, loss_mask, *, val_anchors=32, gener
     inputs = _packed_inputs(drafter, input_ids, anchors, block_size)
     hidden = drafter.hidden_states(*inputs)  # (b, N + K*B, H)
     block_starts = block_size * torch.arange(num_anchors, device=anchors.device)
-    mask_starts = num_causal + block_starts
-    rows = draft_rows(anchors, mask_starts, block_size, drafter.d3d_config.d1_from)  # (b, K, B)
+    first_mask_rows = num_causal + block_starts
+    d1_from = drafter.d3d_config.d1_from
+    rows = draft_rows(anchors, first_mask_rows, block_size, d1_from)  # (b, K, B)
     index = rows.flatten(1)[..., None].expand(-1, -1, hidden.shape[-1])
-    rows = hidden.gather(1, index).unflatten(1, rows.shape[1:])  # (b, K, B, H)
+    draft_hidden = hidden.gather(1, index).unflatten(1, rows.shape[1:])  # (b, K, B, H)
     labels, counts = _block_labels(input_ids, loss_mask, anchors, valid, block_size)
-    draft = _greedy_tokens(drafter, rows[valid].flatten(0, 1))
+    draft = _greedy_tokens(drafter, draft_hidden[valid].flatten(0, 1))
     # (num_valid, B); past the end of the sequence: no match
     matches = (draft.view_as(labels[valid]) == labels[valid]) & counts[valid]
     return (matches.long().cumprod(-1).sum(-1) + 1).float()
@@ -647,7 +674,7 @@ def offline_tau(drafter: Drafter, input_ids, loss_mask, *, val_anchors=32, gener
 #
 # Two rules shape the decoding loops, so that compiled passes (CUDA graphs on a GPU) replay and
 # the host never waits mid-round. The code tags where it keeps them: [shape n], [one read].
-# Fixed shapes: a decoding pass has one of five shapes (q tokens):
+# Fixed shapes: a decoding pass has one of five shapes (W tokens):
 #   1  target   1              a target-only step
 #   2  target   B + 1          verify [x_n, d_1 .. d_B]; after a full-acceptance hit the next
 #                              draft has B - 1 real tokens and a pad (async section), so one
@@ -655,7 +682,7 @@ def offline_tau(drafter: Drafter, input_ids, loss_mask, *, val_anchors=32, gener
 #   3  drafter  B + 1 + B      sync draft: the unread committed tokens (1 .. B + 1) padded to
 #                              B + 1, then B MASKs
 #   4  drafter  1 + B          async fallback draft: x_n and B MASKs
-#   5  drafter  1 + B          async packed pass: x_n, d_1 .. d_B, then S = C F + 1 segments
+#   5  drafter  1 + B          async packed pass: x_n, d_1 .. d_B, then S = C x F + 1 segments
 #                + S (1 + B)   [token, B MASKs]; the drafter's cache holds x_0 .. x_{n-1}
 #                              (a fallback draft rewinds it there), so x_n is always read here
 # One host read [one read]: a round's outcome (accepted, next token, selected segment, draft)
@@ -686,7 +713,7 @@ class Sampler:
         return numbers.to(device)
 
     def draw(self, probs: torch.Tensor) -> torch.Tensor:
-        """One token per row of probs (..., V)."""
+        """One token per distribution of probs (..., V)."""
         flat = probs.reshape(-1, probs.shape[-1]).to(self._device(probs.device))
         tokens = torch.multinomial(flat, 1, generator=self.generator)
         return tokens.view(probs.shape[:-1]).to(probs.device)
@@ -705,33 +732,35 @@ class Sampler:
 
 @torch.no_grad()
 def draft_block(drafter: Drafter, cache: KVCache, new_tokens, block_size: int, width=None):
-    """One drafter pass over the committed tokens it has not read, new_tokens (1, m) ending with
-    x_n, then a MASK block off x_n (its KV dropped again: the cache keeps the m new tokens).
-    `width`: the causal part padded to this many tokens (one shape for every m; the pads come
-    after x_n and no block sees them). Returns the draft logits (B, V): row i - 1 drafts d_i,
-    at position n + i."""
-    m = new_tokens.shape[1]
+    """One drafter pass over the committed tokens it has not read, new_tokens (1, num_new)
+    ending with x_n, then a MASK block off x_n (its KV dropped again: the cache keeps the new
+    tokens). `width`: the causal part padded to this many tokens (one shape for every
+    num_new; the pads come after x_n and no block sees them). Returns the draft logits (B, V):
+    draft_logits[i - 1] drafts d_i, at position n + i."""
+    num_new = new_tokens.shape[1]
     device = new_tokens.device
     start = cache.length
     if width is None:
-        width = m
-    width = max(width, m)
-    # the block hangs off x_n, the last of the new tokens (row m - 1)
-    x_n_row = torch.tensor([m - 1], device=device)
+        width = num_new
+    width = max(width, num_new)
+    # the block hangs off x_n, the last of the new tokens; a fill, not a copy from the host
+    x_n_row = torch.full((1,), num_new - 1, device=device)
     mask, positions = packed_attention_mask(width, x_n_row, block_size, past_len=start)
-    masks = torch.full((1, block_size), drafter.d3d_config.mask_token_id, device=device)
-    ids = torch.cat([F.pad(new_tokens, (0, width - m)), masks], 1)
+    mask_token_id = drafter.d3d_config.mask_token_id
+    mask_tokens = torch.full((1, block_size), mask_token_id, device=device)
+    padded = nn.functional.pad(new_tokens, (0, width - num_new))
+    ids = torch.cat([padded, mask_tokens], 1)
     hidden = cache.run(ids, positions, mask)  # (width + B, H)
-    cache.rewind(start + m)
-    mask_start = x_n_row.new_full((1,), width)
-    rows = draft_rows(x_n_row, mask_start, block_size, drafter.d3d_config.d1_from)[0]
+    cache.rewind(start + num_new)
+    first_mask_row = x_n_row.new_full((1,), width)
+    rows = draft_rows(x_n_row, first_mask_row, block_size, drafter.d3d_config.d1_from)[0]
     return drafter.logits(hidden[rows])
 
 
 @torch.no_grad()
 def verify_block(cache: KVCache, last_token: torch.Tensor, draft: torch.Tensor):
-    """One target pass on [x_n, d_1 .. d_B] (the cache holds x_0 .. x_{n-1}). Returns logits
-    (B+1, V): row i is the target's prediction of the token after x_n, d_1 .. d_i (row 0:
+    """One target pass on [x_n, d_1 .. d_B] (the cache holds x_0 .. x_{n-1}). Returns p_logits
+    (B+1, V): its row i is the target's prediction of the token after x_n, d_1 .. d_i (row 0:
     after x_n alone, i.e. of position n + 1)."""
     # [shape 2]: the draft is always (B,)
     return causal_pass(cache, torch.cat([last_token.view(1), draft])[None])
@@ -744,12 +773,13 @@ def _at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def accept_draft(p_logits, draft, q_draft, sampler: Sampler, num_real: int | None = None):
-    """(num_accepted, next_token) as 0-d tensors, left on the device (the round reads them with
-    its one host read). Greedy: accept d_i while it is the target's argmax, then take the
-    argmax. Sampling (lossless): accept d_i with probability min(1, p(d_i) / q(d_i)); at the
-    first rejection draw from max(p - q, 0) normalised; after full acceptance draw the bonus
-    token from p. Only the first `num_real` tokens (L, default all) can be accepted: a pad
-    never is. p_logits (B+1, V), draft (B,), q_draft (B, V) or None (greedy)."""
+    """(a, t) = (num_accepted, next_token) as 0-d tensors, left on the device (the round reads
+    them with its one host read). Greedy: accept d_i while it is the target's argmax, then take
+    the argmax. Sampling (lossless): accept d_i if u * q(d_i) <= p(d_i) (probability min(1,
+    p(d_i) / q(d_i))); at the first rejection draw t from max(p - q, 0) normalised; after full
+    acceptance draw the bonus token from p. Only the first `num_real` tokens (R, default all)
+    can be accepted: a pad never is, even if it equals the target's token. p_logits (B+1, V),
+    draft (B,), q_draft (B, V) or None (greedy)."""
     block_size = draft.shape[0]
     if num_real is None:
         num_real = block_size
@@ -760,17 +790,17 @@ def accept_draft(p_logits, draft, q_draft, sampler: Sampler, num_real: int | Non
         num_accepted = agrees.long().cumprod(0).sum()
         return num_accepted, _at(target_tokens, num_accepted)
     p_target = sampler.probs(p_logits)  # (B+1, V)
-    rows = torch.arange(block_size, device=draft.device)
-    p_d = p_target[rows, draft]
-    q_d = q_draft[rows, draft]
+    block_index = torch.arange(block_size, device=draft.device)
+    p_d = p_target[block_index, draft]
+    q_d = q_draft[block_index, draft]
     u = sampler.uniform((block_size,), p_d.device)
     # u <= p/q, without dividing by a tiny q
     accepts = (u * q_d <= p_d) & real
     num_accepted = accepts.long().cumprod(0).sum()
     # (V,) the target's distribution after the accepted prefix
     p_next = _at(p_target, num_accepted)
-    # past the draft's last row: q = 0
-    q_next = _at(F.pad(q_draft, (0, 0, 0, 1)), num_accepted)
+    # past the draft's end: q = 0
+    q_next = _at(nn.functional.pad(q_draft, (0, 0, 0, 1)), num_accepted)
     residual = (p_next - q_next).clamp(min=0)
     # p == q up to rounding: rejection had probability ~0
     residual = torch.where(residual.sum() > 0, residual, p_next)
@@ -800,27 +830,27 @@ class RoundInfo:
     # d_1 .. d_B as verified ([] in target mode); the last is a pad after a full-acceptance hit
     # (then num_real = B - 1)
     draft: list[int]
-    # L: the draft's real tokens (B, or B - 1 after a full-acceptance hit; 0 in target mode)
+    # R: the draft's real tokens (B, or B - 1 after a full-acceptance hit; 0 in target mode)
     num_real: int
     # "draft pass" (sync; async's fallback draft, also its first round), "branch" (a rejection
     # segment of the previous round's packed pass), "full acceptance" (the previous round's
     # full-acceptance segment), "" in target mode
     drafted_by: str
-    # where d_1 was read: "causal" (the row just before the block's MASKs) or "mask" (MASK 1)
+    # where a block's d_1 is read: "causal" (the row just before its MASKs) or "mask" (MASK 1)
     d1_from: str
     # a: the accepted prefix d_1 .. d_a
     num_accepted: int
-    # c: the target's own token after d_1 .. d_a (correction, or the bonus token if a = L)
+    # t: the target's own token after d_1 .. d_a (correction, or the bonus token if a = R)
     next_token: int
-    # what this round added to the output (d_1 .. d_a, c; cut at EOS or the budget)
+    # what this round added to the output (d_1 .. d_a, t; cut at EOS or the budget)
     committed: list[int]
     # tokens the target's KV cache held at the round's start, and at its end
     target_cache: tuple[int, int]
     # the same for the drafter's KV cache ((0, 0) in target mode)
     drafter_cache: tuple[int, int]
-    # async only (None in the other modes): the packed pass's segments in order, (k, t) = "d_k
-    # rejected, the target said t", then (L + 1, g) = full acceptance, g = the segment's guess of
-    # the bonus token
+    # async only (None in the other modes): the outcomes the packed pass's segments were
+    # prepared for, in order: (i, t) = "d_i rejected, the target said t", then (R + 1, g) =
+    # full acceptance, g = the segment's guess of the bonus token
     outcomes: list[tuple[int, int]] | None = None
     # async only: the index in outcomes that this round's outcome selected (a hit: that
     # segment's block is the next round's draft); -1 on a miss (the next round drafts anew)
@@ -872,14 +902,15 @@ class _RoundReport:
             drafter_length = self.caches.drafter.length
         return self.caches.target.length, drafter_length
 
-    def __call__(self, out: Output, draft, num_real, outcome, plan=None) -> None:
-        """One round: `draft` (d_1 .. d_B as ints) with L = num_real real tokens, `outcome`
-        (a, c) as ints; async: `plan`, (outcomes, segment) (_outcomes; the selected index)."""
+    def __call__(self, out: Output, draft, num_real, verdict, plan=None) -> None:
+        """One round: `draft` (d_1 .. d_B as ints) with R = num_real real tokens, `verdict`
+        (a, t) = (num_accepted, next_token) as ints; async: `plan`, (outcomes, segment)
+        (_outcomes; the selected segment)."""
         committed = out.tokens[self.size :]
         if self.streamer is not None:
             self.streamer.put(torch.tensor([committed]))
         if self.on_round is not None:
-            self.on_round(self._info(out, draft, num_real, outcome, plan))
+            self.on_round(self._info(out, draft, num_real, verdict, plan))
         self.index += 1
         self.size = len(out.tokens)
         self.lengths = self._cache_lengths()
@@ -887,7 +918,7 @@ class _RoundReport:
             outcomes, segment = plan
             self.drafted_by = _drafted_by(segment, len(outcomes))
 
-    def _info(self, out: Output, draft, num_real, outcome, plan) -> RoundInfo:
+    def _info(self, out: Output, draft, num_real, verdict, plan) -> RoundInfo:
         end = self._cache_lengths()
         outcomes, segment = plan or (None, None)
         return RoundInfo(
@@ -899,8 +930,8 @@ class _RoundReport:
             num_real=num_real,
             drafted_by=self.drafted_by,
             d1_from=self.d1_from,
-            num_accepted=outcome[0],
-            next_token=outcome[1],
+            num_accepted=verdict[0],
+            next_token=verdict[1],
             committed=out.tokens[self.size :],
             target_cache=(self.lengths[0], end[0]),
             drafter_cache=(self.lengths[1], end[1]),
@@ -964,7 +995,7 @@ def _decode_sync(drafter, out: Output, caches: Caches, clock: Clock, config, *, 
         # [one read]
         num_accepted, next_token, *tokens = read_round([num_accepted, next_token, draft], tc, dc)
         out.commit_round(tokens[:num_accepted], next_token)
-        # keep x_0 .. x_n, d_1 .. d_a (n as at the round's start): c is not read yet
+        # keep x_0 .. x_n, d_1 .. d_a (n as at the round's start): t is not read yet
         tc.rewind(len(out.tokens) - 1)
         report(out, tokens, block_size, (num_accepted, next_token))
 
@@ -972,15 +1003,16 @@ def _decode_sync(drafter, out: Output, caches: Caches, clock: Clock, config, *, 
 # --------------------------------------------------------------------------------------------------
 # Asynchronous speculative decoding (Fig. 1c, Fig. 3)
 #
-# Hit and miss. The packed pass prepares one segment per planned outcome of the verification:
-# a branch per (k, t) = "d_k rejected, the target said t", and one full-acceptance segment.
-# The outcome (a, c) is a hit when a segment was prepared for it: the branch (a + 1, c), or,
-# if a = L, the full-acceptance segment whose bonus guess is c (select_segment). That segment's
-# block is the next round's draft, with no drafting on the critical path. Otherwise it is a
-# miss, and the next round starts with a fallback draft.
+# Hit and miss. The packed pass prepares one segment per planned outcome (i, t) of the
+# verification: a branch per covered block position i and candidate token t ("d_i rejected, the
+# target said t"), and one full-acceptance segment (R + 1, g). The round's outcome is (a + 1, t)
+# with a = num_accepted and t = next_token; it is a hit when a segment was prepared for it: the
+# branch (a + 1, t), or, if a = R, the full-acceptance segment whose bonus guess g is t
+# (select_segment). That segment's block is the next round's draft, with no drafting on the
+# critical path. Otherwise it is a miss, and the next round starts with a fallback draft.
 #
-# What each KV cache holds across one round (committed x_0 .. x_n at the start; L = num_real,
-# a = num_accepted, c = next_token; "+" = written after what the cache held):
+# What each KV cache holds across one round (committed x_0 .. x_n at the start; R = num_real,
+# a = num_accepted, t = next_token; "+" = written after what the cache held):
 #
 #   step                         target's cache               drafter's cache
 #   round's start                x_0 .. x_{n-1}               x_0 .. x_{n-1}
@@ -988,95 +1020,126 @@ def _decode_sync(drafter, out: Output, caches: Caches, clock: Clock, config, *, 
 #     the first round)                                          tokens: x_0 .. x_{n-1}
 #   verify, packed pass (side    + x_n, d_1 .. d_B            + x_n, d_1 .. d_B, S segments
 #     by side)
-#   commit d_1 .. d_a, c         out.tokens: x_0 .. x_n, d_1 .. d_a, c (n + a + 2 tokens)
+#   commit d_1 .. d_a, t         out.tokens: x_0 .. x_n, d_1 .. d_a, t (n + a + 2 tokens)
 #   rewind                       to len(out.tokens) - 1       to n + 1 + a
 #                                = n + 1 + a                  (x_0 .. x_n, d_1 .. d_a)
-#   next round's start           x_0 .. x_{n'-1}, n' = n + a + 1: c = x_{n'} is in neither cache,
+#   next round's start           x_0 .. x_{n'-1}, n' = n + a + 1: t = x_{n'} is in neither cache,
 #                                it goes first into the next verify and packed pass
 #
 # The two rewinds give the same length, n + 1 + a, unless the commit was cut at EOS or the
 # budget: then the decode is over. The drafter's rewind drops the rejected drafts d_{a+1} .. d_B
 # and every segment; the accepted d_1 .. d_a keep the KV the packed pass gave them.
 #
-# The pad after a full-acceptance hit. The full-acceptance segment hangs off d_{L-1}: its first
-# token is d_L (position n + L), its first draft row guesses the bonus token x_{n+L+1}, and its
-# other B - 1 rows draft x_{n+L+2} .. x_{n+L+B}. A hit means the guess was c, now committed as
-# x_{n'}; so those B - 1 rows are the next draft, L' = B - 1 real tokens, and a pad row (zero
+# The pad after a full-acceptance hit. The full-acceptance segment hangs off d_{R-1}: its first
+# token is d_R (position n + R), its first draft row guesses the bonus token x_{n+R+1}, and its
+# other B - 1 rows draft x_{n+R+2} .. x_{n+R+B}. A hit means the guess was t, now committed as
+# x_{n'}; so those B - 1 rows are the next draft, R' = B - 1 real tokens, and a pad (zero
 # logits, never accepted: accept_draft's num_real) keeps the draft B long [shape 2, 5]. If the
 # next round accepts all B - 1, its bonus token is the target's prediction for the pad's
-# position, from verification row B - 1 (after d_{B-1}); the pad itself is never compared.
+# position, from verification row B - 1 (after d_{B-1}); the pad itself is never compared. The
+# pad's own logits say nothing: plan_branches covers the pad's position only where C exceeds
+# the R real positions (C = B), and then its candidates are arbitrary tokens.
 
 
 def default_budget(block_size: int) -> tuple[int, int]:
     """Branch budget (coverage C, fanout F): the paper's C = 12, F = 2 at B = 16; C scales with
-    B (C = 0.75 B, rounded, within 1 .. B)."""
+    B as C = 0.75 B within 1 .. B, rounded half to even (Python's round: B = 6 gives 4; our
+    reading, the paper gives C only at B = 16)."""
     coverage = max(1, min(block_size, round(0.75 * block_size)))
     fanout = 2
     return coverage, fanout
 
 
-def plan_branches(draft_logits, draft, coverage: int, fanout: int, cover: str = "first"):
-    """The outcomes that get a branch: C block positions k x F candidate tokens t (the drafter's
-    F likeliest tokens at k, except d_k itself). cover="first": k = 1 .. C; "likely": the C
-    largest r_k = prod_{j<k} q(d_j) * (1 - q(d_k)), the chance that d_k is the first rejection,
-    with q(d_j) the drafter's probability of d_j (as in D2SD). Returns positions (C,), the k
-    ascending (1-based: d_k's logits are row k - 1), and candidates (C, F), left on the device
-    (no wait)."""
+def branch_budget(config, block_size: int) -> tuple[int, int]:
+    """(C, F) of a DecodeConfig at block size B: its coverage and fanout, default_budget(B) for
+    either that is None."""
+    coverage, fanout = default_budget(block_size)
+    if config.coverage is not None:
+        coverage = config.coverage
+    if config.fanout is not None:
+        fanout = config.fanout
+    return coverage, fanout
+
+
+def first_rejection_chance(draft_logits, draft, num_real: int, temperature: float):
+    """rho_i = q(d_1) ... q(d_{i-1}) * (1 - q(d_i)) for i = 1 .. B (B,): the chance that d_i is
+    the first rejection (as in D2SD), with q the drafter's probabilities at the scoring
+    temperature (our reading: 1 when decoding greedily, where no temperature is given, else the
+    sampling temperature). A pad (i > R = num_real) is never rejected: rho_i = -inf."""
+    scoring_temperature = temperature
+    if temperature == 0:
+        scoring_temperature = 1.0
+    probs = torch.softmax(draft_logits.float() / scoring_temperature, -1)
+    # (B,) q(d_i), the drafter's probability of its own d_i
+    q_d = probs.gather(1, draft[:, None])[:, 0]
+    # q(d_1) ... q(d_{i-1}): the chance that d_i is reached
+    reach = torch.cat([torch.ones_like(q_d[:1]), torch.cumprod(q_d, 0)[:-1]])
+    rho = reach * (1 - q_d)
+    rho[num_real:] = float("-inf")
+    return rho
+
+
+def plan_branches(draft_logits, draft, num_real: int, config):
+    """The outcomes (i, t) that get a branch: C covered block positions i x F candidate tokens t
+    (the drafter's F likeliest tokens at i, except d_i itself), for a draft (B,) of R =
+    num_real real tokens. config: a DecodeConfig (its coverage C, fanout F, cover and
+    temperature; branch_budget). cover="first": i = 1 .. C; "likely": the C largest rho_i
+    (first_rejection_chance). Either way the pad (i = B when R = B - 1) is covered only where C
+    exceeds the R real positions. Returns covered (C,), the i ascending (d_i's logits are
+    draft_logits[i - 1]), and candidates (C, F), left on the device (no wait)."""
     block_size, vocab = draft_logits.shape
+    coverage, fanout = branch_budget(config, block_size)
     coverage = min(coverage, block_size)
     fanout = min(fanout, vocab - 1)
-    if cover == "first":
-        positions = torch.arange(1, coverage + 1, device=draft.device)
+    if config.cover == "first":
+        covered = torch.arange(1, coverage + 1, device=draft.device)
     else:  # "likely"
-        probs = torch.softmax(draft_logits, -1)
-        # (B,) q(d_k), the drafter's probability of its own d_k
-        q_d = probs.gather(1, draft[:, None])[:, 0]
-        # prod_{j<k} q(d_j): the chance that d_k is reached
-        reach = torch.cat([torch.ones_like(q_d[:1]), torch.cumprod(q_d, 0)[:-1]])
-        # row k - 1 -> block position k
-        positions = torch.topk(reach * (1 - q_d), coverage).indices.sort().values + 1
-    # d_k is never its own alternative
+        rho = first_rejection_chance(draft_logits, draft, num_real, config.temperature)
+        # draft_logits[i - 1] -> block position i
+        covered = torch.topk(rho, coverage).indices.sort().values + 1
+    # d_i is never its own alternative
     others = draft_logits.scatter(-1, draft[:, None], float("-inf"))
-    # block position k -> row k - 1
-    candidates = others.topk(fanout, dim=-1).indices[positions - 1]
-    return positions, candidates  # (C,), (C, F)
+    # block position i -> draft_logits[i - 1]
+    candidates = others.topk(fanout, dim=-1).indices[covered - 1]
+    return covered, candidates  # (C,), (C, F)
 
 
 def build_branch_pass(
-    drafter: Drafter, last_token, draft, positions, candidates, num_real=None, *, past_len: int
+    drafter: Drafter, last_token, draft, covered, candidates, num_real=None, *, past_len: int
 ):
     """Input of the packed pass that drafts the next block (B MASKs) for each planned outcome of
-    verifying `draft` (B,); positions (C,), candidates (C, F): plan_branches.
+    verifying `draft` (B,); covered (C,), candidates (C, F): plan_branches.
 
     Causal stream: x_n (`last_token`, (1,); the cache holds x_0 .. x_{n-1}), then d_1 .. d_B
-    (the accepted drafts get their KV here); causal index j holds d_j (d_0 = x_n). Then C x F
-    segments [t, MASK x B] off d_{k-1}, t at position n + k: "d_k rejected, the target said
-    t". Last, the full-acceptance segment [d_L, MASK x B] off d_{L-1} (L = `num_real`, the
-    draft's real tokens; default B): it drafts the bonus token x_{n+L+1} and the B - 1 tokens
+    (the accepted drafts get their KV here): row i holds d_i (row 0: x_n). Then C x F
+    segments [t, MASK x B] off d_{i-1}, t at position n + i: "d_i rejected, the target said
+    t". Last, the full-acceptance segment [d_R, MASK x B] off d_{R-1} (R = `num_real`, the
+    draft's real tokens; default B): it drafts the bonus token x_{n+R+1} and the B - 1 tokens
     after it.
 
-    A segment's first draft token is read where draft_block reads it (draft_rows): under
-    d1_from="causal" at the row of the segment's first token (t, or d_L), the token just before
-    its MASKs; under "mask" at MASK 1.
-    Example with B = L = 3, C = 2, F = 1; the cache is visible to all:
+    A segment's d_1 is read where draft_block reads it (draft_rows): under d1_from="causal" at
+    the row of the segment's first token (t, or d_R), the token just before its MASKs; under
+    "mask" at MASK 1.
+    Example with B = R = 3, C = 2, F = 1; the cache is visible to all (# = may attend, m = a
+    MASK token):
 
                      x_n d_1 d_2 d_3 | t1 m m m | t2 m m m | d_3 m m m
-        x_n (n)      x               |          |          |
-        d_1 (n+1)    x   x           |          |          |
-        d_2 (n+2)    x   x   x       |          |          |
-        d_3 (n+3)    x   x   x   x   |          |          |
-        t1  (n+1)    x               | x        |          |
-        m   (n+2)    x               | x  x x x |          |
-        m   (n+3)    x               | x  x x x |          |
-        m   (n+4)    x               | x  x x x |          |
-        t2  (n+2)    x   x           |          | x        |
-        m   (n+3)    x   x           |          | x  x x x |
-        m   (n+4)    x   x           |          | x  x x x |
-        m   (n+5)    x   x           |          | x  x x x |
-        d_3 (n+3)    x   x   x       |          |          | x
-        m   (n+4)    x   x   x       |          |          | x   x x x
-        m   (n+5)    x   x   x       |          |          | x   x x x
-        m   (n+6)    x   x   x       |          |          | x   x x x
+        x_n (n)      #               |          |          |
+        d_1 (n+1)    #   #           |          |          |
+        d_2 (n+2)    #   #   #       |          |          |
+        d_3 (n+3)    #   #   #   #   |          |          |
+        t1  (n+1)    #               | #        |          |
+        m   (n+2)    #               | #  # # # |          |
+        m   (n+3)    #               | #  # # # |          |
+        m   (n+4)    #               | #  # # # |          |
+        t2  (n+2)    #   #           |          | #        |
+        m   (n+3)    #   #           |          | #  # # # |
+        m   (n+4)    #   #           |          | #  # # # |
+        m   (n+5)    #   #           |          | #  # # # |
+        d_3 (n+3)    #   #   #       |          |          | #
+        m   (n+4)    #   #   #       |          |          | #   # # #
+        m   (n+5)    #   #   #       |          |          | #   # # #
+        m   (n+6)    #   #   #       |          |          | #   # # #
 
         x_n .. d_3   the causal stream: x_n, then the draft
         t1 m m m     branch (1, t1): d_1 rejected, the target said t1; drafts x_{n+2} (row t1,
@@ -1084,22 +1147,23 @@ def build_branch_pass(
         t2 m m m     branch (2, t2): d_1 accepted, d_2 rejected; drafts x_{n+3} .. x_{n+5}
         d_3 m m m    full acceptance, off d_2: drafts the bonus x_{n+4} (row d_3, or MASK 1),
                      then x_{n+5}, x_{n+6}
-        (no branch at k = 3: C = 2 covers k = 1, 2)
+        (no branch at i = 3: C = 2 covers i = 1, 2)
 
     Built without waiting for the device; its shape depends on B, C and F only. Returns input
-    ids (1, q), position ids (1, q), mask (1, 1, q, past+q) and the rows (S, B) drafting each
+    ids (1, W), position ids (1, W), mask (1, 1, W, past+W) and the rows (S, B) drafting each
     segment's block (draft_rows), in the order of candidates.flatten(), then full acceptance."""
     block_size = draft.shape[0]
     fanout = candidates.shape[1]
     if num_real is None:
         num_real = block_size
-    # the causal index each segment hangs off: k - 1 (d_{k-1}) for a branch at k, L - 1 last
-    branch_anchors = positions[:, None].expand(-1, fanout).flatten()
-    full_anchor = positions.new_full((1,), num_real)
+    # the row each segment hangs off: i - 1 (d_{i-1}) for a branch at i, R - 1 (d_{R-1}) last
+    branch_anchors = covered[:, None].expand(-1, fanout).flatten()
+    full_anchor = covered.new_full((1,), num_real)
     anchors = torch.cat([branch_anchors, full_anchor]) - 1
-    # [shape 5]: S = C F + 1 segments whatever the draft
-    mask_id = drafter.d3d_config.mask_token_id
-    segments = torch.full((len(anchors), 1 + block_size), mask_id, device=draft.device)
+    # [shape 5]: S = C x F + 1 segments whatever the draft
+    mask_token_id = drafter.d3d_config.mask_token_id
+    segment_shape = (len(anchors), 1 + block_size)
+    segments = torch.full(segment_shape, mask_token_id, device=draft.device)
     segments[:, 0] = torch.cat([candidates.flatten(), draft[num_real - 1 : num_real]])
     num_causal = 1 + block_size
     ids = torch.cat([last_token, draft, segments.flatten()])[None]
@@ -1107,42 +1171,45 @@ def build_branch_pass(
         num_causal, anchors, block_size, prefix_len=1, past_len=past_len
     )
     segment_starts = (1 + block_size) * torch.arange(len(anchors), device=draft.device)
-    mask_starts = num_causal + 1 + segment_starts
-    # each segment's first token (t or d_L): its row gives the block's d_1 under "causal"
-    causal_rows = mask_starts - 1
-    rows = draft_rows(causal_rows, mask_starts, block_size, drafter.d3d_config.d1_from)
+    first_mask_rows = num_causal + 1 + segment_starts
+    # each segment's first token (t or d_R): its row gives the block's d_1 under "causal"
+    prefix_rows = first_mask_rows - 1
+    rows = draft_rows(prefix_rows, first_mask_rows, block_size, drafter.d3d_config.d1_from)
     return ids, position_ids, mask, rows
 
 
-def bonus_guess(drafter: Drafter, block_hidden, sampler: Sampler):
-    """The full-acceptance segment's guess of the bonus token (a 0-d device tensor), from its
-    first draft row: under d1_from="causal" the LM head at d_L's row (the segment's first
-    token), under "mask" at MASK 1. block_hidden: (S, B, H), the segments' draft rows. At B = 1
-    the guess is -1, never a token: the segment has no row after it to be the next draft."""
-    guess = sampler.pick(drafter.logits(block_hidden[-1, 0]))[0]
-    if block_hidden.shape[1] == 1:
+def bonus_guess(drafter: Drafter, draft_hidden, sampler: Sampler):
+    """g: the full-acceptance segment's guess of the bonus token (a 0-d device tensor), from its
+    block's d_1 row: under d1_from="causal" the LM head at d_R's row (the segment's first
+    token), under "mask" at MASK 1. draft_hidden: (S, B, H), the hidden states at each
+    segment's draft rows (build_branch_pass's rows). At B = 1 the guess is -1, never a token:
+    the segment has no row after it to be the next draft."""
+    guess = sampler.pick(drafter.logits(draft_hidden[-1, 0]))[0]
+    if draft_hidden.shape[1] == 1:
         return torch.full_like(guess, -1)
     return guess
 
 
-def select_segment(num_accepted, next_token, num_real: int, positions, candidates, guess):
-    """The prepared segment the verification outcome (a = num_accepted, c = next_token) of a
-    draft with L = num_real real tokens selects, as a 0-d device tensor; -1 on a miss (no
-    segment was prepared for it). Segments: the branches (k, t) of positions (C,) and
-    candidates (C, F) in candidates.flatten() order, then full acceptance. The branch planned
-    for k = a + 1 and t = c if there is one; else the full-acceptance segment if a = L and its
-    `guess` of the bonus token (bonus_guess) is c. Computed on the device, so the round keeps
-    its one host read."""
-    at_position = positions[:, None] == num_accepted + 1
+def select_segment(num_accepted, next_token, num_real: int, covered, candidates, guess):
+    """The prepared segment that the verification's outcome (a + 1, t) selects (a =
+    num_accepted, t = next_token, for a draft of R = num_real real tokens), as a 0-d device
+    tensor; -1 on a miss (no segment was prepared for it). Segments: the branches (i, t) of
+    covered (C,) and candidates (C, F) in candidates.flatten() order, then full acceptance.
+    The branch prepared for (a + 1, t) if there is one; else the full-acceptance segment if
+    a = R and its guess g of the bonus token (bonus_guess) is t. A branch comes first also
+    when both match: that happens only where C covers the pad (C = B after a full-acceptance
+    hit), and the branch's block then has B real tokens where full acceptance's has B - 1.
+    Computed on the device, so the round keeps its one host read."""
+    at_position = covered[:, None] == num_accepted + 1
     branch = (at_position & (candidates == next_token)).flatten()  # (C*F,)
-    full = (num_accepted == num_real) & (guess == next_token)
-    matches = torch.cat([branch, full[None]])
+    full_match = (num_accepted == num_real) & (guess == next_token)
+    matches = torch.cat([branch, full_match[None]])
     # the index of the first match; S if none
     first = (matches.long().cumsum(0) == 0).sum()
     return torch.where(first < len(matches), first, -1)
 
 
-class _Lanes:
+class _Overlap:
     """Runs verification and the packed pass side by side (lanes=2): on CUDA in two streams
     (verify's has the higher priority), on a CPU the packed pass in a worker thread (the two
     share the cores: each gets half of torch's threads); lanes=1: one after the other. The
@@ -1176,16 +1243,16 @@ class _Lanes:
             with torch.cuda.stream(self.verify_stream):
                 p_logits = clock.run("verify", verify)
             with torch.cuda.stream(self.draft_stream):
-                block_hidden = clock.run("packed_draft", packed)
+                draft_hidden = clock.run("packed_draft", packed)
             for stream, result in (
                 (self.verify_stream, p_logits),
-                (self.draft_stream, block_hidden),
+                (self.draft_stream, draft_hidden),
             ):
                 # join: both results are read on the main stream
                 self.main.wait_stream(stream)
                 # made on a side stream: the allocator must not reuse its memory early
                 result.record_stream(self.main)
-            return p_logits, block_hidden
+            return p_logits, draft_hidden
 
     def _without_streams(self, verify, packed, clock: Clock):
         """A worker thread (kernels release the GIL), or one pass after the other."""
@@ -1207,33 +1274,37 @@ def _drafted_by(segment: int, num_segments: int) -> str:
 
 
 def _outcomes(planned: list[int], shape, num_real: int):
-    """The packed pass's segments as (k, t) pairs, from the values read [positions (C),
-    candidates (C x F), guess] (`shape`: candidates' (C, F)): each planned rejection, then full
-    acceptance (L + 1, guess). None when nothing was read (no on_round)."""
+    """The outcomes the packed pass's segments were prepared for, as (i, t) pairs, from the
+    values read [covered (C), candidates (C x F), guess] (`shape`: candidates' (C, F)): each
+    planned rejection, then full acceptance (R + 1, g). None when nothing was read (no
+    on_round)."""
     if not planned:
         return None
     coverage, fanout = shape
-    positions = planned[:coverage]
+    covered = planned[:coverage]
     candidates = planned[coverage : coverage + coverage * fanout]
-    outcomes = [(positions[i // fanout], t) for i, t in enumerate(candidates)]
+    outcomes = []
+    for place, token in enumerate(candidates):
+        outcomes.append((covered[place // fanout], token))
     outcomes.append((num_real + 1, planned[-1]))
     return outcomes
 
 
-def _next_draft(drafter: Drafter, block_hidden, segment: int):
-    """A hit's next draft, from the selected segment's block: (logits (B, V), L). A branch's
-    block is all of it, L = B. The full-acceptance segment's first row guessed c, so rows 2 ..
-    B and a pad, L = B - 1 ("The pad after a full-acceptance hit", at this section's start)."""
-    num_segments, block_size = block_hidden.shape[:2]
+def _next_draft(drafter: Drafter, draft_hidden, segment: int):
+    """A hit's next draft, from the selected segment's block: (logits (B, V), R). A branch's
+    block is all of it, R = B. The full-acceptance segment's d_1 row guessed t, so its other
+    rows (MASK 2 .. B) and a pad, R = B - 1 ("The pad after a full-acceptance hit", at this
+    section's start)."""
+    num_segments, block_size = draft_hidden.shape[:2]
     if segment < num_segments - 1:
-        return drafter.logits(block_hidden[segment]), block_size
-    rows = drafter.logits(block_hidden[segment, 1:])
-    return F.pad(rows, (0, 0, 0, 1)), block_size - 1
+        return drafter.logits(draft_hidden[segment]), block_size
+    logits = drafter.logits(draft_hidden[segment, 1:])
+    return nn.functional.pad(logits, (0, 0, 0, 1)), block_size - 1
 
 
 class _Tally:
-    """Async's hits and misses per outcome (index k - 1: d_k rejected; index B: full
-    acceptance), and the padded drafts (B - 1 tokens and a pad) accepted whole."""
+    """Async's hits and misses per first rejected position (index i - 1: d_i rejected; index B:
+    full acceptance), and the padded drafts (B - 1 tokens and a pad) accepted whole."""
 
     def __init__(self, config):
         self.config = config
@@ -1243,13 +1314,14 @@ class _Tally:
 
     def add(self, num_accepted: int, num_real: int, segment: int) -> None:
         block_size = self.config.block_size
-        outcome = num_accepted
+        # d_{a+1} rejected: index a
+        index = num_accepted
         if num_accepted == num_real:
-            outcome = block_size  # full acceptance
+            index = block_size  # full acceptance
         if segment >= 0:
-            self.hits[outcome] += 1
+            self.hits[index] += 1
         else:
-            self.misses[outcome] += 1
+            self.misses[index] += 1
         if num_real < block_size and num_accepted == num_real:
             self.pad_full += 1
 
@@ -1266,79 +1338,80 @@ class _Tally:
 
 
 # >>> worked async trace (python tests/worked_trace.py --write regenerates it)
-# Asynchronous decoding at B = 4, C = 2, F = 1 (cover="first": k = 1, 2), greedy,
+# Asynchronous decoding at B = 4, C = 2, F = 1 (cover="first": i = 1, 2), greedy,
 # made by tests/worked_trace.py (a tiny target, a drafter whose logits follow a script).
 # Prompt x_0 .. x_4 = 18 87 71 54 8; the target's prefill says x_5 = 37.
 # The target's greedy x_5 .. x_19 = 37 53 17 48 18 40 49 33 74 3 4 24 53 71 87.
 # The drafter is right at every position except x_7 (runner-up right) and x_10 (both choices wrong).
 #
+# x_j     the token at position j of the text (the prompt is x_0 onwards)
 # n       the round starts with x_0 .. x_n committed (the target's cache holds x_0 .. x_{n-1})
-# d_i     the draft d_1 .. d_B it verifies: L real tokens (B; or B - 1 and a pad)
+# d_i     the draft d_1 .. d_B it verifies: R real tokens (B; or B - 1 and a pad)
 # a       how many the target accepted: d_1 .. d_a
-# c       the target's own token after them: its correction of d_{a+1}, or the bonus if a = L
-# (k, t)  an outcome the drafter prepared a block for while the target verified: d_k rejected
-#         and the target said t; (L + 1, g): all L accepted and the bonus token is g (its guess)
-# hit     the round's outcome (a + 1, c) was prepared: that block is the next draft
+# t       the target's own token after them: its correction of d_{a+1}, or the bonus if a = R
+# (i, t)  an outcome the drafter prepared a block for while the target verified: d_i rejected
+#         and the target said t; (R + 1, g): all R accepted and the bonus token is g (its guess)
+# hit     the round's outcome (a + 1, t) was prepared: that block is the next draft
 # miss    it was not: the next round drafts anew
-# cache   a KV cache of length m holds x_0 .. x_{m-1}
+# cache   a KV cache of length 7 holds x_0 .. x_6
 #
-# (i) a rejection branch used: d_2 is rejected and the branch prepared for (k, t) = (2, c) becomes
-# the next draft, with no drafting on the critical path.
+# First, a rejection branch used: d_2 is rejected and the branch prepared for (i, t) = (2, t)
+# becomes the next draft, with no drafting on the critical path.
 # round 0: n = 5, x_0 .. x_5 committed
 #   draft       d_1 .. d_4 = 53 18 48 18
-#               drafted by a draft pass (x_n and 4 MASKs, its KV dropped again); d_1 from the causal
-#               row at x_n, d_2 .. d_4 from MASK 2 .. 4
-#   target      a = 1 (d_1); c = 17, its correction of d_2
+#               drafted by a draft pass (x_n and 4 MASKs, its KV dropped again); d_1 from the LM
+#               head at x_n, d_2 .. d_4 from MASK 2 .. 4
+#   target      a = 1 (d_1); t = 17, its correction of d_2
 #   committed   53 17 (= x_6 .. x_7)
 #   passes      verify x_n, d_1 .. d_4: target cache -> 10; packed pass x_n, d_1 .. d_4,
 #               2 x [t, 4 MASKs], [d_4, 4 MASKs]: drafter cache -> 25; then both rewind
-#   prepared    (k, t) = (1, 54)  (2, 17)*  (5, 41)
+#   prepared    (i, t) = (1, 54)  (2, 17)*  (5, 41)
 #   hit         (2, 17) was prepared; that branch's block is the next draft
 #   target cache  5 -> 7: x_0 .. x_4 -> x_0 .. x_5, d_1
 #   drafter cache 5 -> 7: x_0 .. x_4 -> x_0 .. x_5, d_1
 #
-# (ii) a miss: d_3 is rejected, but C = 2 covers only k = 1, 2, so nothing was prepared for (3, c):
-# the next round's draft is a fallback draft pass.
+# Second, a miss: d_3 is rejected, but C = 2 covers only i = 1, 2, so nothing was prepared for (3,
+# t): the next round's draft is a fallback draft pass.
 # round 1: n = 7, x_0 .. x_7 committed
 #   draft       d_1 .. d_4 = 48 18 41 49
 #               drafted by a rejection branch of the previous round's packed pass (its t is x_n);
-#               d_1 from the causal row at x_n, d_2 .. d_4 from MASK 2 .. 4
-#   target      a = 2 (d_1 .. d_2); c = 40, its correction of d_3
+#               d_1 from the LM head at x_n, d_2 .. d_4 from MASK 2 .. 4
+#   target      a = 2 (d_1 .. d_2); t = 40, its correction of d_3
 #   committed   48 18 40 (= x_8 .. x_10)
 #   passes      verify x_n, d_1 .. d_4: target cache -> 12; packed pass x_n, d_1 .. d_4,
 #               2 x [t, 4 MASKs], [d_4, 4 MASKs]: drafter cache -> 27; then both rewind
-#   prepared    (k, t) = (1, 49)  (2, 19)  (5, 33)
+#   prepared    (i, t) = (1, 49)  (2, 19)  (5, 33)
 #   miss        nothing prepared for (3, 40): the next round drafts anew
 #   target cache  7 -> 10: x_0 .. x_6 -> x_0 .. x_7, d_1 .. d_2
 #   drafter cache 7 -> 10: x_0 .. x_6 -> x_0 .. x_7, d_1 .. d_2
 #
-# (iii) a full-acceptance hit: all four tokens are accepted and the full-acceptance block guessed
-# the bonus token c; its other B - 1 rows and a pad are the next draft.
+# Third, a full-acceptance hit: all four tokens are accepted and the full-acceptance block guessed
+# the bonus token t; its other B - 1 rows and a pad are the next draft.
 # round 2: n = 10, x_0 .. x_10 committed
 #   draft       d_1 .. d_4 = 49 33 74 3
-#               drafted by a draft pass (x_n and 4 MASKs, its KV dropped again); d_1 from the causal
-#               row at x_n, d_2 .. d_4 from MASK 2 .. 4
-#   target      a = 4 (d_1 .. d_4, all real tokens); c = 4, its bonus token
+#               drafted by a draft pass (x_n and 4 MASKs, its KV dropped again); d_1 from the LM
+#               head at x_n, d_2 .. d_4 from MASK 2 .. 4
+#   target      a = 4 (d_1 .. d_4, all real tokens); t = 4, its bonus token
 #   committed   49 33 74 3 4 (= x_11 .. x_15)
 #   passes      verify x_n, d_1 .. d_4: target cache -> 15; packed pass x_n, d_1 .. d_4,
 #               2 x [t, 4 MASKs], [d_4, 4 MASKs]: drafter cache -> 30; then both rewind
-#   prepared    (k, t) = (1, 50)  (2, 34)  (5, 4)*
+#   prepared    (i, t) = (1, 50)  (2, 34)  (5, 4)*
 #   hit         (5, 4) was prepared; the full-acceptance block: its other B - 1 rows and a pad are
 #               the next draft
 #   target cache  10 -> 15: x_0 .. x_9 -> x_0 .. x_10, d_1 .. d_4
 #   drafter cache 10 -> 15: x_0 .. x_9 -> x_0 .. x_10, d_1 .. d_4
 #
-# The padded draft of (iii): three real tokens and a pad that is never accepted; the target's token
-# at the pad's row is the bonus. The budget is reached: decoding stops.
+# The padded draft of the full-acceptance hit: three real tokens and a pad that is never accepted;
+# the target's token at the pad's row is the bonus. The budget is reached: decoding stops.
 # round 3: n = 15, x_0 .. x_15 committed
 #   draft       d_1 .. d_4 = 24 53 71 pad (d_4 is a pad: never accepted)
 #               drafted by the previous round's full-acceptance block: d_1 .. d_3 from its
 #               MASK 2 .. 4 (its first row guessed x_n, the bonus token)
-#   target      a = 3 (d_1 .. d_3, all real tokens); c = 87, its bonus token
+#   target      a = 3 (d_1 .. d_3, all real tokens); t = 87, its bonus token
 #   committed   24 53 71 87 (= x_16 .. x_19)
 #   passes      verify x_n, d_1 .. d_4: target cache -> 20; packed pass x_n, d_1 .. d_4,
 #               2 x [t, 4 MASKs], [d_3, 4 MASKs]: drafter cache -> 35; then both rewind
-#   prepared    (k, t) = (1, 25)  (2, 54)  (4, 87)*
+#   prepared    (i, t) = (1, 25)  (2, 54)  (4, 87)*
 #   hit         (4, 87) was prepared; the full-acceptance block: its other B - 1 rows and a pad are
 #               the next draft
 #   target cache  15 -> 19: x_0 .. x_14 -> x_0 .. x_15, d_1 .. d_3
@@ -1349,27 +1422,28 @@ class _Tally:
 def _decode_async(drafter, out: Output, caches: Caches, clock: Clock, config, *, sampler, report):
     """While the target verifies [x_n, d_1 .. d_B], one packed drafter pass prepares the next
     draft for the likely outcomes. Each round: (1) plan and build the packed pass; (2) verify
-    while it runs; (3) commit the accepted prefix and the target's token c; on a hit the
+    while it runs; (3) commit the accepted prefix and the target's token t; on a hit the
     selected segment's block is the next draft, on a miss the drafter drafts it anew (the
     fallback draft). "What each KV cache holds" at this section's start follows one round; the
     worked trace above shows four. config: the DecodeConfig, its B, C, F and lanes resolved;
     `report`: a _RoundReport.
 
-    Returns the tally's stats: hits and misses per outcome (index k-1: rejection at k; B: full
-    acceptance), pad_full_acceptances (the rounds that accepted a padded draft whole), and
-    coverage, fanout, cover, lanes."""
+    Returns the tally's stats: hits and misses per first rejected position (index i - 1: d_i
+    rejected; B: full acceptance), pad_full_acceptances (the rounds that accepted a padded
+    draft whole), and coverage, fanout, cover, lanes."""
     tc = caches.target
     dc = caches.drafter
     block_size = config.block_size
     tally = _Tally(config)
-    lane = _Lanes(dc.device, config.lanes)
-    # the next draft's logits (None: not prepared, a fallback draft makes it) and L
+    overlap = _Overlap(dc.device, config.lanes)
+    # the next draft's logits (None: not prepared, a fallback draft makes it) and R
     draft_logits = None
     num_real = block_size
+    # x_n (1,) on the device: the prefill's token now, each round's next_token after it
+    x_n = torch.tensor(out.tokens[-1:], device=dc.device)
     try:
         while not out.done:
             n = len(out.tokens) - 1
-            x_n = torch.tensor(out.tokens[n:], device=dc.device)  # (1,), on the device
             if draft_logits is None:
                 # a fallback draft (a miss, or the first round): its pass reads x_n
                 with clock.span("fallback_draft"):
@@ -1380,8 +1454,8 @@ def _decode_async(drafter, out: Output, caches: Caches, clock: Clock, config, *,
             # (1) plan and build, on the device
             # (B,), with a pad after a full-acceptance hit (num_real = B - 1)
             draft, q_draft = sampler.pick(draft_logits)
-            plan = plan_branches(draft_logits, draft, config.coverage, config.fanout, config.cover)
-            *packed_inputs, block_rows = build_branch_pass(
+            plan = plan_branches(draft_logits, draft, num_real, config)
+            *packed_inputs, segment_rows = build_branch_pass(
                 drafter, x_n, draft, *plan, num_real, past_len=dc.length
             )
 
@@ -1390,12 +1464,14 @@ def _decode_async(drafter, out: Output, caches: Caches, clock: Clock, config, *,
                 return verify_block(tc, x_n, draft)
 
             def packed():
-                return dc.run(*packed_inputs)[block_rows]  # (S, B, H)
+                return dc.run(*packed_inputs)[segment_rows]  # (S, B, H)
 
-            p_logits, block_hidden = lane.both(verify, packed, clock)
+            p_logits, draft_hidden = overlap.both(verify, packed, clock)
             num_accepted, next_token = accept_draft(p_logits, draft, q_draft, sampler, num_real)
-            guess = bonus_guess(drafter, block_hidden, sampler)
+            guess = bonus_guess(drafter, draft_hidden, sampler)
             segment = select_segment(num_accepted, next_token, num_real, *plan, guess)
+            # the next round's x_n, kept on the device: no copy from the host
+            x_n = next_token.view(1)
             # on_round's values ride on the same read
             shown = [*plan, guess] if report.wants_outcomes else []
             # [one read]
@@ -1413,9 +1489,9 @@ def _decode_async(drafter, out: Output, caches: Caches, clock: Clock, config, *,
             # a hit: the selected segment's block is the next draft
             draft_logits = None
             if segment >= 0 and not out.done:
-                draft_logits, num_real = _next_draft(drafter, block_hidden, segment)
+                draft_logits, num_real = _next_draft(drafter, draft_hidden, segment)
     finally:
-        lane.close()
+        overlap.close()
     return tally.stats()
 
 
@@ -1479,7 +1555,7 @@ def adjusted_teacher(
 def distill_loss(student: Drafter, teacher: Drafter, input_ids, loss_mask, config, generator=None):
     """Cross-entropy of the student against adjusted_teacher(teacher, label, config.beta), with
     no gradient through the teacher, on one packed batch of the student's B: the blocks (labels
-    x_{a_k+i}, config.val_anchors per sequence) and the causal stream (labels x_{j+1}), response
+    x_{j_k+i}, config.val_anchors per sequence) and the causal stream (labels x_{j+1}), response
     tokens only. The two means are added. config: a PruneConfig.
 
     It ignores gamma and lambda (our reading: the paper gives recovery no weights). Those two
@@ -1577,9 +1653,11 @@ def remove_layer(drafter: Drafter, index: int) -> None:
 
 
 def least_costly_layer(drafter: Drafter, scores: dict, val_batches, *, val_anchors=32, seed=0):
-    """The layer whose removal costs least tau (`scores`: tau without each layer, by index among
-    the current layers); ties, common for weak drafters, go to the smallest change in block
-    loss (our reading: the paper is silent)."""
+    """The layer whose removal costs least tau, as its index among the current layers (what
+    remove_layer takes; _original_ids maps it to the checkpoint's index, which prune_drafter's
+    records report). `scores`: tau without each layer, by the same current index. Ties, common
+    for weak drafters, go to the smallest change in block loss (our reading: the paper is
+    silent)."""
     tied = [i for i in scores if scores[i] == max(scores.values())]
     if len(tied) == 1:
         return tied[0]
@@ -1636,10 +1714,13 @@ def prune_drafter(
     without it (`score`: tau_without_each_layer, or systems/fast.py's, quicker), remove the one
     that costs least, recover for recovery_steps steps distilled from the fixed unpruned
     drafter, re-measure tau. Stops at min_layers, or after the first removal whose recovered
-    tau falls below tau_floor x the unpruned tau (undone: "kept" False). Checks its settings at
-    the call, then returns an iterator of rows for the caller to print: the unpruned
-    drafter's, then one per iteration (each runs as its row is taken). The copy kept to undo a
-    removal waits in host memory."""
+    tau falls below tau_floor x the unpruned tau (undone: "kept" False; its "layers" is still
+    the depth it measured). The copy kept to undo a removal waits in host memory.
+
+    Returns an iterator of records (dicts) for the caller to print: the unpruned drafter's,
+    then one per iteration. It is lazy: the call checks the settings and does nothing else;
+    the teacher's copy and the first measurement happen when the first record is taken, and
+    each iteration runs as its record is taken (list(prune_drafter(...)) runs them all)."""
     config = with_settings(config, PruneConfig, settings)
     if config.min_layers is None and config.tau_floor is None:
         raise ValueError(
@@ -1651,8 +1732,8 @@ def prune_drafter(
     if score is None:
         score = tau_without_each_layer
 
-    def rows():
-        # the fixed, unpruned drafter
+    def records():
+        # the fixed, unpruned drafter (made when the first record is taken)
         teacher = copy.deepcopy(drafter).eval().requires_grad_(False)
         measure = dict(val_anchors=config.val_anchors, seed=config.seed)
         generator = torch.Generator().manual_seed(config.seed)
@@ -1693,6 +1774,8 @@ def prune_drafter(
             yield {
                 "iteration": iteration,
                 "removed_layer": original[best],
+                # the depth whose tau this record measured; if undone, the drafter went back
+                # to one layer more
                 "layers": len(original) - 1,
                 "tau_before_recovery": scores[best],
                 "tau_after_recovery": tau_after,
@@ -1700,12 +1783,12 @@ def prune_drafter(
                 "score_seconds": score_seconds,
                 "kept": kept,
                 "recovery_skipped": skipped,
-                "candidates": layer_taus,
+                "tau_without_layer": layer_taus,
             }
             if not kept:
                 break
 
-    return rows()
+    return records()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1717,9 +1800,10 @@ def select_chunks(
     drafter: Drafter, input_ids, *, keep_ratio, chunk_size=64, query_window=32, cache=None
 ):
     """The drafter reads the whole prompt into its cache (`cache`, else a new one) and picks the
-    chunks the target prefills: the first, the last, then the best by score (our reading: the
-    paper is silent; the attention from the last `query_window` prompt tokens, mean over layers,
-    heads and queries), ceil(keep_ratio * num_chunks) in all but at least 2, in their order.
+    chunks the target prefills: the first, the last, then the best by score, ceil(keep_ratio *
+    num_chunks) in all but at least 2, in their order. A token's score is the attention it gets
+    from the last `query_window` prompt tokens, mean over layers, heads and queries; a chunk's
+    score is the sum of its tokens' scores (our reading: the paper is silent).
     Returns kept_ids and kept_positions (1, kept tokens), drafter_cache (full prompt),
     chunk_scores, kept_chunks, num_chunks, chunks_kept."""
     if not 0 < keep_ratio <= 1 or chunk_size < 1:
@@ -1798,19 +1882,16 @@ def generate(
     block_size = check_request(target, drafter, input_ids, config)
     # B, or 1 in target mode (no drafter): it sizes the branch budget and the caches
     sizing_block = block_size or 1
-    default_coverage, default_fanout = default_budget(sizing_block)
-    coverage = config.coverage
-    if coverage is None:
-        coverage = default_coverage
-    fanout = config.fanout
-    if fanout is None:
-        fanout = default_fanout
+    coverage, fanout = branch_budget(config, sizing_block)
     use_drafter = None
     if config.mode != "target" or config.keep_ratio is not None:
         use_drafter = drafter
     prompt_len = input_ids.shape[1]
-    branch_coverage = coverage * (config.mode == "async")
-    need = cache_len(prompt_len, config.max_new_tokens, sizing_block, branch_coverage, fanout)
+    # only the async packed pass holds branches in the drafter's cache
+    cached_coverage = 0
+    if config.mode == "async":
+        cached_coverage = coverage
+    need = cache_len(prompt_len, config.max_new_tokens, sizing_block, cached_coverage, fanout)
     if caches is None:
         caches = Caches.make(target, use_drafter, need)
     else:
@@ -1820,6 +1901,8 @@ def generate(
     num_params = 0
     if config.mode == "async" and config.lanes is None:
         num_params = sum(p.numel() for p in target.parameters())
+    # caches.compiled: whether a model's passes are torch.compile'd (systems/fast.py). Compiled
+    # passes on two CUDA streams would share one CUDA graph pool: async_lanes refuses lanes=2
     compiled = caches.compiled and config.mode == "async"
     lanes = async_lanes(input_ids.device.type, compiled, config.lanes, num_params)
     # every setting resolved: the loops read B, C, F and the lanes from here

@@ -105,20 +105,21 @@ EXERCISES = (
         "Fig. 1a, L_block + lambda L_AR",
         {
             "_block_labels": """
-            Block k predicts x_{a_k + 1} .. x_{a_k + B}. Gather those labels (indices past
+            Block k predicts x_{j_k + 1} .. x_{j_k + B}. Gather those labels (indices past
             the end clamped to the last token), and count a label only where it exists, is
             a response token (loss_mask) and its anchor is valid. Both (b, K, B).""",
             "d3d_loss": """
             Every setting is the drafter's config: K = num_anchors, B = block_size,
             lambda = ar_weight, gamma = decay_gamma, d1_from. The anchors: `at`, else
             sample_anchors (K of them, with `generator`); _packed_hidden gives the causal
-            stream (b, L, H) and a block per anchor (b, K, B, H); _block_labels. L_block:
-            the weighted mean of cross_entropy over the counted block rows, position i
-            weighted exp(-(i-1)/gamma), 1 without gamma. L_AR (only if lambda > 0): causal
-            row j against x_{j+1}, where x_{j+1} is a response token. block_acc (B,): per
-            position i, the share of counted blocks whose d_i, read where decoding reads
-            it, is the label: under d1_from "causal" d_1 is _greedy_tokens at the anchor's
-            causal row. The metrics detached.""",
+            stream (b, N, H) and each block's MASKs (b, K, B, H); _block_labels. L_block:
+            the weighted mean of cross_entropy over the counted MASKs, block position i
+            weighted w_i = exp(-(i-1)/gamma), 1 without gamma. L_AR (only if lambda > 0):
+            the causal token at position j against x_{j+1}, where x_{j+1} is a response
+            token. block_acc (B,): per block position i, the share of counted blocks whose
+            d_i, read where decoding reads it, is the label: under d1_from "causal" d_1 is
+            _greedy_tokens at the anchor's row of the causal stream. The metrics
+            detached.""",
         },
         (
             "test_loss_starts_near_log_vocab_and_falls",
@@ -136,10 +137,10 @@ EXERCISES = (
         "Fig. 1a and ours, where d_1 is read",
         {
             "draft_rows": """
-            Broadcast causal_row and mask_start together. Rows (..., B): mask_start + 0 ..
-            B-1, the block's B MASK rows; with d1_from "causal" the first is causal_row instead
-            (the one LM head applied at that causal row, which L_AR trains, drafts d_1).
-            Tensor ops only."""
+            Broadcast prefix_row and first_mask_row together. Rows (..., B):
+            first_mask_row + 0 .. B-1, the block's B MASK rows; with d1_from "causal" the
+            first is prefix_row instead (the one LM head applied at the token just before
+            the MASKs, as L_AR trains it, drafts d_1). Tensor ops only."""
         },
         (
             "test_packed_blocks_equal_separate_passes",
@@ -167,6 +168,7 @@ EXERCISES = (
         },
         (
             "test_sync_equals_target_greedy",
+            "test_greedy_acceptance_never_accepts_the_pad_even_where_it_is_the_targets_token",
             "test_sync_stops_at_eos_inside_an_accepted_block",
             "test_sync_with_real_drafters_equals_target",
             "test_async_equals_sync_and_target",
@@ -209,18 +211,27 @@ EXERCISES = (
     ),
     Exercise(
         "plan_branches",
-        ("plan_branches",),
+        ("first_rejection_chance", "plan_branches"),
         "Fig. 1c and 3, the outcomes to prepare",
         {
+            "first_rejection_chance": """
+            q = softmax(draft_logits / T) with T the scoring temperature: 1 when
+            `temperature` is 0 (greedy), else `temperature`. q(d_i) is q's entry at d_i;
+            rho_i = q(d_1) .. q(d_{i-1}) * (1 - q(d_i)) (a cumulative product, shifted by
+            one, times 1 - q(d_i)); the pad, block positions past num_real, gets -inf.
+            Shape (B,), on the device.""",
             "plan_branches": """
-            Clip C to B and F to V - 1. Positions (C,), 1-based, ascending: 1 .. C for
-            "first"; for "likely" the C largest r_k = prod_{j<k} c_j * (1 - c_k), c_j the
-            drafter's probability of d_j. Candidates (C, F): at each planned k the drafter's
-            F likeliest tokens other than d_k. On the device: no .item(), no Python loop."""
+            C and F from branch_budget(config, B); clip C to B and F to V - 1. Covered
+            block positions (C,), 1-based, ascending: 1 .. C for "first"; for "likely" the
+            C largest rho_i (first_rejection_chance at config.temperature). Candidates
+            (C, F): at each covered i the drafter's F likeliest tokens other than d_i. On
+            the device: no .item(), no Python loop.""",
         },
         (
             "test_plan_branches_chooses_positions_and_candidates",
             "test_likely_cover_ranks_positions_by_the_chance_the_first_rejection_is_there",
+            "test_likely_cover_scores_at_the_sampling_temperature_and_at_1_when_greedy",
+            "test_the_pad_is_covered_only_where_coverage_exceeds_the_real_positions",
             "test_async_equals_sync_and_target",
             "test_async_with_real_drafters_equals_target",
             "test_async_stops_at_eos_inside_a_block",
@@ -234,7 +245,7 @@ EXERCISES = (
         {
             "select_segment": """
             Segments: the C x F branches in candidates.flatten() order, then full
-            acceptance. Branch (k, t) matches when k = num_accepted + 1 and t = next_token.
+            acceptance. Branch (i, t) matches when i = num_accepted + 1 and t = next_token.
             The last segment matches when num_accepted = num_real and `guess`, its guess
             of the bonus token (bonus_guess; -1 at B = 1, so it never matches there), is
             next_token. Return the first match's index as a 0-d device tensor, -1 if none:
@@ -242,6 +253,7 @@ EXERCISES = (
         },
         (
             "test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for",
+            "test_a_branch_at_the_pad_is_selected_before_full_acceptance",
             "test_async_equals_sync_and_target",
             "test_drafter_cache_holds_exactly_the_committed_tokens[mode=async]",
             "test_async_stops_at_eos_inside_a_block",
@@ -260,17 +272,17 @@ EXERCISES = (
             At the call: with_settings(config, PruneConfig, settings), the keywords
             replacing its fields (PruneConfig checks each range: min_layers >= 1, tau_floor
             > 0, recovery_steps >= 0, ...), then a ValueError without a stopping rule
-            (min_layers or tau_floor). Then return a generator of rows. The fixed teacher: a
+            (min_layers or tau_floor). Then return a generator of records. The fixed teacher: a
             deep copy of the unpruned drafter, in eval mode, without gradients. Measure with
             the config's val_anchors and seed; recovery's generator is seeded with its seed.
-            Yield row 0 (the unpruned tau0), then, while deeper than max(1, min_layers):
+            Yield record 0 (the unpruned tau0), then, while deeper than max(1, min_layers):
             score every layer (`score`, default tau_without_each_layer), least_costly_layer,
             a host_copy if tau_floor is set, remove_layer, recover (with the config),
             re-measure with validation_tau (without recovery steps the score is already the
             new tau); below tau_floor * tau0 undo the removal (_undo_removal) and stop. A
-            row's keys: iteration, removed_layer (its original index), layers,
-            tau_before_recovery, tau_after_recovery, seconds, score_seconds, kept,
-            recovery_skipped, candidates."""
+            record's keys: iteration, removed_layer (its original index), layers (the depth
+            measured), tau_before_recovery, tau_after_recovery, seconds, score_seconds,
+            kept, recovery_skipped, tau_without_layer."""
         },
         (
             "test_pruning_removes_one_layer_per_iteration_and_the_noop_layer_first",
@@ -307,6 +319,18 @@ BY_NAME = {exercise.name: exercise for exercise in EXERCISES}
 
 # Each graded test's claim in words; a test missing here is told by its docstring's first line
 CLAIMS = {
+    "test_likely_cover_scores_at_the_sampling_temperature_and_at_1_when_greedy": (
+        "likely scores q at the sampling temperature, at 1 when greedy"
+    ),
+    "test_the_pad_is_covered_only_where_coverage_exceeds_the_real_positions": (
+        "the pad gets a branch only where C exceeds the real positions"
+    ),
+    "test_a_branch_at_the_pad_is_selected_before_full_acceptance": (
+        "a branch at the pad and full acceptance both match: the branch is selected"
+    ),
+    "test_greedy_acceptance_never_accepts_the_pad_even_where_it_is_the_targets_token": (
+        "a pad is never accepted, even where it equals the target's token"
+    ),
     "test_mask_matches_slow_reference": (
         "mask and positions follow the docstring's rules, pair by pair"
     ),
@@ -373,7 +397,7 @@ CLAIMS = {
         "every pass keeps one shape: one graph each, no recompile on new prompts"
     ),
     "test_plan_branches_chooses_positions_and_candidates": (
-        "positions: the first C or the C likeliest rejections; candidates never d_k"
+        "covered: the first C or the C likeliest rejections; candidates never d_i"
     ),
     "test_async_with_real_drafters_equals_target": (
         "async decoding with real drafters gives the target's tokens, both covers"
@@ -401,7 +425,7 @@ CLAIMS = {
         "a pruned drafter saves, loads and decodes losslessly"
     ),
     "test_likely_cover_ranks_positions_by_the_chance_the_first_rejection_is_there": (
-        "likely positions rank by prod_{j<k} c_j (1 - c_k): k the first rejection"
+        "likely positions rank by rho_i = q(d_1) .. q(d_{i-1}) (1 - q(d_i))"
     ),
     "test_accept_draft_without_a_generator_draws_on_the_logits_device": (
         "without a generator every draw is made on the logits' device, none on the host"

@@ -14,6 +14,7 @@ Run: python -m pytest -q test_d3d.py
 
 import dataclasses
 import math
+import sys
 
 import pytest
 import torch
@@ -934,6 +935,20 @@ def test_sampling_is_reproducible_with_a_generator(tok, target, mode):
     assert torch.equal(*runs)
 
 
+def test_greedy_acceptance_never_accepts_the_pad_even_where_it_is_the_targets_token():
+    """A padded draft: R = 3 real tokens and a pad. The target's argmax agrees with every token,
+    the pad's included: a = R, and t is the target's token at the pad's row, the bonus."""
+    vocab = 7
+    draft = torch.tensor([4, 2, 6, 3])  # d_4 = 3 is the pad
+    target_tokens = torch.tensor([4, 2, 6, 3, 1])  # the target's argmax after x_n, d_1 .. d_i
+    p_logits = torch.nn.functional.one_hot(target_tokens, vocab).float()
+    a, t = d3d.accept_draft(p_logits, draft, None, d3d.Sampler(), num_real=3)
+    assert (int(a), int(t)) == (3, 3)
+    # the same draft with four real tokens: all accepted, the bonus after d_4
+    a, t = d3d.accept_draft(p_logits, draft, None, d3d.Sampler())
+    assert (int(a), int(t)) == (4, 1)
+
+
 def test_accept_draft_without_a_generator_draws_on_the_logits_device():
     """With no generator the uniforms are drawn on the logits' device: a round copies nothing
     from the host. On meta tensors every tensor accept_draft makes is checked to be on meta (one
@@ -981,6 +996,8 @@ def scripted(tok, target, prompt, block_size, kind, max_new):
         (5, 0, 2, "first"),
         (5, 2, 1, "first"),
         (5, 4, 2, "likely"),
+        (4, 4, 2, "first"),  # C = B: the pad after a full-acceptance hit is covered
+        (4, 4, 2, "likely"),
         (16, 12, 2, "first"),
         (16, 3, 3, "likely"),
     ],
@@ -1056,46 +1073,92 @@ def test_async_with_real_drafters_equals_target(tok, target, d1_from):
             assert out.tolist() == expected.tolist()
 
 
+def budget(coverage, fanout, cover="first", temperature=0.0):
+    """The DecodeConfig plan_branches reads: C, F, which positions C covers, the temperature."""
+    return d3d.DecodeConfig(coverage=coverage, fanout=fanout, cover=cover, temperature=temperature)
+
+
 def test_plan_branches_chooses_positions_and_candidates():
     logits = torch.tensor([[5.0, 4.0, 3.0, 0.0], [0.5, 9.0, 0.2, 0.1], [1.0, 1.1, 1.2, 5.0]])
     draft = torch.tensor([0, 1, 3])
 
-    def plan(*args):
-        return tuple(x.tolist() for x in d3d.plan_branches(logits, *args))
+    def plan(draft, *args):
+        return tuple(x.tolist() for x in d3d.plan_branches(logits, draft, 3, budget(*args)))
 
     assert plan(draft, 2, 2, "first") == ([1, 2], [[1, 2], [0, 2]])
-    # confident at 2 (c ~ 1): a first rejection there is unlikely; position 1 (c ~ 0.7) and 3 are
-    # likelier
+    # confident at 2 (q ~ 1): a first rejection there is unlikely; position 1 (q ~ 0.7) and 3
+    # are likelier
     assert plan(draft, 2, 1, "likely")[0] == [1, 3]
     assert plan(draft, 0, 2) == ([], [])
-    # at temperature > 0 d_k need not be the argmax: never a candidate
+    # at temperature > 0 d_i need not be the argmax: never a candidate
     sampled = torch.tensor([2, 1, 3])
     assert plan(sampled, 1, 2) == ([1], [[0, 1]])
 
 
+def likely_logits(confidences):
+    """Draft logits (B, 4) whose drafter probability q(d_i) of d_i = 0 is confidences[i - 1] at
+    temperature 1 (the other 3 tokens share the rest), and the draft, all zeros."""
+    q = torch.tensor(confidences)
+    rest = ((1 - q) / 3)[:, None].expand(-1, 3)
+    logits = torch.cat([q[:, None], rest], 1).log()
+    return logits, torch.zeros(len(q), dtype=torch.long)
+
+
 def test_likely_cover_ranks_positions_by_the_chance_the_first_rejection_is_there():
-    """cover="likely" keeps the C positions k of largest r_k = prod_{j<k} c_j * (1 - c_k): the
-    chance that d_1 .. d_{k-1} pass and d_k is the first rejected. Here the drafter's confidence
-    c_k in d_k = 0 is set row by row; a product over j <= k would pick other positions."""
+    """cover="likely" keeps the C positions i of largest rho_i = q(d_1) .. q(d_{i-1}) * (1 -
+    q(d_i)): the chance that d_1 .. d_{i-1} pass and d_i is the first rejected. Here the
+    drafter's q(d_i), for d_i = 0, is set position by position; a product that took q(d_i) in
+    too would pick other positions."""
 
     def likely(confidences, coverage):
-        c = torch.tensor(confidences)
-        rest = ((1 - c) / 3)[:, None].expand(-1, 3)  # the other 3 tokens share the rest
-        logits = torch.cat([c[:, None], rest], 1).log()
-        draft = torch.zeros(len(c), dtype=torch.long)
-        return d3d.plan_branches(logits, draft, coverage, 1, "likely")[0].tolist()
+        logits, draft = likely_logits(confidences)
+        config = budget(coverage, 1, "likely")
+        return d3d.plan_branches(logits, draft, len(draft), config)[0].tolist()
 
-    # r = (0.5, 0.15, 0.315); over j <= k: (0.25, 0.105, 0.0315), which would pick [1, 2]
+    # rho = (0.5, 0.15, 0.315); with q(d_i) in the product: (0.25, 0.105, 0.0315): [1, 2]
     assert likely([0.5, 0.7, 0.1], 2) == [1, 3]
-    # r = (0.3, 0.63, 0.063); over j <= k: (0.21, 0.063, 0.0063), which would pick [1]
+    # rho = (0.3, 0.63, 0.063); with q(d_i) in the product: (0.21, 0.063, 0.0063): [1]
     assert likely([0.7, 0.1, 0.1], 1) == [2]
+
+
+def test_likely_cover_scores_at_the_sampling_temperature_and_at_1_when_greedy():
+    """Our reading of the scoring temperature: q at temperature 1 when decoding greedily, at the
+    sampling temperature otherwise. Here the likeliest first rejection moves with it."""
+    logits, draft = likely_logits([0.6, 0.5, 0.2])
+
+    def likely(temperature):
+        config = budget(1, 1, "likely", temperature)
+        return d3d.plan_branches(logits, draft, 3, config)[0].tolist()
+
+    # T = 1: rho = (0.4, 0.3, 0.24): position 1
+    assert likely(0.0) == likely(1.0) == [1]
+    # T = 0.25 sharpens q to (0.99, 0.96, 0.10): rho ~ (0.007, 0.036, 0.87): position 3
+    assert likely(0.25) == [3]
+
+
+@pytest.mark.parametrize("cover", ["first", "likely"])
+def test_the_pad_is_covered_only_where_coverage_exceeds_the_real_positions(cover):
+    """After a full-acceptance hit the draft is B - 1 real tokens and a pad with no logits of its
+    own (zeros). The pad can never be rejected: it gets a branch only where C exceeds the R real
+    positions, under either cover; the packed pass keeps its C x F + 1 segments."""
+    logits, draft = likely_logits([0.9, 0.8, 0.7, 0.25])
+    logits[-1] = 0.0  # the pad's row: uniform, the likeliest first rejection if it were scored
+    for coverage in (1, 2, 3):
+        covered, candidates = d3d.plan_branches(logits, draft, 3, budget(coverage, 2, cover))
+        assert 4 not in covered.tolist() and candidates.shape == (coverage, 2)
+    covered, _ = d3d.plan_branches(logits, draft, 3, budget(4, 2, cover))
+    assert covered.tolist() == [1, 2, 3, 4]
+    # with four real tokens, position 4 is a real rejection and the likeliest one
+    if cover == "likely":
+        covered, _ = d3d.plan_branches(logits, draft, 4, budget(1, 2, cover))
+        assert covered.tolist() == [4]
 
 
 @pytest.mark.parametrize("d1_from", ["causal", "mask"])
 def test_a_prepared_block_is_the_draft_its_outcome_would_get(tok, d1_from):
     """What a hit reuses is what a miss would draft: every segment of the packed pass gives the
-    logits a fresh draft_block gives after the prefix its outcome commits (branch (k, t): x_0 ..
-    x_n, d_1 .. d_(k-1), t; full acceptance: x_0 .. x_n, d_1 .. d_B), d_1 read where draft_block
+    logits a fresh draft_block gives after the prefix its outcome commits (branch (i, t): x_0 ..
+    x_n, d_1 .. d_(i-1), t; full acceptance: x_0 .. x_n, d_1 .. d_B), d_1 read where draft_block
     reads it (the causal head, or MASK 1)."""
     block_size = 4
     drafter = d3d.make_drafter(
@@ -1104,7 +1167,7 @@ def test_a_prepared_block_is_the_draft_its_outcome_would_get(tok, d1_from):
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, TEXT_VOCAB, (1, 7), generator=g)  # x_0 .. x_n
     draft = torch.randint(0, TEXT_VOCAB, (block_size,), generator=g)
-    positions, candidates = torch.tensor([1, 3]), torch.tensor([[5, 9], [2, 8]])
+    covered, candidates = torch.tensor([1, 3]), torch.tensor([[5, 9], [2, 8]])
     cache = runtime.KVCache(drafter, 64)
     with torch.no_grad():
         # the cache holds x_0 .. x_(n-1)
@@ -1113,15 +1176,15 @@ def test_a_prepared_block_is_the_draft_its_outcome_would_get(tok, d1_from):
             drafter,
             prefix[0, -1:],
             draft,
-            positions,
+            covered,
             candidates,
             past_len=cache.length,
         )
         prepared = drafter.logits(cache.run(ids, position_ids, mask)[rows])  # (C * F + 1, B, V)
         outcomes = [
-            torch.cat([prefix[0], draft[: k - 1], t.view(1)])
-            for k, c in zip(positions, candidates)
-            for t in c
+            torch.cat([prefix[0], draft[: i - 1], t.view(1)])
+            for i, tokens in zip(covered, candidates)
+            for t in tokens
         ] + [torch.cat([prefix[0], draft])]
         for segment, committed in enumerate(outcomes):
             fresh = d3d.draft_block(
@@ -1131,29 +1194,42 @@ def test_a_prepared_block_is_the_draft_its_outcome_would_get(tok, d1_from):
 
 
 def test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for(tok):
-    """Segments: (k=1, t=5), (1, 6), (2, 5), (2, 7), then full acceptance. A branch drafted off
+    """Segments: (i=1, t=5), (1, 6), (2, 5), (2, 7), then full acceptance. A branch drafted off
     another prefix is never reused because its token happens to match. At B = 1 the
     full-acceptance segment has no row after its guess to be the next draft: never a hit."""
     drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=4)
-    block_hidden = torch.randn(5, 4, 32, generator=torch.Generator().manual_seed(1))
+    draft_hidden = torch.randn(5, 4, 32, generator=torch.Generator().manual_seed(1))
     # the full-acceptance segment's bonus-token guess
-    guess = d3d.bonus_guess(drafter, block_hidden, d3d.Sampler())
-    assert int(guess) == int(drafter.logits(block_hidden[-1, 0]).argmax())
-    positions, candidates = torch.tensor([1, 2]), torch.tensor([[5, 6], [5, 7]])
+    guess = d3d.bonus_guess(drafter, draft_hidden, d3d.Sampler())
+    assert int(guess) == int(drafter.logits(draft_hidden[-1, 0]).argmax())
+    covered, candidates = torch.tensor([1, 2]), torch.tensor([[5, 6], [5, 7]])
 
     def hit(num_accepted, next_token, guess=guess, num_real=4):
-        outcome = torch.tensor(num_accepted), torch.tensor(next_token)
-        return int(d3d.select_segment(*outcome, num_real, positions, candidates, guess))
+        verdict = torch.tensor(num_accepted), torch.tensor(next_token)
+        return int(d3d.select_segment(*verdict, num_real, covered, candidates, guess))
 
     assert hit(0, 5) == 0 and hit(0, 6) == 1 and hit(1, 5) == 2 and hit(1, 7) == 3
     # the token, at another position: a miss
     assert hit(0, 7) == -1 and hit(1, 6) == -1 and hit(2, 5) == -1
     g = int(guess)
     assert hit(4, g) == 4 and hit(4, (g + 1) % TEXT_VOCAB) == -1 and hit(3, g) == -1
-    # B = 1: a block of one row; its guess is -1, so full acceptance misses whatever c is
-    one_row = d3d.bonus_guess(drafter, block_hidden[:, :1], d3d.Sampler())
+    # B = 1: a block of one row; its guess is -1, so full acceptance misses whatever t is
+    one_row = d3d.bonus_guess(drafter, draft_hidden[:, :1], d3d.Sampler())
     assert int(one_row) == -1
     assert all(hit(1, t, one_row, num_real=1) != 4 for t in range(TEXT_VOCAB))
+
+
+def test_a_branch_at_the_pad_is_selected_before_full_acceptance():
+    """A padded draft (R = B - 1 = 3) accepted whole, when C = B covers the pad: the branch (4, t)
+    and the full-acceptance segment (R + 1, g) with g = t were both prepared for the outcome. The
+    branch is selected: its block has B real tokens where full acceptance's has B - 1."""
+    covered = torch.tensor([1, 2, 3, 4])
+    candidates = torch.tensor([[5, 6], [5, 7], [8, 9], [6, 5]])
+    a, t = torch.tensor(3), torch.tensor(5)
+    # the segments: 4 x 2 branches (index 7 is (4, 5)), then full acceptance (index 8)
+    assert int(d3d.select_segment(a, t, 3, covered, candidates, torch.tensor(5))) == 7
+    # without the branch, full acceptance
+    assert int(d3d.select_segment(a, torch.tensor(2), 3, covered, candidates, torch.tensor(2))) == 8
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1171,13 +1247,13 @@ def test_branch_pass_is_planned_and_built_without_reading_the_device(tok, monkey
             torch.Tensor, name, lambda *a, **k: pytest.fail("read back to the host")
         )
     last = torch.tensor([11])  # x_n
+    draft = logits.argmax(-1)
     for cover in ("first", "likely"):
-        positions, candidates = d3d.plan_branches(logits, logits.argmax(-1), 3, 2, cover)
-        d3d.build_branch_pass(drafter, last, logits.argmax(-1), positions, candidates, past_len=5)
+        for num_real in (4, 3):
+            plan = d3d.plan_branches(logits, draft, num_real, budget(3, 2, cover))
+            d3d.build_branch_pass(drafter, last, draft, *plan, num_real, past_len=5)
     monkeypatch.undo()
-    ids, position_ids, mask, rows = d3d.build_branch_pass(
-        drafter, last, logits.argmax(-1), positions, candidates, past_len=5
-    )
+    ids, position_ids, mask, rows = d3d.build_branch_pass(drafter, last, draft, *plan, past_len=5)
     # 3 x 2 branches + the full block
     assert ids.shape == (1, 1 + 4 + 7 * 5) and rows.shape == (
         7,
@@ -1226,6 +1302,41 @@ def test_a_round_reads_the_device_once(tok, target, monkeypatch, mode, temperatu
     prefill, *rounds = [r.split().count("read") for r in " ".join(events).split("round")]
     # prefill: the prompt, the first token
     assert prefill <= 2 and len(rounds) > 4 and max(rounds) <= 1, events
+
+
+def test_async_builds_no_tensor_from_host_values_after_its_first_round(tok, target, monkeypatch):
+    """x_n comes from the round's own next_token, on the device: after the first round no tensor
+    is made from host values (torch.tensor) in _decode_async or what it calls. On CUDA,
+    torch.tensor(list, device=...) is a copy from pageable memory that waits for the work
+    queued before it."""
+    block_size, prompt = 4, torch.tensor([[3, 1, 4, 1, 5]])
+    drafter, _ = scripted(tok, target, prompt, block_size, "partial", 30)
+    rounds = []
+    made_after_round_0 = []
+    make_tensor = torch.tensor
+
+    def in_the_async_loop(frame):
+        while frame is not None:
+            if frame.f_code is d3d._decode_async.__code__:
+                return True
+            frame = frame.f_back
+        return False
+
+    def tensor(*args, **kwargs):
+        caller = sys._getframe(1)
+        if rounds and in_the_async_loop(caller):
+            made_after_round_0.append(caller.f_code.co_name)
+        return make_tensor(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", tensor)
+    # d_3 is always rejected: C = 3 covers it (every round after the first a hit), C = 1 does not
+    # (every round a miss, and its fallback draft)
+    for coverage, counted in ((3, "hits_per_position"), (1, "misses_per_position")):
+        rounds.clear()
+        settings = dict(max_new_tokens=30, mode="async", coverage=coverage, fanout=1)
+        _, stats = d3d.generate(target, drafter, prompt, on_round=rounds.append, **settings)
+        assert len(rounds) > 4 and sum(stats[counted]) >= len(rounds) - 1
+        assert made_after_round_0 == [], made_after_round_0
 
 
 def test_every_verification_and_packed_pass_keeps_one_shape_through_full_acceptance_hits(

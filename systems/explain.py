@@ -5,9 +5,9 @@
     ColoredStream(decode=tok.decode)      an on_round: the answer as it is committed, accepted
                                           drafts green, the target's own tokens yellow
 
-Without `decode` (a callable: token ids -> text) tokens are shown as ids. A KV cache of length m
-holds x_0 .. x_{m-1}: the committed tokens, and after a round the accepted drafts d_1 .. d_a (which
-are x_{n+1} .. x_{n+a})."""
+Without `decode` (a callable: token ids -> text) tokens are shown as ids. A KV cache of length 7
+holds the sequence's first seven tokens, x_0 .. x_6: committed tokens, and after a round the
+accepted drafts d_1 .. d_a (which are x_{n+1} .. x_{n+a})."""
 
 from __future__ import annotations
 
@@ -24,15 +24,16 @@ COLOURS = {"draft": GREEN, "target": YELLOW}  # as decode.py's coloured answers
 NBSP = "\u00a0"  # holds a unit such as "d_1 .. d_4" together while lines are wrapped
 
 LEGEND = """\
+x_j     the token at position j of the text (the prompt is x_0 onwards)
 n       the round starts with x_0 .. x_n committed (the target's cache holds x_0 .. x_{n-1})
-d_i     the draft d_1 .. d_B it verifies: L real tokens (B; or B - 1 and a pad)
+d_i     the draft d_1 .. d_B it verifies: R real tokens (B; or B - 1 and a pad)
 a       how many the target accepted: d_1 .. d_a
-c       the target's own token after them: its correction of d_{a+1}, or the bonus if a = L
-(k, t)  an outcome the drafter prepared a block for while the target verified: d_k rejected
-        and the target said t; (L + 1, g): all L accepted and the bonus token is g (its guess)
-hit     the round's outcome (a + 1, c) was prepared: that block is the next draft
+t       the target's own token after them: its correction of d_{a+1}, or the bonus if a = R
+(i, t)  an outcome the drafter prepared a block for while the target verified: d_i rejected
+        and the target said t; (R + 1, g): all R accepted and the bonus token is g (its guess)
+hit     the round's outcome (a + 1, t) was prepared: that block is the next draft
 miss    it was not: the next round drafts anew
-cache   a KV cache of length m holds x_0 .. x_{m-1}"""
+cache   a KV cache of length 7 holds x_0 .. x_6"""
 
 
 def legend() -> str:
@@ -99,7 +100,7 @@ def _draft_origin(info: d3d.RoundInfo, block_size: int) -> str:
     if info.d1_from == "mask":
         rows = f"{_span(1, real, 'd')} from " + _unit(f"MASK 1 .. {real}")
     else:
-        rows = f"d_1 from the causal row at x_n, {_span(2, real, 'd')} from "
+        rows = f"d_1 from the LM head at x_n, {_span(2, real, 'd')} from "
         rows += _unit(f"MASK 2 .. {real}")
     return f"{source}; {rows}"
 
@@ -107,13 +108,13 @@ def _draft_origin(info: d3d.RoundInfo, block_size: int) -> str:
 def _verdict(info: d3d.RoundInfo, decode) -> str:
     """What the target said: the accepted prefix and its own token."""
     a = info.num_accepted
-    c = _show(info.next_token, decode)
+    t = _show(info.next_token, decode)
     if a == 0:
-        return f"a = 0 (d_1 rejected); c = {c}, its correction of d_1"
+        return f"a = 0 (d_1 rejected); t = {t}, its correction of d_1"
     accepted = _span(1, a, "d")
     if a == info.num_real:
-        return f"a = {a} ({accepted}, all real tokens); c = {c}, its bonus token"
-    return f"a = {a} ({accepted}); c = {c}, its correction of d_{a + 1}"
+        return f"a = {a} ({accepted}, all real tokens); t = {t}, its bonus token"
+    return f"a = {a} ({accepted}); t = {t}, its correction of d_{a + 1}"
 
 
 def _pass_lines(info: d3d.RoundInfo, block_size: int) -> list[str]:
@@ -136,13 +137,13 @@ def _pass_lines(info: d3d.RoundInfo, block_size: int) -> list[str]:
 def _outcome_lines(info: d3d.RoundInfo, decode) -> list[str]:
     """async: the prepared outcomes, the selected one starred; then the hit or the miss."""
     shown = []
-    for i, (k, t) in enumerate(info.outcomes):
+    for segment, (i, t) in enumerate(info.outcomes):
         mark = ""
-        if i == info.segment:
+        if segment == info.segment:
             mark = "*"
-        shown.append(_unit(f"({k}, {_show(t, decode)}){mark}"))
+        shown.append(_unit(f"({i}, {_show(t, decode)}){mark}"))
     outcome = f"({info.num_accepted + 1}, {_show(info.next_token, decode)})"
-    lines = _wrap("prepared", "(k, t) = " + "  ".join(shown))
+    lines = _wrap("prepared", "(i, t) = " + "  ".join(shown))
     if info.segment is None or info.segment < 0:
         return lines + _wrap("miss", f"nothing prepared for {outcome}: the next round drafts anew")
     if info.segment == len(info.outcomes) - 1:
@@ -162,7 +163,7 @@ def describe_round(info: d3d.RoundInfo, *, block_size: int, decode=None) -> str:
     last = n + len(info.committed)
     lines = [f"round {info.index}: n = {n}, x_0 .. x_{n} committed"]
     if info.mode == "target":
-        lines += _wrap("target", f"c = {_show(info.next_token, decode)}, the target alone")
+        lines += _wrap("target", f"t = {_show(info.next_token, decode)}, the target alone")
     else:
         tokens = [_show(t, decode) for t in info.draft[: info.num_real]]
         tokens += ["pad"] * (len(info.draft) - info.num_real)

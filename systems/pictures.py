@@ -85,13 +85,13 @@ def _need_matplotlib() -> None:
 class MaskPicture:
     """A packed attention mask and what its rows and columns are.
 
-    mask: (q, past_len + q) bools exactly as d3d returns them (row i may attend to column j);
-    columns are past_len cached tokens, then the q packed tokens, rows the q packed tokens.
+    mask: (W, past_len + W) bools exactly as d3d returns them (row r may attend to column c);
+    columns are past_len cached tokens, then the W packed tokens, rows the W packed tokens.
     tokens, positions: per packed token, its role ("x_3", "d_2", "t_1", "MASK") and position id.
     past_tokens: the cached columns' names. segments: (start, stop, name) packed-token ranges of
-    each block or branch; tags: their short names ("1", "S1"). anchors: per segment, the causal
-    index it hangs off (the last causal token it sees). draft_rows: per segment, the B rows whose
-    hidden states draft its next block, d_1 first (branch pass only)."""
+    each block or branch; tags: their short names ("1", "S1"). anchors: per segment, the row of
+    the causal token it hangs off (the last causal token it sees). draft_rows: per segment, the
+    B rows whose hidden states draft its next block, d_1 first (branch pass only)."""
 
     mask: list[list[bool]]
     tokens: list[str]
@@ -105,12 +105,13 @@ class MaskPicture:
 
 
 def spread_anchors(length: int, num_anchors: int, block_size: int) -> list[int]:
-    """K distinct anchors spread evenly over causal indices 0 .. L-1-B, so that every block's
-    targets x_{a+1} .. x_{a+B} lie in the stream; over 0 .. L-2 where L < B + K leaves no room
-    (the last blocks then reach past the stream, where training gives them no label)."""
+    """K distinct anchors j_k spread evenly over the causal rows 0 .. N-1-B, so that every
+    block's labels x_{j_k+1} .. x_{j_k+B} lie in the stream; over 0 .. N-2 where N < B + K
+    leaves no room (the last blocks then reach past the stream, where training gives them no
+    label)."""
     if not 1 <= num_anchors <= length - 1:
         raise PicturesUnavailable(
-            f"K = {num_anchors} anchors need 1 <= K <= L - 1 = {length - 1}"
+            f"K = {num_anchors} anchors need 1 <= K <= N - 1 = {length - 1}"
             " — give fewer anchors or a longer stream"
         )
     last = length - 1 - block_size if length - block_size >= num_anchors else length - 2
@@ -121,7 +122,7 @@ def spread_anchors(length: int, num_anchors: int, block_size: int) -> list[int]:
 
 
 def default_length(block_size: int, num_anchors: int) -> int:
-    """L of the training-mask picture: B + 2 K - 1, room for K blocks inside the stream."""
+    """N of the training-mask picture: B + 2 K - 1, room for K blocks inside the stream."""
     return block_size + 2 * num_anchors - 1
 
 
@@ -131,11 +132,12 @@ def training_mask_data(
     length: int | None = None,
     anchors: list[int] | None = None,
 ) -> MaskPicture:
-    """The training mask (Fig. 1a) as d3d.packed_attention_mask builds it: a causal stream of L
-    clean tokens x_0 .. x_{L-1}, then K blocks of B MASKs, block k hanging off anchor a_k.
+    """The training mask (Fig. 1a) as d3d.packed_attention_mask builds it: a causal stream of N
+    clean tokens x_0 .. x_{N-1}, then K blocks of B MASKs, block k hanging off anchor j_k.
 
-    length: L (default B + 2 K - 1); anchors: causal indices (default spread_anchors(L, K, B)).
-    Returns a MaskPicture whose mask is packed_attention_mask's (1, 1, q, q) mask[0, 0]."""
+    length: N (default B + 2 K - 1); anchors: rows of the causal stream (default
+    spread_anchors(N, K, B)). Returns a MaskPicture whose mask is packed_attention_mask's
+    (1, 1, W, W) mask[0, 0]."""
     if block_size < 1:
         raise PicturesUnavailable(f"B = {block_size} — give a block size >= 1")
     length = default_length(block_size, num_anchors) if length is None else length
@@ -160,13 +162,13 @@ def training_mask_data(
         tags=[str(k + 1) for k in range(len(anchors))],
         anchors=anchors,
         draft_rows=None,
-        title=f"Training mask (Fig. 1a): L = {length}, K = {len(anchors)}, B = {block_size}",
+        title=f"Training mask (Fig. 1a): N = {length}, K = {len(anchors)}, B = {block_size}",
     )
 
 
-def _candidate_name(k: int, f: int, fanout: int) -> str:
-    """The name of candidate f (0-based) at position k: t_k, or t_{k,f} when F > 1."""
-    return f"t_{k}" if fanout == 1 else f"t_{k},{f + 1}"
+def _candidate_name(i: int, f: int, fanout: int) -> str:
+    """The name of candidate f (0-based) at block position i: t_i, or t_{i,f} when F > 1."""
+    return f"t_{i}" if fanout == 1 else f"t_{i},{f + 1}"
 
 
 def branch_pass_data(
@@ -178,44 +180,46 @@ def branch_pass_data(
     d1_from: str = "causal",
 ) -> MaskPicture:
     """The asynchronous packed pass (Fig. 1c) as d3d.build_branch_pass builds it, for a plan from
-    d3d.plan_branches (cover="first": positions k = 1 .. C) over made-up draft logits whose F
+    d3d.plan_branches (cover="first": positions i = 1 .. C) over made-up draft logits whose F
     likeliest other tokens at each k are distinct ids, so every token's role reads off its id.
 
     No model: build_branch_pass only reads the drafter's config (MASK id, d1_from). The cache
     holds past_len tokens x_{n-past_len} .. x_{n-1}. Returns a MaskPicture whose mask is
-    build_branch_pass's (1, 1, q, past_len + q) mask[0, 0], with its draft rows."""
+    build_branch_pass's (1, 1, W, past_len + W) mask[0, 0], with its draft rows."""
     if block_size < 1 or not 0 <= coverage <= block_size or fanout < 1 or past_len < 0:
         raise PicturesUnavailable(
             f"B = {block_size}, C = {coverage}, F = {fanout}, past = "
             f"{past_len} — need B >= 1, 0 <= C <= B, F >= 1, past >= 0"
         )
-    x_n, draft = 0, torch.arange(1, block_size + 1)  # ids: x_n = 0, d_k = k
+    x_n, draft = 0, torch.arange(1, block_size + 1)  # ids: x_n = 0, d_i = i
     vocab = 1 + block_size + block_size * fanout
     logits = torch.zeros(block_size, vocab)
     logits[torch.arange(block_size), draft] = 10.0
-    for k in range(block_size):  # the F runners-up at d_k: ids of their own, in order
-        first = 1 + block_size + k * fanout
-        logits[k, first : first + fanout] = 5.0 - torch.arange(fanout, dtype=torch.float)
-    positions, candidates = d3d.plan_branches(logits, draft, coverage, fanout, cover="first")
+    for i in range(1, block_size + 1):  # the F runners-up at d_i: ids of their own, in order
+        first = 1 + block_size + (i - 1) * fanout
+        logits[i - 1, first : first + fanout] = 5.0 - torch.arange(fanout, dtype=torch.float)
+    budget = d3d.DecodeConfig(coverage=coverage, fanout=fanout, cover="first")
+    covered, candidates = d3d.plan_branches(logits, draft, block_size, budget)
     config = d3d.D3DConfig(block_size=block_size, mask_token_id=vocab, d1_from=d1_from)
     drafter = types.SimpleNamespace(d3d_config=config)  # all build_branch_pass reads of a drafter
     ids, position_ids, mask, rows = d3d.build_branch_pass(
-        drafter, torch.tensor([x_n]), draft, positions, candidates, past_len=past_len
+        drafter, torch.tensor([x_n]), draft, covered, candidates, past_len=past_len
     )
-    names = {x_n: "x_n", vocab: "MASK", **{k: f"d_{k}" for k in range(1, block_size + 1)}}
-    for k in range(1, block_size + 1):
+    names = {x_n: "x_n", vocab: "MASK", **{i: f"d_{i}" for i in range(1, block_size + 1)}}
+    for i in range(1, block_size + 1):
         for f in range(fanout):
-            names[1 + block_size + (k - 1) * fanout + f] = _candidate_name(k, f, fanout)
-    tokens = [names[i] for i in ids[0].tolist()]
+            names[1 + block_size + (i - 1) * fanout + f] = _candidate_name(i, f, fanout)
+    tokens = [names[token] for token in ids[0].tolist()]
     num_causal, seg_len = 1 + block_size, 1 + block_size
     segments, anchors = [], []
-    for s, (k, f) in enumerate([(k, f) for k in positions.tolist() for f in range(fanout)]):
+    branches = [(i, f) for i in covered.tolist() for f in range(fanout)]
+    for s, (i, f) in enumerate(branches):
         start = num_causal + s * seg_len
-        t = _candidate_name(k, f, fanout)
-        accepted = {1: "none accepted", 2: "d_1 accepted"}.get(k, f"d_1 .. d_{k - 1} accepted")
-        name = f"S{s + 1}: {accepted}, d_{k} rejected, the target said {t}"
+        t = _candidate_name(i, f, fanout)
+        accepted = {1: "none accepted", 2: "d_1 accepted"}.get(i, f"d_1 .. d_{i - 1} accepted")
+        name = f"S{s + 1}: {accepted}, d_{i} rejected, the target said {t}"
         segments.append((start, start + seg_len, name))
-        anchors.append(k - 1)
+        anchors.append(i - 1)
     start = num_causal + len(segments) * seg_len
     name = f"S{len(segments) + 1}: full acceptance, d_1 .. d_{block_size} accepted"
     segments.append((start, start + seg_len, name))
@@ -307,7 +311,7 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
         raise PicturesUnavailable(
             f"a {rows} x {cols} mask is too large to read as a picture "
             f"(at most {MAX_CELLS} rows and columns) — give a smaller B, "
-            "K, L, C or F"
+            "K, N, C or F"
         )
     past = len(picture.past_tokens)
     cell, font = _cell_size(max(rows, cols))
@@ -339,7 +343,7 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
         )
     else:
         notes.append(
-            "a causal row x_j predicts x_{j+1} (L_AR); a MASK at position p predicts x_p (L_block)"
+            "a causal row x_j predicts x_{j+1} (L_AR); a MASK at position j predicts x_j (L_block)"
         )
     column_names = [
         f"{_math(t)} ({_position(p, past, relative)})"
@@ -579,7 +583,7 @@ def block_accuracy_figure(block_acc, *, title: str | None = None):
 
 
 # ---------------------------------------------------------------------------------------------
-# Acceptance lengths and hits / misses per verification outcome (Fig. 3)
+# Acceptance lengths and hits / misses per first rejection (Fig. 3)
 
 
 def acceptance_data(stats: dict, block_size: int | None = None) -> dict:
@@ -618,7 +622,7 @@ def draw_acceptance(
     path: str, stats: dict, block_size: int | None = None, *, title: str | None = None
 ) -> str:
     """Draw acceptance_data(stats, block_size): the τ histogram and, for an async run, hits and
-    misses per verification outcome beside it. Returns the path."""
+    misses per first rejection beside it. Returns the path."""
     _need_matplotlib()
     return _save(acceptance_figure(stats, block_size, title=title), path)
 
@@ -660,13 +664,13 @@ def acceptance_figure(stats: dict, block_size: int | None = None, *, title: str 
         _label_bars(ax, miss_bars)
         ax.set_xticks(x)
         ax.set_xlabel(
-            "verification outcome: drafts accepted a\n"
-            "(a < B: $d_{a+1}$ rejected; a = B: all accepted)"
+            "drafts accepted a, by where the first rejection was\n"
+            "(a < B: $d_{a+1}$ rejected; B: every real token accepted)"
         )
         ax.set_ylabel("rounds")
         total = sum(data["hits"]) + sum(data["misses"])
         rate = sum(data["hits"]) / total if total else math.nan
-        ax.set_title(f"Hits and misses per outcome (hit rate {rate:.0%})", fontsize=10)
+        ax.set_title(f"Hits and misses per first rejection (hit rate {rate:.0%})", fontsize=10)
         ax.legend(fontsize=8, frameon=False, loc="best")
     for ax in axes:
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -817,7 +821,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--num-anchors", type=int, default=3, help="K: blocks of the training mask (default: 3)"
     )
     masks.add_argument(
-        "--length", type=int, help="L: clean tokens of the training mask (default: B + 2 K - 1)"
+        "--length", type=int, help="N: clean tokens of the training mask (default: B + 2 K - 1)"
     )
     masks.add_argument(
         "--coverage",

@@ -358,7 +358,7 @@ def time_ms(run, cuda: bool, repeats: int = 20) -> float:
 
 def side_by_side(first, second) -> None:
     """first() on a high-priority stream and second() on another, both after the current stream's
-    work; the current stream waits for both (as _Lanes.both)."""
+    work; the current stream waits for both (as _Overlap.both)."""
     import torch
 
     main = torch.cuda.current_stream()

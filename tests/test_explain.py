@@ -18,7 +18,7 @@ def decode(ids: list[int]) -> str:
 
 
 def async_round(**fields) -> d3d.RoundInfo:
-    """An async round at B = 4, C = 2, F = 1 from x_5: d_1 accepted, d_2 rejected, c = 3."""
+    """An async round at B = 4, C = 2, F = 1 from x_5: d_1 accepted, d_2 rejected, t = 3."""
     values = dict(
         mode="async",
         index=0,
@@ -42,9 +42,9 @@ def async_round(**fields) -> d3d.RoundInfo:
 
 def test_a_branch_hit_is_starred_and_named():
     text = explain.describe_round(async_round(), block_size=4)
-    assert "(k, t) = (1, 2)  (2, 3)*  (5, 4)" in text
+    assert "(i, t) = (1, 2)  (2, 3)*  (5, 4)" in text
     assert "hit         (2, 3) was prepared; that branch's block is the next draft" in text
-    assert "a = 1 (d_1); c = 3, its correction of d_2" in text
+    assert "a = 1 (d_1); t = 3, its correction of d_2" in text
     assert "drafter cache 5 -> 7: x_0 .. x_4 -> x_0 .. x_5, d_1" in text
 
 
@@ -74,7 +74,7 @@ def test_a_padded_draft_shows_its_pad():
     assert "d_1 .. d_4 = 1 7 8 pad (d_4 is a pad: never accepted)" in text
     words = " ".join(text.split())  # as one line, wherever it was wrapped
     assert "full-acceptance block: d_1 .. d_3 from its MASK 2 .. 4" in words
-    assert "a = 3 (d_1 .. d_3, all real tokens); c = 2, its bonus token" in text
+    assert "a = 3 (d_1 .. d_3, all real tokens); t = 2, its bonus token" in text
     assert "(4, 2)*" in text
 
 
@@ -93,7 +93,7 @@ def test_target_and_sync_rounds_are_described_too():
         segment=None,
     )
     text = explain.describe_round(target, block_size=1)
-    assert "c = 3, the target alone" in text
+    assert "t = 3, the target alone" in text
     assert "drafter cache" not in text
     sync = async_round(mode="sync", outcomes=None, segment=None, drafter_cache=(3, 6))
     text = explain.describe_round(sync, block_size=4)

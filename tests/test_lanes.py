@@ -42,7 +42,7 @@ def test_two_cpu_lanes_run_both_passes_at_once(lanes):
     import threading
 
     barrier = threading.Barrier(2, timeout=5 if lanes == 2 else 0.5)
-    lane = d3d._Lanes(torch.device("cpu"), lanes)
+    overlap = d3d._Overlap(torch.device("cpu"), lanes)
 
     def meet(value):
         def wait_then_give():
@@ -53,13 +53,13 @@ def test_two_cpu_lanes_run_both_passes_at_once(lanes):
 
     try:
         if lanes == 2:
-            verified, packed = lane.both(meet(1), meet(2), runtime.Clock(torch.device("cpu")))
+            verified, packed = overlap.both(meet(1), meet(2), runtime.Clock(torch.device("cpu")))
             assert (verified.item(), packed.item()) == (1, 2)
         else:
             with pytest.raises(threading.BrokenBarrierError):
-                lane.both(meet(1), meet(2), runtime.Clock(torch.device("cpu")))
+                overlap.both(meet(1), meet(2), runtime.Clock(torch.device("cpu")))
     finally:
-        lane.close()
+        overlap.close()
 
 
 @pytest.mark.parametrize("lanes", [1, 2])
@@ -67,12 +67,12 @@ def test_the_packed_pass_builds_no_autograd_graph_in_either_lane(lanes):
     """The decode runs under no_grad, which a worker thread does not inherit: the packed pass must
     not record a graph (its outputs and the drafter's cache would hold one, round after round)."""
     weight, clock = torch.ones(3, requires_grad=True), runtime.Clock(torch.device("cpu"))
-    lane = d3d._Lanes(torch.device("cpu"), lanes)
+    overlap = d3d._Overlap(torch.device("cpu"), lanes)
     try:
         with torch.no_grad():
-            verified, packed = lane.both(lambda: weight * 2, lambda: weight * 3, clock)
+            verified, packed = overlap.both(lambda: weight * 2, lambda: weight * 3, clock)
     finally:
-        lane.close()
+        overlap.close()
     assert not verified.requires_grad and not packed.requires_grad
     threads = {key: thread for key, _, _, thread in clock.spans}
     # two lanes: the worker ran it

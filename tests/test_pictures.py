@@ -80,12 +80,13 @@ def test_branch_pass_picture_is_build_branch_pass_mask(tok, block_size, coverage
     drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=block_size)
     logits = torch.randn(block_size, 99, generator=torch.Generator().manual_seed(block_size))
     draft = logits.argmax(-1)
-    positions, candidates = d3d.plan_branches(logits, draft, coverage, fanout)
+    budget = d3d.DecodeConfig(coverage=coverage, fanout=fanout)
+    covered, candidates = d3d.plan_branches(logits, draft, block_size, budget)
     ids, position_ids, mask, rows = d3d.build_branch_pass(
         drafter,
         torch.tensor([5]),
         draft,
-        positions,
+        covered,
         candidates,
         past_len=past_len,
     )

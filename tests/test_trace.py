@@ -51,11 +51,11 @@ def test_the_trace_does_not_depend_on_the_float_order():
 def test_round_0_uses_the_rejection_branch(trace):
     rounds, _, x = trace
     info = rounds[0]
-    # draft x_6 .. x_9 from a draft pass: x_6 right, x_7 wrong -> a = 1, c = x_7
+    # draft x_6 .. x_9 from a draft pass: x_6 right, x_7 wrong -> a = 1, t = x_7
     assert (info.n, info.drafted_by, info.num_real) == (5, "draft pass", B)
     assert (info.num_accepted, info.next_token) == (1, x[7])
     assert info.committed == [x[6], x[7]]
-    # branch (k, t) = (2, x_7) is segment 1 (after (1, t)): a hit on it
+    # branch (i, t) = (2, x_7) is segment 1 (after (1, t)): a hit on it
     assert info.outcomes[1] == (2, x[7])
     assert info.segment == 1
     assert info.target_cache == (5, 7)  # x_0 .. x_4 -> x_0 .. x_6

@@ -32,26 +32,27 @@ BEGIN = "# >>> worked async trace"
 END = "# <<< worked async trace"
 
 BLOCK_SIZE = 4  # B
-COVERAGE = 2  # C: rejection branches at k = 1, 2
+COVERAGE = 2  # C: rejection branches at i = 1, 2
 FANOUT = 1  # F: one candidate token t per covered position
 PROMPT = [18, 87, 71, 54, 8]  # x_0 .. x_4; the target's first token x_5 ends the prefill
 MAX_NEW_TOKENS = 15  # x_5 .. x_19: the prefill's token, then rounds of 2, 3, 5 and 4 tokens
 
 # The drafter's script, by the position it predicts, as an offset j from x_5 (j = 1: x_6). Every
 # position is right (the target's token first, a wrong one second) except these two:
-RUNNER_UP = {2}  # x_7: wrong, the target's token second (a rejection branch at k = 2 can hit)
+RUNNER_UP = {2}  # x_7: wrong, the target's token second (a rejection branch at i = 2 can hit)
 WRONG = {5}  # x_10: wrong, and wrong second too (no branch could hit)
 
 # What each round shows, in the order they run (the hand-written checks: tests/test_trace.py)
 CASES = [
-    "(i) a rejection branch used: d_2 is rejected and the branch prepared for (k, t) = (2, c) "
+    "First, a rejection branch used: d_2 is rejected and the branch prepared for (i, t) = (2, t) "
     "becomes the next draft, with no drafting on the critical path.",
-    "(ii) a miss: d_3 is rejected, but C = 2 covers only k = 1, 2, so nothing was prepared for "
-    "(3, c): the next round's draft is a fallback draft pass.",
-    "(iii) a full-acceptance hit: all four tokens are accepted and the full-acceptance block "
-    "guessed the bonus token c; its other B - 1 rows and a pad are the next draft.",
-    "The padded draft of (iii): three real tokens and a pad that is never accepted; the target's "
-    "token at the pad's row is the bonus. The budget is reached: decoding stops.",
+    "Second, a miss: d_3 is rejected, but C = 2 covers only i = 1, 2, so nothing was prepared "
+    "for (3, t): the next round's draft is a fallback draft pass.",
+    "Third, a full-acceptance hit: all four tokens are accepted and the full-acceptance block "
+    "guessed the bonus token t; its other B - 1 rows and a pad are the next draft.",
+    "The padded draft of the full-acceptance hit: three real tokens and a pad that is never "
+    "accepted; the target's token at the pad's row is the bonus. The budget is reached: "
+    "decoding stops.",
 ]
 
 
@@ -140,7 +141,7 @@ def trace_text() -> str:
     wrong = [n + j for j in sorted(WRONG)]
     lines = [
         f"Asynchronous decoding at B = {BLOCK_SIZE}, C = {COVERAGE}, F = {FANOUT} "
-        '(cover="first": k = 1, 2), greedy,',
+        '(cover="first": i = 1, 2), greedy,',
         "made by tests/worked_trace.py (a tiny target, a drafter whose logits follow a script).",
         f"Prompt x_0 .. x_{n - 1} = {' '.join(str(t) for t in PROMPT)}; the target's prefill "
         f"says x_{n} = {reference[n]}.",

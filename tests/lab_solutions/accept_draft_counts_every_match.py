@@ -22,7 +22,7 @@ def accept_draft(p_logits, draft, q_draft, sampler, num_real=None):
     u = sampler.uniform((block_size,), p_d.device)
     num_accepted = ((u * q_d <= p_d) & real).long().cumprod(0).sum()
     p_next = _at(p_target, num_accepted)
-    residual = (p_next - _at(F.pad(q_draft, (0, 0, 0, 1)), num_accepted)).clamp(min=0)
+    residual = (p_next - _at(nn.functional.pad(q_draft, (0, 0, 0, 1)), num_accepted)).clamp(min=0)
     residual = torch.where(residual.sum() > 0, residual, p_next)
     law = torch.where(real.sum() == num_accepted, p_next, residual)
     return num_accepted, sampler.draw(law / law.sum())
