@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -56,12 +57,33 @@ import sys
 
 import torch
 import transformers
-from tqdm.auto import tqdm
 
 import d3d
 import runtime
 import toy
+from runtime import Range
 from systems import benches, cli, decoding, explain, figures, forensics, peers, pictures
+from systems.decoding import Models, Run
+
+
+def sample(target_path="toy-target", drafter_path="runs/toy/drafter", prompt="7 * 6 + 8 - 5"):
+    """The program to copy (README, "Watch a round"): load the target and the drafter, make a
+    DecodeConfig, call d3d.generate, print each round and the answer. From the repository's
+    folder, after `python train.py`: python -c "import decode; decode.sample()"."""
+    tok = transformers.AutoTokenizer.from_pretrained(target_path)
+    target = transformers.AutoModelForCausalLM.from_pretrained(target_path).eval()
+    drafter = d3d.Drafter.from_pretrained(drafter_path).eval()
+    chat = [{"role": "user", "content": prompt}]
+    ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"]
+    config = d3d.DecodeConfig(max_new_tokens=64, eos_token_id=tok.eos_token_id)
+    # prints each round: the draft, what was accepted, what the caches hold
+    printer = explain.RoundPrinter(tok.decode)
+    out, stats = d3d.generate(target, drafter, ids, config, on_round=printer)
+    answer = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    print(answer, f"(tau {stats['tau']:.2f})")
+    return out, stats
+
 
 # the toy's default drafter, and its shipped target
 TOY_DRAFTER = "runs/toy/drafter"
@@ -75,8 +97,8 @@ PROMPT_FIELDS = ("question", "prompt", "turns")
 # Models and prompts
 
 
-def load(target, drafter, modes, device, dtype, attn, threads=None):
-    """(target, drafter, the target's tokenizer, EOS ids, description of the run).
+def load(target, drafter, modes, device, dtype, attn, threads=None) -> Models:
+    """The run's Models: target, drafter, the target's tokenizer, EOS ids, its description.
 
     The drafter is None when only target-only decoding runs; target None: the one the
     drafter was trained for (its train_args.json)."""
@@ -138,7 +160,7 @@ def load(target, drafter, modes, device, dtype, attn, threads=None):
     if draft_model is not None:
         info["drafter"] = drafter
         info["drafter_config"] = dataclasses.asdict(draft_model.d3d_config)
-    return model, draft_model, tok, eos, info
+    return Models(model, draft_model, tok, eos, info)
 
 
 def describe_device(device: torch.device) -> str:
@@ -191,38 +213,34 @@ def plain_text(tok):
 # One prompt, decoded in front of the reader
 
 
-def answer(models, ids, mode: str, opts: dict, caches, colour: bool) -> dict:
+def answer(models: Models, ids, mode: str, run: Run, caches, colour: bool) -> dict:
     """One prompt in the demo's mode: d3d.generate, its rounds streamed into the answer
     (explain.ColoredStream: accepted drafts green, the target's own tokens yellow), the
     answer printed. Returns the run's record of it (decoding.record)."""
-    target, drafter, tok, eos, _ = models
-    kwargs = decoding.request_kwargs(mode, opts, caches, eos, ids.device)
+    config, kwargs = decoding.request(mode, models, run, caches, ids.device)
     # the answer streams as the rounds commit it
-    stream = explain.ColoredStream(decode=plain_text(tok), colour=colour)
-    use = decoding.drafter_for(mode, opts, drafter)
-    out, stats = d3d.generate(target, use, ids, on_round=stream, **kwargs)
+    stream = explain.ColoredStream(decode=plain_text(models.tokenizer), colour=colour)
+    drafter = decoding.drafter_for(config, models.drafter)
+    out, stats = d3d.generate(models.target, drafter, ids, config, on_round=stream, **kwargs)
     print()
     return decoding.record(ids, out, stats)
 
 
-def explain_prompt(models, prompt: str, mode: str, opts: dict, thinking: bool) -> dict:
+def explain_prompt(models: Models, prompt: str, mode: str, run: Run, thinking: bool) -> dict:
     """--explain: one prompt decoded once in `mode`, every round described as it ends
     (explain.RoundPrinter): the draft and where it came from, what the target accepted and
     said, what was committed, in async the prepared outcomes and the one used, and what each
     KV cache held before and after. Then the answer."""
-    target, drafter, tok, eos, info = models
-    ids = decoding.encode(tok, prompt, thinking, target.device)
-    block_size = opts["block_size"]
-    if block_size is None and info["drafter_config"] is not None:
-        block_size = info["drafter_config"]["block_size"]
-    kwargs = decoding.request_kwargs(mode, opts, None, eos, ids.device)
-    printer = explain.RoundPrinter(decode=tok.decode, block_size=block_size)
+    tok = models.tokenizer
+    ids = decoding.encode(tok, prompt, thinking, models.target.device)
+    config, kwargs = decoding.request(mode, models, run, None, ids.device)
+    printer = explain.RoundPrinter(decode=tok.decode, block_size=models.block_size(config))
     # x_0 .. x_{p-1}: the prompt; x_p: the first token, the target's prefill's
     p = ids.shape[1]
     print(f"── prompt (x_0 .. x_{p - 1}): {prompt}")
     print(f"   prefilled into the KV caches; the target's prefill also gives x_{p}\n")
-    use = decoding.drafter_for(mode, opts, drafter)
-    out, stats = d3d.generate(target, use, ids, on_round=printer, **kwargs)
+    drafter = decoding.drafter_for(config, models.drafter)
+    out, stats = d3d.generate(models.target, drafter, ids, config, on_round=printer, **kwargs)
     new_tokens = out[0, ids.shape[1] :].tolist()
     text = plain_text(tok)(new_tokens)
     print(
@@ -235,13 +253,12 @@ def explain_prompt(models, prompt: str, mode: str, opts: dict, thinking: bool) -
     return {"mode": mode, "answer": text, "new_tokens": new_tokens, "stats": stats}
 
 
-def write_trace(models, ids, mode: str, opts: dict, caches, path: str) -> dict:
+def write_trace(models: Models, ids, mode: str, run: Run, caches, path: str) -> dict:
     """One prompt decoded once more in `mode` (after the run: its passes are warm), its phases
     written to `path` as a Chrome trace: draft, verify, packed_draft, fallback_draft, both and
     prefill spans, a track for each CUDA stream or host thread they ran on. Returns it."""
-    traced = {**opts, "trace": True}
-    decoded = decoding.decode_prompt(models, ids, [mode], traced, caches)
-    record = decoded[mode]
+    traced = dataclasses.replace(run, config=dataclasses.replace(run.config, trace=True))
+    record = decoding.decode_prompt(models, ids, [mode], traced, caches)[mode]
     trace = record["trace"]
     trace["otherData"] = {"mode": mode}
     for key in ("lanes", "tau", "num_rounds"):
@@ -289,10 +306,10 @@ def _finite(x):
 
 
 def demo(
-    models,
+    models: Models,
     prompts: list[str],
     mode: str,
-    opts: dict,
+    run: Run,
     thinking: bool,
     colour: bool,
     compare: list[str] = (),
@@ -301,13 +318,14 @@ def demo(
     """Answer each prompt with `mode` (answer: coloured by origin), then compare it with
     target-only decoding, and with the `compare` modes, on the same prompts. trace: a path
     for write_trace (the first prompt)."""
-    target, _, tok, _, info = models
     modes = list(dict.fromkeys(["target", mode, *compare]))
     # a bad prompt fails before any decoding
-    all_ids = [decoding.encode(tok, p, thinking, target.device) for p in prompts]
-    caches = decoding.prepare(models, opts, all_ids, modes)
+    all_ids = [
+        decoding.encode(models.tokenizer, p, thinking, models.target.device) for p in prompts
+    ]
+    caches = decoding.prepare(models, run, all_ids, modes)
     # warm-up
-    decoding.decode_prompt(models, all_ids[0], modes, opts, caches, max_new_tokens=8)
+    decoding.decode_prompt(models, all_ids[0], modes, run, caches, max_new_tokens=8)
     if colour:
         draft = explain.COLOURS["draft"]
         own = explain.COLOURS["target"]
@@ -318,14 +336,37 @@ def demo(
         print(f"\n── prompt {i + 1}/{len(prompts)}: {text}")
         for m in modes:
             if m == mode:
-                records[m].append(answer(models, ids, m, opts, caches, colour))
+                records[m].append(answer(models, ids, m, run, caches, colour))
             else:
-                records[m].append(decoding.decode_prompt(models, ids, [m], opts, caches)[m])
-    block_size = opts["block_size"]
-    if block_size is None and info["drafter_config"] is not None:
-        block_size = info["drafter_config"]["block_size"]
+                records[m].append(decoding.decode_prompt(models, ids, [m], run, caches)[m])
+    block_size = models.block_size(run.config)
+    summaries = print_summary(models, records, modes, run, len(prompts), block_size)
+    if mode != "target":
+        lengths = [n for r in records[mode] for n in r["accept_lengths"]]
+        print(
+            f"{mode}: acceptance histogram (tokens committed per round, 1 .. "
+            f"{block_size + 1}):\n" + histogram(lengths)
+        )
+    if trace:
+        write_trace(models, all_ids[0], mode, run, caches, trace)
+    stats = None
+    if mode != "target":
+        stats = merged_stats(records[mode])
+    return {
+        "summary": summaries[mode],
+        "summaries": summaries,
+        "block_size": block_size,
+        "stats": stats,
+        "answers": [plain_text(models.tokenizer)(r["new_tokens"]) for r in records[mode]],
+    }
+
+
+def print_summary(models, records, modes, run: Run, num_prompts: int, block_size) -> dict:
+    """The demo's table: each mode's speed, speedup, tau, hit rate and whether its tokens are
+    target-only's. Returns {mode: figures.summarise}."""
+    info = models.info
     print(
-        f"\n{len(prompts)} prompt(s), {info['device']}, {info['dtype']}, block size "
+        f"\n{num_prompts} prompt(s), {info['device']}, {info['dtype']}, block size "
         f"{block_size}; tok/s with prefill excluded, speedup = target-only time per output "
         "token / the mode's"
     )
@@ -337,8 +378,8 @@ def demo(
         summaries[m] = s
         pairs = zip(records[m], records["target"])
         same = sum(r["new_tokens"] == b["new_tokens"] for r, b in pairs)
-        same = f"{same}/{len(prompts)}"
-        if opts["temperature"] and m != "target":
+        same = f"{same}/{num_prompts}"
+        if run.config.temperature and m != "target":
             same = "sampled"
         if m == "target":
             same = "-"
@@ -359,24 +400,7 @@ def demo(
             f"lane{'s' * (lanes == 2)}); its hit rate is how often the next draft was ready "
             "when the verification ended"
         )
-    if mode != "target":
-        lengths = [n for r in records[mode] for n in r["accept_lengths"]]
-        print(
-            f"{mode}: acceptance histogram (tokens committed per round, 1 .. "
-            f"{block_size + 1}):\n" + histogram(lengths)
-        )
-    if trace:
-        write_trace(models, all_ids[0], mode, opts, caches, trace)
-    stats = None
-    if mode != "target":
-        stats = merged_stats(records[mode])
-    return {
-        "summary": summaries[mode],
-        "summaries": summaries,
-        "block_size": block_size,
-        "stats": stats,
-        "answers": [plain_text(tok)(r["new_tokens"]) for r in records[mode]],
-    }
+    return summaries
 
 
 def merged_stats(records: list[dict]) -> dict:
@@ -388,136 +412,13 @@ def merged_stats(records: list[dict]) -> dict:
     return merged
 
 
-def bench(
-    models,
-    files: list[tuple[str, str, list[str]]],
-    modes: list[str],
-    opts: dict,
-    thinking: bool,
-    trace: str | None = None,
-) -> dict:
-    """files: (path, field, prompts) of each prompt file. Greedy outputs that differ from
-    target-only are classified by forensics.classify_divergence (opts["tie_tolerance"]: a
-    fixed tolerance in logits instead of tie_tolerance's). trace: a path for write_trace (the
-    first prompt of the first file, in the first mode named)."""
-    target, _, tok, _, info = models
-    datasets = decoding.encode_files(tok, files, thinking, target.device)
-    run = ["target"] + modes
-    every_prompt = [x for _, _, ids in datasets.values() for x in ids]
-    caches = decoding.prepare(models, opts, every_prompt, run)
-    first = every_prompt[0]
-    # warm-up
-    decoding.decode_prompt(models, first, run, opts, caches, max_new_tokens=16)
-    results = {}
-    mismatches = []
-    everything = collections.defaultdict(list)
-    for name, (path, field, prompts) in datasets.items():
-        records = collections.defaultdict(list)
-        bar = tqdm(prompts, desc=name, unit="prompt", dynamic_ncols=True)
-        for i, ids in enumerate(bar):
-            for mode, r in decoding.decode_prompt(models, ids, run, opts, caches).items():
-                records[mode].append(r)
-                reference = records["target"][-1]["new_tokens"]
-                found = forensics.divergence(
-                    target,
-                    tok,
-                    ids,
-                    reference,
-                    r["new_tokens"],
-                    opts,
-                    dataset=name,
-                    prompt_index=i,
-                    mode=mode,
-                )
-                if found:
-                    mismatches.append(found)
-        cells = {}
-        per_prompt = {}
-        for m in records:
-            found = [x for x in mismatches if x["dataset"] == name and x["mode"] == m]
-            cells[m] = figures.summarise(records[m], records["target"])
-            cells[m]["mismatches"] = len(found)
-            cells[m]["errors"] = sum(x["class"] == "error" for x in found)
-            per_prompt[m] = []
-            for r in records[m]:
-                per_prompt[m].append({k: v for k, v in r.items() if k != "new_tokens"})
-            everything[m] += records[m]
-        results[name] = {
-            "path": path,
-            "field": field,
-            "num_prompts": len(prompts),
-            "modes": cells,
-            "per_prompt": per_prompt,
-        }
-    block_size = opts["block_size"]
-    if block_size is None:
-        block_size = info["drafter_config"]["block_size"]
-    overall = {}
-    for m in everything:
-        overall[m] = figures.summarise(everything[m], everything["target"])
-    text = figures.table(results, overall, modes, block_size)
-    checked = sum(len(everything[m]) for m in modes)
-    if opts["temperature"]:
-        check = "greedy check skipped: at temperature > 0 the outputs are samples"
-    else:
-        check = forensics.greedy_check(mismatches, checked)
-    print(f"\n{text}\n\n{check}")
-    mean = {}
-    for m in modes:
-        mean[m] = {}
-        for k in ("speedup", "tau"):
-            mean[m][k] = figures._mean(results[n]["modes"][m][k] for n in results)
-    result = {
-        "datasets": results,
-        "mean": mean,
-        "overall": overall,
-        "block_size": block_size,
-        "table": text,
-        "mismatches": forensics.tally(mismatches, checked),
-    }
-    if "hf" in overall:
-        # > 1: this repo's target-only loop is faster than transformers' generate
-        ratio = overall["target"]["tokens_per_s"] / overall["hf"]["tokens_per_s"]
-        result["target_vs_hf"] = ratio
-    if trace:
-        write_trace(models, first, modes[0], opts, caches, trace)
-    return result
-
-
 # ---------------------------------------------------------------------------------------------
 # The flags, checked before anything loads
-
-# Every number a flag takes, and the values it accepts (None: not given, the default applies).
-# Zero is legal where it means something: --temperature 0 (greedy), --coverage 0 (async with
-# only the full-acceptance branch, as in async:0,2), --seed 0, --tie-tolerance 0.
-RANGES = {
-    "threads": cli.Range(int, low=1),
-    "max_samples": cli.Range(int, low=1),
-    "block_size": cli.Range(int, low=1),
-    "temperature": cli.Range(float, low=0),
-    "max_new_tokens": cli.Range(int, low=1),
-    "coverage": cli.Range(int, low=0),
-    "fanout": cli.Range(int, low=1),
-    "max_len": cli.Range(int, low=1),
-    "seed": cli.Range(int, low=0),
-    "sampling_check_samples": cli.Range(int, low=2),
-    "tie_tolerance": cli.Range(float, low=0),
-    "concurrency": cli.Range(int, low=1, each=True),
-    "keep_ratio": cli.Range(float, low=0, high=1, low_open=True),
-    "chunk_size": cli.Range(int, low=1),
-    "keep_ratios": cli.Range(float, low=0, high=1, low_open=True, each=True),
-    "num_docs": cli.Range(int, low=1),
-}
-FLAGS = {
-    "sampling_check_samples": "--sampling-check",
-    "bench_files": "--bench",
-    "prefill_bench_file": "--prefill-bench",
-}
 
 
 def check_args(args: dict) -> None:
     """Every flag in its range and every file it reads there, before anything loads."""
-    cli.check_ranges(args, RANGES, FLAGS)
+    cli.check_flags(args, GROUPS, NARROWER)
     if args["target"] is not None:
         cli.check_model_folder("--target", args["target"])
     if args["prompts_file"] is not None:
@@ -623,25 +524,6 @@ def demo_prompts(args) -> list[str]:
     return read_prompts(path, args.prompt_field, count)[1]
 
 
-def decoding_options(args, lanes: int | None) -> dict:
-    """The run's decoding settings by name, as systems/decoding.py reads them (`opts`)."""
-    return {
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "seed": args.seed,
-        "block_size": args.block_size,
-        "coverage": args.coverage,
-        "fanout": args.fanout,
-        "cover": args.cover,
-        "keep_ratio": args.keep_ratio,
-        "chunk_size": args.chunk_size,
-        "tie_tolerance": args.tie_tolerance,
-        "compile": args.compile,
-        "max_len": args.max_len,
-        "lanes": lanes,
-    }
-
-
 @dataclasses.dataclass
 class Plan:
     """What a run decodes, read from its flags before anything loads."""
@@ -658,6 +540,8 @@ class Plan:
     # async's lanes (None: runtime.async_lanes decides)
     lanes: int | None
     device: str
+    # --sampling-check's N (None: no sampling check)
+    samples: int | None = None
 
 
 def plan_run(args) -> Plan:
@@ -696,7 +580,8 @@ def plan_run(args) -> Plan:
         lanes = 1
     check_modes(args, mode, compare, modes, bench_files, lanes, device)
     check_combinations(args, modes, bench_files)
-    return Plan(mode, compare, modes, bench_files, lanes, device)
+    samples = args.sampling_check_samples
+    return Plan(mode, compare, modes, bench_files, lanes, device, samples)
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -707,74 +592,36 @@ def main(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     plan = plan_run(args)
-    mode = plan.mode
-    modes = plan.modes
-    bench_files = plan.bench_files
-    reads_prompts = not bench_files and not args.prefill_bench_file
     prompts = None
-    if reads_prompts:
+    if not plan.bench_files and not args.prefill_bench_file:
         prompts = demo_prompts(args)
     # read before loading
     files = []
-    for path in bench_files or []:
+    for path in plan.bench_files or []:
         files.append((path, *read_prompts(path, args.prompt_field, args.max_samples)))
-    if args.prefill_bench_file:
-        docs = read_prompts(args.prefill_bench_file, args.prompt_field)[1]
     torch.manual_seed(args.seed)
-    loaded_modes = modes
-    if not bench_files:
-        loaded_modes = [mode, *plan.compare]
-    if not bench_files and args.keep_ratio:
+    loaded_modes = plan.modes
+    if not plan.bench_files:
+        loaded_modes = [plan.mode, *plan.compare]
+    if not plan.bench_files and args.keep_ratio:
         loaded_modes.append("sync")
     models = load(
         args.target, args.drafter, loaded_modes, plan.device, args.dtype, args.attn, args.threads
     )
-    opts = decoding_options(args, plan.lanes)
-    thinking = args.thinking
+    # the DecodeConfig every mode starts from: its flags, the lanes the plan chose
+    config = cli.settings_of(d3d.DecodeConfig, vars(args), NOT_FLAGS, lanes=plan.lanes)
+    run = Run(config, args.seed, args.compile, args.max_len, args.tie_tolerance)
     if args.explain:
-        return explain_prompt(models, prompts[0], mode, opts, thinking)
-    if args.prefill_bench_file:
-        count = args.max_samples
-        if count is None:
-            count = 10
-        result = benches.prefill_bench(
-            models,
-            args.prefill_bench_file,
-            docs,
-            mode,
-            list(args.keep_ratios),
-            args.num_docs,
-            count,
-            {**opts, "keep_ratio": None},
-            thinking,
-        )
-    elif args.sampling_check_samples:
-        samples = args.sampling_check_samples
-        prompt = prompts[0]
-        result = benches.sampling_check(models, prompt, mode, opts, thinking, samples)
-    elif not bench_files:
-        colour = not args.no_color and sys.stdout.isatty() and "NO_COLOR" not in os.environ
-        summary = demo(models, prompts, mode, opts, thinking, colour, plan.compare, args.trace)
-        if args.plot and summary["stats"] is not None:
-            title = f"{mode}, {len(prompts)} prompt(s)"
-            stats = summary["stats"]
-            path = pictures.draw_acceptance(args.plot, stats, summary["block_size"], title=title)
-            drawn = "the acceptance histogram"
-            if mode == "async":
-                drawn += " and hits / misses per verification outcome"
-            print(f"wrote {path}: {drawn}")
-        return summary
-    elif args.concurrency:
-        levels = list(args.concurrency)
-        result = benches.concurrency_bench(models, files, modes, levels, opts, thinking)
-    else:
-        result = bench(models, files, modes, opts, thinking, args.trace)
+        return explain_prompt(models, prompts[0], plan.mode, run, args.thinking)
+    if not plan.bench_files and not args.prefill_bench_file and not plan.samples:
+        return show_demo(args, models, prompts, plan, run)
+    result = benchmark(args, models, prompts, files, plan, run)
     # None: called in-process
     command = None
     if sys.argv[0].endswith("decode.py"):
         command = "python " + shlex.join(sys.argv)
     result["env"] = {
-        **models[4],
+        **models.info,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
@@ -789,222 +636,254 @@ def main(args: argparse.Namespace) -> dict:
     return result
 
 
+def show_demo(args, models: Models, prompts: list[str], plan: Plan, run: Run) -> dict:
+    """The demo, and with --plot its acceptance histogram drawn."""
+    colour = not args.no_color and sys.stdout.isatty() and "NO_COLOR" not in os.environ
+    mode = plan.mode
+    summary = demo(models, prompts, mode, run, args.thinking, colour, plan.compare, args.trace)
+    if args.plot and summary["stats"] is not None:
+        title = f"{mode}, {len(prompts)} prompt(s)"
+        stats = summary["stats"]
+        path = pictures.draw_acceptance(args.plot, stats, summary["block_size"], title=title)
+        drawn = "the acceptance histogram"
+        if mode == "async":
+            drawn += " and hits / misses per verification outcome"
+        print(f"wrote {path}: {drawn}")
+    return summary
+
+
+def benchmark(args, models: Models, prompts, files, plan: Plan, run: Run) -> dict:
+    """The benchmark the flags name: --prefill-bench, --sampling-check, --concurrency
+    (Table 2), else Table 1 (--bench)."""
+    thinking = args.thinking
+    if args.prefill_bench_file:
+        docs = read_prompts(args.prefill_bench_file, args.prompt_field)[1]
+        count = args.max_samples
+        if count is None:
+            count = 10
+        full = dataclasses.replace(run, config=dataclasses.replace(run.config, keep_ratio=None))
+        path = args.prefill_bench_file
+        ratios = list(args.keep_ratios)
+        return benches.prefill_bench(
+            models, path, docs, plan.mode, ratios, args.num_docs, count, full, thinking
+        )
+    if plan.samples:
+        return benches.sampling_check(models, prompts[0], plan.mode, run, thinking, plan.samples)
+    if args.concurrency:
+        levels = list(args.concurrency)
+        return benches.concurrency_bench(models, files, plan.modes, levels, run, thinking)
+    trace = None
+    if args.trace:
+        trace = functools.partial(write_trace, models, run=run, path=args.trace)
+    return benches.table1(models, files, plan.modes, run, thinking, trace)
+
+
+@dataclasses.dataclass
+class ModelFlags:
+    """The models and where they run (load)."""
+
+    target: str | None = cli.flag(
+        None,
+        "target: HF hub name or folder (default: 'target' in the drafter's train_args.json, "
+        "else the toy's, toy-target/)",
+    )
+    drafter: str = cli.flag(TOY_DRAFTER, "D3D drafter folder")
+    device: str | None = cli.flag(
+        None, "cuda, cuda:1, cpu, ... (default: cuda if available, else cpu)"
+    )
+    dtype: str = cli.flag(
+        "auto",
+        "weights of both models (auto = bfloat16 where the device computes it natively: "
+        "CUDA, or a CPU with AVX512-BF16/AMX; float32 elsewhere and for drafters trained in "
+        "float32)",
+        Range(str, choices=("auto", "float32", "bfloat16")),
+    )
+    attn: str = cli.flag("sdpa", "attention kernel", Range(str, choices=("sdpa", "eager")))
+    threads: int | None = cli.flag(
+        None,
+        "torch CPU threads (default: 1 for a target under 20M parameters, like the toy; else "
+        "torch's choice; use 1 on a CPU shared with other jobs)",
+        Range(int, low=1),
+    )
+
+
+@dataclasses.dataclass
+class PromptFlags:
+    """What the demo answers (demo_prompts, read_prompts)."""
+
+    prompt: list[str] | None = cli.flag(
+        None,
+        "a prompt to answer (repeatable); '-' reads one per line of stdin",
+        action="append",
+    )
+    prompts_file: str | None = cli.flag(
+        None, "JSON Lines prompts to answer without --prompt (default: the toy's test prompts)"
+    )
+    prompt_field: str | None = cli.flag(
+        None, f"JSON field of the prompt (default: first of {', '.join(PROMPT_FIELDS)})"
+    )
+    max_samples: int | None = cli.flag(
+        None, "prompts per file (default: 3 for the demo, all with --bench)", Range(int, low=1)
+    )
+    thinking: bool = cli.flag(
+        False, "Qwen3 chat template with thinking on (default: off)", Range(bool)
+    )
+
+
+@dataclasses.dataclass
+class RunFlags:
+    """How the run decodes beyond d3d.DecodeConfig: the mode spec, compiling, tracing."""
+
+    mode: str | None = cli.flag(
+        None,
+        f"one of {', '.join(decoding.available_modes())}, or a spec as --modes takes (default: "
+        "sync on every device, shown beside async and the target; runtime.default_mode says "
+        "why)",
+    )
+    compile: str | None = cli.flag(
+        None,
+        "compile the fixed-shape passes (torch.compile, fullgraph): 'whole' (the flag alone) "
+        "one graph per pass shape, CUDA graphs on a GPU; 'regional' one decoder layer compiled "
+        "once and reused by every layer (compiles in a fraction of the time, runs slower: "
+        "fast.compile_passes). Warmed up first, compile time reported apart; '+compiled' "
+        "modes use it too (default: off; '+compiled': whole)",
+        Range(str, choices=("whole", "regional")),
+        nargs="?",
+        const="whole",
+    )
+    trace: str | None = cli.flag(
+        None,
+        "after the run, decode the first prompt once more in --mode (with --bench: the first "
+        "of --modes) and write its phases (draft, verify, packed_draft, ...) as a Chrome "
+        "trace, a track for each CUDA stream or host thread: open it in ui.perfetto.dev",
+        metavar="PATH",
+    )
+    max_len: int | None = cli.flag(
+        None,
+        "KV cache slots per model, kept for the whole run (default: the longest prompt + "
+        "--max-new-tokens + the widest pass)",
+        Range(int, low=1),
+    )
+    seed: int = cli.flag(0, "seed of sampling", Range(int, low=0))
+    sampling_check_samples: int | None = cli.flag(
+        None,
+        "lossless sampling, measured: N answers to the first prompt by target-only and by "
+        "--mode, per-position distance between the two token distributions (needs "
+        "--temperature)",
+        Range(int, low=2),
+        flag="--sampling-check",
+        metavar="N",
+    )
+
+
+@dataclasses.dataclass
+class BenchFlags:
+    """Table 1 (benches.table1) and Table 2 (--concurrency)."""
+
+    bench_files: list[str] | None = cli.flag(
+        None, "prompt files to benchmark", flag="--bench", nargs="+", metavar="FILE.jsonl"
+    )
+    modes: list[str] | None = cli.flag(
+        None,
+        "speculative modes to compare with target-only (default: all); async:C,F[,likely] "
+        "sets a branch budget, e.g. --modes sync async:0,2 async:12,2 async:12,1; "
+        f"transformers baselines, greedy, off unless named: {', '.join(peers.BASELINES)} "
+        "(plain generate, the drafter's model as a token-by-token assistant, prompt lookup; "
+        "B draft tokens per round)",
+        nargs="+",
+    )
+    tie_tolerance: float | None = cli.flag(
+        None,
+        "greedy check: a divergence whose target logit margin is within this many logits is "
+        f"a near-tie, else an error (default: {forensics.TIE_EPS_MULTIPLE} x max(the dtype's "
+        "machine epsilon, 2^-16) x the largest |logit| at that position)",
+        Range(float, low=0),
+    )
+    concurrency: list[int] | None = cli.flag(
+        None,
+        "concurrent requests, e.g. 1 4 8 16: Table 2 (throughput per concurrency) instead of "
+        "Table 1",
+        Range(int, low=1, each=True),
+        metavar="C",
+    )
+    out: str = cli.flag("runs/bench.json", "benchmark figures, JSON")
+
+
+@dataclasses.dataclass
+class PrefillFlags:
+    """The selective prefilling benchmark (benches.prefill_bench; lossy: the target reads only
+    the kept prompt chunks)."""
+
+    prefill_bench_file: str | None = cli.flag(
+        None,
+        "benchmark selective prefilling on long prompts built from this file's problems",
+        flag="--prefill-bench",
+        metavar="FILE.jsonl",
+    )
+    keep_ratios: list[float] = cli.flag(
+        (1.0, 0.3, 0.2, 0.1),
+        "keep ratios for --prefill-bench",
+        Range(float, low=0, high=1, low_open=True, each=True),
+    )
+    num_docs: int = cli.flag(12, "problems per long prompt", Range(int, low=1))
+
+
+@dataclasses.dataclass
+class OutputFlags:
+    """What the demo shows besides its answers."""
+
+    explain: bool = cli.flag(
+        False,
+        "decode the first prompt once in --mode (default: the demo's, sync: "
+        "runtime.default_mode) and print each round as it ends: the draft and where it came "
+        "from, what the target accepted and said, what was committed, in async the prepared "
+        "outcomes and the one used, both KV caches before and after; then the answer",
+        Range(bool),
+    )
+    plot: str | None = cli.flag(
+        None,
+        "the demo: draw the mode's acceptance-length histogram (async: and hits / misses per "
+        "verification outcome) as a PNG; needs matplotlib (pip install -r "
+        "requirements-plots.txt)",
+        metavar="PATH.png",
+    )
+    no_color: bool = cli.flag(
+        False, "plain answers (default: ANSI colours on a terminal)", Range(bool)
+    )
+
+
+# d3d.DecodeConfig's fields that no flag sets: --mode takes a spec (RunFlags), EOS is the
+# target's, --trace names a file
+NOT_FLAGS = ("mode", "eos_token_id", "trace")
+GROUPS = {
+    "models": ModelFlags,
+    "prompts": PromptFlags,
+    "decoding (d3d.DecodeConfig)": (d3d.DecodeConfig, NOT_FLAGS),
+    "the run": RunFlags,
+    "benchmark (prints Table 1, writes --out)": BenchFlags,
+    "selective prefilling benchmark": PrefillFlags,
+    "output": OutputFlags,
+}
+# where the driver takes less than DecodeConfig: an answer of no tokens has no speed, and
+# F = 0 branches nothing (async:C,0 is async:0,F)
+NARROWER = {"max_new_tokens": Range(int, low=1), "fanout": Range(int, low=1)}
+# a benchmark names +2lanes itself; else the rule (runtime.py)
+LATER = {
+    "lanes": "1 with --bench, where a mode ending in +2lanes names the other; else "
+    "runtime.async_lanes: 1 on CUDA, 2 on a CPU for a target of 20M parameters or more. With "
+    "--compile on CUDA, 2 is refused: the compiled passes' CUDA graphs share one memory pool"
+}
+RANGES, FLAGS = cli.flag_ranges(GROUPS, NARROWER)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """decode.py's flags, a group per settings dataclass."""
     p = cli.Parser(
         description=__doc__.split("\n")[0],
         epilog=__doc__.split("\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    g = p.add_argument_group("models")
-    g.add_argument(
-        "--target",
-        help="target: HF hub name or folder (default: 'target' in the drafter's "
-        f"train_args.json, else {TOY_TARGET})",
-    )
-    g.add_argument(
-        "--drafter", default=TOY_DRAFTER, help=f"D3D drafter folder (default: {TOY_DRAFTER})"
-    )
-    g.add_argument("--device", help="cuda, cuda:1, cpu, ... (default: cuda if available, else cpu)")
-    g.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16"],
-        default="auto",
-        help="weights of both models (default: auto = bfloat16 where the device computes it "
-        "natively: CUDA, or a CPU with AVX512-BF16/AMX; float32 elsewhere and for drafters "
-        "trained in float32)",
-    )
-    g.add_argument(
-        "--attn", default="sdpa", choices=["sdpa", "eager"], help="attention kernel (default: sdpa)"
-    )
-    g.add_argument(
-        "--threads",
-        type=int,
-        help="torch CPU threads (default: 1 for a target under 20M parameters, like the toy; "
-        "else torch's choice; use 1 on a CPU shared with other jobs)",
-    )
-    g = p.add_argument_group("prompts")
-    g.add_argument(
-        "--prompt",
-        action="append",
-        help="a prompt to answer (repeatable); '-' reads one per line of stdin",
-    )
-    g.add_argument(
-        "--prompts-file",
-        help=f"JSON Lines prompts to answer without --prompt (default: {TOY_PROMPTS})",
-    )
-    g.add_argument(
-        "--prompt-field",
-        help=f"JSON field of the prompt (default: first of {', '.join(PROMPT_FIELDS)})",
-    )
-    g.add_argument(
-        "--max-samples",
-        type=int,
-        help="prompts per file (default: 3 for the demo, all with --bench)",
-    )
-    g.add_argument(
-        "--thinking",
-        action="store_true",
-        help="Qwen3 chat template with thinking on (default: off)",
-    )
-    g = p.add_argument_group("decoding")
-    g.add_argument(
-        "--mode",
-        help=f"one of {', '.join(decoding.available_modes())} (default: sync on every "
-        "device, shown beside async and the target; runtime.default_mode says why)",
-    )
-    g.add_argument(
-        "--block-size", type=int, help="B, draft tokens per round (default: the drafter's)"
-    )
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
-    g.add_argument(
-        "--max-new-tokens", type=int, default=128, help="tokens per answer at most (default: 128)"
-    )
-    g.add_argument(
-        "--coverage",
-        type=int,
-        help="async: C, draft positions with rejection branches (default: d3d's)",
-    )
-    g.add_argument(
-        "--fanout",
-        type=int,
-        help="async: F, candidate tokens per covered position (default: d3d's)",
-    )
-    g.add_argument(
-        "--lanes",
-        type=int,
-        choices=[1, 2],
-        help="async: 2 runs the packed pass beside verification (CUDA: a second stream; CPU: "
-        "a second thread, each lane with half of --threads), 1 one after the other (default: "
-        "1 with --bench, where a mode ending in +2lanes names the other; else "
-        "runtime.async_lanes: 1 on CUDA, 2 on a CPU for a target of 20M parameters or more). "
-        "With --compile on CUDA, 2 is refused: the compiled passes' CUDA graphs share one "
-        "memory pool",
-    )
-    g.add_argument(
-        "--compile",
-        nargs="?",
-        const="whole",
-        choices=["whole", "regional"],
-        help="compile the fixed-shape passes (torch.compile, fullgraph): 'whole' (the flag "
-        "alone) one graph per pass shape, CUDA graphs on a GPU; 'regional' one decoder layer "
-        "compiled once and reused by every layer (compiles in a fraction of the time, runs "
-        "slower: fast.compile_passes). Warmed up first, compile time reported apart; "
-        "'+compiled' modes use it too (default: off; '+compiled': whole)",
-    )
-    g.add_argument(
-        "--trace",
-        metavar="PATH",
-        help="after the run, decode the first prompt once more in --mode (with --bench: the "
-        "first of --modes) and write its phases (draft, verify, packed_draft, ...) as a "
-        "Chrome trace, a track for each CUDA stream or host thread: open it in "
-        "ui.perfetto.dev",
-    )
-    g.add_argument(
-        "--max-len",
-        type=int,
-        help="KV cache slots per model, kept for the whole run (default: the longest prompt + "
-        "--max-new-tokens + the widest pass)",
-    )
-    g.add_argument(
-        "--cover",
-        choices=["first", "likely"],
-        help="async: branch the first C positions or the C likeliest first rejections "
-        "(default: d3d's)",
-    )
-    g.add_argument("--seed", type=int, default=0, help="seed of sampling (default: 0)")
-    g.add_argument(
-        "--sampling-check",
-        dest="sampling_check_samples",
-        type=int,
-        metavar="N",
-        help="lossless sampling, measured: N answers to the first prompt by target-only and "
-        "by --mode, per-position distance between the two token distributions (needs "
-        "--temperature)",
-    )
-    g = p.add_argument_group("benchmark (prints Table 1, writes --out)")
-    g.add_argument(
-        "--bench",
-        dest="bench_files",
-        nargs="+",
-        metavar="FILE.jsonl",
-        help="prompt files to benchmark",
-    )
-    g.add_argument(
-        "--modes",
-        nargs="+",
-        help="speculative modes to compare with target-only (default: all); async:C,F[,likely] "
-        "sets a branch budget, e.g. --modes sync async:0,2 async:12,2 async:12,1; "
-        f"transformers baselines, greedy, off unless named: {', '.join(peers.BASELINES)} "
-        "(plain generate, the drafter's model as a token-by-token assistant, prompt lookup; "
-        "B draft tokens per round)",
-    )
-    g.add_argument(
-        "--tie-tolerance",
-        type=float,
-        help="greedy check: a divergence whose target logit margin is within this many "
-        "logits is a near-tie, else an error (default: "
-        f"{forensics.TIE_EPS_MULTIPLE} x max(the dtype's machine epsilon, 2^-16) x the "
-        "largest |logit| at that position)",
-    )
-    g.add_argument(
-        "--concurrency",
-        type=int,
-        nargs="+",
-        metavar="C",
-        help="concurrent requests, e.g. 1 4 8 16: Table 2 (throughput per concurrency) "
-        "instead of Table 1",
-    )
-    g.add_argument(
-        "--out",
-        default="runs/bench.json",
-        help="benchmark figures, JSON (default: runs/bench.json)",
-    )
-    g = p.add_argument_group(
-        "selective prefilling (lossy: the target reads only the kept prompt chunks)"
-    )
-    g.add_argument(
-        "--keep-ratio", type=float, help="share of prompt chunks the target prefills (default: off)"
-    )
-    g.add_argument(
-        "--chunk-size", type=int, default=64, help="prompt tokens per chunk (default: 64)"
-    )
-    g.add_argument(
-        "--prefill-bench",
-        dest="prefill_bench_file",
-        metavar="FILE.jsonl",
-        help="benchmark selective prefilling on long prompts built from this file's problems",
-    )
-    g.add_argument(
-        "--keep-ratios",
-        type=float,
-        nargs="+",
-        default=[1.0, 0.3, 0.2, 0.1],
-        help="keep ratios for --prefill-bench (default: 1.0 0.3 0.2 0.1)",
-    )
-    g.add_argument(
-        "--num-docs", type=int, default=12, help="problems per long prompt (default: 12)"
-    )
-    g = p.add_argument_group("output")
-    g.add_argument(
-        "--explain",
-        action="store_true",
-        help="decode the first prompt once in --mode (default: the demo's, sync: "
-        "runtime.default_mode) and print each round as it ends: the draft and where it came "
-        "from, what the target accepted and said, what was committed, in async the prepared "
-        "outcomes and the one used, both KV caches before and after; then the answer",
-    )
-    g.add_argument(
-        "--plot",
-        metavar="PATH.png",
-        help="the demo: draw the mode's acceptance-length histogram (async: and hits / misses "
-        "per verification outcome) as a PNG; needs matplotlib (pip install -r "
-        "requirements-plots.txt)",
-    )
-    g.add_argument(
-        "--no-color",
-        action="store_true",
-        help="plain answers (default: ANSI colours on a terminal)",
-    )
+    cli.add_groups(p, GROUPS, later=LATER, narrower=NARROWER)
     return p
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import math
 import os
@@ -38,12 +37,16 @@ from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 import d3d
 import runtime
 import toy
-from systems import answers, cli, distributed, evaluation, memory, pruning
+from runtime import Range
+from systems import answers, checkpoints, cli, distributed, evaluation, memory, pruning
+
+# the drafter: a pretrained causal LM with the target's tokenizer, some of its layers kept
+from systems.drafters import build_drafter, freeze_embeddings, select_layers  # noqa: F401
 
 # steps in a row with a non-finite gradient before training stops: the run has diverged
 MAX_SKIPPED_IN_A_ROW = 5
@@ -53,156 +56,66 @@ TOY_RUNS = "runs/toy"
 
 
 # ---------------------------------------------------------------------------------------------
-# Drafter: a pretrained causal LM with the target's tokenizer, some of its layers kept
-
-
-def select_layers(num_layers: int, spec) -> list[int] | None:
-    """`spec`: None (all), a count N (evenly spaced over the depth, first and last
-    kept) or explicit ids "0,14,29"."""
-    if spec is None or spec == "":
-        return None
-    if isinstance(spec, str) and "," in spec or isinstance(spec, (list, tuple)):
-        if isinstance(spec, str):
-            spec = spec.split(",")
-        ids = [int(i) for i in spec]
-        if any(not 0 <= i < num_layers for i in ids):
-            raise runtime.UserError(
-                f"layer ids {ids} out of range: the drafter-init has {num_layers} layers"
-            )
-        return ids
-    n = int(spec)
-    if not 1 <= n <= num_layers:
-        raise runtime.UserError(f"--drafter-layers {n}: the drafter-init has {num_layers} layers")
-    if n == 1:
-        return [num_layers - 1]
-    return [round(k * (num_layers - 1) / (n - 1)) for k in range(n)]
-
-
-def build_drafter(
-    drafter_init: str,
-    tokenizer,
-    *,
-    target_vocab_size: int,
-    layers=None,
-    random_init: bool = False,
-    meta: bool = False,
-    **config,
-) -> d3d.Drafter:
-    """d3d.make_drafter on `drafter_init` after checking that it speaks the target's
-    tokenizer; with `random_init`, its architecture with freshly initialised weights
-    (from torch's current seed). With `meta`, the same drafter (names, shapes, layer
-    cut, MASK row) on the meta device: no weights read, no memory (a rank > 0 under
-    --fsdp, which receives its shards from rank 0: distributed.shard_model)."""
-    try:
-        init_tokenizer = AutoTokenizer.from_pretrained(drafter_init)
-    except (OSError, ValueError):
-        # no tokenizer saved with it: make_drafter still checks the vocabulary size
-        init_tokenizer = None
-    fingerprint = runtime.tokenizer_fingerprint
-    if init_tokenizer is not None and fingerprint(init_tokenizer) != fingerprint(tokenizer):
-        raise runtime.UserError(
-            f"--drafter-init {drafter_init} uses a different tokenizer than the target: "
-            "its token ids mean other text. Initialise the drafter from a checkpoint of "
-            "the target's family"
-        )
-    if meta:
-        with torch.device("meta"):
-            model = random_weights(drafter_init)
-    elif random_init:
-        model = random_weights(drafter_init)
-    else:
-        # fp32 master weights
-        model = AutoModelForCausalLM.from_pretrained(drafter_init, dtype=torch.float32)
-    num_layers = model.config.get_text_config().num_hidden_layers
-    layer_ids = select_layers(num_layers, layers)
-    drafter = d3d.make_drafter(
-        model,
-        tokenizer=tokenizer,
-        layers=layer_ids,
-        target_vocab_size=target_vocab_size,
-        **config,
-    )
-    # training on from a drafter: keep its layer ids
-    if os.path.isfile(os.path.join(drafter_init, d3d.CONFIG_NAME)):
-        kept = d3d.D3DConfig.load(drafter_init).layer_ids
-        if kept is not None:
-            if layer_ids is None:
-                layer_ids = range(len(kept))
-            drafter.d3d_config.layer_ids = [kept[i] for i in layer_ids]
-    return drafter
-
-
-def random_weights(drafter_init: str):
-    """The architecture of `drafter_init` with freshly initialised fp32 weights."""
-    config = AutoConfig.from_pretrained(drafter_init)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-
-
-def freeze_embeddings(
-    drafter: d3d.Drafter, hook: bool = True, device=None
-) -> tuple[torch.nn.Parameter, torch.Tensor]:
-    """Freeze the input embeddings and the output layer, except the MASK row (a new
-    token must learn its vector). Returns the embedding weight and its row mask
-    (1 = trains); with `hook`, a gradient hook applies the mask.
-
-    Under FSDP no autograd hook can: fully_shard replaces the parameter (a hook
-    registered before is dropped) and writes the reduced gradient of the sharded one
-    straight into .grad (a hook on it never fires), so sharded training calls this
-    with hook=False before fully_shard, then distributed.freeze_sharded_rows on the
-    sharded parameter. The mask goes to `device` (default the weight's; a drafter on
-    the meta device has its weights elsewhere)."""
-    weight = drafter.model.get_input_embeddings().weight
-    if device is None:
-        device = weight.device
-    keep = torch.zeros(weight.shape[0], 1, device=device)
-    keep[drafter.d3d_config.mask_token_id] = 1.0
-    if hook:
-        weight.register_hook(functools.partial(mask_rows, keep=keep))
-    head = drafter.model.get_output_embeddings().weight
-    # untied output layer: frozen whole (its MASK row is never used)
-    if head is not weight:
-        head.requires_grad_(False)
-    return weight, keep
-
-
-def mask_rows(grad: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """The gradient of the embedding with every row but the kept ones zeroed."""
-    return grad * keep.to(grad.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
 # Training
 
 
 @dataclass
 class TrainSettings:
-    """What train_drafter needs besides the drafter and its data (main fills it from the flags)."""
+    """What train_drafter needs besides the drafter and its data: the training flags (each
+    field with a help is one), then what main works out from the run."""
 
-    out: str  # the drafter folder: checkpoints go here, and a rerun resumes from them
-    steps: int  # optimizer steps
-    batch_size: int  # sequences per micro-batch and rank
-    grad_accum: int  # micro-batches per optimizer step
-    lr: float  # peak learning rate
-    warmup: int  # linear warmup steps (get_lr)
-    weight_decay: float  # AdamW's, on every trained weight but the frozen embedding
-    grad_clip: float  # max gradient norm
-    freeze: bool  # freeze the embeddings and the head, except the MASK row
-    pad_id: int
-    max_len: int  # sequences cut to this many tokens
-    eval_every: int  # offline tau every N steps
-    val_anchors: int  # blocks per held-out answer for tau
-    save_every: int  # checkpoint every N steps
-    seed: int  # data order and anchors
-    bf16: bool  # bfloat16 compute, fp32 master weights
-    resume: bool = True  # resume from a checkpoint in `out`
+    out: str = cli.flag(
+        "runs/toy/drafter", "drafter folder: checkpoints go here, and a rerun resumes from them"
+    )
+    steps: int = cli.flag(400, "optimizer steps", Range(int, low=1))
+    batch_size: int = cli.flag(8, "sequences per micro-batch and rank", Range(int, low=1))
+    grad_accum: int = cli.flag(1, "micro-batches per optimizer step", Range(int, low=1))
+    lr: float = cli.flag(1e-3, "peak learning rate", Range(float, low=0, low_open=True))
+    warmup: int = cli.flag(
+        20, "linear warmup steps, then cosine to 10 % (get_lr)", Range(int, low=0)
+    )
+    weight_decay: float = cli.flag(
+        0.0,
+        "AdamW weight decay, on every trained weight but a frozen embedding",
+        Range(float, low=0),
+    )
+    grad_clip: float = cli.flag(1.0, "max gradient norm", Range(float, low=0, low_open=True))
+    freeze_embeddings: bool = cli.flag(
+        False,
+        "freeze embeddings and lm_head except the MASK row (default: train them)",
+        Range(bool),
+    )
+    max_len: int = cli.flag(1024, "cut sequences to this many tokens", Range(int, low=2))
+    eval_every: int = cli.flag(100, "offline tau every N steps", Range(int, low=1))
+    val_anchors: int = cli.flag(32, "blocks per held-out answer for tau", Range(int, low=1))
+    save_every: int = cli.flag(100, "checkpoint every N steps", Range(int, low=1))
+    seed: int = cli.flag(0, "data order and anchors", Range(int, low=0))
+    resume: bool = cli.flag(
+        True, "ignore out/checkpoint.pt", Range(bool), flag="--no-resume", action="store_false"
+    )
+    fsdp: bool = cli.flag(
+        False,
+        "shard fp32 weights, gradients and AdamW moments over the processes "
+        "(FSDP2, per decoder layer and root; bf16 by FSDP's mixed precision: layers "
+        "gathered in bf16, gradients reduced in fp32). Use it when 16 bytes a "
+        "parameter do not fit one GPU (the Qwen3-8B drafter: RESULTS.md, FSDP "
+        "memory); else plain torchrun (DDP) is simpler and faster. Rank 0 alone "
+        "reads the drafter's weights (one host copy, not one a process) and "
+        "broadcasts them into the shards. Checkpoints: OUT/checkpoint-fsdp, one "
+        "file a process, resumed by any number of processes (with another number "
+        "the data order follows the new sharding). Without torchrun: FSDP on one "
+        "process (default: off)",
+        Range(bool),
+    )
+    # what main works out: the pad id, bfloat16 compute (fp32 master weights), this process
+    pad_id: int = 0
+    bf16: bool = False
     rank: int = 0
     world: int = 1
-    # FSDP2 (a process group must be up): the drafter is sharded in place
-    fsdp: bool = False
     # where to train (None: the drafter's device; a rank > 0 under fsdp holds the
     # drafter on the meta device until distributed.shard_model fills its shards)
     device: torch.device | None = None
-    # the checkpoint the drafter started from, kept in the recipe (checkpoint_recipe)
+    # the checkpoint the drafter started from, kept in the recipe (checkpoints.recipe_of)
     init: str = ""
 
 
@@ -220,8 +133,8 @@ def train_drafter(drafter: d3d.Drafter, train, val, s: TrainSettings) -> dict:
     model, frozen = wrap_for_training(drafter, s, device)
     optimizer = make_optimizer(drafter, frozen, s)
     scheduler = make_scheduler(optimizer, s)
-    recipe = checkpoint_recipe(drafter, s)
-    start_step, skipped = resume_from_checkpoint(drafter, model, optimizer, scheduler, recipe, s)
+    recipe = checkpoints.recipe_of(drafter, s)
+    start_step, skipped = checkpoints.resume(drafter, model, optimizer, scheduler, recipe, s)
     batches = MicroBatches(train, s, device)
     skipped_in_a_row = 0
     history = []
@@ -239,8 +152,12 @@ def train_drafter(drafter: d3d.Drafter, train, val, s: TrainSettings) -> dict:
             last = a == s.grad_accum - 1
             with gradient_sync(model, s, last):
                 with autocast():
-                    # d3d.d3d_loss: K, B, lambda and gamma from the drafter's config
-                    loss, metrics = model(input_ids, loss_mask, generator=batches.anchors_rng)
+                    # loss, metrics = d3d.d3d_loss(drafter, input_ids, loss_mask, generator=...)
+                    # run in the forward of `model`, which DDP and FSDP wrap (TrainingLoss);
+                    # K, B, lambda and gamma from the drafter's config
+                    loss, metrics = model(
+                        d3d.d3d_loss, input_ids, loss_mask, generator=batches.anchors_rng
+                    )
                 (loss / s.grad_accum).backward()
         # a NaN or Inf gradient never reaches AdamW: the step is skipped
         stepped = runtime.finite_step(optimizer, drafter.parameters(), s.grad_clip)
@@ -303,13 +220,13 @@ def wrap_for_training(drafter: d3d.Drafter, s: TrainSettings, device):
     several processes; embeddings frozen if s.freeze. Returns (model, the
     frozen embedding weight or None)."""
     frozen = None
-    if s.freeze:
+    if s.freeze_embeddings:
         frozen, keep = freeze_embeddings(drafter, hook=not s.fsdp, device=device)
     model = TrainingLoss(drafter)
     if s.fsdp:
         layers = drafter.model.get_decoder().layers
         distributed.shard_model(model, layers, s.bf16, device)
-        if s.freeze:
+        if s.freeze_embeddings:
             # fully_shard replaced the parameter, dropping the hooks of the old one
             frozen = drafter.model.get_input_embeddings().weight
             distributed.freeze_sharded_rows(frozen, keep)
@@ -330,48 +247,6 @@ def make_optimizer(drafter: d3d.Drafter, frozen, s: TrainSettings):
     if frozen is not None:
         groups.append({"params": [frozen], "weight_decay": 0.0})
     return torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95))
-
-
-def resume_from_checkpoint(drafter, model, optimizer, scheduler, recipe: dict, s: TrainSettings):
-    """Load the checkpoint in s.out (if s.resume and there is one): weights,
-    AdamW, schedule, random states. Returns (first step, steps skipped so far)."""
-    if not s.resume:
-        return 0, 0
-    check = functools.partial(check_resume, recipe=recipe, out=s.out)
-    if s.fsdp:
-        state = distributed.load_sharded_checkpoint(s.out, model, optimizer, check)
-    else:
-        check_not_sharded(s.out)
-        state, optimizer_state = distributed.load_checkpoint(s.out)
-        if state:
-            check(state)
-            drafter.load_state_dict(state["model"])
-            if optimizer_state is not None:
-                optimizer.load_state_dict(optimizer_state)
-    if not state:
-        return 0, 0
-    scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"])
-    random.setstate(state["python_rng"])
-    if s.rank == 0:
-        path = state.get("path") or os.path.join(s.out, "checkpoint.pt")
-        saved_by = ""
-        if s.fsdp:
-            saved_by = f" (saved by {state['world']} processes, resumed by {s.world})"
-        print(f"[train] resumed from {path} at step {state['step']}{saved_by}")
-    return state["step"], state.get("skipped", 0)
-
-
-def check_not_sharded(out: str) -> None:
-    """A run without --fsdp refuses a folder that holds only an --fsdp checkpoint."""
-    if os.path.exists(os.path.join(out, "checkpoint.pt")):
-        return
-    if os.path.isdir(os.path.join(out, distributed.SHARDED_CHECKPOINT)):
-        raise runtime.UserError(
-            f"{out} holds a checkpoint of an --fsdp run "
-            f"({distributed.SHARDED_CHECKPOINT}): resume it with --fsdp "
-            "(any number of processes), or start afresh with --no-resume"
-        )
 
 
 class MicroBatches:
@@ -508,220 +383,99 @@ def save(drafter, model, optimizer, scheduler, done, skipped, recipe, s: TrainSe
 
 
 class TrainingLoss(torch.nn.Module):
-    """d3d.d3d_loss as a module's forward. DDP prepares its gradient
-    all-reduce in the forward of the module it wraps, and FSDP gathers its
-    root's weights there; d3d_loss calls the drafter's hidden_states and
-    projects the labelled rows itself, so DDP and FSDP wrap this. `fn` runs
-    another function of the drafter the same way (FSDP: evaluation)."""
+    """model(fn, *args) is fn(drafter, *args): d3d.d3d_loss (or offline_tau) run in a module's
+    forward. DDP prepares its gradient all-reduce in the forward of the module it wraps, and
+    FSDP gathers its root's weights there; d3d_loss calls the drafter's hidden_states and
+    projects the labelled rows itself, so DDP and FSDP wrap this, and the loop names the
+    function it runs."""
 
     def __init__(self, drafter: d3d.Drafter):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, input_ids, loss_mask, fn=None, **settings):
-        if fn is None:
-            fn = d3d.d3d_loss
-        return fn(self.drafter, input_ids, loss_mask, **settings)
-
-
-# What shapes a drafter and its data, kept in every checkpoint; the flag that sets each
-RECIPE_FLAGS = {
-    "init": "--drafter-init",
-    "layer_ids": "--drafter-layers",
-    "block_size": "--block-size",
-    "num_anchors": "--num-anchors",
-    "ar_weight": "--ar-weight",
-    "decay_gamma": "--decay-gamma",
-    "d1_from": "--d1-from",
-    "tokenizer": "--target (its tokenizer)",
-}
-
-
-def checkpoint_recipe(drafter: d3d.Drafter, s: TrainSettings) -> dict:
-    """The settings a checkpoint was trained with (RECIPE_FLAGS), as plain values."""
-    config = drafter.d3d_config
-    return {
-        "init": s.init,
-        "layer_ids": config.layer_ids,
-        "block_size": config.block_size,
-        "num_anchors": config.num_anchors,
-        "ar_weight": config.ar_weight,
-        "decay_gamma": config.decay_gamma,
-        "d1_from": config.d1_from,
-        "tokenizer": config.tokenizer_hash,
-    }
-
-
-def check_resume(saved: dict, recipe: dict, out: str) -> None:
-    """Refuse to resume a checkpoint trained with other settings: say which one differs."""
-    fresh = "start fresh with --no-resume, or give another --out"
-    if "recipe" not in saved:
-        message = f"--out {out} holds a checkpoint that records no recipe — {fresh}"
-        raise runtime.UserError(message)
-    for key, value in recipe.items():
-        before = saved["recipe"].get(key)
-        if before != value:
-            raise runtime.UserError(
-                f"--out {out} holds a checkpoint trained with {RECIPE_FLAGS[key]} = "
-                f"{before!r}, this run asks for {value!r} — rerun with the same "
-                f"setting to resume, or {fresh}"
-            )
+    def forward(self, fn, *args, **settings):
+        return fn(self.drafter, *args, **settings)
 
 
 # ---------------------------------------------------------------------------------------------
 # Command line
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """The flags of `python train.py`, grouped as --help shows them."""
-    ap = cli.Parser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+@dataclass
+class DataSettings:
+    """Where the training answers come from (answers.load_data)."""
+
+    target: str | None = cli.flag(
+        None, "target model: HF folder or hub name (default: the toy, --toy)"
     )
-    g = ap.add_argument_group("data")
-    g.add_argument("--target", help="target model: HF folder or hub name (default: the toy, --toy)")
-    g.add_argument(
-        "--toy",
-        default=toy.SHIPPED,
-        help="toy folder, when no --target: its target, prompts and answers, "
-        "checked against its toy.json (default: the repository's, "
-        "toy-target/; `python toy.py` builds others)",
+    toy: str = cli.flag(
+        toy.SHIPPED,
+        "toy folder, when no --target: its target, prompts and answers, checked against its "
+        "toy.json (default: the repository's, toy-target/; `python toy.py` builds others)",
     )
-    g.add_argument(
-        "--prompts", help="JSON Lines file of training prompts (default: the toy's train prompts)"
+    prompts: str | None = cli.flag(
+        None, "JSON Lines file of training prompts (default: the toy's train prompts)"
     )
-    g.add_argument(
-        "--prompt-field", default="question", help="field holding the prompt (default: question)"
+    prompt_field: str = cli.flag("question", "field holding the prompt")
+    val_prompts: str | None = cli.flag(
+        None,
+        "JSON Lines file of held-out prompts (default: toy test prompts, else --val-fraction "
+        "of --prompts)",
     )
-    g.add_argument(
-        "--val-prompts",
-        help="JSON Lines file of held-out prompts (default: toy test prompts, "
-        "else --val-fraction of --prompts)",
+    val_fraction: float = cli.flag(
+        0.05,
+        "share of --prompts held out when there is no --val-prompts",
+        Range(float, low=0, high=1, low_open=True, high_open=True),
     )
-    g.add_argument(
-        "--val-fraction",
-        type=float,
-        default=0.05,
-        help="share of --prompts held out when there is no --val-prompts (default: 0.05)",
+    num_prompts: int | None = cli.flag(
+        None, "use the first N training prompts (default: all)", Range(int, low=1)
     )
-    g.add_argument(
-        "--num-prompts", type=int, help="use the first N training prompts (default: all)"
+    num_val: int = cli.flag(200, "use the first N held-out prompts", Range(int, low=1))
+    thinking: bool = cli.flag(False, "Qwen3: answer with thinking on (default: off)", Range(bool))
+    max_new_tokens: int = cli.flag(256, "cap on a target answer, tokens", Range(int, low=1))
+    gen_batch_size: int = cli.flag(64, "prompts answered together", Range(int, low=1))
+    data_dir: str | None = cli.flag(
+        None,
+        "where the answer caches go (default: the folder above --out; runs/toy for prompts "
+        "the toy does not ship answers to)",
     )
-    g.add_argument(
-        "--num-val", type=int, default=200, help="use the first N held-out prompts (default: 200)"
+
+
+@dataclass
+class DrafterSettings:
+    """What the drafter starts from (build_drafter)."""
+
+    drafter_init: str | None = cli.flag(
+        None, "causal LM with the target's tokenizer to start from (default: the target)"
     )
-    g.add_argument(
-        "--thinking", action="store_true", help="Qwen3: answer with thinking on (default: off)"
+    drafter_layers: str | None = cli.flag(
+        None,
+        "keep N layers evenly spaced (first and last kept) or ids '0,5,29' (default: all; "
+        "the first 2, '0,1', for the toy)",
     )
-    g.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=256,
-        help="cap on a target answer, tokens (default: 256)",
+    random_init: bool = cli.flag(
+        False,
+        "same architecture as --drafter-init, random weights (the paper's Fig. 2; default: "
+        "its pretrained weights)",
+        Range(bool),
     )
-    g.add_argument(
-        "--gen-batch-size", type=int, default=64, help="prompts answered together (default: 64)"
+
+
+@dataclass
+class RunSettings:
+    """Where and how the run computes, and what it draws at the end."""
+
+    dtype: str = cli.flag(
+        "auto",
+        "bfloat16 autocast (fp32 master weights) or float32 (auto = bfloat16 where the device "
+        "does it natively: CUDA, or a CPU with AVX512-BF16/AMX; else float32)",
+        Range(str, choices=("auto", "float32", "bfloat16")),
     )
-    g.add_argument(
-        "--data-dir",
-        help="where the answer caches go (default: the folder above --out; runs/toy for "
-        "prompts the toy does not ship answers to)",
-    )
-    g = ap.add_argument_group("drafter")
-    g.add_argument(
-        "--drafter-init",
-        help="causal LM with the target's tokenizer to start from (default: the target)",
-    )
-    g.add_argument(
-        "--drafter-layers",
-        help="keep N layers evenly spaced (first and last kept) or ids '0,5,29' "
-        "(default: all; the first 2, '0,1', for the toy)",
-    )
-    g.add_argument(
-        "--block-size", type=int, help="B, MASK tokens per block (default: 16; 8 for the toy)"
-    )
-    g.add_argument(
-        "--num-anchors",
-        type=int,
-        help="K, blocks per training sequence (default: 64; 32 for the toy)",
-    )
-    g.add_argument(
-        "--ar-weight", type=float, default=1.0, help="lambda, weight of the AR loss (default: 1.0)"
-    )
-    g.add_argument(
-        "--decay-gamma",
-        type=float,
-        help="gamma, block position weights exp(-(i-1)/gamma) (default: off, uniform)",
-    )
-    g.add_argument(
-        "--d1-from",
-        choices=["causal", "mask"],
-        default="causal",
-        help="where the draft's first token d_1 is read: 'causal', the LM head at x_n's "
-        "causal row, which lambda trains; 'mask', MASK 1 (default: causal)",
-    )
-    g.add_argument(
-        "--random-init",
-        action="store_true",
-        help="same architecture as --drafter-init, random weights "
-        "(the paper's Fig. 2; default: its pretrained weights)",
-    )
-    g = ap.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, default=400, help="optimizer steps (default: 400)")
-    g.add_argument(
-        "--batch-size", type=int, default=8, help="sequences per micro-batch and rank (default: 8)"
-    )
-    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default: 1)")
-    g.add_argument(
-        "--lr", type=float, help="peak learning rate (default: 1e-3; 6e-3 for the tiny toy drafter)"
-    )
-    g.add_argument(
-        "--warmup",
-        type=int,
-        default=20,
-        help="linear warmup steps, then cosine to 10 %% (default: 20)",
-    )
-    g.add_argument(
-        "--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: 0)"
-    )
-    g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (default: 1.0)")
-    g.add_argument(
-        "--freeze-embeddings",
-        action="store_true",
-        help="freeze embeddings and lm_head except the MASK row (default: train them)",
-    )
-    g.add_argument(
-        "--max-len",
-        type=int,
-        default=1024,
-        help="cut sequences to this many tokens (default: 1024)",
-    )
-    g.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16"],
-        default="auto",
-        help="bfloat16 autocast (fp32 master weights) or float32 (default: auto = "
-        "bfloat16 where the device does it natively: CUDA, or a CPU with "
-        "AVX512-BF16/AMX; else float32)",
-    )
-    g.add_argument(
-        "--gradient-checkpointing",
-        action="store_true",
-        help="recompute each layer's activations in backward: less memory (SmolLM2, "
-        "K 64, batch 2, 1,024 tokens: 3.2 -> 2.2 GiB), ~30 %% more compute",
-    )
-    g.add_argument(
-        "--fsdp",
-        action="store_true",
-        help="shard fp32 weights, gradients and AdamW moments over the processes "
-        "(FSDP2, per decoder layer and root; bf16 by FSDP's mixed precision: layers "
-        "gathered in bf16, gradients reduced in fp32). Use it when 16 bytes a "
-        "parameter do not fit one GPU (the Qwen3-8B drafter: RESULTS.md, FSDP "
-        "memory); else plain torchrun (DDP) is simpler and faster. Rank 0 alone "
-        "reads the drafter's weights (one host copy, not one a process) and "
-        "broadcasts them into the shards. Checkpoints: OUT/checkpoint-fsdp, one "
-        "file a process, resumed by any number of processes (with another number "
-        "the data order follows the new sharding). Without torchrun: FSDP on one "
-        "process (default: off)",
+    gradient_checkpointing: bool = cli.flag(
+        False,
+        "recompute each layer's activations in backward: less memory (SmolLM2, K 64, batch 2, "
+        "1,024 tokens: 3.2 -> 2.2 GiB), ~30 % more compute",
+        Range(bool),
     )
     # rank 0 works alone while the others wait in a collective: it reads the whole
     # checkpoint before the first broadcast, and at the end writes the gathered
@@ -729,94 +483,68 @@ def parse_args(argv=None) -> argparse.Namespace:
     # minutes on a local disk, ~30 min at 10 MB/s on a slow network disk. NCCL's own
     # default (10 min) would kill a healthy run there; 60 min still ends a hung one
     # within the hour
-    g.add_argument(
-        "--dist-timeout",
-        type=float,
-        default=60.0,
+    dist_timeout: float = cli.flag(
+        60.0,
+        "how long a process waits for the others in a collective before the run fails "
+        "(torchrun and --fsdp; 60 lets rank 0 read and write an 8B drafter alone while the "
+        "others wait)",
+        Range(float, low=0, low_open=True),
         metavar="MINUTES",
-        help="how long a process waits for the others in a collective before the run "
-        "fails (torchrun and --fsdp; default: 60, for rank 0 reading and writing an 8B "
-        "drafter alone while the others wait)",
     )
-    g = ap.add_argument_group("evaluation and output")
-    g.add_argument(
-        "--out", default="runs/toy/drafter", help="drafter folder (default: runs/toy/drafter)"
-    )
-    g.add_argument(
-        "--eval-every", type=int, default=100, help="offline tau every N steps (default: 100)"
-    )
-    g.add_argument(
-        "--val-anchors",
-        type=int,
-        default=32,
-        help="blocks per held-out answer for tau (default: 32)",
-    )
-    g.add_argument(
-        "--save-every", type=int, default=100, help="checkpoint every N steps (default: 100)"
-    )
-    g.add_argument(
-        "--no-resume", dest="resume", action="store_false", help="ignore out/checkpoint.pt"
-    )
-    g.add_argument(
-        "--plot",
+    plot: str | None = cli.flag(
+        None,
+        "at the end, draw the share of held-out blocks with d_1 .. d_i all accepted, by "
+        "position i, d_1 from the head and from MASK 1 (as train.py eval --plot); needs "
+        "matplotlib (requirements-plots.txt)",
         metavar="PATH.png",
-        help="at the end, draw the share of held-out blocks with d_1 .. d_i all "
-        "accepted, by position i, d_1 from the head and from MASK 1 (as train.py "
-        "eval --plot); needs matplotlib (requirements-plots.txt)",
     )
-    g.add_argument("--seed", type=int, default=0, help="data order and anchors (default: 0)")
-    g.add_argument(
-        "--threads",
-        type=int,
-        help="torch CPU threads (default: torch's choice; 1 for the toy, whose tiny "
-        "models run fastest on one; use 1 on a CPU shared with other jobs)",
+    threads: int | None = cli.flag(
+        None,
+        "torch CPU threads (the toy's tiny models run fastest on one; use 1 on a CPU shared "
+        "with other jobs)",
+        Range(int, low=1),
     )
-    g.add_argument(
-        "--device",
-        help="cpu, cuda, ... (default: cuda if available; cuda:LOCAL_RANK under torchrun)",
+    device: str | None = cli.flag(
+        None, "cpu, cuda, ... (default: cuda if available; cuda:LOCAL_RANK under torchrun)"
     )
-    return ap.parse_args(argv)
 
 
-# Every number a flag takes, and the values it accepts (None: not given, the default applies).
-# Zero is legal where it means something: --seed 0, --warmup 0 (no warmup), --ar-weight 0
-# (Table 3's lambda = 0), --weight-decay 0.
-RANGES = {
-    "num_prompts": cli.Range(int, low=1),
-    "num_val": cli.Range(int, low=1),
-    "val_fraction": cli.Range(float, low=0, high=1, low_open=True, high_open=True),
-    "max_new_tokens": cli.Range(int, low=1),
-    "gen_batch_size": cli.Range(int, low=1),
-    "block_size": cli.Range(int, low=1),
-    "num_anchors": cli.Range(int, low=1),
-    "ar_weight": cli.Range(float, low=0),
-    "decay_gamma": cli.Range(float, low=0, low_open=True),
-    "steps": cli.Range(int, low=1),
-    "batch_size": cli.Range(int, low=1),
-    "grad_accum": cli.Range(int, low=1),
-    "lr": cli.Range(float, low=0, low_open=True),
-    "warmup": cli.Range(int, low=0),
-    "weight_decay": cli.Range(float, low=0),
-    "grad_clip": cli.Range(float, low=0, low_open=True),
-    "max_len": cli.Range(int, low=2),
-    "dist_timeout": cli.Range(float, low=0, low_open=True),
-    "eval_every": cli.Range(int, low=1),
-    "val_anchors": cli.Range(int, low=1),
-    "save_every": cli.Range(int, low=1),
-    "seed": cli.Range(int, low=0),
-    "threads": cli.Range(int, low=1),
-}
-
+# d3d.D3DConfig's fields that are the drafter's, not flags: make_drafter sets them
+NOT_FLAGS = ("mask_token_id", "target_vocab_size", "tokenizer_hash", "layer_ids")
 # The toy's own settings where a flag is not given (short answers, a 0.4M-parameter drafter)
 TOY_DEFAULTS = {"block_size": 8, "num_anchors": 32, "lr": 6e-3, "threads": 1}
 # Everywhere else
 DEFAULTS = {"block_size": 16, "num_anchors": 64, "lr": 1e-3}
+# Zero is legal where it means something: --seed 0, --warmup 0 (no warmup), --ar-weight 0
+# (Table 3's lambda = 0), --weight-decay 0.
+GROUPS = {
+    "data": DataSettings,
+    "drafter": DrafterSettings,
+    "the method (d3d.D3DConfig, saved as the drafter's d3d_config.json)": (
+        d3d.D3DConfig,
+        NOT_FLAGS,
+    ),
+    "training (TrainSettings)": TrainSettings,
+    "run": RunSettings,
+}
+RANGES, _ = cli.flag_ranges(GROUPS)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags of `python train.py`, a group per settings dataclass, as --help shows them."""
+    ap = cli.Parser(description=__doc__.split("\n\n")[0])
+    later = {}
+    for name, toy_value in TOY_DEFAULTS.items():
+        value = DEFAULTS.get(name, "torch's choice")
+        later[name] = f"{value}; {toy_value} for the toy"
+    cli.add_groups(ap, GROUPS, later=later)
+    return ap.parse_args(argv)
 
 
 def check_args(args: argparse.Namespace) -> None:
     """Every flag in its range and every file it names readable, before anything loads: a
     bad value raises runtime.UserError (one line), never a traceback halfway through a run."""
-    cli.check_ranges(vars(args), RANGES)
+    cli.check_flags(vars(args), GROUPS)
     if args.drafter_layers is not None and str(args.drafter_layers).strip() == "":
         raise runtime.UserError("--drafter-layers is empty — give a count N or ids '0,5,29'")
     if args.plot is not None:
@@ -886,6 +614,13 @@ def found_inputs(args: argparse.Namespace) -> dict:
 def load_answers(args, found: dict, data: dict) -> tuple[list, list]:
     """The target's answers to the training and the held-out prompts (answers.load_data:
     cached, or written now); without --val-prompts the last --val-fraction of --prompts."""
+    data = dict(
+        data,
+        prompt_field=args.prompt_field,
+        thinking=args.thinking,
+        max_new_tokens=args.max_new_tokens,
+        gen_batch_size=args.gen_batch_size,
+    )
     train = answers.load_data(
         args.target,
         prompts=args.prompts,
@@ -945,38 +680,47 @@ def main(**overrides) -> dict:
     data_dir = args.data_dir
     if data_dir is None:
         data_dir = os.path.dirname(os.path.abspath(args.out))
-    data = dict(
-        tokenizer=tokenizer,
-        prompt_field=args.prompt_field,
-        thinking=args.thinking,
-        cache_dir=data_dir,
-        max_new_tokens=args.max_new_tokens,
-        gen_batch_size=args.gen_batch_size,
-        device=device,
-        dtype=None,
-        rank=rank,
-        world=world,
-    )
-    if bf16:
-        data["dtype"] = torch.bfloat16
+    data = dict(tokenizer=tokenizer, cache_dir=data_dir, device=device, rank=rank, world=world)
+    data["dtype"] = torch.bfloat16 if bf16 else None
     train, val = load_answers(args, found, data)
 
+    drafter, init = load_drafter(args, found["layers"], tokenizer, device, rank)
+    if rank == 0:
+        describe_drafter(args, drafter, init, len(train), len(val))
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id
+    where = dict(pad_id=pad_id, bf16=bf16, rank=rank, world=world, device=device)
+    settings = cli.settings_of(TrainSettings, vars(args), init=runtime.record_path(init), **where)
+    # everything is loaded and checked: the loop starts
+    result = train_drafter(drafter, train, val, settings)
+
+    peak = memory.peak_memory_gib(device)
+    drafter, other = measure_the_other_d1(args, drafter, val, result, settings)
+    if rank == 0:
+        save_drafter(args, found, drafter, tokenizer, val, result, settings, peak)
+        print_done(args, result, other, len(val), peak, device, data_dir)
+    distributed.end_process_group()
+    return {**result, "drafter": drafter, "out": args.out}
+
+
+def load_drafter(args, layers, tokenizer, device, rank: int) -> tuple[d3d.Drafter, str]:
+    """(the drafter build_drafter makes from the flags, on `device`; the checkpoint it starts
+    from). Under FSDP rank 0 alone reads the weights, the others get shards
+    (distributed.shard_model)."""
     target_config = AutoConfig.from_pretrained(args.target).get_text_config()
-    # FSDP: rank 0 alone reads the weights, the others get shards (distributed.shard_model)
     on_meta = args.fsdp and rank > 0
     init = args.drafter_init or args.target
+    # B, K, lambda, gamma and d1_from: the flags of d3d.D3DConfig
+    method = {f.name: getattr(args, f.name) for f in cli.flag_fields(d3d.D3DConfig, NOT_FLAGS)}
     drafter = build_drafter(
         init,
         tokenizer,
         target_vocab_size=target_config.vocab_size,
-        layers=found["layers"],
-        block_size=args.block_size,
-        num_anchors=args.num_anchors,
-        ar_weight=args.ar_weight,
-        decay_gamma=args.decay_gamma,
-        d1_from=args.d1_from,
+        layers=layers,
         random_init=args.random_init,
         meta=on_meta,
+        **method,
     )
     if not on_meta:
         drafter.to(device)
@@ -984,87 +728,56 @@ def main(**overrides) -> dict:
         drafter.model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False}
         )
-    if rank == 0:
-        describe_drafter(args, drafter, init, len(train), len(val))
-    pad_id = tokenizer.pad_token_id
-    if pad_id is None:
-        pad_id = tokenizer.eos_token_id
-    settings = TrainSettings(
-        out=args.out,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        grad_accum=args.grad_accum,
-        lr=args.lr,
-        warmup=args.warmup,
-        weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip,
-        freeze=args.freeze_embeddings,
-        pad_id=pad_id,
-        max_len=args.max_len,
-        eval_every=args.eval_every,
-        val_anchors=args.val_anchors,
-        save_every=args.save_every,
-        seed=args.seed,
-        bf16=bf16,
-        resume=args.resume,
-        rank=rank,
-        world=world,
-        fsdp=args.fsdp,
-        device=device,
-        init=runtime.record_path(init),
-    )
-    result = train_drafter(drafter, train, val, settings)
+    return drafter, init
 
-    peak = memory.peak_memory_gib(device)
-    # the same held-out blocks with d_1 drafted by MASK 1 instead of the causal row, or
-    # the reverse
+
+def measure_the_other_d1(args, drafter, val, result: dict, s: TrainSettings):
+    """The same held-out blocks with d_1 drafted by MASK 1 instead of the causal row, or the
+    reverse (result["offline_tau_d1_from_..."]). Returns (the drafter, whole: gathered from
+    its shards under FSDP, in the dtype it was trained in; the other d1_from)."""
     other = "mask"
     if drafter.d3d_config.d1_from == "mask":
         other = "causal"
-    other_tau = f"offline_tau_d1_from_{other}"
-    held_out = dict(
-        val_anchors=args.val_anchors,
-        pad_id=pad_id,
-        max_len=args.max_len,
-    )
+    key = f"offline_tau_d1_from_{other}"
+    held_out = dict(val_anchors=s.val_anchors, pad_id=s.pad_id, max_len=s.max_len)
     sharded = result.pop("sharded", None)
     if sharded is not None:
-        # every rank evaluates the sharded drafter, then all gather it once, onto
-        # rank 0's host
-        result[other_tau] = evaluation.evaluate_tau(
+        # every rank evaluates the sharded drafter, then all gather it once, onto rank 0's host
+        result[key] = evaluation.evaluate_tau(
             drafter, val, sharded=sharded, d1_from=other, **held_out
         )
         # ranks > 0 keep their shards
         drafter = distributed.gather_drafter(sharded, drafter) or drafter
-    if bf16 and (rank == 0 or sharded is None):
-        # the final drafter in the dtype it was trained in (the fp32 master weights stay
-        # in the checkpoint)
+    if s.bf16 and (s.rank == 0 or sharded is None):
+        # the final drafter in the dtype it was trained in (the fp32 master weights stay in
+        # the checkpoint)
         drafter.model.to(torch.bfloat16)
-    if rank == 0:
-        autocast = evaluation.bf16_autocast(device, bf16)
-        if sharded is None:
-            result[other_tau] = evaluation.evaluate_tau(
-                drafter, val, autocast=autocast, d1_from=other, **held_out
-            )
-        if args.plot is not None:
-            title = f"{args.out}: held-out blocks with d_1 .. d_i all accepted"
-            result["curve"] = evaluation.plot_curves(
-                args.plot, drafter, val, title=title, autocast=autocast, **held_out
-            )
-        drafter.save_pretrained(args.out, tokenizer=tokenizer)
-        record = training_record(args, found, drafter, result)
-        record["peak_memory_gib"] = round(peak, 2)
-        record["device"] = str(device)
-        record["world_size"] = world
-        record["compute_dtype"] = "float32"
-        if bf16:
-            record["compute_dtype"] = "bfloat16"
-        record["fsdp"] = args.fsdp
-        with open(os.path.join(args.out, "train_args.json"), "w") as f:
-            json.dump(record, f, indent=2)
-        print_done(args, result, other, len(val), peak, device, data_dir)
-    distributed.end_process_group()
-    return {**result, "drafter": drafter, "out": args.out}
+    if s.rank == 0 and sharded is None:
+        autocast = evaluation.bf16_autocast(s.device, s.bf16)
+        result[key] = evaluation.evaluate_tau(
+            drafter, val, autocast=autocast, d1_from=other, **held_out
+        )
+    return drafter, other
+
+
+def save_drafter(args, found, drafter, tokenizer, val, result: dict, s: TrainSettings, peak):
+    """The final drafter folder: the drafter, its curve (--plot), train_args.json."""
+    if args.plot is not None:
+        title = f"{args.out}: held-out blocks with d_1 .. d_i all accepted"
+        autocast = evaluation.bf16_autocast(s.device, s.bf16)
+        held_out = dict(val_anchors=s.val_anchors, pad_id=s.pad_id, max_len=s.max_len)
+        result["curve"] = evaluation.plot_curves(
+            args.plot, drafter, val, title=title, autocast=autocast, **held_out
+        )
+    drafter.save_pretrained(args.out, tokenizer=tokenizer)
+    record = training_record(args, found, drafter, result)
+    record["peak_memory_gib"] = round(peak, 2)
+    record["device"] = str(s.device)
+    record["world_size"] = s.world
+    record["compute_dtype"] = "bfloat16" if s.bf16 else "float32"
+    record["fsdp"] = args.fsdp
+    with open(os.path.join(args.out, "train_args.json"), "w") as f:
+        json.dump(record, f, indent=2)
 
 
 def describe_drafter(args, drafter: d3d.Drafter, init: str, num_train: int, num_val: int):

@@ -22,11 +22,15 @@ Beside the method:
     explain.py      decoding rounds told in words, from d3d.generate(on_round=...):
                     describe_round, RoundPrinter, ColoredStream
 Both drivers':
-    cli.py          every flag checked against its range, every file a flag names; one error
-                    line, exit status 2
+    cli.py          the flags made from the settings' dataclasses (add_settings), every flag
+                    checked against its range, every file a flag names; one error line, exit
+                    status 2
     pictures.py     the paper's pictures drawn by the code (optional: matplotlib,
                     requirements-plots.txt)
 train.py's machinery:
+    drafters.py     the drafter a run starts from: a causal LM with the target's tokenizer,
+                    some layers kept (build_drafter), its embeddings frozen but for MASK
+    checkpoints.py  a checkpoint's recipe, checked before a rerun resumes it (resume)
     answers.py      the target's own answers to the prompts, cached as token ids, and the
                     training batches made of them
     distributed.py  process group, FSDP2 sharding/broadcast/gathering, resumable checkpoints

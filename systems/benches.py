@@ -1,4 +1,5 @@
-"""The benchmarks beside Table 1, each a decode.py flag: lossless sampling measured
+"""decode.py's benchmarks: Table 1 (table1, --bench: batch 1, each mode beside target-only
+decoding, the greedy check), and beside it, each a decode.py flag: lossless sampling measured
 (sampling_check, --sampling-check), concurrent requests as one batch (concurrency_bench, the
 paper's Table 2, --concurrency) and selective prefilling on long prompts (prefill_bench, the
 paper's Tables 6-7 in miniature, --prefill-bench)."""
@@ -6,6 +7,7 @@ paper's Tables 6-7 in miniature, --prefill-bench)."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import os
 import re
@@ -38,16 +40,14 @@ def distance(a: list[list[int]], b: list[list[int]], position: int) -> float:
     return 0.5 * sum(abs(law_a[t] - law_b[t]) for t in tokens) / len(a)
 
 
-def sampling_check(
-    models, prompt: str, mode: str, opts: dict, thinking: bool, num_samples: int
-) -> dict:
+def sampling_check(models, prompt: str, mode: str, run, thinking: bool, num_samples: int) -> dict:
     """Lossless speculative sampling, measured: `num_samples` answers to one prompt by
     target-only sampling and by `mode`, each answer from its own seed, then per position the
     total variation distance between the two empirical distributions of the token there (an
     answer that ended counts as one more outcome). A second target-only set shows the distance
     that sampling noise alone gives: a lossless mode stays near it, a biased one rises above."""
-    ids = decoding.encode(models[2], prompt, thinking, models[0].device)
-    caches = decoding.prepare(models, opts, [ids], ["target", mode])
+    ids = decoding.encode(models.tokenizer, prompt, thinking, models.target.device)
+    caches = decoding.prepare(models, run, [ids], ["target", mode])
     sets = {"target": "target", mode: mode, "target, again": "target"}
     answers = {}
     total = len(sets) * num_samples
@@ -56,8 +56,8 @@ def sampling_check(
         answers[name] = []
         for i in range(num_samples):
             # seeds never shared between sets
-            seed = (opts["seed"] * len(sets) + k) * num_samples + i
-            seeded = {**opts, "seed": seed}
+            seed = (run.seed * len(sets) + k) * num_samples + i
+            seeded = dataclasses.replace(run, seed=seed)
             records = decoding.decode_prompt(models, ids, [m], seeded, caches)
             answers[name].append(records[m]["new_tokens"])
             bar.update(1)
@@ -69,7 +69,7 @@ def sampling_check(
         tv_noise = distance(answers["target, again"], answers["target"], p)
         rows.append((p, tv_mode, tv_noise))
     print(
-        f"\nsampling check at temperature {opts['temperature']}: {num_samples} answers per "
+        f"\nsampling check at temperature {run.config.temperature}: {num_samples} answers per "
         f"set, prompt {prompt!r}\n"
         f"{'position':>8}  TV({mode}, target)  TV(target, target again)"
     )
@@ -97,28 +97,29 @@ def sampling_check(
 
 
 def decode_group(
-    models, group: list[torch.Tensor], modes: list[str], opts: dict, max_new_tokens=None
+    models, group: list[torch.Tensor], modes: list[str], run, max_new_tokens=None
 ) -> dict:
     """One group of concurrent requests (prompt ids (1, n) each) in every mode: {mode: batch
     stats + new_tokens per row}. Target and sync decode the group as one batch
     (batched.generate); async only a group of 1."""
-    target, drafter, _, eos, _ = models
     records = {}
     for spec in modes:
         mode = decoding.parse_mode(spec)[0]
         if mode == "async":
             # the batch-1 loop; decode_prompt's record carries the same totals
             decoded = decoding.decode_prompt(
-                models, group[0], [spec], opts, max_new_tokens=max_new_tokens
+                models, group[0], [spec], run, max_new_tokens=max_new_tokens
             )
             r = decoded[spec]
             records[spec] = {**r, "new_tokens": [r["new_tokens"]]}
             continue
-        kwargs = decoding.generate_kwargs(mode, opts, eos, max_new_tokens, target.device)
-        # 1-D prompts of different lengths
+        device = models.target.device
+        config, kwargs = decoding.request(spec, models, run, None, device, max_new_tokens)
+        # 1-D prompts of different lengths; the prompt is read whole
         batch = [ids[0] for ids in group]
-        use = decoding.drafter_for(mode, {}, drafter)
-        outs, stats = batched.generate(target, use, batch, **kwargs)
+        config = dataclasses.replace(config, keep_ratio=None)
+        use = decoding.drafter_for(config, models.drafter)
+        outs, stats = batched.generate(models.target, use, batch, config, **kwargs)
         kept = {k: v for k, v in stats.items() if k != "rows"}
         kept["accept_lengths"] = [n for row in stats["rows"] for n in row["accept_lengths"]]
         kept["new_tokens"] = [out[ids.shape[1] :].tolist() for out, ids in zip(outs, group)]
@@ -206,12 +207,13 @@ def concurrency_table(
 
 
 def concurrency_bench(
-    models, files, modes: list[str], levels: list[int], opts: dict, thinking: bool
+    models, files, modes: list[str], levels: list[int], run, thinking: bool
 ) -> dict:
     """Table 2: at each concurrency c, the prompts of each file in consecutive groups of c
     decoded as one batch, target-only and each speculative mode (async at c = 1 only); greedy
     outputs are checked row by row against target-only decoding of the same group."""
-    target, _, tok, _, info = models
+    target = models.target
+    tok = models.tokenizer
     datasets = decoding.encode_files(tok, files, thinking, target.device)
     results = {}
     mismatches = []
@@ -219,15 +221,15 @@ def concurrency_bench(
     for name, (path, field, prompts) in datasets.items():
         results[name] = {"path": path, "field": field, "num_prompts": len(prompts), "levels": {}}
         for c in levels:
-            run = ["target"]
-            run += [m for m in modes if c == 1 or decoding.parse_mode(m)[0] != "async"]
+            level = ["target"]
+            level += [m for m in modes if c == 1 or decoding.parse_mode(m)[0] != "async"]
             # warm-up at this batch size
-            decode_group(models, prompts[:c], run, opts, max_new_tokens=16)
+            decode_group(models, prompts[:c], level, run, max_new_tokens=16)
             records = collections.defaultdict(list)
             groups = [prompts[i : i + c] for i in range(0, len(prompts), c)]
             bar = tqdm(groups, desc=f"{name} c={c}", unit="batch", dynamic_ncols=True)
             for g, group in enumerate(bar):
-                for mode, r in decode_group(models, group, run, opts).items():
+                for mode, r in decode_group(models, group, level, run).items():
                     records[mode].append(r)
                     references = records["target"][-1]["new_tokens"]
                     for row, (ref, new) in enumerate(zip(references, r["new_tokens"])):
@@ -237,7 +239,7 @@ def concurrency_bench(
                             group[row],
                             ref,
                             new,
-                            opts,
+                            run,
                             dataset=name,
                             concurrency=c,
                             mode=mode,
@@ -246,7 +248,7 @@ def concurrency_bench(
                         if found:
                             mismatches.append(found)
             cells = {}
-            for m in run:
+            for m in level:
                 cells[m] = summarise_concurrent(records[m], records["target"])
                 everything[c][m] += records[m]
                 where = (name, c, m)
@@ -258,16 +260,14 @@ def concurrency_bench(
     for c in levels:
         baseline = everything[c]["target"]
         overall[c] = {m: summarise_concurrent(everything[c][m], baseline) for m in everything[c]}
-    block_size = opts["block_size"]
-    if block_size is None:
-        block_size = info["drafter_config"]["block_size"]
+    block_size = models.block_size(run.config)
     text = concurrency_table(results, overall, levels, modes, block_size)
     checked = 0
     for c in levels:
         for m in everything[c]:
             if m != "target":
                 checked += sum(len(r["new_tokens"]) for r in everything[c][m])
-    if opts["temperature"]:
+    if run.config.temperature:
         check = "greedy check skipped: at temperature > 0 the outputs are samples"
     else:
         against = "target-only at the same concurrency"
@@ -326,7 +326,7 @@ def prefill_bench(
     keep_ratios: list[float],
     num_docs: int,
     count: int,
-    opts: dict,
+    run,
     thinking: bool,
 ) -> dict:
     """Selective prefilling (paper Tables 6-7 in miniature): per long prompt, target-only
@@ -334,23 +334,23 @@ def prefill_bench(
     chunks at each keep ratio (1.0 = full prefill, the drafter's scoring pass included in TTFT).
     TTFT, decode and end-to-end speedups are ratios to the baseline in the same run; "same
     answer" compares the whole output, "same number" its last number, with the baseline's."""
-    target, _, tok, _, _ = models
-    prompts = long_prompts(docs, num_docs, count, opts["seed"])
-    ids = [decoding.encode(tok, p, thinking, target.device) for p, _ in prompts]
+    tok = models.tokenizer
+    prompts = long_prompts(docs, num_docs, count, run.seed)
+    ids = [decoding.encode(tok, p, thinking, models.target.device) for p, _ in prompts]
     rows = {"target, full prefill": None}
     for r in keep_ratios:
         rows[f"{r:.0%} + D3D ({mode})"] = r
     records = collections.defaultdict(list)
-    caches = decoding.prepare(models, opts, ids, ["target", mode])
+    caches = decoding.prepare(models, run, ids, ["target", mode])
     # warm-up
-    decoding.decode_prompt(models, ids[0], ["target"], opts, caches, max_new_tokens=4)
+    decoding.decode_prompt(models, ids[0], ["target"], run, caches, max_new_tokens=4)
     for x in tqdm(ids, desc="long prompts", unit="prompt", dynamic_ncols=True):
         for name, ratio in rows.items():
-            row_opts = {**opts, "keep_ratio": ratio}
+            row = dataclasses.replace(run, config=dataclasses.replace(run.config, keep_ratio=ratio))
             row_mode = mode
             if ratio is None:
                 row_mode = "target"
-            decoded = decoding.decode_prompt(models, x, [row_mode], row_opts, caches)
+            decoded = decoding.decode_prompt(models, x, [row_mode], row, caches)
             records[name].append(decoded[row_mode])
     base = records["target, full prefill"]
     base_ttft = figures._mean(b["time_prefill"] for b in base)
@@ -391,7 +391,7 @@ def prefill_bench(
     prompt_tokens = result[next(iter(result))]["prompt_tokens"]
     header = (
         f"{os.path.basename(path)}: {count} prompts of {num_docs} problems "
-        f"(~{prompt_tokens:.0f} tokens), chunks of {opts['chunk_size']} tokens\n"
+        f"(~{prompt_tokens:.0f} tokens), chunks of {run.config.chunk_size} tokens\n"
         f"{'setting':<24}{'same':>7}{'number':>8}{'prefill':>9}"
         f"{'TTFT ms':>9}{'TTFT':>8}{'decode':>8}{'E2E':>8}{'τ':>7}"
     )
@@ -402,7 +402,101 @@ def prefill_bench(
         "table": text,
         "num_prompts": count,
         "num_docs": num_docs,
-        "chunk_size": opts["chunk_size"],
+        "chunk_size": run.config.chunk_size,
         "mode": mode,
         "source": path,
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Table 1: batch 1, each mode beside target-only decoding
+
+
+def table1(models, files, modes: list[str], run, thinking: bool, trace=None) -> dict:
+    """files: (path, field, prompts) of each prompt file, decoded target-only and in each of
+    `modes`. Greedy outputs that differ from target-only are classified by
+    forensics.classify_divergence (run.tie_tolerance: a fixed tolerance in logits instead of
+    tie_tolerance's). trace: called as trace(ids, mode, caches) with the first prompt of the
+    first file, in the first mode named (decode.py's write_trace)."""
+    tok = models.tokenizer
+    datasets = decoding.encode_files(tok, files, thinking, models.target.device)
+    every_mode = ["target"] + modes
+    every_prompt = [x for _, _, ids in datasets.values() for x in ids]
+    caches = decoding.prepare(models, run, every_prompt, every_mode)
+    first = every_prompt[0]
+    # warm-up
+    decoding.decode_prompt(models, first, every_mode, run, caches, max_new_tokens=16)
+    results = {}
+    mismatches = []
+    everything = collections.defaultdict(list)
+    for name, (path, field, prompts) in datasets.items():
+        records = collections.defaultdict(list)
+        bar = tqdm(prompts, desc=name, unit="prompt", dynamic_ncols=True)
+        for i, ids in enumerate(bar):
+            decoded = decoding.decode_prompt(models, ids, every_mode, run, caches)
+            for mode, r in decoded.items():
+                records[mode].append(r)
+                reference = records["target"][-1]["new_tokens"]
+                where = dict(dataset=name, prompt_index=i, mode=mode)
+                found = forensics.divergence(
+                    models.target, tok, ids, reference, r["new_tokens"], run, **where
+                )
+                if found:
+                    mismatches.append(found)
+        results[name] = {"path": path, "field": field, "num_prompts": len(prompts)}
+        results[name] |= dataset_cells(records, mismatches, name)
+        for m in records:
+            everything[m] += records[m]
+    result = table1_figures(models, results, everything, mismatches, modes, run)
+    if trace:
+        trace(first, modes[0], caches)
+    return result
+
+
+def dataset_cells(records: dict, mismatches: list[dict], name: str) -> dict:
+    """One prompt file's row of Table 1: each mode's figures and mismatches, and its records
+    per prompt (the new tokens left out)."""
+    cells = {}
+    per_prompt = {}
+    for m in records:
+        found = [x for x in mismatches if x["dataset"] == name and x["mode"] == m]
+        cells[m] = figures.summarise(records[m], records["target"])
+        cells[m]["mismatches"] = len(found)
+        cells[m]["errors"] = sum(x["class"] == "error" for x in found)
+        per_prompt[m] = []
+        for r in records[m]:
+            per_prompt[m].append({k: v for k, v in r.items() if k != "new_tokens"})
+    return {"modes": cells, "per_prompt": per_prompt}
+
+
+def table1_figures(models, results, everything, mismatches, modes, run) -> dict:
+    """Table 1 printed, with the greedy check, and returned with its figures."""
+    block_size = models.block_size(run.config)
+    overall = {}
+    for m in everything:
+        overall[m] = figures.summarise(everything[m], everything["target"])
+    text = figures.table(results, overall, modes, block_size)
+    checked = sum(len(everything[m]) for m in modes)
+    if run.config.temperature:
+        check = "greedy check skipped: at temperature > 0 the outputs are samples"
+    else:
+        check = forensics.greedy_check(mismatches, checked)
+    print(f"\n{text}\n\n{check}")
+    mean = {}
+    for m in modes:
+        mean[m] = {}
+        for k in ("speedup", "tau"):
+            mean[m][k] = figures._mean(results[n]["modes"][m][k] for n in results)
+    result = {
+        "datasets": results,
+        "mean": mean,
+        "overall": overall,
+        "block_size": block_size,
+        "table": text,
+        "mismatches": forensics.tally(mismatches, checked),
+    }
+    if "hf" in overall:
+        # > 1: this repo's target-only loop is faster than transformers' generate
+        ratio = overall["target"]["tokens_per_s"] / overall["hf"]["tokens_per_s"]
+        result["target_vs_hf"] = ratio
+    return result

@@ -1,16 +1,23 @@
-"""What the drivers check before they load anything: every flag against its range, every file and
-folder a flag names. One error class, `runtime.UserError`, carries a one-line message
-"<what is wrong> — <how to fix it>"; only the drivers' `__main__` turns it into `error: ...` and
-exit status 2 (`run`). Any other exception is a bug and keeps its traceback.
+"""The drivers' flags, read from the settings' dataclasses, and what the drivers check before they
+load anything: every flag against its range, every file and folder a flag names.
 
-    RANGES = {"steps": Range(int, low=1), "lr": Range(float, low=0, low_open=True)}
-    check_ranges(vars(args), RANGES)         # raises UserError naming the flag and its range
+A setting is written once, on its dataclass field (runtime.setting, or `flag` for a driver's own
+setting that argparse spells in its own way): its name, default, range and help. `add_settings`
+makes one argparse group of a dataclass (field_name -> --field-name), `check_flags` checks the
+parsed values against the same ranges. One error class, `runtime.UserError`, carries a one-line
+message "<what is wrong> — <how to fix it>"; only the drivers' `__main__` turns it into
+`error: ...` and exit status 2 (`run`). Any other exception is a bug and keeps its traceback.
+
+    GROUPS = {"data": DataSettings, "the method": (d3d.D3DConfig, NOT_FLAGS)}
+    add_groups(parser, GROUPS)               # --help: a group per dataclass
+    check_flags(vars(args), GROUPS)          # raises UserError naming the flag and its range
     rows = read_jsonl("--prompts", path)     # a broken line names the file and its line
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import struct
@@ -18,6 +25,9 @@ import sys
 
 # the ranges live in runtime.py, beside the configs that use them; the drivers import them here
 from runtime import Range, UserError, check_ranges, flag_name  # noqa: F401
+
+# a field's metadata key for how argparse spells it: flag=, action=, nargs=, metavar=, const=
+SPELLING = "argparse"
 
 
 class Parser(argparse.ArgumentParser):
@@ -35,6 +45,111 @@ def run(main, *args, **kwargs):
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+# --------------------------------------------------------------------------------------------------
+# Flags from dataclass fields
+
+
+def flag(default, help: str, range: Range | None = None, **spelling):
+    """A driver's own setting as a dataclass field: runtime.setting's default, help and range,
+    and how argparse spells it where the rule does not (flag="--bench", action="append",
+    nargs="+", metavar="PATH", const="whole")."""
+    metadata = {"help": help, "range": range, SPELLING: spelling}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def flag_fields(kind: type, skip=()) -> list[dataclasses.Field]:
+    """The fields of `kind` that are flags: those with a help, but the `skip`ped."""
+    return [f for f in dataclasses.fields(kind) if "help" in f.metadata and f.name not in skip]
+
+
+def spelt(f: dataclasses.Field) -> str:
+    """The flag of a field: --field-name, or the one its spelling names."""
+    return f.metadata.get(SPELLING, {}).get("flag", flag_name(f.name))
+
+
+def add_settings(parser, kind: type, title: str, *, skip=(), later=None, narrower=None):
+    """One argparse group of `title` with a flag for each field of `kind` (flag_fields): help
+    and range from the field's metadata, the field's default ("(default: ...)" added to the help
+    unless it is None or a bool, or the help says it in words). `later`: {field: words} for
+    defaults the run decides (the flag's default is None, the words go in the help). `narrower`:
+    {field: Range} where a driver takes less than the field (check_flags reads it too)."""
+    group = parser.add_argument_group(title)
+    for f in flag_fields(kind, skip):
+        options = dict(f.metadata.get(SPELLING, {}))
+        name = options.pop("flag", flag_name(f.name))
+        allowed = (narrower or {}).get(f.name, f.metadata.get("range"))
+        default = f.default
+        help = f.metadata["help"]
+        if later and f.name in later:
+            default = None
+            help += f" (default: {later[f.name]})"
+        elif default is not None and not isinstance(default, bool) and "(default:" not in help:
+            shown = default
+            if isinstance(default, (list, tuple)):
+                shown = " ".join(str(v) for v in default)
+            help += f" (default: {shown})"
+        # argparse formats help with %: a literal % is written twice
+        options["help"] = help.replace("%", "%%")
+        options["dest"] = f.name
+        options["default"] = default
+        if allowed is not None and allowed.kind is bool:
+            options.setdefault("action", "store_false" if default else "store_true")
+        elif "action" not in options or options["action"] == "append":
+            options["type"] = str
+            if allowed is not None:
+                options["type"] = allowed.kind
+                if allowed.choices is not None:
+                    options["choices"] = allowed.choices
+                if allowed.each and "action" not in options:
+                    options.setdefault("nargs", "+")
+        group.add_argument(name, **options)
+    return group
+
+
+def group_kinds(groups: dict):
+    """(kind, skip) of each group of a driver: {title: kind, or (kind, fields that are no
+    flags)}."""
+    for value in groups.values():
+        if isinstance(value, tuple):
+            yield value
+        else:
+            yield value, ()
+
+
+def add_groups(parser, groups: dict, *, later=None, narrower=None) -> None:
+    """A driver's flags: one add_settings group per entry of `groups` (group_kinds)."""
+    for title, (kind, skip) in zip(groups, group_kinds(groups)):
+        add_settings(parser, kind, title, skip=skip, later=later, narrower=narrower)
+
+
+def flag_ranges(groups: dict, narrower=None) -> tuple[dict, dict]:
+    """(ranges, flags) of a driver's flags, as check_ranges takes them: {field: Range} and
+    {field: its flag} where the flag is not --field-name."""
+    ranges = {}
+    flags = {}
+    for kind, skip in group_kinds(groups):
+        for f in flag_fields(kind, skip):
+            allowed = (narrower or {}).get(f.name, f.metadata.get("range"))
+            if allowed is None:
+                continue
+            ranges[f.name] = allowed
+            if spelt(f) != flag_name(f.name):
+                flags[f.name] = spelt(f)
+    return ranges, flags
+
+
+def check_flags(values: dict, groups: dict, narrower=None) -> None:
+    """Every flag of a driver in its range (None: not given): one UserError naming the flag."""
+    ranges, flags = flag_ranges(groups, narrower)
+    check_ranges(values, ranges, flags)
+
+
+def settings_of(kind: type, values: dict, skip=(), **more):
+    """A `kind` made from the parsed flags that are its fields (and `more`)."""
+    given = {f.name: values[f.name] for f in flag_fields(kind, skip) if f.name in values}
+    return kind(**{**given, **more})
 
 
 # --------------------------------------------------------------------------------------------------

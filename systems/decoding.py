@@ -1,23 +1,65 @@
 """The modes of a run, and one prompt decoded in each.
 
-parse_mode reads a mode as --mode and --modes name it; prepare makes the run's KV caches (and
-compiled passes) once and returns them; request_kwargs gives d3d.generate's arguments for one
-mode; decode_prompt decodes a prompt in every mode of a run and returns the records that the
-drivers and the benches time (record); encode makes a prompt's ids.
+parse_mode reads a mode as --mode and --modes name it, mode_config makes it a DecodeConfig;
+prepare makes the run's KV caches (and compiled passes) once and returns them; request gives
+d3d.generate's config and keywords for one mode; decode_prompt decodes a prompt in every mode of
+a run and returns the records that the drivers and the benches time (record); encode makes a
+prompt's ids.
 
-`opts` everywhere: the run's decoding settings (decode.py's flags by name), only read.
+`models` everywhere: the run's Models (decode.load); `run`: its Run, the DecodeConfig every mode
+starts from and the run's own settings, only read.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
 
 import d3d
 import runtime
 from systems import fast, peers
+
+
+@dataclass
+class Models:
+    """What a run decodes with, loaded once (decode.load)."""
+
+    target: nn.Module
+    # None when only target-only decoding runs
+    drafter: d3d.Drafter | None
+    tokenizer: object
+    # the token ids that end an answer (the tokenizer's and the target's generation config's)
+    eos: list[int]
+    # the run's description for its JSON: device, dtype, attn, target, drafter and its config
+    info: dict
+
+    def block_size(self, config: d3d.DecodeConfig) -> int | None:
+        """B of a run: the config's, else the drafter's (None without a drafter)."""
+        if config.block_size is not None:
+            return config.block_size
+        if self.drafter is None:
+            return None
+        return self.drafter.d3d_config.block_size
+
+
+@dataclass
+class Run:
+    """A run's decoding settings: the DecodeConfig every mode starts from (decode.py's flags of
+    its fields; a mode spec replaces its mode and budget: mode_config), and what is not
+    d3d.generate's."""
+
+    config: d3d.DecodeConfig
+    # seeds each request's generator (the same draws in every mode)
+    seed: int = 0
+    # --compile: None, "whole" or "regional" (fast.compile_passes)
+    compile: str | None = None
+    # KV cache slots per model (None: what the prompts need)
+    max_len: int | None = None
+    # the greedy check's tolerance in logits (None: forensics.tie_tolerance's)
+    tie_tolerance: float | None = None
 
 
 def available_modes() -> tuple[str, ...]:
@@ -67,6 +109,18 @@ def _parse_budget(spec: str) -> tuple[str, dict]:
     return mode, overrides
 
 
+def mode_config(spec: str, run: Run) -> tuple[d3d.DecodeConfig, bool]:
+    """(the run's DecodeConfig with the mode, budget and lanes of `spec` in it, whether its
+    passes are compiled): 'async:2,1,likely' is replace(config, mode="async", coverage=2,
+    fanout=1, cover="likely")."""
+    mode, overrides = parse_mode(spec)
+    compiled = overrides.pop("compiled", False) or run.compile is not None
+    if mode in peers.BASELINES:
+        # transformers' generate reads only B and max_new_tokens of it (peers.hf_decode)
+        return run.config, False
+    return replace(run.config, mode=mode, **overrides), compiled
+
+
 def encode(tok, text: str, thinking: bool, device) -> torch.Tensor:
     """Prompt ids (1, n): the chat template if the tokenizer has one (Qwen3: thinking off unless
     asked)."""
@@ -112,41 +166,35 @@ class RunCaches:
     compile_seconds: float = 0.0
 
 
-def _budget(spec: str, opts: dict, block_size: int) -> tuple[int, int]:
+def _budget(spec: str, run: Run, block_size: int) -> tuple[int, int]:
     """(C, F) of one mode: its own async:C,F, else --coverage / --fanout, else d3d's."""
-    overrides = parse_mode(spec)[1]
+    config = mode_config(spec, run)[0]
     coverage, fanout = d3d.default_budget(block_size)
-    if opts["coverage"] is not None:
-        coverage = opts["coverage"]
-    if opts["fanout"] is not None:
-        fanout = opts["fanout"]
-    coverage = overrides.get("coverage", coverage)
-    fanout = overrides.get("fanout", fanout)
+    if config.coverage is not None:
+        coverage = config.coverage
+    if config.fanout is not None:
+        fanout = config.fanout
     return coverage, fanout
 
 
-def prepare(models, opts: dict, all_ids: list[torch.Tensor], modes: list[str]) -> RunCaches:
+def prepare(models: Models, run: Run, all_ids: list[torch.Tensor], modes: list[str]) -> RunCaches:
     """Once per run, before the warm-up: the KV caches of fixed size every request reuses
     (--max-len, else the longest prompt + --max-new-tokens + the widest pass of `modes`), and
     with --compile or a '+compiled' mode a second pair whose fixed-shape passes are compiled,
     every shape warmed up (the time is printed: compile time is not decode time)."""
-    target = models[0]
-    drafter = models[1]
-    block_size = opts["block_size"]
-    if block_size is None and drafter is not None:
-        block_size = drafter.d3d_config.block_size
+    block_size = models.block_size(run.config)
     if block_size is None:
         block_size = 1
     widest = 0
     for spec in modes:
-        coverage, fanout = _budget(spec, opts, block_size)
+        coverage, fanout = _budget(spec, run, block_size)
         if parse_mode(spec)[0] != "async":
             coverage = 0
         widest = max(widest, runtime.cache_len(0, 0, block_size, coverage, fanout))
     # the warm-ups decode up to this many tokens
-    new_tokens = max(opts["max_new_tokens"], 16, 2 * block_size + 3)
+    new_tokens = max(run.config.max_new_tokens, 16, 2 * block_size + 3)
     need = max(x.shape[1] for x in all_ids) + new_tokens + widest
-    max_len = opts.get("max_len")
+    max_len = run.max_len
     if max_len and max_len < need:
         raise runtime.UserError(
             f"--max-len {max_len} is too small for these prompts: they need {need} KV slots "
@@ -157,30 +205,23 @@ def prepare(models, opts: dict, all_ids: list[torch.Tensor], modes: list[str]) -
     d3d_modes = [m for m in modes if parse_mode(m)[0] not in ("target", *peers.BASELINES)]
     use_drafter = None
     if d3d_modes:
-        use_drafter = drafter
-    caches = RunCaches(eager=runtime.Caches.make(target, use_drafter, max_len))
-    compiled = [m for m in modes if opts.get("compile") or parse_mode(m)[1].get("compiled")]
+        use_drafter = models.drafter
+    caches = RunCaches(eager=runtime.Caches.make(models.target, use_drafter, max_len))
+    compiled = [m for m in modes if run.compile or parse_mode(m)[1].get("compiled")]
     if not compiled:
         return caches
-    caches.compiled = runtime.Caches.make(target, use_drafter, max_len)
-    fast.compile_passes(caches.compiled, regional=opts.get("compile") == "regional")
+    caches.compiled = runtime.Caches.make(models.target, use_drafter, max_len)
+    fast.compile_passes(caches.compiled, regional=run.compile == "regional")
     plain = [m.replace("+compiled", "") for m in compiled]
     for spec in dict.fromkeys(m for m in plain if parse_mode(m)[0] not in peers.BASELINES):
-        # each shape it uses (an async budget sets the packed pass's)
-        mode, overrides = parse_mode(spec)
-        settings = {k: opts[k] for k in ("coverage", "fanout", "cover") if opts[k] is not None}
-        settings |= overrides
-        if mode == "async":
-            # a CPU's two lanes run with half the threads each, which dynamo's guards see
-            settings.setdefault("lanes", opts.get("lanes"))
+        # each shape it uses (an async budget sets the packed pass's; a CPU's two lanes run
+        # with half the threads each, which dynamo's guards see)
+        config = mode_config(spec, run)[0]
+        shape = ("block_size", "coverage", "fanout", "cover", "lanes")
+        settings = {name: getattr(config, name) for name in shape}
+        prompt = all_ids[0][:, :8]
         caches.compile_seconds += fast.warm_up(
-            target,
-            use_drafter,
-            caches.compiled,
-            all_ids[0][:, :8],
-            [mode],
-            block_size=opts["block_size"],
-            **settings,
+            models.target, use_drafter, caches.compiled, prompt, [config.mode], **settings
         )
     print(
         f"compiled the fixed-shape passes of {', '.join(compiled)} in "
@@ -193,60 +234,28 @@ def prepare(models, opts: dict, all_ids: list[torch.Tensor], modes: list[str]) -
 # One prompt in every mode
 
 
-def generate_kwargs(mode: str, opts: dict, eos, max_new_tokens, device) -> dict:
-    """The keyword arguments of d3d.generate (and batched.generate) that every mode shares, with
-    a fresh seeded generator each (the same draws in every mode)."""
-    if max_new_tokens is None:
-        max_new_tokens = opts["max_new_tokens"]
-    kwargs = {
-        "max_new_tokens": max_new_tokens,
-        "mode": mode,
-        "eos_token_id": eos,
-        "temperature": opts["temperature"],
-        "generator": torch.Generator(device).manual_seed(opts["seed"]),
-    }
-    if mode != "target":
-        kwargs["block_size"] = opts["block_size"]
-    return kwargs
-
-
-def request_kwargs(
-    spec: str, opts: dict, caches: RunCaches | None, eos, device, max_new_tokens=None
-) -> dict:
-    """d3d.generate's keyword arguments for one mode as --mode or --modes names it.
-    caches: the run's (prepare); None makes them per request."""
-    mode, overrides = parse_mode(spec)
-    kwargs = generate_kwargs(mode, opts, eos, max_new_tokens, device)
-    compiled = overrides.pop("compiled", False) or opts.get("compile")
+def request(
+    spec: str, models: Models, run: Run, caches: RunCaches | None, device, max_new_tokens=None
+) -> tuple[d3d.DecodeConfig, dict]:
+    """(d3d.generate's config, its keywords: a fresh seeded generator (the same draws in every
+    mode) and the run's caches) for one mode as --mode or --modes names it. caches: the run's
+    (prepare); None makes them per request. batched.generate takes the same."""
+    config, compiled = mode_config(spec, run)
+    config = replace(config, eos_token_id=models.eos)
+    if max_new_tokens is not None:
+        config = replace(config, max_new_tokens=max_new_tokens)
+    kwargs = {"generator": torch.Generator(device).manual_seed(run.seed)}
     if caches is not None and compiled:
         kwargs["caches"] = caches.compiled
     elif caches is not None:
         kwargs["caches"] = caches.eager
-    # None: generate's rule (runtime.async_lanes)
-    lanes = overrides.pop("lanes", opts.get("lanes"))
-    if mode == "async":
-        # branch budget C x F and which positions (plan_branches); unset: d3d's defaults
-        for key in ("coverage", "fanout", "cover"):
-            if opts[key] is not None:
-                kwargs[key] = opts[key]
-        kwargs.update(overrides)
-        kwargs["lanes"] = lanes
-    if opts.get("keep_ratio") is not None:
-        # selective prefilling (lossy, off by default)
-        kwargs["keep_ratio"] = opts["keep_ratio"]
-        kwargs["chunk_size"] = opts["chunk_size"]
-    if opts.get("trace"):
-        # the phases as a Chrome trace (decode.py's write_trace)
-        kwargs["trace"] = True
-    return kwargs
+    return config, kwargs
 
 
-def drafter_for(spec: str, opts: dict, drafter):
+def drafter_for(config: d3d.DecodeConfig, drafter):
     """The drafter a mode decodes with: None for target-only decoding (unless selective
     prefilling scores the prompt with it)."""
-    if parse_mode(spec)[0] != "target":
-        return drafter
-    if opts.get("keep_ratio") is not None:
+    if config.mode != "target" or config.keep_ratio is not None:
         return drafter
     return None
 
@@ -266,22 +275,20 @@ def record(ids: torch.Tensor, out: torch.Tensor, stats: dict) -> dict:
 
 
 def decode_prompt(
-    models, ids, modes, opts, caches: RunCaches | None = None, max_new_tokens=None
+    models: Models, ids, modes, run: Run, caches: RunCaches | None = None, max_new_tokens=None
 ) -> dict[str, dict]:
     """{mode: record} for each mode, in order: d3d.generate's stats (peers.hf_decode's for a
     baseline), the new tokens, decode_time and decode_tokens."""
-    target, drafter, _, eos, _ = models
     records = {}
     for spec in modes:
         if parse_mode(spec)[0] in peers.BASELINES:
-            if max_new_tokens is None:
-                budget = opts["max_new_tokens"]
-            else:
-                budget = max_new_tokens
-            records[spec] = peers.hf_decode(models, ids, spec, opts, budget)
+            budget = max_new_tokens
+            if budget is None:
+                budget = run.config.max_new_tokens
+            records[spec] = peers.hf_decode(models, ids, spec, run.config, budget)
             continue
-        kwargs = request_kwargs(spec, opts, caches, eos, ids.device, max_new_tokens)
-        use = drafter_for(spec, opts, drafter)
-        out, stats = d3d.generate(target, use, ids, **kwargs)
+        config, kwargs = request(spec, models, run, caches, ids.device, max_new_tokens)
+        use = drafter_for(config, models.drafter)
+        out, stats = d3d.generate(models.target, use, ids, config, **kwargs)
         records[spec] = record(ids, out, stats)
     return records

@@ -51,7 +51,7 @@ def evaluate_tau(
     drafter.eval()
     # under FSDP every pass goes through the root's forward, which gathers the weights
     run = (
-        functools.partial(sharded, fn=d3d.offline_tau)
+        functools.partial(sharded, d3d.offline_tau)
         if sharded is not None
         else functools.partial(d3d.offline_tau, drafter)
     )

@@ -87,12 +87,12 @@ def classify_divergence(
 
 
 def divergence(
-    target, tok, ids: torch.Tensor, reference: list[int], other: list[int], opts: dict, **where
+    target, tok, ids: torch.Tensor, reference: list[int], other: list[int], run, **where
 ):
     """None if a greedy output equals target-only's, else where it leaves it (tokens shown) and
-    its class. opts: the run's settings ("temperature", and "tie_tolerance" if given)."""
+    its class. run: the run's decoding.Run (its temperature, and tie_tolerance if given)."""
     pos = first_difference(reference, other)
-    if opts["temperature"] or pos is None:
+    if run.config.temperature or pos is None:
         return None
     show = []
     for tokens in (reference, other):
@@ -100,7 +100,7 @@ def divergence(
             show.append({"id": tokens[pos], "text": tok.decode(tokens[pos : pos + 1])})
         else:
             show.append("end of output")
-    tolerance = opts.get("tie_tolerance")
+    tolerance = run.tie_tolerance
     return {
         **where,
         "position": pos,

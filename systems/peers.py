@@ -74,7 +74,7 @@ def assistant_model(drafter: d3d.Drafter, vocab_size: int) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def hf_decode(models, ids: torch.Tensor, mode: str, opts: dict, max_new_tokens: int) -> dict:
+def hf_decode(models, ids: torch.Tensor, mode: str, config, max_new_tokens: int) -> dict:
     """One prompt with transformers' generate, greedy, batch 1: the record decode_prompt keeps
     for a mode.
 
@@ -89,10 +89,12 @@ def hf_decode(models, ids: torch.Tensor, mode: str, opts: dict, max_new_tokens: 
     1-token call. The assistant's reading of the prompt stays in decode time, like the D3D
     drafter's. τ: tokens committed per target pass, the first pass (prompt + first drafts)
     left out as D3D leaves out its prefill."""
-    target, drafter, tok, eos, _ = models
-    block_size = opts["block_size"]
-    if block_size is None:
-        block_size = drafter.d3d_config.block_size
+    target = models.target
+    drafter = models.drafter
+    tok = models.tokenizer
+    eos = models.eos
+    # config: the run's DecodeConfig (its block_size)
+    block_size = models.block_size(config)
     pad = tok.pad_token_id
     if pad is None:
         pad = eos[0]

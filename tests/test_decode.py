@@ -5,6 +5,7 @@ downloaded models.
 Run: python -m pytest -q tests/test_decode.py"""
 
 import collections
+import inspect
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import sys
 
 import pytest
 import torch
+import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoTokenizer,
@@ -544,10 +546,10 @@ def test_the_demo_answer_is_coloured_by_origin(setting, monkeypatch, capsys):
     target = str(setting / "target")
     drafter = str(setting / "drafter")
     models = decode.load(target, drafter, ["sync"], "cpu", "float32", "sdpa")
-    tok = models[2]
+    tok = models.tokenizer
     ids = decoding.encode(tok, "12 + 7 * 3", False, "cpu")
-    opts = decode.decoding_options(args, None)
-    kept = decode.answer(models, ids, "sync", opts, None, colour=True)
+    config = decode.cli.settings_of(d3d.DecodeConfig, vars(args), decode.NOT_FLAGS)
+    kept = decode.answer(models, ids, "sync", decoding.Run(config), None, colour=True)
     printed = capsys.readouterr().out.rstrip("\n")
     text = tok.decode(kept["new_tokens"], skip_special_tokens=True)
     pieces = re.findall("(\033\\[3[23]m)(.*?)\033\\[0m", printed, re.S)
@@ -558,6 +560,34 @@ def test_the_demo_answer_is_coloured_by_origin(setting, monkeypatch, capsys):
     drafts = [tok.decode(tokens, skip_special_tokens=True) for tokens in accepted]
     assert "".join(green) == "".join(drafts)
     assert len(rounds) == kept["num_rounds"]
+
+
+def test_the_sample_is_the_readme_snippet_and_decodes_as_the_target(setting, capsys):
+    """decode.py's first function is README's "Watch a round" program, word for word, and it
+    prints the rounds and the target's own greedy answer."""
+    source = inspect.getsource(decode.sample)
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert source in readme, "README's snippet is decode.sample: copy it again"
+    first = min(
+        (obj.__code__.co_firstlineno, name)
+        for name, obj in vars(decode).items()
+        if inspect.isfunction(obj) and obj.__module__ == "decode"
+    )
+    assert first[1] == "sample", f"decode.py opens with {first[1]}"
+    prompt = "12 + 7 * 3"
+    out, stats = decode.sample(str(setting / "target"), str(setting / "drafter"), prompt)
+    printed = capsys.readouterr().out
+    tok = transformers.AutoTokenizer.from_pretrained(setting / "target")
+    target = transformers.AutoModelForCausalLM.from_pretrained(setting / "target").eval()
+    chat = [{"role": "user", "content": prompt}]
+    ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"]
+    config = d3d.DecodeConfig(max_new_tokens=64, eos_token_id=tok.eos_token_id, mode="target")
+    expected, _ = d3d.generate(target, None, ids, config)
+    assert torch.equal(out, expected)
+    answer = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    assert printed.rstrip().endswith(f"{answer} (tau {stats['tau']:.2f})")
+    assert printed.count("round") >= stats["num_rounds"], printed
 
 
 def test_bench_writes_table_and_json(setting, capsys):
@@ -630,11 +660,12 @@ def test_bench_writes_table_and_json(setting, capsys):
 def test_bench_reports_a_mismatch(setting, monkeypatch, capsys):
     generate = d3d.generate
 
-    def corrupt(*args, mode, **kwargs):  # speculative outputs get their 3rd new token changed
-        out, stats = generate(*args, mode=mode, **kwargs)
-        if mode != "target":
+    def corrupt(target, drafter, ids, config, **kwargs):
+        # speculative outputs get their 3rd new token changed
+        out, stats = generate(target, drafter, ids, config, **kwargs)
+        if config.mode != "target":
             out = out.clone()
-            prompt_len = args[2].shape[1]
+            prompt_len = ids.shape[1]
             out[0, prompt_len + 2] = (out[0, prompt_len + 2] + 1) % 40
         return out, stats
 
@@ -1030,11 +1061,10 @@ def test_greedy_check_reports_a_near_tie(setting, tmp_path, monkeypatch, capsys)
     tok.save_pretrained(tmp_path / "tied")
     generate = d3d.generate
 
-    def other_of_the_pair(
-        *args, mode, **kwargs
-    ):  # speculative outputs take the other token of the tie at token 0
-        out, stats = generate(*args, mode=mode, **kwargs)
-        if mode != "target":
+    def other_of_the_pair(target, drafter, prompt, config, **kwargs):
+        # speculative outputs take the other token of the tie at token 0
+        out, stats = generate(target, drafter, prompt, config, **kwargs)
+        if config.mode != "target":
             out = out.clone()
             first = ids.shape[1]
             out[0, first] = {a: b, b: a}[int(out[0, first])]
