@@ -923,7 +923,6 @@ def check_sizes(target, drafter, prompt_len: int, block_size: int, config) -> No
         fanout = config.fanout
         if fanout is None:
             fanout = 2
-        fanout = min(fanout, vocab - 1)
         asked += f", {shown}, fanout {fanout}"
         lower = "max_new_tokens, block_size, coverage or fanout (decode.py --max-new-tokens, "
         lower += "--block-size, --coverage, --fanout)"

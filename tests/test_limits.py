@@ -197,6 +197,13 @@ def test_a_memory_limit_that_is_no_number_says_how_to_write_it(models, monkeypat
         d3d.generate(target, drafter, prompt_ids(4), max_new_tokens=2)
 
 
+def test_kv_caches_larger_than_the_memory_are_refused_when_made(models):
+    target, drafter = models
+    # a terabyte of slots: refused at once, with nothing allocated
+    with pytest.raises(runtime.UserError, match="KV caches of 1,000,000,000,000 slots"):
+        runtime.Caches.make(target, drafter, 10**12)
+
+
 def test_a_pass_that_runs_out_of_memory_says_so_not_that_the_cache_was_ignored(models):
     target, _ = models
     # a petabyte of mask: no machine allocates it, and torch says so at once
@@ -280,7 +287,7 @@ def test_a_hub_name_in_the_local_cache_loads_without_the_network(saved, tmp_path
     assert done.returncode == 0, done.stderr
     target = runtime.load_causal_lm(str(saved / "target"))
     assert done.stdout.split()[0] == str(target.config.vocab_size)
-    assert seconds < 30, f"loaded from the cache in {seconds:.0f} s: it waited on the network"
+    assert seconds < 15, f"loaded from the cache in {seconds:.0f} s: it waited on the network"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
