@@ -850,7 +850,7 @@ def check_memory(asked: str, need: int, device, lower: str) -> None:
         return
     raise UserError(
         f"{asked} needs at least {in_bytes(need)}, {source} {in_bytes(limit)} — lower {lower} "
-        f"({MEMORY_LIMIT}=BYTES, digits, sets a lower limit)"
+        f"({MEMORY_LIMIT}=BYTES, in digits, sets a lower limit)"
     )
 
 
@@ -885,6 +885,17 @@ def kv_bytes_per_slot(model) -> int:
     return 2 * config.num_hidden_layers * heads * head_dim * itemsize
 
 
+def check_fanout(fanout: int, vocab_size: int) -> None:
+    """F counts the drafter's likeliest tokens other than d_k (plan_branches), so at most
+    V - 1: a larger one is a UserError, before caches are sized by it (cache_len)."""
+    if fanout > vocab_size - 1:
+        raise UserError(
+            f"fanout {fanout} asks for more candidates than the {vocab_size - 1} tokens other "
+            f"than d_k in a vocabulary of {vocab_size} — give fanout (decode.py --fanout) at "
+            f"most {vocab_size - 1}"
+        )
+
+
 def check_sizes(target, drafter, prompt_len: int, block_size: int, config) -> None:
     """generate's sizes before anything is allocated (check_request calls it; a batch passes
     its longest prompt): the positions the request reaches, and the bytes it certainly needs
@@ -896,13 +907,8 @@ def check_sizes(target, drafter, prompt_len: int, block_size: int, config) -> No
     vocab = target.get_output_embeddings().weight.shape[0]
     if drafter is not None:
         vocab = drafter.d3d_config.target_vocab_size
-    # F: the drafter's likeliest tokens other than d_k, so at most V - 1 (plan_branches)
-    if config.mode == "async" and config.fanout is not None and config.fanout > vocab - 1:
-        raise UserError(
-            f"fanout {config.fanout} asks for more candidates than the {vocab - 1} tokens "
-            f"other than d_k in a vocabulary of {vocab} — give fanout (decode.py --fanout) "
-            f"at most {vocab - 1}"
-        )
+    if config.mode == "async" and config.fanout is not None:
+        check_fanout(config.fanout, vocab)
     new = config.max_new_tokens
     asked = f"a prompt of {prompt_len} tokens, max_new_tokens {new} and B = {block_size}"
     lower = "max_new_tokens or block_size (decode.py --max-new-tokens, --block-size)"
