@@ -11,7 +11,14 @@
 - which mode and how many lanes run when none are named (one rule for d3d.generate and
   decode.py);
 - loading, a guarded optimizer step and a host copy of a model, which training and pruning
-  share."""
+  share;
+- sizes checked before memory is spent: positions against max_position_embeddings, and the
+  bytes a request (check_request) or a training step (check_training_size) certainly needs
+  against the memory there is: free memory on CUDA, /proc/meminfo's MemAvailable on a Linux
+  CPU, else the position check alone. D3D_MEMORY_LIMIT=BYTES (digits: D3D_MEMORY_LIMIT=2000000)
+  lowers that limit;
+- the device a flag names, and loading with no network: a local folder, the local Hugging Face
+  cache, the hub only if it can be reached."""
 
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ import importlib.util
 import json
 import math
 import os
+import socket
 import threading
 import time
 import warnings
@@ -230,19 +238,30 @@ class KVCache:
                 f"KV cache full: {self.length} + {q} tokens > max_len {self.max_len}; "
                 "make the cache larger (generate's caches=, decode.py --max-len)"
             )
-        mask = F.pad(mask, (0, self.max_len - self.length - q))
-        self.length += q
         if fixed:
             step = self.step
         else:
             step = self.forward
         try:
+            mask = F.pad(mask, (0, self.max_len - self.length - q))
+            self.length += q
             return step(ids, positions, mask)
         except RuntimeError as error:
+            if out_of_memory(error):
+                raise self.too_large(q, error) from None
             # a forward that drops its cache meets a mask wider than its own keys
             if not self.hf.layers[0].is_initialized:
                 self.check([-1, -1])
             raise error
+
+    def too_large(self, q: int, error: RuntimeError) -> UserError:
+        """The error for a pass that ran out of memory: what it was, what torch said."""
+        said = str(error).strip().splitlines()[0]
+        return UserError(
+            f"a pass of {q} tokens over {type(self.model).__name__}'s KV cache of "
+            f"{self.max_len} slots ran out of memory ({said}) — lower max_new_tokens, "
+            "block_size or fanout (decode.py --max-new-tokens, --block-size, --fanout)"
+        )
 
     def positions(self, q: int, device) -> torch.Tensor:
         """(1, q) positions of the next q tokens: after what the cache holds and the
@@ -300,6 +319,15 @@ class Caches:
 
     @classmethod
     def make(cls, target: nn.Module, drafter: nn.Module | None, max_len: int) -> "Caches":
+        """The pair, refused in one line if the memory there is cannot hold both caches (a
+        StaticCache takes its memory at the first pass)."""
+        need = kv_bytes_per_slot(target) * max_len
+        if drafter is not None:
+            need += kv_bytes_per_slot(drafter) * max_len
+        device = next(target.parameters()).device
+        lower = "max_new_tokens, block_size or fanout, or the slots (Caches.make's max_len; "
+        lower += "decode.py --max-new-tokens, --block-size, --fanout, --max-len)"
+        check_memory(f"a pair of KV caches of {max_len:,} slots", need, device, lower)
         target_cache = KVCache(target, max_len)
         drafter_cache = None
         if drafter is not None:
@@ -346,6 +374,19 @@ def cache_len(
     segments = min(coverage, block_size) * fanout + 1
     packed_pass = 1 + block_size + segments * (1 + block_size)
     return prompt_len + max_new_tokens + max(sync_draft, packed_pass)
+
+
+# what torch says when an allocation fails: CUDA's OutOfMemoryError, the CPU allocator's
+# words, and a size too large to count
+MEMORY_WORDS = ("out of memory", "can't allocate memory", "not enough memory", "overflow")
+
+
+def out_of_memory(error: RuntimeError) -> bool:
+    """Whether a RuntimeError is an allocation that failed (never an ignored cache)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    said = str(error).lower()
+    return any(words in said for words in MEMORY_WORDS)
 
 
 def ignored_cache(cache: str, holds: str, written: int) -> RuntimeError:
@@ -727,6 +768,7 @@ def check_request(target, drafter, input_ids, config) -> int | None:
             why = " (it scores the prompt chunks)"
         raise ValueError(f"mode {config.mode!r} needs a drafter{why}")
     if drafter is None:
+        check_sizes(target, None, input_ids.shape[1], 1, config)
         return None
     target_rows = target.get_output_embeddings().weight.shape[0]
     drafter_rows = drafter.d3d_config.target_vocab_size
@@ -736,9 +778,203 @@ def check_request(target, drafter, input_ids, config) -> int | None:
             f"this target has {target_rows}: use a drafter made with the target's "
             "tokenizer"
         )
-    if config.block_size is None:
-        return drafter.d3d_config.block_size
-    return config.block_size
+    trained = drafter.d3d_config.block_size
+    block_size = config.block_size
+    if block_size is None:
+        block_size = trained
+    if block_size != trained and config.mode != "target":
+        # legal (an experiment); warnings shows the same words from one line once a run
+        warnings.warn(
+            f"the drafter was trained at B = {trained} and decodes at B = {block_size} "
+            f"(block_size, decode.py --block-size): legal, but expect another tau than at "
+            f"B = {trained}"
+        )
+    # target-only decoding writes one token a pass
+    sizing_block = block_size
+    if config.mode == "target":
+        sizing_block = 1
+    check_sizes(target, drafter, input_ids.shape[1], sizing_block, config)
+    return block_size
+
+
+# --------------------------------------------------------------------------------------------------
+# Sizes checked before memory is spent: positions, and the bytes certainly needed against the
+# memory there is
+
+
+MEMORY_LIMIT = "D3D_MEMORY_LIMIT"
+
+
+def in_bytes(n: int) -> str:
+    """A byte count as people read it: '300,011,000,580 bytes (279.4 GiB)'."""
+    return f"{n:,} bytes ({n / 2**30:.1f} GiB)"
+
+
+def memory_limit(device) -> tuple[int | None, str]:
+    """The bytes an allocation on `device` may still take, and where that number comes from:
+    free CUDA memory (with what torch holds unused), /proc/meminfo's MemAvailable on a Linux
+    CPU, else None; D3D_MEMORY_LIMIT=BYTES (digits) lowers it."""
+    device = torch.device(device)
+    limit = None
+    source = ""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        limit = free + unused
+        source = f"{device} has free"
+    elif device.type == "cpu" and os.path.exists("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            rows = dict(line.split(":", 1) for line in f if ":" in line)
+        if "MemAvailable" in rows:
+            limit = int(rows["MemAvailable"].split()[0]) * 1024
+            source = "/proc/meminfo has MemAvailable"
+    written = os.environ.get(MEMORY_LIMIT, "").strip()
+    if not written:
+        return limit, source
+    if not written.isdigit():
+        raise UserError(
+            f"{MEMORY_LIMIT}={written!r} is not a number of bytes — write digits only, "
+            f"e.g. {MEMORY_LIMIT}=8000000000 for 8 GB"
+        )
+    if limit is None or int(written) < limit:
+        limit = int(written)
+        source = f"{MEMORY_LIMIT} allows"
+    return limit, source
+
+
+def check_memory(asked: str, need: int, device, lower: str) -> None:
+    """UserError if `need` bytes pass the memory limit of `device`: one line, what was asked,
+    what it needs, what there is, what to lower."""
+    limit, source = memory_limit(device)
+    if limit is None or need <= limit:
+        return
+    raise UserError(
+        f"{asked} needs at least {in_bytes(need)}, {source} {in_bytes(limit)} — lower {lower} "
+        f"({MEMORY_LIMIT}=BYTES, in digits, sets a lower limit)"
+    )
+
+
+def max_positions(model) -> int | None:
+    """A model's max_position_embeddings (a d3d.Drafter: its HF model's); None if it has none."""
+    if hasattr(model, "d3d_config"):
+        model = model.model
+    return getattr(model.config.get_text_config(), "max_position_embeddings", None)
+
+
+def check_positions(asked: str, need: int, name: str, model, lower: str) -> None:
+    """UserError if `need` positions pass the model's max_position_embeddings (None: no model,
+    or none given)."""
+    if model is None:
+        return
+    limit = max_positions(model)
+    if limit is not None and need > limit:
+        raise UserError(
+            f"{asked} needs {need} positions, {name} has max_position_embeddings {limit} — "
+            f"lower {lower}"
+        )
+
+
+def kv_bytes_per_slot(model) -> int:
+    """Bytes one cache slot takes in every layer of a model (keys and values)."""
+    if hasattr(model, "d3d_config"):
+        model = model.model
+    config = model.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    itemsize = next(model.parameters()).element_size()
+    return 2 * config.num_hidden_layers * heads * head_dim * itemsize
+
+
+def check_fanout(fanout: int, vocab_size: int) -> None:
+    """F counts the drafter's likeliest tokens other than d_k (plan_branches), so at most
+    V - 1: a larger one is a UserError, before caches are sized by it (cache_len)."""
+    if fanout > vocab_size - 1:
+        raise UserError(
+            f"fanout {fanout} asks for more candidates than the {vocab_size - 1} tokens other "
+            f"than d_k in a vocabulary of {vocab_size} — give fanout (decode.py --fanout) at "
+            f"most {vocab_size - 1}"
+        )
+
+
+def check_sizes(target, drafter, prompt_len: int, block_size: int, config) -> None:
+    """generate's sizes before anything is allocated (check_request calls it; a batch passes
+    its longest prompt): the positions the request reaches, and the bytes it certainly needs
+    (both KV caches of cache_len slots, and the widest pass's mask, which KVCache.run widens
+    to every slot: a bool and an additive float per query and slot)."""
+    uses_drafter = config.mode != "target" or config.keep_ratio is not None
+    if not uses_drafter:
+        drafter = None
+    vocab = target.get_output_embeddings().weight.shape[0]
+    if drafter is not None:
+        vocab = drafter.d3d_config.target_vocab_size
+    if config.mode == "async" and config.fanout is not None:
+        check_fanout(config.fanout, vocab)
+    new = config.max_new_tokens
+    asked = f"a prompt of {prompt_len} tokens, max_new_tokens {new} and B = {block_size}"
+    lower = "max_new_tokens or block_size (decode.py --max-new-tokens, --block-size)"
+    # the verification's last token x_{n+B}, and one past it
+    positions = prompt_len + new + block_size + 1
+    check_positions(asked, positions, "the target", target, lower)
+    coverage = 0
+    fanout = 0
+    if config.mode == "async":
+        # the full-acceptance block hangs off d_B: the drafter reaches B further
+        positions += block_size
+        coverage = config.coverage
+        shown = f"coverage {coverage}"
+        if coverage is None:
+            # d3d's default C is at least 1: what is certainly needed
+            coverage = 1
+            shown = "the default coverage (at least 1)"
+        fanout = config.fanout
+        if fanout is None:
+            fanout = 2
+        asked += f", {shown}, fanout {fanout}"
+        lower = "max_new_tokens, block_size, coverage or fanout (decode.py --max-new-tokens, "
+        lower += "--block-size, --coverage, --fanout)"
+    check_positions(asked, positions, "the drafter", drafter, lower)
+    slots = cache_len(prompt_len, new, block_size, coverage, fanout)
+    # every pass's mask spans all slots: the prefill's chunk, or the widest pass past it
+    widest = min(prompt_len, PREFILL_CHUNK)
+    need = kv_bytes_per_slot(target) * slots
+    if drafter is not None:
+        widest = max(widest, cache_len(0, 0, block_size, coverage, fanout))
+        need += kv_bytes_per_slot(drafter) * slots
+    float_size = next(target.parameters()).element_size()
+    need += widest * slots * (1 + float_size)
+    device = next(target.parameters()).device
+    asked += f" ({slots} KV slots, a pass of {widest} tokens)"
+    check_memory(asked, need, device, lower)
+
+
+def check_training_size(
+    drafter, *, batch_size: int, max_len: int, device, bf16: bool = False, val_anchors: int = 0
+) -> None:
+    """train.py's sizes before training: the packed sequence's positions (max_len + B) against
+    max_position_embeddings, and the bytes a step certainly needs against the memory there is:
+    the packed mask of b x (max_len + K B)^2 (a bool and an additive float), the hidden states
+    every layer keeps for backward, and AdamW's state (gradient and two moments, fp32) of
+    every trained weight. val_anchors: the held-out passes' K, when it is wider."""
+    config = drafter.d3d_config
+    block_size = config.block_size
+    num_anchors = max(config.num_anchors, val_anchors)
+    asked = (
+        f"training with --batch-size {batch_size}, --max-len {max_len}, --num-anchors "
+        f"{num_anchors} and --block-size {block_size}"
+    )
+    lower = "--block-size, --num-anchors, --max-len or --batch-size"
+    check_positions(asked, max_len + block_size, "the drafter", drafter, lower)
+    tokens = max_len + num_anchors * block_size
+    float_size = 4
+    if bf16:
+        float_size = 2
+    mask = batch_size * tokens**2 * (1 + float_size)
+    hf = drafter.model.config.get_text_config()
+    hidden = batch_size * tokens * hf.hidden_size * float_size * hf.num_hidden_layers
+    trained = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    optimizer = 3 * 4 * trained
+    asked += f" ({tokens} packed tokens a sequence)"
+    check_memory(asked, mask + hidden + optimizer, device, lower)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -906,24 +1142,115 @@ def keep_layers(model: nn.Module, layer_ids: list[int]) -> nn.Module:
     return model
 
 
-def load_causal_lm(path: str, dtype=None, device=None, **kwargs) -> nn.Module:
-    """AutoModelForCausalLM.from_pretrained in `dtype` on `device`. On a GPU with
-    `accelerate` installed the weights go straight there (device_map); without it they pass
-    through host memory first (an 8B model in bf16: 16 GB)."""
+def resolve_device(name: str | None, flag: str = "--device") -> torch.device:
+    """The device a flag names, checked before anything loads: None is CUDA if there is one,
+    else the CPU; a CUDA or MPS device this machine lacks is a UserError."""
+    if name is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"{flag} {name} is not a device — give cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda":
+        count = 0
+        if torch.cuda.is_available():
+            count = torch.cuda.device_count()
+        if count == 0:
+            built = "built with CUDA" if torch.version.cuda else "built without CUDA"
+            raise UserError(
+                f"{flag} {name}: this machine has no CUDA device (torch {torch.__version__}, "
+                f"{built}) — use {flag} cpu, or leave {flag} out"
+            )
+        if device.index is not None and device.index >= count:
+            raise UserError(
+                f"{flag} {name}: this machine has {count} CUDA device(s), cuda:0 .. "
+                f"cuda:{count - 1} — give one of those"
+            )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"{flag} {name}: MPS is not available here — use {flag} cpu")
+    return device
+
+
+# seconds to wait for the hub to answer before a name counts as unreachable
+HUB_TIMEOUT = 3.0
+
+
+def hub_reachable() -> bool:
+    """Whether the Hugging Face hub can be asked: not offline (HF_HUB_OFFLINE), and its host
+    takes a connection within HUB_TIMEOUT (behind a proxy, the client is left to try)."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    proxies = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")
+    if any(os.environ.get(name) for name in proxies):
+        return True
+    endpoint = urlparse(constants.ENDPOINT)
+    port = endpoint.port
+    if port is None:
+        port = 80 if endpoint.scheme == "http" else 443
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=HUB_TIMEOUT).close()
+    except OSError:
+        return False
+    return True
+
+
+def from_local_or_hub(load, path: str, flag: str, **kwargs):
+    """load(path, **kwargs) (a from_pretrained) without waiting on a network that is not
+    there: a local folder as it is; a hub name from the local Hugging Face cache first (no
+    network), then from the hub if it answers; else one line naming local folders."""
+    if os.path.isdir(path):
+        return load(path, **kwargs)
+    try:
+        return load(path, local_files_only=True, **kwargs)
+    except OSError:
+        pass
+    why = "no local folder, not in the Hugging Face cache, and the hub cannot be reached"
+    if hub_reachable():
+        try:
+            return load(path, **kwargs)
+        except OSError as error:
+            why = str(error).strip().splitlines()[0]
+    raise UserError(
+        f"{flag} {path}: {why} — give a local folder: toy-target (the toy's target), or "
+        "one that save_pretrained wrote"
+    )
+
+
+def load_tokenizer(path: str, flag: str = "--target"):
+    """AutoTokenizer.from_pretrained, from a local folder or as from_local_or_hub says."""
+    from transformers import AutoTokenizer
+
+    return from_local_or_hub(AutoTokenizer.from_pretrained, path, flag)
+
+
+def load_causal_lm(
+    path: str, dtype=None, device=None, flag: str = "--target", **kwargs
+) -> nn.Module:
+    """AutoModelForCausalLM.from_pretrained in `dtype` on `device`, from a local folder or as
+    from_local_or_hub says (`flag` names it in the error). On a GPU with `accelerate`
+    installed the weights go straight there (device_map); without it they pass through host
+    memory first (an 8B model in bf16: 16 GB)."""
     from transformers import AutoModelForCausalLM
 
+    load = AutoModelForCausalLM.from_pretrained
     if device is None:
         device = "cpu"
     device = torch.device(device)
     has_accelerate = importlib.util.find_spec("accelerate") is not None
     if device.type != "cpu" and has_accelerate:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device, **kwargs)
+        return from_local_or_hub(load, path, flag, dtype=dtype, device_map=device, **kwargs)
     if device.type != "cpu":
         warnings.warn(
             f"loading {path} through host memory first (pip install accelerate loads it "
             f"straight to {device})"
         )
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device)
+    return from_local_or_hub(load, path, flag, dtype=dtype, **kwargs).to(device)
 
 
 REPOSITORY = os.path.dirname(os.path.abspath(__file__))

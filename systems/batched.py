@@ -40,7 +40,9 @@ def generate(target, drafter, prompts: list, config=None, *, generator=None, **s
                             and time_done, when the row finished (from the clock's start)"""
     config = with_settings(config, DecodeConfig, settings)
     check_request(prompts, config)
-    block_size = runtime.check_request(target, drafter, prompts[0][None], config)
+    # the longest row reaches the furthest position
+    longest = max(prompts, key=len)
+    block_size = runtime.check_request(target, drafter, longest[None], config)
     sampler = Sampler(config.temperature, generator)
     if config.mode == "target":
         return decode_target(target, prompts, config, sampler)

@@ -1,0 +1,339 @@
+"""Sizes at the far end of their ranges, no network, no GPU: a request past the positions a model
+has or the memory there is gets one line before anything is allocated; a model name that is no
+local folder fails in seconds and names local folders; a device that is not there is named; a
+drafter used at another B than it was trained with says so once. Tiny models built from
+configs, CPU, no network.
+
+Run: python -m pytest -q tests/test_limits.py"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+from test_decode import ROOT, build_setting
+
+import d3d
+import runtime
+from systems import batched
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A saved target (max_position_embeddings 256) and a drafter for it trained at B = 3."""
+    return build_setting(tmp_path_factory.mktemp("limits"))
+
+
+@pytest.fixture(scope="module")
+def models(saved):
+    target = runtime.load_causal_lm(str(saved / "target"), torch.float32)
+    drafter = d3d.Drafter.from_pretrained(str(saved / "drafter"), torch.float32, "cpu")
+    return target.eval(), drafter.eval()
+
+
+def decode_py(saved, *argv, env=None, timeout=120):
+    """`python decode.py ...` on the saved models, as a user runs it; (status, stderr, s)."""
+    command = [sys.executable, "decode.py", "--drafter", str(saved / "drafter")]
+    command += ["--no-color", "--dtype", "float32", *[str(a) for a in argv]]
+    start = time.perf_counter()
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return done.returncode, done.stderr.strip(), time.perf_counter() - start
+
+
+def one_line_error(status: int, err: str) -> str:
+    """The error line a driver ended with (transformers' loading bars come before it)."""
+    assert status == 2, f"exit status 2 for bad input, got {status}: {err}"
+    assert "Traceback" not in err, err
+    last = err.splitlines()[-1]
+    assert last.startswith("error: "), err
+    return last
+
+
+def prompt_ids(length: int) -> torch.Tensor:
+    return torch.arange(5, 5 + length)[None] % 40 + 5
+
+
+def needed_bytes(error: runtime.UserError) -> int:
+    """The bytes a memory error says the request needs."""
+    return int(re.search(r"needs at least ([\d,]+) bytes", str(error))[1].replace(",", ""))
+
+
+# --------------------------------------------------------------------------------------------------
+# Positions: prompt + max_new_tokens + B + 1 against max_position_embeddings
+
+
+def test_block_size_past_the_positions_is_one_line_before_any_pass(saved):
+    status, err, seconds = decode_py(saved, "--prompt", "1 + 2", "--block-size", 100000)
+    err = one_line_error(status, err)
+    # the run's caches, or the first request's positions: each names the flag
+    assert "--block-size" in err, err
+    assert seconds < 60, f"refused before decoding, took {seconds:.0f} s"
+
+
+def test_max_new_tokens_past_the_positions_is_one_line_not_a_cache_diagnosis(saved):
+    argv = ["--prompt", "1 + 2", "--max-new-tokens", 100000000, "--mode", "sync"]
+    status, err, seconds = decode_py(saved, *argv)
+    err = one_line_error(status, err)
+    assert "--max-new-tokens" in err, err
+    assert "ignored the cache" not in err, err
+    assert seconds < 60, f"refused before decoding, took {seconds:.0f} s"
+
+
+@pytest.mark.parametrize("mode", ["target", "sync", "async"])
+def test_the_last_position_the_model_has_decodes_and_one_more_is_refused(models, mode):
+    target, drafter = models
+    ids = prompt_ids(20)
+    block_size = 3
+    # the target's 256 positions: x_n + B and one past it; async's block off d_B is B further
+    last_new = 256 - 20 - block_size - 1
+    if mode == "async":
+        last_new -= block_size
+    settings = dict(mode=mode, block_size=block_size)
+    if mode == "target":
+        settings = dict(mode=mode)
+        last_new = 256 - 20 - 1 - 1
+    out, stats = d3d.generate(target, drafter, ids, max_new_tokens=last_new, **settings)
+    assert stats["num_new_tokens"] == last_new
+    with pytest.raises(runtime.UserError, match="max_position_embeddings 256"):
+        d3d.generate(target, drafter, ids, max_new_tokens=last_new + 1, **settings)
+
+
+def test_a_batch_is_checked_at_its_longest_prompt(models):
+    target, drafter = models
+    block_size = drafter.d3d_config.block_size
+    short = prompt_ids(4)[0]
+    longest = prompt_ids(30)[0]
+    new = 256 - 30 - block_size - 1 + 1
+    with pytest.raises(runtime.UserError, match="a prompt of 30 tokens"):
+        batched.generate(target, drafter, [short, longest], max_new_tokens=new)
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory: the bytes certainly needed against the memory there is (D3D_MEMORY_LIMIT lowers it)
+
+
+def test_fanout_at_the_vocabulary_decodes_and_past_it_is_refused(models):
+    target, drafter = models
+    vocab = drafter.d3d_config.target_vocab_size
+    ids = prompt_ids(6)
+    settings = dict(mode="async", coverage=1, max_new_tokens=4)
+    out, _ = d3d.generate(target, drafter, ids, fanout=vocab - 1, **settings)
+    greedy, _ = d3d.generate(target, None, ids, mode="target", max_new_tokens=4)
+    assert out.tolist() == greedy.tolist()
+    with pytest.raises(runtime.UserError, match=f"at most {vocab - 1}"):
+        d3d.generate(target, drafter, ids, fanout=vocab, **settings)
+
+
+def test_a_fanout_past_the_vocabulary_is_one_line_at_once(saved):
+    argv = ["--prompt", "1 + 2", "--mode", "async", "--fanout", 100000]
+    status, err, seconds = decode_py(saved, *argv)
+    err = one_line_error(status, err)
+    assert "fanout 100000" in err and "at most" in err, err
+    assert seconds < 60, f"refused before decoding, took {seconds:.0f} s"
+
+
+# (drafter used, settings, the caches' slots: cache_len's prompt, new tokens, B, C, F)
+MEMORY_CASES = {
+    "target": (False, dict(mode="target"), (12, 8)),
+    "sync": (True, dict(mode="sync"), (12, 8, 3)),
+    "async": (True, dict(mode="async", coverage=2, fanout=2), (12, 8, 3, 2, 2)),
+}
+
+
+@pytest.mark.parametrize("mode", list(MEMORY_CASES))
+def test_the_memory_limit_holds_at_the_need_and_refuses_one_byte_less(models, mode, monkeypatch):
+    target, drafter = models
+    uses_drafter, settings, sizes = MEMORY_CASES[mode]
+    if not uses_drafter:
+        drafter = None
+    ids = prompt_ids(12)
+    monkeypatch.setenv(runtime.MEMORY_LIMIT, "1")
+    with pytest.raises(runtime.UserError, match=f"{runtime.MEMORY_LIMIT} allows") as refused:
+        d3d.generate(target, drafter, ids, max_new_tokens=8, **settings)
+    assert "lower max_new_tokens" in str(refused.value)
+    need = needed_bytes(refused.value)
+    monkeypatch.setenv(runtime.MEMORY_LIMIT, str(need - 1))
+    with pytest.raises(runtime.UserError):
+        d3d.generate(target, drafter, ids, max_new_tokens=8, **settings)
+    monkeypatch.setenv(runtime.MEMORY_LIMIT, str(need))
+    caches = runtime.Caches.make(target, drafter, runtime.cache_len(*sizes))
+    d3d.generate(target, drafter, ids, max_new_tokens=8, caches=caches, **settings)
+    # the need counts at least the KV caches the decode wrote
+    written = 0
+    for cache in (caches.target, caches.drafter):
+        if cache is None:
+            continue
+        for layer in cache.hf.layers:
+            written += layer.keys.nbytes + layer.values.nbytes
+    assert 0 < written <= need
+
+
+def test_the_memory_limit_is_one_line_in_decode_py(saved):
+    argv = ["--prompt", "1 + 2", "--mode", "sync", "--max-new-tokens", 8]
+    status, err, _ = decode_py(saved, *argv, env={runtime.MEMORY_LIMIT: "1000"})
+    err = one_line_error(status, err)
+    assert "D3D_MEMORY_LIMIT allows 1,000 bytes" in err and "--max-new-tokens" in err, err
+
+
+def test_a_memory_limit_that_is_no_number_says_how_to_write_it(models, monkeypatch):
+    target, drafter = models
+    monkeypatch.setenv(runtime.MEMORY_LIMIT, "8G")
+    with pytest.raises(runtime.UserError, match="digits only"):
+        d3d.generate(target, drafter, prompt_ids(4), max_new_tokens=2)
+
+
+def test_kv_caches_larger_than_the_memory_are_refused_when_made(models):
+    target, drafter = models
+    # a terabyte of slots: refused at once, with nothing allocated
+    with pytest.raises(runtime.UserError, match="KV caches of 1,000,000,000,000 slots"):
+        runtime.Caches.make(target, drafter, 10**12)
+
+
+def test_a_pass_that_runs_out_of_memory_says_so_not_that_the_cache_was_ignored(models):
+    target, _ = models
+    # a petabyte of mask: no machine allocates it, and torch says so at once
+    cache = runtime.KVCache(target, 10**15)
+    with pytest.raises(runtime.UserError, match="ran out of memory") as refused:
+        runtime.causal_pass(cache, prompt_ids(1))
+    assert "ignored the cache" not in str(refused.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# Training: the packed mask b x (max_len + K B)^2 and what it implies
+
+
+def test_training_past_the_positions_or_the_memory_is_one_line(models, monkeypatch):
+    _, drafter = models
+    sizes = dict(batch_size=1, max_len=64, device="cpu")
+    runtime.check_training_size(drafter, **sizes)
+    with pytest.raises(runtime.UserError, match="--block-size") as refused:
+        runtime.check_training_size(
+            d3d.Drafter(drafter.model, _with_block(drafter, 100000)), **sizes
+        )
+    assert "max_position_embeddings 256" in str(refused.value)
+    # the last B the positions allow, then one past it
+    runtime.check_training_size(d3d.Drafter(drafter.model, _with_block(drafter, 192)), **sizes)
+    with pytest.raises(runtime.UserError, match="positions"):
+        runtime.check_training_size(d3d.Drafter(drafter.model, _with_block(drafter, 193)), **sizes)
+    monkeypatch.setenv(runtime.MEMORY_LIMIT, "1")
+    with pytest.raises(runtime.UserError, match="packed tokens") as refused:
+        runtime.check_training_size(drafter, **sizes)
+    need = needed_bytes(refused.value)
+    # the mask alone: b (max_len + K B)^2, a bool and an fp32 float each
+    tokens = 64 + drafter.d3d_config.num_anchors * drafter.d3d_config.block_size
+    assert need > tokens**2 * 5
+    monkeypatch.setenv(runtime.MEMORY_LIMIT, str(need))
+    runtime.check_training_size(drafter, **sizes)
+
+
+def _with_block(drafter, block_size):
+    config = d3d.D3DConfig(**{**vars(drafter.d3d_config), "block_size": block_size})
+    return config
+
+
+# --------------------------------------------------------------------------------------------------
+# No network, no GPU
+
+
+def test_a_model_name_that_is_no_local_folder_fails_in_seconds_naming_local_folders():
+    start = time.perf_counter()
+    for load in (runtime.load_causal_lm, runtime.load_tokenizer):
+        with pytest.raises(runtime.UserError) as refused:
+            load("no-such-org/no-such-model")
+        message = str(refused.value)
+        assert "toy-target" in message and "save_pretrained" in message, message
+        assert message.startswith("--target no-such-org/no-such-model"), message
+        assert "\n" not in message
+    seconds = time.perf_counter() - start
+    assert seconds < 15, f"failed in {seconds:.0f} s"
+
+
+def test_a_hub_name_in_the_local_cache_loads_without_the_network(saved, tmp_path):
+    # the Hugging Face cache's layout: models--owner--name/snapshots/<commit>, refs/main
+    repo = tmp_path / "hub" / "models--someone--tiny-target"
+    commit = "0" * 40
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for name in os.listdir(saved / "target"):
+        (snapshot / name).write_bytes((saved / "target" / name).read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    script = (
+        "import runtime; m = runtime.load_causal_lm('someone/tiny-target'); "
+        "t = runtime.load_tokenizer('someone/tiny-target'); print(m.config.vocab_size, len(t))"
+    )
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub")}
+    env.pop("HF_HUB_OFFLINE", None)
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    seconds = time.perf_counter() - start
+    assert done.returncode == 0, done.stderr
+    target = runtime.load_causal_lm(str(saved / "target"))
+    assert done.stdout.split()[0] == str(target.config.vocab_size)
+    assert seconds < 15, f"loaded from the cache in {seconds:.0f} s: it waited on the network"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_where_there_is_none_is_one_line():
+    for name in ("cuda", "cuda:1"):
+        with pytest.raises(runtime.UserError, match="no CUDA device") as refused:
+            runtime.resolve_device(name)
+        assert "--device cpu" in str(refused.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_index_past_the_devices_is_one_line():
+    count = torch.cuda.device_count()
+    assert runtime.resolve_device(f"cuda:{count - 1}").index == count - 1
+    with pytest.raises(runtime.UserError, match=f"has {count} CUDA device"):
+        runtime.resolve_device(f"cuda:{count}")
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")
+def test_mps_where_there_is_none_and_a_word_that_is_no_device_are_one_line():
+    with pytest.raises(runtime.UserError, match="MPS is not available"):
+        runtime.resolve_device("mps")
+    with pytest.raises(runtime.UserError, match="is not a device"):
+        runtime.resolve_device("gpu")
+    assert runtime.resolve_device("cpu") == torch.device("cpu")
+
+
+# --------------------------------------------------------------------------------------------------
+# A drafter at another B than it was trained with: legal, said once
+
+
+def test_a_drafter_at_another_block_size_warns_once_with_both_values(models):
+    target, drafter = models
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(2):
+            d3d.generate(target, drafter, prompt_ids(5), max_new_tokens=4, block_size=5)
+        d3d.generate(target, drafter, prompt_ids(5), max_new_tokens=4)
+    said = [str(w.message) for w in caught if "trained at B" in str(w.message)]
+    assert len(said) == 1, said
+    assert "trained at B = 3 and decodes at B = 5" in said[0], said
+
+
+def test_decode_py_at_another_block_size_says_it_once(saved):
+    argv = ["--prompts-file", saved / "gsm.jsonl", "--max-new-tokens", 6, "--block-size", 5]
+    status, err, _ = decode_py(saved, *argv)
+    assert status == 0, err
+    lines = [line for line in err.splitlines() if "trained at B = 3 and decodes at B = 5" in line]
+    assert len(lines) == 1, err
