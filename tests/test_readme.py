@@ -82,19 +82,72 @@ def test_every_picture_shown_is_in_the_repository(doc):
     assert not missing, f"{doc} shows pictures that are not in pictures/: {missing}"
 
 
-def test_every_picture_in_the_repository_says_how_it_was_drawn():
-    """Each PNG in pictures/ is named next to a command in README or LAB that draws it."""
+REDRAW = "Redraw the pictures"
+# the flags whose value is a file or folder a command writes
+OUTPUT_FLAGS = ("--out", "--plot", "--training-png", "--branch-png", "--trace", "--json")
+TRACKED = ("pictures/", "toy-target/")
+
+
+def commands(block: str) -> list[str]:
+    """The commands of a fenced block, continuation lines joined, comments dropped."""
+    joined = re.sub(r"\\\n\s*", " ", block)
+    lines = [line.split(" #")[0].strip() for line in joined.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def bash_blocks(text: str) -> list[tuple[str, str]]:
+    """(the heading above it, its text) for each ```bash block."""
+    found = []
+    heading = ""
+    for part in re.split(r"^(```bash\n.*?^```)", text, flags=re.M | re.S):
+        if part.startswith("```bash"):
+            found.append((heading, part[len("```bash\n") : -3]))
+            continue
+        headings = re.findall(r"^#{1,6} +(.+?) *$", part, flags=re.M)
+        if headings:
+            heading = headings[-1]
+    return found
+
+
+def outputs(command: str) -> list[str]:
+    """The paths a command's output flags name."""
+    words = command.split()
+    return [words[i + 1] for i, word in enumerate(words[:-1]) if word in OUTPUT_FLAGS]
+
+
+def redraw_commands() -> list[str]:
+    blocks = [block for heading, block in bash_blocks(read("LAB.md")) if heading == REDRAW]
+    assert len(blocks) == 1, f'LAB.md needs one ```bash block under "## {REDRAW}"'
+    return commands(blocks[0])
+
+
+def test_every_picture_in_the_repository_is_redrawn_by_labs_redraw_block():
+    """Each PNG in pictures/ is written by a command of LAB's one "Redraw the pictures" block."""
     shipped = [p for p in project_files(".png", names=["pictures"]) if p.startswith("pictures/")]
     if not shipped:
         pytest.skip("no pictures in pictures/")
-    text = re.sub(r"\\\n\s*", " ", read("README.md") + read("LAB.md"))  # continuations joined
-    unexplained = []
-    for path in shipped:
-        lines = [line for line in text.splitlines() if path in line]
-        drawn = [line for line in lines if "python" in line and ("--plot" in line or "png" in line)]
-        if not drawn:
-            unexplained.append(path)
-    assert not unexplained, f"no command in README or LAB draws {unexplained}"
+    written = {path for command in redraw_commands() for path in outputs(command)}
+    unexplained = sorted(set(shipped) - written)
+    assert not unexplained, f"no command of LAB's {REDRAW!r} block draws {unexplained}"
+
+
+def test_no_exercise_command_writes_under_pictures_or_toy_target():
+    """Outside the redraw block, every command of README and LAB writes under runs/ (or a
+    folder of the user's), never over a tracked picture or the shipped toy."""
+    assert outputs("python decode.py --plot pictures/a.png --out runs/x") == [
+        "pictures/a.png",
+        "runs/x",
+    ]
+    overwriting = []
+    for doc in ("README.md", "LAB.md"):
+        for heading, block in bash_blocks(read(doc)):
+            if doc == "LAB.md" and heading == REDRAW:
+                continue
+            for command in commands(block):
+                tracked = [p for p in outputs(command) if p.startswith(TRACKED)]
+                if tracked:
+                    overwriting.append(f"{doc} ({heading}): {command}")
+    assert not overwriting, "commands that write over tracked files:\n" + "\n".join(overwriting)
 
 
 def test_results_opens_with_a_contents_list_of_its_sections():
