@@ -11,6 +11,8 @@ Run: python -m pytest -q tests/test_readme.py
 import collections
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 from project_files import project_files
@@ -156,3 +158,52 @@ def test_results_opens_with_a_contents_list_of_its_sections():
     head = text.split("\n## ", 1)[0]
     listed = re.findall(r"\]\(#([^)]+)\)", head)
     assert listed == [anchor(h) for h in headings]
+
+
+def test_readmes_program_runs_where_and_as_readme_says(tmp_path):
+    """README's "Watch a round" program, saved where README says in a copy of the repository
+    (with an untrained drafter at runs/toy/drafter), runs as README says."""
+    import shutil
+
+    import torch
+    import transformers
+
+    import d3d
+    import lab
+
+    text = read("README.md")
+    section = text[text.index("## Watch a round") :]
+    saved_as = re.search(r"save it as `(\w+\.py)` in the repository's folder", section)
+    run_as = re.search(r"run `python (\w+\.py)` there", section)
+    assert saved_as and run_as, "README says where to save its program and how to run it"
+    assert saved_as.group(1) == run_as.group(1)
+    program = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    copy = tmp_path / "repo"
+    lab.copy_project(ROOT, str(copy))
+    shutil.rmtree(copy / "runs", ignore_errors=True)
+    tok = transformers.AutoTokenizer.from_pretrained(os.path.join(ROOT, "toy-target"))
+    config = transformers.AutoConfig.from_pretrained(os.path.join(ROOT, "toy-target"))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    drafter = d3d.make_drafter(model, tokenizer=tok, block_size=4)
+    drafter.save_pretrained(str(copy / "runs" / "toy" / "drafter"), tok)
+    (copy / saved_as.group(1)).write_text(program)
+    ran = subprocess.run(
+        [sys.executable, run_as.group(1)], cwd=copy, capture_output=True, text=True, timeout=600
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert "round 0" in ran.stdout and "(tau " in ran.stdout, ran.stdout[-2000:]
+
+
+def test_readme_counts_both_kinds_of_exercise_as_lab_does():
+    """README's counts of LAB's ablations (LAB's table) and of its write-it-yourself exercises
+    (lab.py list), each named apart."""
+    import lab
+
+    text = " ".join(read("README.md").split())
+    lab_md = read("LAB.md")
+    table = lab_md[lab_md.index("| # | exercise |") :].split("\n\n")[0]  # LAB's opening table
+    ablations = re.findall(r"^\| (\d+) \| ", table, flags=re.M)
+    assert ablations == [str(n) for n in range(1, len(ablations) + 1)], ablations
+    assert f"Its {len(ablations)} ablations" in text
+    assert f"Its {len(lab.EXERCISES)} write-it-yourself exercises" in text
