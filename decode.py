@@ -61,7 +61,7 @@ import transformers
 import d3d
 import runtime
 import toy
-from systems import benches, cli, decode_flags, decoding, explain, figures, peers, pictures
+from systems import benches, cli, decode_flags, decoding, explain, peers, pictures
 from systems.decoding import Models, Run
 
 
@@ -165,34 +165,6 @@ def describe_device(device: torch.device) -> str:
     return f"cpu ({platform.machine()}, {threads} thread{plural})"
 
 
-def read_prompts(
-    path: str, field: str | None = None, max_samples: int | None = None
-) -> tuple[str, list[str]]:
-    """(field, prompts) of a JSON Lines file; the field is found among PROMPT_FIELDS
-    (decode_flags) unless given."""
-    fields = field
-    if fields is None:
-        fields = ", ".join(decode_flags.PROMPT_FIELDS)
-    rows = cli.read_jsonl("prompts file", path, f"a JSON object with a prompt field ({fields})")
-    if field is None:
-        field = next((k for k in decode_flags.PROMPT_FIELDS if k in rows[0]), None)
-    if field is None or field not in rows[0]:
-        named = field
-        if named is None:
-            named = decode_flags.PROMPT_FIELDS
-        raise runtime.UserError(
-            f"{path}: no prompt field {named} (keys: {sorted(rows[0])}); "
-            "name it with --prompt-field"
-        )
-    prompts = []
-    for row in rows[:max_samples]:
-        value = row[field]
-        if isinstance(value, list):
-            value = value[0]
-        prompts.append(value)
-    return field, prompts
-
-
 def plain_text(tok):
     """token ids -> text, special tokens (EOS) left out."""
 
@@ -246,43 +218,6 @@ def explain_prompt(models: Models, prompt: str, mode: str, run: Run, thinking: b
     return {"mode": mode, "answer": text, "new_tokens": new_tokens, "stats": stats}
 
 
-def write_trace(models: Models, ids, mode: str, run: Run, caches, path: str) -> dict:
-    """One prompt decoded once more in `mode` (after the run: its passes are warm), its phases
-    written to `path` as a Chrome trace: draft, verify, packed_draft, fallback_draft, both and
-    prefill spans, a track for each CUDA stream or host thread they ran on. Returns it."""
-    traced = dataclasses.replace(run, config=dataclasses.replace(run.config, trace=True))
-    record = decoding.decode_prompt(models, ids, [mode], traced, caches)[mode]
-    trace = record["trace"]
-    trace["otherData"] = {"mode": mode}
-    for key in ("lanes", "tau", "num_rounds"):
-        if key in record:
-            trace["otherData"][key] = record[key]
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(trace, f)
-    events = trace["traceEvents"]
-    tracks = [e["args"]["name"] for e in events if e["name"] == "thread_name"]
-    spans = len(events) - len(tracks) - 1
-    print(
-        f"wrote {path}: {mode}, {record['num_rounds']} rounds, {spans} spans on "
-        f"{len(tracks)} track(s) ({', '.join(tracks)}); open it in ui.perfetto.dev or "
-        "chrome://tracing"
-    )
-    return trace
-
-
-def histogram(accept_lengths: list[int], width: int = 40) -> str:
-    """One bar per round length that occurred (lengths with no round are left out)."""
-    counts = collections.Counter(accept_lengths)
-    top = max(counts.values(), default=1)
-    total = max(len(accept_lengths), 1)
-    lines = []
-    for n in sorted(counts):
-        bar = "#" * math.ceil(width * counts[n] / top)
-        lines.append(f"  {n:>3} | {bar:<{width}} {counts[n]:>5} ({counts[n] / total:.0%})")
-    return "\n".join(lines)
-
-
 def _finite(x):
     """NaN is not JSON: written as null."""
     if isinstance(x, dict):
@@ -333,18 +268,18 @@ def demo(
             else:
                 records[m].append(decoding.decode_prompt(models, ids, [m], run, caches)[m])
     block_size = models.block_size(run.config)
-    summaries = print_summary(models, records, modes, run, len(prompts), block_size)
+    summaries = benches.print_summary(models, records, modes, run, len(prompts), block_size)
     if mode != "target":
         lengths = [n for r in records[mode] for n in r["accept_lengths"]]
         print(
             f"{mode}: acceptance histogram (tokens committed per round, 1 .. "
-            f"{block_size + 1}):\n" + histogram(lengths)
+            f"{block_size + 1}):\n" + benches.histogram(lengths)
         )
     if trace:
-        write_trace(models, all_ids[0], mode, run, caches, trace)
+        decoding.write_trace(models, all_ids[0], mode, run, caches, trace)
     stats = None
     if mode != "target":
-        stats = merged_stats(records[mode])
+        stats = benches.merged_stats(records[mode])
     return {
         "summary": summaries[mode],
         "summaries": summaries,
@@ -352,57 +287,6 @@ def demo(
         "stats": stats,
         "answers": [plain_text(models.tokenizer)(r["new_tokens"]) for r in records[mode]],
     }
-
-
-def print_summary(models, records, modes, run: Run, num_prompts: int, block_size) -> dict:
-    """The demo's table: each mode's speed, speedup, tau, hit rate and whether its tokens are
-    target-only's. Returns {mode: figures.summarise}."""
-    info = models.info
-    print(
-        f"\n{num_prompts} prompt(s), {info['device']}, {info['dtype']}, block size "
-        f"{block_size}; tok/s with prefill excluded, speedup = target-only time per output "
-        "token / the mode's"
-    )
-    header = f"{'mode':<8}{'tok/s':>8}{'speedup':>9}{'τ':>6}{'hit rate':>10}"
-    print(header + "   same tokens as target-only")
-    summaries = {}
-    for m in modes:
-        s = figures.summarise(records[m], records["target"])
-        summaries[m] = s
-        pairs = zip(records[m], records["target"])
-        same = sum(r["new_tokens"] == b["new_tokens"] for r, b in pairs)
-        same = f"{same}/{num_prompts}"
-        if run.config.temperature and m != "target":
-            same = "sampled"
-        if m == "target":
-            same = "-"
-        tau = "-"
-        if m != "target":
-            tau = f"{s['tau']:.2f}"
-        hit_rate = "-"
-        if "hit_rate" in s:
-            hit_rate = format(s["hit_rate"], ".0%")
-        print(f"{m:<8}{s['tokens_per_s']:8.0f}{s['speedup']:8.2f}×{tau:>6}{hit_rate:>10}   {same}")
-    if "async" in modes:
-        lanes = records["async"][0]["lanes"]
-        where = "after"
-        if lanes == 2:
-            where = "beside"
-        print(
-            f"async: the packed pass ran {where} the verification ({lanes} "
-            f"lane{'s' * (lanes == 2)}); its hit rate is how often the next draft was ready "
-            "when the verification ended"
-        )
-    return summaries
-
-
-def merged_stats(records: list[dict]) -> dict:
-    """One mode's stats over several prompts: accept lengths joined, hits and misses added."""
-    merged = {"accept_lengths": [n for r in records for n in r["accept_lengths"]]}
-    for key in ("hits_per_position", "misses_per_position"):
-        if key in records[0]:
-            merged[key] = [sum(counts) for counts in zip(*(r[key] for r in records))]
-    return merged
 
 
 # ---------------------------------------------------------------------------------------------
@@ -516,7 +400,7 @@ def demo_prompts(args) -> list[str]:
     count = args.max_samples
     if count is None:
         count = 3
-    return read_prompts(path, args.prompt_field, count)[1]
+    return decoding.read_prompts(path, args.prompt_field, count)[1]
 
 
 @dataclasses.dataclass
@@ -592,7 +476,7 @@ def main(args: argparse.Namespace) -> dict:
     # read before loading
     files = []
     for path in plan.bench_files or []:
-        files.append((path, *read_prompts(path, args.prompt_field, args.max_samples)))
+        files.append((path, *decoding.read_prompts(path, args.prompt_field, args.max_samples)))
     torch.manual_seed(args.seed)
     loaded_modes = plan.modes
     if not plan.bench_files:
@@ -651,7 +535,7 @@ def benchmark(args, models: Models, prompts, files, plan: Plan, run: Run) -> dic
     (Table 2), else Table 1 (--bench)."""
     thinking = args.thinking
     if args.prefill_bench_file:
-        docs = read_prompts(args.prefill_bench_file, args.prompt_field)[1]
+        docs = decoding.read_prompts(args.prefill_bench_file, args.prompt_field)[1]
         count = args.max_samples
         if count is None:
             count = 10
@@ -668,7 +552,7 @@ def benchmark(args, models: Models, prompts, files, plan: Plan, run: Run) -> dic
         return benches.concurrency_bench(models, files, plan.modes, levels, run, thinking)
     trace = None
     if args.trace:
-        trace = functools.partial(write_trace, models, run=run, path=args.trace)
+        trace = functools.partial(decoding.write_trace, models, run=run, path=args.trace)
     return benches.table1(models, files, plan.modes, run, thinking, trace)
 
 

@@ -13,8 +13,6 @@ from systems import cli, decoding, forensics, peers
 
 # the toy's default drafter
 TOY_DRAFTER = "runs/toy/drafter"
-# GSM8K-, HumanEval-, MT-Bench-style files (first turn only)
-PROMPT_FIELDS = ("question", "prompt", "turns")
 
 
 @dataclasses.dataclass
@@ -59,7 +57,7 @@ class PromptFlags:
         None, "JSON Lines prompts to answer without --prompt (default: the toy's test prompts)"
     )
     prompt_field: str | None = cli.flag(
-        None, f"JSON field of the prompt (default: first of {', '.join(PROMPT_FIELDS)})"
+        None, f"JSON field of the prompt (default: first of {', '.join(decoding.PROMPT_FIELDS)})"
     )
     max_samples: int | None = cli.flag(
         None, "prompts per file (default: 3 for the demo, all with --bench)", Range(int, low=1)
