@@ -96,12 +96,11 @@ TOY_PROMPTS = os.path.join(toy.SHIPPED, toy.DATA_FILES["test"])
 
 
 def load(target, drafter, modes, device, dtype, attn, threads=None) -> Models:
-    """The run's Models: target, drafter, the target's tokenizer, EOS ids, its description.
+    """The run's Models on `device` (plan_run's): target, drafter, the target's tokenizer, EOS
+    ids, its description.
 
     The drafter is None when only target-only decoding runs; target None: the one the
     drafter was trained for (its train_args.json)."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     need_drafter = any(m != "target" for m in modes)
     recipe = drafter_recipe(drafter, check=need_drafter or target is None)
@@ -233,24 +232,15 @@ def _finite(x):
 # The two drivers: the demo and the benchmark
 
 
-def demo(
-    models: Models,
-    prompts: list[str],
-    mode: str,
-    run: Run,
-    thinking: bool,
-    colour: bool,
-    compare: list[str] = (),
-    trace: str | None = None,
-) -> dict:
+def demo(args, models: Models, prompts: list[str], plan: Plan, run: Run, colour: bool) -> dict:
     """Answer each prompt with `mode` (answer: coloured by origin), then compare it with
-    target-only decoding, and with the `compare` modes, on the same prompts. trace: a path
-    for write_trace (the first prompt)."""
-    modes = list(dict.fromkeys(["target", mode, *compare]))
+    target-only decoding, and with the plan's `compare` modes, on the same prompts; with
+    --trace, write_trace of the first prompt."""
+    mode = plan.mode
+    modes = list(dict.fromkeys(["target", mode, *plan.compare]))
     # a bad prompt fails before any decoding
-    all_ids = [
-        decoding.encode(models.tokenizer, p, thinking, models.target.device) for p in prompts
-    ]
+    device = models.target.device
+    all_ids = [decoding.encode(models.tokenizer, p, args.thinking, device) for p in prompts]
     caches = decoding.prepare(models, run, all_ids, modes)
     # warm-up
     decoding.decode_prompt(models, all_ids[0], modes, run, caches, max_new_tokens=8)
@@ -269,17 +259,14 @@ def demo(
                 records[m].append(decoding.decode_prompt(models, ids, [m], run, caches)[m])
     block_size = models.block_size(run.config)
     summaries = benches.print_summary(models, records, modes, run, len(prompts), block_size)
-    if mode != "target":
-        lengths = [n for r in records[mode] for n in r["accept_lengths"]]
-        print(
-            f"{mode}: acceptance histogram (tokens committed per round, 1 .. "
-            f"{block_size + 1}):\n" + benches.histogram(lengths)
-        )
-    if trace:
-        decoding.write_trace(models, all_ids[0], mode, run, caches, trace)
     stats = None
     if mode != "target":
         stats = benches.merged_stats(records[mode])
+        rounds = f"tokens committed per round, 1 .. {block_size + 1}"
+        print(f"{mode}: acceptance histogram ({rounds}):")
+        print(benches.histogram(stats["accept_lengths"]))
+    if args.trace:
+        decoding.write_trace(models, all_ids[0], mode, run, caches, args.trace)
     return {
         "summary": summaries[mode],
         "summaries": summaries,
@@ -518,7 +505,7 @@ def show_demo(args, models: Models, prompts: list[str], plan: Plan, run: Run) ->
     """The demo, and with --plot its acceptance histogram drawn."""
     colour = not args.no_color and sys.stdout.isatty() and "NO_COLOR" not in os.environ
     mode = plan.mode
-    summary = demo(models, prompts, mode, run, args.thinking, colour, plan.compare, args.trace)
+    summary = demo(args, models, prompts, plan, run, colour)
     if args.plot and summary["stats"] is not None:
         title = f"{mode}, {len(prompts)} prompt(s)"
         stats = summary["stats"]

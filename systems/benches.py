@@ -233,18 +233,10 @@ def concurrency_bench(
                     records[mode].append(r)
                     references = records["target"][-1]["new_tokens"]
                     for row, (ref, new) in enumerate(zip(references, r["new_tokens"])):
-                        found = forensics.divergence(
-                            target,
-                            tok,
-                            group[row],
-                            ref,
-                            new,
-                            run,
-                            dataset=name,
-                            concurrency=c,
-                            mode=mode,
-                            prompt_index=g * c + row,
-                        )
+                        where = dict(dataset=name, concurrency=c, mode=mode)
+                        where["prompt_index"] = g * c + row
+                        x = group[row]
+                        found = forensics.divergence(target, tok, x, ref, new, run, **where)
                         if found:
                             mismatches.append(found)
             cells = {}

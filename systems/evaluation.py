@@ -164,18 +164,8 @@ def load_trained(drafter: str, device):
         )
     # how the drafter was trained: its target, prompts and answer caches
     recipe = cli.read_json("--drafter", path)
-    needed = (
-        "target",
-        "prompts",
-        "prompt_field",
-        "thinking",
-        "max_new_tokens",
-        "gen_batch_size",
-        "num_prompts",
-        "num_val",
-        "max_len",
-        "val_anchors",
-    )
+    needed = ("target", "prompts", "prompt_field", "thinking", "max_new_tokens")
+    needed += ("gen_batch_size", "num_prompts", "num_val", "max_len", "val_anchors")
     missing = [key for key in needed if key not in recipe]
     if missing:
         raise runtime.UserError(

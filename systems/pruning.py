@@ -161,21 +161,7 @@ def prune_main(**flags) -> dict:
     f = argparse.Namespace(**{**defaults, **flags})
     check_prune_args(vars(f))
     device = evaluation.default_device(f.device)
-    out = f.out
-    if out is None:
-        out = f.drafter.rstrip("/") + "-pruned"
-    if os.path.realpath(out) == os.path.realpath(f.drafter):
-        raise runtime.UserError(f"--out {out} is the drafter being pruned — give another folder")
-    # a GPU prunes in bf16 autocast like training; a CPU keeps exact fp32 (bf16 is slow on most)
-    dtype = f.dtype
-    if dtype is None:
-        dtype = "auto" if device.type == "cuda" else "float32"
-    bf16 = runtime.resolve_dtype(dtype, device) == torch.bfloat16
-    # activation checkpointing: by default on CUDA, off on a CPU
-    checkpointing = f.gradient_checkpointing
-    if checkpointing is None:
-        checkpointing = device.type == "cuda"
-    config = cli.settings_of(d3d.PruneConfig, vars(f), NOT_FLAGS, checkpointing=checkpointing)
+    out, bf16, config = settings(f, device)
     recipe, tokenizer, model, train, val, pad_id = evaluation.load_trained(f.drafter, device)
     val_batches, train_batches = batches(train, val, f, pad_id, recipe["max_len"], device)
     # the unpruned drafter for the final comparison waits in host memory: on the device it
@@ -198,7 +184,7 @@ def prune_main(**flags) -> dict:
         "num_val": min(f.num_val, len(val)),
         "val_anchors": config.val_anchors,
         "layer_ids": model.d3d_config.layer_ids,
-        "checkpointing": checkpointing,
+        "checkpointing": config.checkpointing,
         "peak_memory_estimate_gib": round(estimate["total"], 2),
         "peak_memory_gib": round(memory.peak_memory_gib(device), 2),
     }
@@ -213,6 +199,27 @@ def prune_main(**flags) -> dict:
     save_pruned(model, tokenizer, recipe, f.drafter, out, result)
     print_done(model, result, config, f.plot, device, out)
     return result
+
+
+def settings(f: argparse.Namespace, device) -> tuple[str, bool, d3d.PruneConfig]:
+    """(the pruned folder, whether to compute in bf16, the PruneConfig) of the flags on
+    `device`: the defaults that depend on it filled in."""
+    out = f.out
+    if out is None:
+        out = f.drafter.rstrip("/") + "-pruned"
+    if os.path.realpath(out) == os.path.realpath(f.drafter):
+        raise runtime.UserError(f"--out {out} is the drafter being pruned — give another folder")
+    # a GPU prunes in bf16 autocast like training; a CPU keeps exact fp32 (bf16 is slow on most)
+    dtype = f.dtype
+    if dtype is None:
+        dtype = "auto" if device.type == "cuda" else "float32"
+    bf16 = runtime.resolve_dtype(dtype, device) == torch.bfloat16
+    # activation checkpointing: by default on CUDA, off on a CPU
+    checkpointing = f.gradient_checkpointing
+    if checkpointing is None:
+        checkpointing = device.type == "cuda"
+    config = cli.settings_of(d3d.PruneConfig, vars(f), NOT_FLAGS, checkpointing=checkpointing)
+    return out, bf16, config
 
 
 def batches(train, val, f, pad_id: int, max_len: int, device) -> tuple[list, list]:
