@@ -42,6 +42,7 @@ train.py's machinery:
     pruning.py      `train.py prune`: progressive layer pruning, then unpruned vs pruned
                     decoding against the target
 decode.py's machinery:
+    decode_flags.py decode.py's flags: a dataclass per --help group, beside d3d.DecodeConfig's
     decoding.py     the modes a run names (parse_mode), one prompt decoded in each
                     (decode_prompt), the caches (prepare)
     figures.py      Table 1 from a run's records: a mode's speedup, tau, tok/s, hit rate

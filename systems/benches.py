@@ -233,18 +233,10 @@ def concurrency_bench(
                     records[mode].append(r)
                     references = records["target"][-1]["new_tokens"]
                     for row, (ref, new) in enumerate(zip(references, r["new_tokens"])):
-                        found = forensics.divergence(
-                            target,
-                            tok,
-                            group[row],
-                            ref,
-                            new,
-                            run,
-                            dataset=name,
-                            concurrency=c,
-                            mode=mode,
-                            prompt_index=g * c + row,
-                        )
+                        where = dict(dataset=name, concurrency=c, mode=mode)
+                        where["prompt_index"] = g * c + row
+                        x = group[row]
+                        found = forensics.divergence(target, tok, x, ref, new, run, **where)
                         if found:
                             mismatches.append(found)
             cells = {}
@@ -500,3 +492,70 @@ def table1_figures(models, results, everything, mismatches, modes, run) -> dict:
         ratio = overall["target"]["tokens_per_s"] / overall["hf"]["tokens_per_s"]
         result["target_vs_hf"] = ratio
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The demo's comparison of its modes
+
+
+def print_summary(models, records, modes, run, num_prompts: int, block_size) -> dict:
+    """The demo's table: each mode's speed, speedup, tau, hit rate and whether its tokens are
+    target-only's. Returns {mode: figures.summarise}."""
+    info = models.info
+    print(
+        f"\n{num_prompts} prompt(s), {info['device']}, {info['dtype']}, block size "
+        f"{block_size}; tok/s with prefill excluded, speedup = target-only time per output "
+        "token / the mode's"
+    )
+    header = f"{'mode':<8}{'tok/s':>8}{'speedup':>9}{'τ':>6}{'hit rate':>10}"
+    print(header + "   same tokens as target-only")
+    summaries = {}
+    for m in modes:
+        s = figures.summarise(records[m], records["target"])
+        summaries[m] = s
+        pairs = zip(records[m], records["target"])
+        same = sum(r["new_tokens"] == b["new_tokens"] for r, b in pairs)
+        same = f"{same}/{num_prompts}"
+        if run.config.temperature and m != "target":
+            same = "sampled"
+        if m == "target":
+            same = "-"
+        tau = "-"
+        if m != "target":
+            tau = f"{s['tau']:.2f}"
+        hit_rate = "-"
+        if "hit_rate" in s:
+            hit_rate = format(s["hit_rate"], ".0%")
+        print(f"{m:<8}{s['tokens_per_s']:8.0f}{s['speedup']:8.2f}×{tau:>6}{hit_rate:>10}   {same}")
+    if "async" in modes:
+        lanes = records["async"][0]["lanes"]
+        where = "after"
+        if lanes == 2:
+            where = "beside"
+        print(
+            f"async: the packed pass ran {where} the verification ({lanes} "
+            f"lane{'s' * (lanes == 2)}); its hit rate is how often the next draft was ready "
+            "when the verification ended"
+        )
+    return summaries
+
+
+def merged_stats(records: list[dict]) -> dict:
+    """One mode's stats over several prompts: accept lengths joined, hits and misses added."""
+    merged = {"accept_lengths": [n for r in records for n in r["accept_lengths"]]}
+    for key in ("hits_per_position", "misses_per_position"):
+        if key in records[0]:
+            merged[key] = [sum(counts) for counts in zip(*(r[key] for r in records))]
+    return merged
+
+
+def histogram(accept_lengths: list[int], width: int = 40) -> str:
+    """One bar per round length that occurred (lengths with no round are left out)."""
+    counts = collections.Counter(accept_lengths)
+    top = max(counts.values(), default=1)
+    total = max(len(accept_lengths), 1)
+    lines = []
+    for n in sorted(counts):
+        bar = "#" * math.ceil(width * counts[n] / top)
+        lines.append(f"  {n:>3} | {bar:<{width}} {counts[n]:>5} ({counts[n] / total:.0%})")
+    return "\n".join(lines)

@@ -69,18 +69,21 @@ def spelt(f: dataclasses.Field) -> str:
     return f.metadata.get(SPELLING, {}).get("flag", flag_name(f.name))
 
 
-def add_settings(parser, kind: type, title: str, *, skip=(), later=None, narrower=None):
+def add_settings(
+    parser, kind: type, title: str, *, skip=(), later=None, narrower=None, defaults=None
+):
     """One argparse group of `title` with a flag for each field of `kind` (flag_fields): help
     and range from the field's metadata, the field's default ("(default: ...)" added to the help
     unless it is None or a bool, or the help says it in words). `later`: {field: words} for
     defaults the run decides (the flag's default is None, the words go in the help). `narrower`:
-    {field: Range} where a driver takes less than the field (check_flags reads it too)."""
+    {field: Range} where a driver takes less than the field (check_flags reads it too).
+    `defaults`: {field: value} where the driver's default is not the field's."""
     group = parser.add_argument_group(title)
     for f in flag_fields(kind, skip):
         options = dict(f.metadata.get(SPELLING, {}))
         name = options.pop("flag", flag_name(f.name))
         allowed = (narrower or {}).get(f.name, f.metadata.get("range"))
-        default = f.default
+        default = (defaults or {}).get(f.name, f.default)
         help = f.metadata["help"]
         if later and f.name in later:
             default = None
@@ -118,25 +121,25 @@ def group_kinds(groups: dict):
             yield value, ()
 
 
-def add_groups(parser, groups: dict, *, later=None, narrower=None) -> None:
-    """A driver's flags: one add_settings group per entry of `groups` (group_kinds)."""
+def add_groups(parser, groups: dict, **options) -> None:
+    """A driver's flags: one add_settings group per entry of `groups` (group_kinds); `options`:
+    add_settings's later, narrower and defaults."""
     for title, (kind, skip) in zip(groups, group_kinds(groups)):
-        add_settings(parser, kind, title, skip=skip, later=later, narrower=narrower)
+        add_settings(parser, kind, title, skip=skip, **options)
 
 
 def flag_ranges(groups: dict, narrower=None) -> tuple[dict, dict]:
     """(ranges, flags) of a driver's flags, as check_ranges takes them: {field: Range} and
-    {field: its flag} where the flag is not --field-name."""
+    {field: its flag} for every field whose flag is not --field-name."""
     ranges = {}
     flags = {}
     for kind, skip in group_kinds(groups):
         for f in flag_fields(kind, skip):
-            allowed = (narrower or {}).get(f.name, f.metadata.get("range"))
-            if allowed is None:
-                continue
-            ranges[f.name] = allowed
             if spelt(f) != flag_name(f.name):
                 flags[f.name] = spelt(f)
+            allowed = (narrower or {}).get(f.name, f.metadata.get("range"))
+            if allowed is not None:
+                ranges[f.name] = allowed
     return ranges, flags
 
 

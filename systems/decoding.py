@@ -12,6 +12,7 @@ starts from and the run's own settings, only read.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, replace
 
@@ -20,7 +21,7 @@ from torch import nn
 
 import d3d
 import runtime
-from systems import fast, peers
+from systems import cli, fast, peers
 
 
 @dataclass
@@ -119,6 +120,38 @@ def mode_config(spec: str, run: Run) -> tuple[d3d.DecodeConfig, bool]:
         # transformers' generate reads only B and max_new_tokens of it (peers.hf_decode)
         return run.config, False
     return replace(run.config, mode=mode, **overrides), compiled
+
+
+# GSM8K-, HumanEval-, MT-Bench-style files (first turn only)
+PROMPT_FIELDS = ("question", "prompt", "turns")
+
+
+def read_prompts(
+    path: str, field: str | None = None, max_samples: int | None = None
+) -> tuple[str, list[str]]:
+    """(field, prompts) of a JSON Lines file; the field is found among PROMPT_FIELDS
+    unless given."""
+    fields = field
+    if fields is None:
+        fields = ", ".join(PROMPT_FIELDS)
+    rows = cli.read_jsonl("prompts file", path, f"a JSON object with a prompt field ({fields})")
+    if field is None:
+        field = next((k for k in PROMPT_FIELDS if k in rows[0]), None)
+    if field is None or field not in rows[0]:
+        named = field
+        if named is None:
+            named = PROMPT_FIELDS
+        raise runtime.UserError(
+            f"{path}: no prompt field {named} (keys: {sorted(rows[0])}); "
+            "name it with --prompt-field"
+        )
+    prompts = []
+    for row in rows[:max_samples]:
+        value = row[field]
+        if isinstance(value, list):
+            value = value[0]
+        prompts.append(value)
+    return field, prompts
 
 
 def encode(tok, text: str, thinking: bool, device) -> torch.Tensor:
@@ -292,3 +325,28 @@ def decode_prompt(
         out, stats = d3d.generate(models.target, use, ids, config, **kwargs)
         records[spec] = record(ids, out, stats)
     return records
+
+
+def write_trace(models: Models, ids, mode: str, run: Run, caches, path: str) -> dict:
+    """One prompt decoded once more in `mode` (after the run: its passes are warm), its phases
+    written to `path` as a Chrome trace: draft, verify, packed_draft, fallback_draft, both and
+    prefill spans, a track for each CUDA stream or host thread they ran on. Returns it."""
+    traced = replace(run, config=replace(run.config, trace=True))
+    record = decode_prompt(models, ids, [mode], traced, caches)[mode]
+    trace = record["trace"]
+    trace["otherData"] = {"mode": mode}
+    for key in ("lanes", "tau", "num_rounds"):
+        if key in record:
+            trace["otherData"][key] = record[key]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(trace, f)
+    events = trace["traceEvents"]
+    tracks = [e["args"]["name"] for e in events if e["name"] == "thread_name"]
+    spans = len(events) - len(tracks) - 1
+    print(
+        f"wrote {path}: {mode}, {record['num_rounds']} rounds, {spans} spans on "
+        f"{len(tracks)} track(s) ({', '.join(tracks)}); open it in ui.perfetto.dev or "
+        "chrome://tracing"
+    )
+    return trace

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 import d3d
 import runtime
+from runtime import Range
 from systems import answers, cli, pictures
 
 
@@ -163,18 +164,8 @@ def load_trained(drafter: str, device):
         )
     # how the drafter was trained: its target, prompts and answer caches
     recipe = cli.read_json("--drafter", path)
-    needed = (
-        "target",
-        "prompts",
-        "prompt_field",
-        "thinking",
-        "max_new_tokens",
-        "gen_batch_size",
-        "num_prompts",
-        "num_val",
-        "max_len",
-        "val_anchors",
-    )
+    needed = ("target", "prompts", "prompt_field", "thinking", "max_new_tokens")
+    needed += ("gen_batch_size", "num_prompts", "num_val", "max_len", "val_anchors")
     missing = [key for key in needed if key not in recipe]
     if missing:
         raise runtime.UserError(
@@ -222,46 +213,69 @@ def load_trained(drafter: str, device):
     return recipe, tokenizer, model, train, val, pad_id
 
 
-EVAL_RANGES = {"num_val": cli.Range(int, low=1), "val_anchors": cli.Range(int, low=1)}
+@dataclasses.dataclass
+class TrainedDrafter:
+    """The drafter folder train.py wrote, which `train.py eval` and `train.py prune` read
+    (load_trained), and where they run."""
+
+    drafter: str = cli.flag("runs/toy/drafter", "trained drafter folder")
+    device: str | None = cli.flag(None, "cpu, cuda, ... (default: cuda if available)")
+
+
+@dataclasses.dataclass
+class EvalFlags:
+    """What `train.py eval` measures (default: as the drafter was trained)."""
+
+    num_val: int | None = cli.flag(
+        None, "held-out answers (default: as in training)", Range(int, low=1)
+    )
+    val_anchors: int | None = cli.flag(
+        None, "blocks per held-out answer (default: as in training)", Range(int, low=1)
+    )
+    dtype: str | None = cli.flag(
+        None,
+        "bfloat16 autocast or float32 (default: as in training; auto: bfloat16 where native)",
+        Range(str, choices=("auto", "float32", "bfloat16")),
+    )
+    plot: str | None = cli.flag(
+        None,
+        "draw the share of blocks with d_1 .. d_i all accepted, by position i, d_1 from the "
+        "head and from MASK 1; needs matplotlib (requirements-plots.txt)",
+        metavar="PATH.png",
+    )
+
+
+EVAL_GROUPS = {"the trained drafter": TrainedDrafter, "measurement": EvalFlags}
+# {field: Range} of every flag, as check_ranges takes them
+EVAL_RANGES, _ = cli.flag_ranges(EVAL_GROUPS)
+
+
+def parse_eval_args(argv=None):
+    """The flags of `train.py eval`, a group per settings dataclass."""
+    description = eval_main.__doc__.split(":", 1)[1].strip()
+    ap = cli.Parser(prog="train.py eval", description=description)
+    cli.add_groups(ap, EVAL_GROUPS)
+    return ap.parse_args(argv)
+
+
+def default_device(name: str | None) -> torch.device:
+    """The device a flag names; by default CUDA if there is one, else the CPU."""
+    if name is None:
+        name = "cpu"
+        if torch.cuda.is_available():
+            name = "cuda"
+    return torch.device(name)
 
 
 def eval_main(argv=None) -> dict:
     """python train.py eval --drafter FOLDER: offline tau on the held-out answers the
     drafter was trained with, with d_1 drafted by the causal row ("causal")
     and by MASK 1 ("mask")."""
-    description = eval_main.__doc__.split(":", 1)[1].strip()
-    ap = cli.Parser(prog="train.py eval", description=description)
-    ap.add_argument(
-        "--drafter",
-        default="runs/toy/drafter",
-        help="trained drafter folder (default: runs/toy/drafter)",
-    )
-    ap.add_argument("--num-val", type=int, help="held-out answers (default: as in training)")
-    ap.add_argument(
-        "--val-anchors", type=int, help="blocks per held-out answer (default: as in training)"
-    )
-    ap.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16"],
-        help="bfloat16 autocast or float32 (default: as in training; auto: bfloat16 where native)",
-    )
-    ap.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
-    ap.add_argument(
-        "--plot",
-        metavar="PATH.png",
-        help="draw the share of blocks with d_1 .. d_i all accepted, by position i, "
-        "d_1 from the head and from MASK 1; needs matplotlib (requirements-plots.txt)",
-    )
-    args = ap.parse_args(argv)
-    cli.check_ranges(vars(args), EVAL_RANGES)
+    args = parse_eval_args(argv)
+    cli.check_flags(vars(args), EVAL_GROUPS)
     if args.plot is not None:
         check_plotting()
-    device = args.device
-    if device is None:
-        device = "cpu"
-        if torch.cuda.is_available():
-            device = "cuda"
-    device = torch.device(device)
+    device = default_device(args.device)
     recipe, _, drafter, _, val, pad_id = load_trained(args.drafter, device)
     num_val = args.num_val
     if num_val is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 
@@ -15,105 +16,80 @@ from tqdm.auto import tqdm
 
 import d3d
 import runtime
+from runtime import Range
 from systems import answers, cli, evaluation, fast, memory, pictures
 
 
+@dataclasses.dataclass
+class PruneFlags:
+    """What `train.py prune` reads and writes besides d3d.PruneConfig: the pruned folder, the
+    batches, the comparison with the target, the precision."""
+
+    out: str | None = cli.flag(
+        None, "pruned drafter folder (default: DRAFTER-pruned); prune_table.json goes in it"
+    )
+    batch_size: int = cli.flag(8, "sequences per batch", Range(int, low=1))
+    num_val: int = cli.flag(64, "held-out answers for validation tau", Range(int, low=1))
+    compare_prompts: int = cli.flag(
+        8,
+        "held-out prompts decoded with the unpruned and the pruned drafter against the target, "
+        "for the speedup (0 = skip)",
+        Range(int, low=0),
+    )
+    max_new_tokens: int = cli.flag(128, "tokens per compared answer", Range(int, low=1))
+    dtype: str | None = cli.flag(
+        None,
+        "bfloat16 autocast for scoring and recovery (fp32 master weights), or float32 "
+        "(default: auto on CUDA = bfloat16 where native; float32 on a CPU)",
+        Range(str, choices=("auto", "float32", "bfloat16")),
+    )
+    gradient_checkpointing: bool | None = cli.flag(
+        None,
+        "recompute each layer's activations in the backward of recovery steps: less memory, "
+        "~30 % more compute (default: on with CUDA, off on a CPU)",
+        action=argparse.BooleanOptionalAction,
+    )
+    plot: str | None = cli.flag(
+        None,
+        "draw the pruning curve (Fig. 1b): tau before and after recovery at each depth; needs "
+        "matplotlib (requirements-plots.txt)",
+        metavar="PATH.png",
+    )
+
+
+# d3d.PruneConfig's field that is no flag: --gradient-checkpointing decides it by the device
+NOT_FLAGS = ("checkpointing",)
+GROUPS = {
+    "the trained drafter": evaluation.TrainedDrafter,
+    "pruning (d3d.PruneConfig; a stopping rule at least: --min-layers, --tau-floor or both)": (
+        d3d.PruneConfig,
+        NOT_FLAGS,
+    ),
+    "output, recovery batches and comparison": PruneFlags,
+}
+# the driver's own defaults, with which LAB.md's pruning runs were measured
+DEFAULTS = {"recovery_steps": 50, "lr": 1e-4, "val_anchors": 16}
+# a floor above the unpruned tau would stop before any removal
+NARROWER = {"tau_floor": Range(float, low=0, high=1, low_open=True)}
+# {field: Range} of every flag, as check_ranges takes them. Zero is legal where it means
+# something: --recovery-steps 0 (no recovery), --compare-prompts 0 (no comparison), --beta 0.
+PRUNE_RANGES, _ = cli.flag_ranges(GROUPS, NARROWER)
+
+
 def parse_prune_args(argv=None) -> argparse.Namespace:
+    """The flags of `train.py prune`, a group per settings dataclass."""
     ap = cli.Parser(
         prog="train.py prune",
         description="Progressive layer pruning of a trained drafter "
         "with recovery distillation (paper Fig. 1b), on the answers it was trained with.",
     )
-    g = ap.add_argument_group("input and output")
-    g.add_argument(
-        "--drafter",
-        default="runs/toy/drafter",
-        help="trained drafter folder (default: runs/toy/drafter)",
-    )
-    g.add_argument(
-        "--out", help="pruned drafter folder (default: DRAFTER-pruned); prune_table.json goes in it"
-    )
-    g = ap.add_argument_group("stopping rule (one at least)")
-    g.add_argument("--min-layers", type=int, help="stop at this many layers")
-    g.add_argument(
-        "--tau-floor",
-        type=float,
-        help="stop before tau falls below this fraction of the unpruned tau",
-    )
-    g = ap.add_argument_group("recovery and evaluation")
-    g.add_argument(
-        "--recovery-steps",
-        type=int,
-        default=50,
-        help="distillation steps after each removal; 0 = no recovery (default: 50)",
-    )
-    g.add_argument("--lr", type=float, default=1e-4, help="recovery learning rate (default: 1e-4)")
-    g.add_argument(
-        "--beta",
-        type=float,
-        default=0.5,
-        help="teacher adjusted toward the label by beta (default: 0.5)",
-    )
-    g.add_argument("--batch-size", type=int, default=8, help="sequences per batch (default: 8)")
-    g.add_argument(
-        "--num-val", type=int, default=64, help="held-out answers for validation tau (default: 64)"
-    )
-    g.add_argument(
-        "--val-anchors", type=int, default=16, help="blocks per held-out answer (default: 16)"
-    )
-    g.add_argument(
-        "--compare-prompts",
-        type=int,
-        default=8,
-        help="held-out prompts decoded with the unpruned and "
-        "the pruned drafter against the target, for the speedup (default: 8; 0 = skip)",
-    )
-    g.add_argument(
-        "--max-new-tokens", type=int, default=128, help="tokens per compared answer (default: 128)"
-    )
-    g.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16"],
-        help="bfloat16 autocast for scoring and recovery (fp32 master weights), or float32 "
-        "(default: auto on CUDA = bfloat16 where native; float32 on a CPU)",
-    )
-    g.add_argument(
-        "--gradient-checkpointing",
-        action=argparse.BooleanOptionalAction,
-        help="recompute each layer's activations in the backward of recovery steps: less "
-        "memory, ~30 %% more compute (default: on with CUDA, off on a CPU)",
-    )
-    g.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
-    g.add_argument("--seed", type=int, default=0, help="anchors and batch order (default: 0)")
-    g.add_argument(
-        "--plot",
-        metavar="PATH.png",
-        help="draw the pruning curve (Fig. 1b): tau before "
-        "and after recovery at each depth; needs matplotlib (requirements-plots.txt)",
-    )
+    cli.add_groups(ap, GROUPS, narrower=NARROWER, defaults=DEFAULTS)
     return ap.parse_args(argv)
-
-
-# The values each flag of `train.py prune` accepts (None: not given). Zero is legal where it
-# means something: --recovery-steps 0 (no recovery), --compare-prompts 0 (no comparison), --beta 0.
-PRUNE_RANGES = {
-    "min_layers": cli.Range(int, low=1),
-    "tau_floor": cli.Range(float, low=0, high=1, low_open=True),
-    "recovery_steps": cli.Range(int, low=0),
-    "lr": cli.Range(float, low=0, low_open=True),
-    "beta": cli.Range(float, low=0, high=1),
-    "batch_size": cli.Range(int, low=1),
-    "num_val": cli.Range(int, low=1),
-    "val_anchors": cli.Range(int, low=1),
-    "compare_prompts": cli.Range(int, low=0),
-    "max_new_tokens": cli.Range(int, low=1),
-    "seed": cli.Range(int, low=0),
-}
 
 
 def check_prune_args(values: dict) -> None:
     """Every flag of `train.py prune` in its range, and a stopping rule, before anything loads."""
-    cli.check_ranges(values, PRUNE_RANGES)
+    cli.check_flags(values, GROUPS, NARROWER)
     if values.get("min_layers") is None and values.get("tau_floor") is None:
         raise runtime.UserError(
             "train.py prune needs a stopping rule — give --min-layers N, --tau-floor F, or both"
@@ -173,156 +149,163 @@ def describe_iteration(row: dict, recovery_steps: int, tau_floor: float | None, 
     return line
 
 
-def prune_main(
-    *,
-    drafter,
-    out,
-    min_layers,
-    tau_floor,
-    recovery_steps,
-    lr,
-    beta,
-    batch_size,
-    num_val,
-    val_anchors,
-    compare_prompts,
-    max_new_tokens,
-    dtype=None,
-    gradient_checkpointing=None,
-    device,
-    seed,
-    plot=None,
-) -> dict:
-    check_prune_args(dict(locals()))
-    if device is None:
-        device = "cpu"
-        if torch.cuda.is_available():
-            device = "cuda"
-    device = torch.device(device)
-    if out is None:
-        out = drafter.rstrip("/") + "-pruned"
-    if os.path.realpath(out) == os.path.realpath(drafter):
-        raise runtime.UserError(f"--out {out} is the drafter being pruned — give another folder")
-    # a GPU prunes in bf16 autocast like training; a CPU keeps exact fp32 (bf16 is slow on most)
-    if dtype is None:
-        dtype = "auto" if device.type == "cuda" else "float32"
-    # activation checkpointing: by default on CUDA, off on a CPU
-    checkpointing = gradient_checkpointing
-    if checkpointing is None:
-        checkpointing = device.type == "cuda"
-    recipe, tokenizer, model, train, val, pad_id = evaluation.load_trained(drafter, device)
-    max_len = recipe["max_len"]
-    val_batches = [
-        tuple(t.to(device) for t in answers.collate(val[s : s + batch_size], pad_id, max_len))
-        for s in range(0, min(num_val, len(val)), batch_size)
-    ]
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
-    train_batches = [
-        tuple(
-            t.to(device)
-            for t in answers.collate([train[i] for i in order[s : s + batch_size]], pad_id, max_len)
-        )
-        for s in range(0, len(order) - batch_size + 1, batch_size)
-    ]
+def prune_main(**flags) -> dict:
+    """`python train.py prune`: the flags of parse_prune_args as keywords (defaults as there),
+    checked before anything loads; d3d.prune_drafter on the answers the drafter was trained
+    with, then unpruned vs pruned decoding against the target, the pruned folder and its
+    table (prune_table.json). Returns the table's figures."""
+    defaults = vars(parse_prune_args([]))
+    unknown = flags.keys() - defaults.keys()
+    if unknown:
+        raise TypeError(f"unknown arguments: {sorted(unknown)}")
+    f = argparse.Namespace(**{**defaults, **flags})
+    check_prune_args(vars(f))
+    device = evaluation.default_device(f.device)
+    out, bf16, config = settings(f, device)
+    recipe, tokenizer, model, train, val, pad_id = evaluation.load_trained(f.drafter, device)
+    val_batches, train_batches = batches(train, val, f, pad_id, recipe["max_len"], device)
     # the unpruned drafter for the final comparison waits in host memory: on the device it
     # would sit beside the teacher copy prune_drafter makes
-    unpruned = runtime.host_copy(model) if compare_prompts else None
+    unpruned = runtime.host_copy(model) if f.compare_prompts else None
     print(
-        f"[prune] {drafter}: {model.model.config.num_hidden_layers} layers; "
+        f"[prune] {f.drafter}: {model.model.config.num_hidden_layers} layers; "
         f"{len(val_batches)} validation and {len(train_batches)} recovery batches of "
-        f"{batch_size}"
+        f"{f.batch_size}"
     )
+    estimate = recovery_estimate(model, train_batches, f.batch_size, config, device)
+    table = prune(model, val_batches, train_batches, config, bf16, device)
+    result = {
+        "table": table,
+        "drafter": os.path.abspath(f.drafter),
+        "recovery_steps": config.recovery_steps,
+        "beta": config.beta,
+        "lr": config.lr,
+        "dtype": "bfloat16" if bf16 else "float32",
+        "num_val": min(f.num_val, len(val)),
+        "val_anchors": config.val_anchors,
+        "layer_ids": model.d3d_config.layer_ids,
+        "checkpointing": config.checkpointing,
+        "peak_memory_estimate_gib": round(estimate["total"], 2),
+        "peak_memory_gib": round(memory.peak_memory_gib(device), 2),
+    }
+    if f.compare_prompts:
+        target = runtime.load_causal_lm(recipe["target"], torch.float32, device).eval()
+        prompts = [torch.tensor([p], device=device) for p, _ in val[: f.compare_prompts]]
+        eos = getattr(target.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
+        drafters = {"unpruned": unpruned.to(device).eval(), "pruned": model.eval()}
+        result["decode"] = compare_drafters(
+            target, drafters, prompts, max_new_tokens=f.max_new_tokens, eos=eos
+        )
+    save_pruned(model, tokenizer, recipe, f.drafter, out, result)
+    print_done(model, result, config, f.plot, device, out)
+    return result
+
+
+def settings(f: argparse.Namespace, device) -> tuple[str, bool, d3d.PruneConfig]:
+    """(the pruned folder, whether to compute in bf16, the PruneConfig) of the flags on
+    `device`: the defaults that depend on it filled in."""
+    out = f.out
+    if out is None:
+        out = f.drafter.rstrip("/") + "-pruned"
+    if os.path.realpath(out) == os.path.realpath(f.drafter):
+        raise runtime.UserError(f"--out {out} is the drafter being pruned — give another folder")
+    # a GPU prunes in bf16 autocast like training; a CPU keeps exact fp32 (bf16 is slow on most)
+    dtype = f.dtype
+    if dtype is None:
+        dtype = "auto" if device.type == "cuda" else "float32"
     bf16 = runtime.resolve_dtype(dtype, device) == torch.bfloat16
-    config = model.model.config.get_text_config()
-    seq_len = (
-        max((ids.shape[1] for ids, _ in train_batches), default=0)
-        + val_anchors * model.d3d_config.block_size
-    )
+    # activation checkpointing: by default on CUDA, off on a CPU
+    checkpointing = f.gradient_checkpointing
+    if checkpointing is None:
+        checkpointing = device.type == "cuda"
+    config = cli.settings_of(d3d.PruneConfig, vars(f), NOT_FLAGS, checkpointing=checkpointing)
+    return out, bf16, config
+
+
+def batches(train, val, f, pad_id: int, max_len: int, device) -> tuple[list, list]:
+    """(validation batches of the first --num-val held-out answers, recovery batches of the
+    training answers in a seeded order), each (input_ids, loss_mask) on `device`."""
+    size = f.batch_size
+
+    def batch(examples):
+        return tuple(t.to(device) for t in answers.collate(examples, pad_id, max_len))
+
+    val_batches = [batch(val[s : s + size]) for s in range(0, min(f.num_val, len(val)), size)]
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(f.seed)).tolist()
+    starts = range(0, len(order) - size + 1, size)
+    train_batches = [batch([train[i] for i in order[s : s + size]]) for s in starts]
+    return val_batches, train_batches
+
+
+def recovery_estimate(model, train_batches, batch_size: int, config, device) -> dict:
+    """memory.prune_memory_estimate of a recovery step after the first removal, printed."""
+    text_config = model.model.config.get_text_config()
+    longest = max((ids.shape[1] for ids, _ in train_batches), default=0)
+    seq_len = longest + config.val_anchors * model.d3d_config.block_size
     estimate = memory.prune_memory_estimate(
         sum(p.numel() for p in model.parameters()),
-        config.hidden_size,
-        max(config.num_hidden_layers - 1, 1),  # recovery follows the first removal
+        text_config.hidden_size,
+        # recovery follows the first removal
+        max(text_config.num_hidden_layers - 1, 1),
         batch_size,
         seq_len,
         model.d3d_config.target_vocab_size,
-        checkpointing,
+        config.checkpointing,
         device.type,
     )
     print(
         f"[prune] estimated peak of a recovery step: {estimate['total']:.1f} GiB = "
         + ", ".join(f"{name} {gib:.1f}" for name, gib in estimate.items() if name != "total")
-        + f" (activation checkpointing {'on' if checkpointing else 'off'}; the snapshot "
+        + f" (activation checkpointing {'on' if config.checkpointing else 'off'}; the snapshot "
         "--tau-floor undoes to is kept on the CPU, not counted)"
     )
-    # no cast cache: each use of a weight (the head, on the blocks and on the causal
-    # stream) casts anew, so its recovery gradient sums in fp32, not in one cached bf16
-    # copy
-    with (
-        torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
-        if bf16
-        else contextlib.nullcontext()
-    ):
-        table = []
-        prune_config = d3d.PruneConfig(
-            min_layers=min_layers,
-            tau_floor=tau_floor,
-            recovery_steps=recovery_steps,
-            lr=lr,
-            beta=beta,
-            val_anchors=val_anchors,
-            seed=seed,
-            checkpointing=checkpointing,
-        )
+    return estimate
+
+
+def prune(model, val_batches, train_batches, config: d3d.PruneConfig, bf16: bool, device):
+    """d3d.prune_drafter's rows, each told as it comes (describe_iteration); bf16: under
+    autocast."""
+    autocast = contextlib.nullcontext()
+    if bf16:
+        # no cast cache: each use of a weight (the head, on the blocks and on the causal
+        # stream) casts anew, so its recovery gradient sums in fp32, not in one cached bf16
+        # copy
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
+    table = []
+    with autocast:
         rows = d3d.prune_drafter(
-            model, val_batches, train_batches, prune_config, score=fast.tau_without_each_layer
+            model, val_batches, train_batches, config, score=fast.tau_without_each_layer
         )
         for row in rows:
             table.append(row)
-            for line in describe_iteration(
-                row, recovery_steps, tau_floor, table[0]["tau_after_recovery"]
-            ).split("\n"):
+            tau0 = table[0]["tau_after_recovery"]
+            told = describe_iteration(row, config.recovery_steps, config.tau_floor, tau0)
+            for line in told.split("\n"):
                 tqdm.write(f"[prune] {line}")
-    result = {
-        "table": table,
-        "drafter": os.path.abspath(drafter),
-        "recovery_steps": recovery_steps,
-        "beta": beta,
-        "lr": lr,
-        "dtype": "bfloat16" if bf16 else "float32",
-        "num_val": min(num_val, len(val)),
-        "val_anchors": val_anchors,
-        "layer_ids": model.d3d_config.layer_ids,
-        "checkpointing": checkpointing,
-        "peak_memory_estimate_gib": round(estimate["total"], 2),
-        "peak_memory_gib": round(memory.peak_memory_gib(device), 2),
-    }
-    if compare_prompts:
-        target = runtime.load_causal_lm(recipe["target"], torch.float32, device).eval()
-        prompts = [torch.tensor([p], device=device) for p, _ in val[:compare_prompts]]
-        eos = getattr(target.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
-        drafters = {"unpruned": unpruned.to(device).eval(), "pruned": model.eval()}
-        result["decode"] = compare_drafters(
-            target, drafters, prompts, max_new_tokens=max_new_tokens, eos=eos
-        )
+    return table
+
+
+def save_pruned(model, tokenizer, recipe: dict, drafter: str, out: str, result: dict) -> None:
+    """The pruned drafter folder: the drafter, its train_args.json (the recipe it was trained
+    with, and where it was pruned from), prune_table.json."""
     model.save_pretrained(out, tokenizer=tokenizer)
+    record = {**recipe, "target": runtime.record_path(recipe["target"])}
+    record["pruned_from"] = runtime.record_path(drafter)
+    record["layer_ids"] = model.d3d_config.layer_ids
     with open(os.path.join(out, "train_args.json"), "w") as f:
-        json.dump(
-            {
-                **recipe,
-                "target": runtime.record_path(recipe["target"]),
-                "pruned_from": runtime.record_path(drafter),
-                "layer_ids": model.d3d_config.layer_ids,
-            },
-            f,
-            indent=2,
-        )
+        json.dump(record, f, indent=2)
     with open(os.path.join(out, "prune_table.json"), "w") as f:
         json.dump(result, f, indent=2)
+
+
+def print_done(model, result: dict, config: d3d.PruneConfig, plot, device, out: str) -> None:
+    """The table of removals, the decoding comparison, the curve (--plot), where it all went."""
+    table = result["table"]
     print(
         f"\n{'removed':>8}{'layers':>8}{'tau before':>12}{'tau after':>11}"
         f"{'% of tau0':>11}{'scoring s':>11}{'total s':>9}  (tau: offline, "
         f"B={model.d3d_config.block_size}, {result['num_val']} held-out answers x "
-        f"{val_anchors} blocks, after recovery of {recovery_steps} steps)"
+        f"{config.val_anchors} blocks, after recovery of {config.recovery_steps} steps)"
     )
     tau0 = table[0]["tau_after_recovery"]
     for row in table:
@@ -341,16 +324,15 @@ def prune_main(
             f"[decode] {label:<16} speedup {r['speedup']:.2f}x over target-only, tau {r['tau']:.2f}"
         )
     if plot is not None:
-        path = pictures.draw_pruning_curve(plot, table, tau_floor=tau_floor)
+        path = pictures.draw_pruning_curve(plot, table, tau_floor=config.tau_floor)
         print(f"[done] pruning curve: {path}")
     print(
         f"[done] peak memory {result['peak_memory_gib']:.2f} GiB "
         f"({'GPU allocated' if device.type == 'cuda' else 'RSS'}; "
-        f"estimated {estimate['total']:.2f})"
+        f"estimated {result['peak_memory_estimate_gib']:.2f})"
     )
     print(
         f"[done] pruned drafter ({model.model.config.num_hidden_layers} layers, original ids "
         f"{model.d3d_config.layer_ids}): {os.path.abspath(out)}; "
         f"table: {os.path.join(out, 'prune_table.json')}"
     )
-    return result

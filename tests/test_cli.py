@@ -18,7 +18,7 @@ import decode
 import runtime
 import toy
 import train
-from systems import cli, evaluation, pruning
+from systems import cli, decode_flags, evaluation, pruning
 
 
 def prune_entry(argv):
@@ -34,7 +34,7 @@ DRIVERS = {
     "train.py": (train.cli_main, train.RANGES, {}),
     "train.py prune": (prune_entry, pruning.PRUNE_RANGES, {}),
     "train.py eval": (eval_entry, evaluation.EVAL_RANGES, {}),
-    "decode.py": (decode.cli_main, decode.RANGES, decode.FLAGS),
+    "decode.py": (decode.cli_main, decode_flags.RANGES, decode_flags.FLAGS),
 }
 
 
@@ -165,7 +165,7 @@ def test_every_flag_takes_the_edges_of_its_range_as_given(driver, name, flag, al
         elif driver == "train.py prune":
             args = pruning.parse_prune_args([flag, *given])
         elif driver == "train.py eval":
-            args = argparse.Namespace(**{name: allowed.kind(value)})
+            args = evaluation.parse_eval_args([flag, *given])
         else:
             args = decode.build_parser().parse_args([flag, *given])
         cli.check_ranges(vars(args), DRIVERS[driver][1], DRIVERS[driver][2])
@@ -177,26 +177,27 @@ def test_every_flag_takes_the_edges_of_its_range_as_given(driver, name, flag, al
 def test_decode_main_called_from_python_checks_every_flag():
     """decode.main takes the parsed flags: a value past its range set on the namespace after
     parsing is refused by the same check, in the same words, before anything loads."""
-    for name, allowed in number_ranges(decode.RANGES).items():
+    for name, allowed in number_ranges(decode_flags.RANGES).items():
         _, outside = edges(allowed)
         args = decode.parse_args([])
         value = outside[0]
         if allowed.each:
             value = [value, value]
         setattr(args, name, value)
-        flag = decode.FLAGS.get(name, cli.flag_name(name))
+        flag = decode_flags.FLAGS.get(name, cli.flag_name(name))
         with pytest.raises(runtime.UserError, match=f"{flag} must be"):
             decode.main(args)
 
 
 # the number flags each driver had when their flags were written out by hand: none may go
-NUMBER_FLAGS = {"train.py": 23, "train.py prune": 11, "decode.py": 16}
+NUMBER_FLAGS = {"train.py": 23, "train.py prune": 11, "train.py eval": 2, "decode.py": 16}
 
 
 def test_every_number_flag_has_a_range():
     actions = {
         "train.py": parser_actions(train.parse_args),
         "train.py prune": parser_actions(pruning.parse_prune_args),
+        "train.py eval": parser_actions(evaluation.parse_eval_args),
         "decode.py": decode.build_parser()._actions,
     }
     for driver, acts in actions.items():
@@ -241,7 +242,7 @@ def test_zero_is_used_where_it_means_something_and_never_replaced():
     train.fill_defaults(args, toy_run=True)
     assert (args.block_size, args.num_anchors, args.lr) == (3, 2, 0.5)
     args = decode.build_parser().parse_args(["--coverage", "0", "--temperature", "0"])
-    cli.check_ranges(vars(args), decode.RANGES, decode.FLAGS)
+    cli.check_ranges(vars(args), decode_flags.RANGES, decode_flags.FLAGS)
     assert (args.coverage, args.temperature) == (0, 0.0)
 
 

@@ -308,7 +308,7 @@ def test_explain_prints_one_block_per_round_and_the_answer(toy_drafter, mode, ca
     outcomes = [line for line in out.splitlines() if line.startswith(("  hit ", "  miss "))]
     assert len(outcomes) == num_rounds * (result["mode"] == "async")
     assert result["answer"] and f"answer: {result['answer']}" in out
-    first_prompt = decode.read_prompts(decode.TOY_PROMPTS)[1][0]
+    first_prompt = decoding.read_prompts(decode.TOY_PROMPTS)[1][0]
     assert "── prompt (x_0 .. x_" in out and first_prompt in out
 
 
