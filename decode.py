@@ -80,7 +80,7 @@ def sample(target_path="toy-target", drafter_path="runs/toy/drafter", prompt="7 
     printer = explain.RoundPrinter(tok.decode)
     out, stats = d3d.generate(target, drafter, ids, config, on_round=printer)
     answer = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-    print(answer, f"(tau {stats['tau']:.2f})")
+    print(answer, f"(tau {stats['tau']:.2f}, the mean over its rounds)")
     return out, stats
 
 
@@ -212,7 +212,7 @@ def explain_prompt(models: Models, prompt: str, mode: str, run: Run, thinking: b
         f"{printer.rounds} rounds committed the other {len(new_tokens) - 1} tokens"
     )
     if mode != "target":
-        print(f"τ = {stats['tau']:.2f} tokens committed per round")
+        print(f"τ = {stats['tau']:.2f} tokens committed per round, the mean over all rounds")
     print(f"answer: {text}")
     return {"mode": mode, "answer": text, "new_tokens": new_tokens, "stats": stats}
 
@@ -230,6 +230,17 @@ def _finite(x):
 
 # ---------------------------------------------------------------------------------------------
 # The two drivers: the demo and the benchmark
+
+
+def default_mode_line(plan: Plan, summaries: dict) -> str:
+    """Under the demo's table: which mode the answers above used without --mode, why, and the
+    table's speedups that bear on it."""
+    shown = [m for m in ("sync", "async") if m in summaries]
+    speedups = ", ".join(f"{m} {summaries[m]['speedup']:.2f}x" for m in shown)
+    return (
+        f"the answers above used {plan.mode}, the mode without --mode ({plan.why}); this "
+        f"table's speedups: {speedups}"
+    )
 
 
 def demo(args, models: Models, prompts: list[str], plan: Plan, run: Run, colour: bool) -> dict:
@@ -259,6 +270,8 @@ def demo(args, models: Models, prompts: list[str], plan: Plan, run: Run, colour:
                 records[m].append(decoding.decode_prompt(models, ids, [m], run, caches)[m])
     block_size = models.block_size(run.config)
     summaries = benches.print_summary(models, records, modes, run, len(prompts), block_size)
+    if plan.why is not None and plan.compare:
+        print(default_mode_line(plan, summaries))
     stats = None
     if mode != "target":
         stats = benches.merged_stats(records[mode])
@@ -408,6 +421,8 @@ class Plan:
     device: str
     # --sampling-check's N (None: no sampling check)
     samples: int | None = None
+    # the demo without --mode: why runtime.default_mode chose its mode (said under the table)
+    why: str | None = None
 
 
 def plan_run(args) -> Plan:
@@ -442,10 +457,9 @@ def plan_run(args) -> Plan:
     if lanes is None and bench_files:
         # a benchmark names +2lanes itself; else the rule (runtime.py)
         lanes = 1
-    plan = Plan(mode, compare, modes, bench_files, lanes, device, args.sampling_check_samples)
+    samples = args.sampling_check_samples
+    plan = Plan(mode, compare, modes, bench_files, lanes, device, samples, why)
     check_plan(args, plan)
-    if why is not None:
-        print(f"mode {mode}: {why}")
     return plan
 
 

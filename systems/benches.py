@@ -188,7 +188,7 @@ def concurrency_table(
         )
     lines.append(
         "\nall datasets, ms per round: round = draft + verify + other (acceptance, bookkeeping); "
-        "prefill ms per batch apart"
+        "prefill ms per batch apart; tau = the mean over all rounds of every row"
     )
     lines.append(
         f"{'mode':<24}{'c':>4}{'rounds':>8}{'tau':>7}{'round':>9}{'draft':>9}"
@@ -383,7 +383,8 @@ def prefill_bench(
     prompt_tokens = result[next(iter(result))]["prompt_tokens"]
     header = (
         f"{os.path.basename(path)}: {count} prompts of {num_docs} problems "
-        f"(~{prompt_tokens:.0f} tokens), chunks of {run.config.chunk_size} tokens\n"
+        f"(~{prompt_tokens:.0f} tokens), chunks of {run.config.chunk_size} tokens; "
+        "τ = the mean of per-prompt means\n"
         f"{'setting':<24}{'same':>7}{'number':>8}{'prefill':>9}"
         f"{'TTFT ms':>9}{'TTFT':>8}{'decode':>8}{'E2E':>8}{'τ':>7}"
     )
@@ -505,7 +506,7 @@ def print_summary(models, records, modes, run, num_prompts: int, block_size) -> 
     print(
         f"\n{num_prompts} prompt(s), {info['device']}, {info['dtype']}, block size "
         f"{block_size}; tok/s with prefill excluded, speedup = target-only time per output "
-        "token / the mode's"
+        "token / the mode's, τ = the mean of per-prompt means"
     )
     header = f"{'mode':<8}{'tok/s':>8}{'speedup':>9}{'τ':>6}{'hit rate':>10}"
     print(header + "   same tokens as target-only")

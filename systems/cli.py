@@ -32,7 +32,12 @@ SPELLING = "argparse"
 
 class Parser(argparse.ArgumentParser):
     """argparse with its own errors (unknown flag, a word where a number goes) as a UserError:
-    one line, exit status 2, like every other bad input."""
+    one line, exit status 2, like every other bad input. Its usage line names no flag: --help
+    spells each flag once, in its group."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("usage", "%(prog)s [flags]")
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         raise UserError(f"{self.prog}: {message} — see `{self.prog} --help`")

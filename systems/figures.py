@@ -105,6 +105,7 @@ def table(results: dict, overall: dict, modes: list[str], block_size: int) -> st
         if mode != "hf" and not mode.startswith("target"):
             label = f"{mode} ({block_size})"
         lines.append(f"{label:<26}" + "".join(_cell(c) for c in cells))
+    lines.append("τ: per dataset, the mean of per-prompt means; Avg.: the mean over the datasets")
     if "hf" in overall:
         ratio = overall["target"]["tokens_per_s"] / overall["hf"]["tokens_per_s"]
         lines.append(

@@ -235,7 +235,13 @@ def test_demo_shows_sync_beside_async_and_the_target_on_cpu(setting, capsys):
     assert [row[0] for row in table] == ["target", "sync", "async"] and all(
         row[-1] == "2/2" for row in table[1:]
     )
-    assert "mode sync: on a CPU" in out and "sync: acceptance histogram" in out  # the rule, said
+    # the rule, said under the table in the table's words
+    lines = out.splitlines()
+    said = [i for i, line in enumerate(lines) if line.startswith("the answers above used sync")]
+    async_row = [i for i, line in enumerate(lines) if line.split()[:1] == ["async"]]
+    assert len(said) == 1 and said[0] > async_row[0], out
+    assert "on a CPU a pass costs" in lines[said[0]] and "speedups: sync " in lines[said[0]]
+    assert "sync: acceptance histogram" in out
     assert set(result["summaries"]) == {"target", "sync", "async"}
     assert (
         "async: the packed pass ran after the verification (1 lane)" in out
@@ -298,7 +304,8 @@ def test_explain_prints_one_block_per_round_and_the_answer(toy_drafter, mode, ca
     result = cli(*argv)
     out = capsys.readouterr().out
     if mode is None:
-        assert "mode sync: " in out and result["mode"] == "sync"
+        # the demo's mode; its reasoning goes with the demo's table, which --explain has not
+        assert result["mode"] == "sync" and "the answers above" not in out
     rounds = [line for line in out.splitlines() if line.startswith("round ")]
     num_rounds = result["stats"]["num_rounds"]
     assert num_rounds > 1
@@ -586,7 +593,7 @@ def test_the_sample_is_the_readme_snippet_and_decodes_as_the_target(setting, cap
     expected, _ = d3d.generate(target, None, ids, config)
     assert torch.equal(out, expected)
     answer = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-    assert printed.rstrip().endswith(f"{answer} (tau {stats['tau']:.2f})")
+    assert printed.rstrip().endswith(f"{answer} (tau {stats['tau']:.2f}, the mean over its rounds)")
     assert printed.count("round") >= stats["num_rounds"], printed
 
 
@@ -1125,3 +1132,11 @@ def test_speedups_are_also_given_against_generate_when_it_is_the_faster_baseline
         results, {"target": row(100.0), "sync": row(150.0), "hf": row(90.0)}, ["sync", "hf"], 4
     )
     assert "1.11×" in slower and "the faster baseline" not in slower
+
+
+def test_a_refused_demo_prints_nothing_before_its_error(setting, capsys):
+    """The demo's reasoning (which mode it uses without --mode) belongs under its table: a
+    command refused at its flags prints nothing before the one-line error."""
+    with pytest.raises(runtime.UserError, match="--concurrency"):
+        cli(*models_args(setting), "--concurrency", 4)
+    assert capsys.readouterr().out == ""
