@@ -378,7 +378,13 @@ def cache_len(
 
 # what torch says when an allocation fails: CUDA's OutOfMemoryError, the CPU allocator's
 # words, and a size too large to count
-MEMORY_WORDS = ("out of memory", "can't allocate memory", "not enough memory", "overflow")
+MEMORY_WORDS = (
+    "out of memory",
+    "can't allocate memory",
+    "not enough memory",
+    "size calculation overflowed",
+    "multiplication overflow",
+)
 
 
 def out_of_memory(error: RuntimeError) -> bool:
