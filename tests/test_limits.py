@@ -219,26 +219,32 @@ def test_a_pass_that_runs_out_of_memory_says_so_not_that_the_cache_was_ignored(m
 
 def test_training_past_the_positions_or_the_memory_is_one_line(models, monkeypatch):
     _, drafter = models
+    # the longest sequence, 40 + 30 tokens, cut to max_len 64
+    examples = [([5] * 10, [6] * 20), ([5] * 40, [6] * 30)]
     sizes = dict(batch_size=1, max_len=64, device="cpu")
-    runtime.check_training_size(drafter, **sizes)
+    runtime.check_training_size(drafter, examples, **sizes)
     with pytest.raises(runtime.UserError, match="--block-size") as refused:
-        runtime.check_training_size(
-            d3d.Drafter(drafter.model, _with_block(drafter, 100000)), **sizes
-        )
+        wide = d3d.Drafter(drafter.model, _with_block(drafter, 100000))
+        runtime.check_training_size(wide, examples, **sizes)
     assert "max_position_embeddings 256" in str(refused.value)
     # the last B the positions allow, then one past it
-    runtime.check_training_size(d3d.Drafter(drafter.model, _with_block(drafter, 192)), **sizes)
+    last = d3d.Drafter(drafter.model, _with_block(drafter, 192))
+    runtime.check_training_size(last, examples, **sizes)
+    past = d3d.Drafter(drafter.model, _with_block(drafter, 193))
     with pytest.raises(runtime.UserError, match="positions"):
-        runtime.check_training_size(d3d.Drafter(drafter.model, _with_block(drafter, 193)), **sizes)
+        runtime.check_training_size(past, examples, **sizes)
+    # sequences shorter than max_len: their own length counts
+    short = [([5] * 10, [6] * 20)]
+    runtime.check_training_size(past, short, **{**sizes, "max_len": 1024})
     monkeypatch.setenv(runtime.MEMORY_LIMIT, "1")
     with pytest.raises(runtime.UserError, match="packed tokens") as refused:
-        runtime.check_training_size(drafter, **sizes)
+        runtime.check_training_size(drafter, examples, **sizes)
     need = needed_bytes(refused.value)
-    # the mask alone: b (max_len + K B)^2, a bool and an fp32 float each
+    # the mask alone: b (L + K B)^2, a bool and an fp32 float each
     tokens = 64 + drafter.d3d_config.num_anchors * drafter.d3d_config.block_size
     assert need > tokens**2 * 5
     monkeypatch.setenv(runtime.MEMORY_LIMIT, str(need))
-    runtime.check_training_size(drafter, **sizes)
+    runtime.check_training_size(drafter, examples, **sizes)
 
 
 def _with_block(drafter, block_size):
