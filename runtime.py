@@ -378,7 +378,13 @@ def cache_len(
 
 # what torch says when an allocation fails: CUDA's OutOfMemoryError, the CPU allocator's
 # words, and a size too large to count
-MEMORY_WORDS = ("out of memory", "can't allocate memory", "not enough memory", "overflow")
+MEMORY_WORDS = (
+    "out of memory",
+    "can't allocate memory",
+    "not enough memory",
+    "size calculation overflowed",
+    "multiplication overflow",
+)
 
 
 def out_of_memory(error: RuntimeError) -> bool:
@@ -948,23 +954,33 @@ def check_sizes(target, drafter, prompt_len: int, block_size: int, config) -> No
 
 
 def check_training_size(
-    drafter, *, batch_size: int, max_len: int, device, bf16: bool = False, val_anchors: int = 0
+    drafter,
+    examples,
+    *,
+    batch_size: int,
+    max_len: int,
+    device,
+    bf16: bool = False,
+    val_anchors: int = 0,
 ) -> None:
-    """train.py's sizes before training: the packed sequence's positions (max_len + B) against
-    max_position_embeddings, and the bytes a step certainly needs against the memory there is:
-    the packed mask of b x (max_len + K B)^2 (a bool and an additive float), the hidden states
-    every layer keeps for backward, and AdamW's state (gradient and two moments, fp32) of
-    every trained weight. val_anchors: the held-out passes' K, when it is wider."""
+    """train.py's sizes before training, for `examples` ((prompt ids, response ids) pairs,
+    training and held-out) cut to max_len tokens: the packed sequence's positions (the longest
+    L, + B) against max_position_embeddings, and the bytes a step certainly needs against the
+    memory there is: the packed mask of b x (L + K B)^2 (a bool and an additive float), the
+    hidden states every layer keeps for backward, and AdamW's state (gradient and two moments,
+    fp32) of every trained weight. val_anchors: the held-out passes' K, when it is wider."""
     config = drafter.d3d_config
     block_size = config.block_size
     num_anchors = max(config.num_anchors, val_anchors)
+    longest = max(len(prompt) + len(response) for prompt, response in examples)
+    seq_len = min(longest, max_len)
     asked = (
-        f"training with --batch-size {batch_size}, --max-len {max_len}, --num-anchors "
-        f"{num_anchors} and --block-size {block_size}"
+        f"training on sequences of {seq_len} tokens (--max-len {max_len}) with --batch-size "
+        f"{batch_size}, --num-anchors {num_anchors} and --block-size {block_size}"
     )
     lower = "--block-size, --num-anchors, --max-len or --batch-size"
-    check_positions(asked, max_len + block_size, "the drafter", drafter, lower)
-    tokens = max_len + num_anchors * block_size
+    check_positions(asked, seq_len + block_size, "the drafter", drafter, lower)
+    tokens = seq_len + num_anchors * block_size
     float_size = 4
     if bf16:
         float_size = 2
