@@ -663,15 +663,15 @@ class Output:
             time_draft               packed + fallback
             time_both                the verification and the packed pass together
         Mode "async" (d3d._decode_async):
-            hits_per_position        rounds whose next draft was prepared, by outcome:
-                                     index k - 1, the verification rejected d_k; index B,
-                                     full acceptance
+            hits_per_position        rounds whose next draft was prepared, by the first
+                                     rejection: index i - 1, the verification rejected
+                                     d_i; index B, full acceptance
             misses_per_position      rounds whose next draft was not prepared, same index
             pad_full_acceptances     rounds that accepted a padded draft (B - 1 tokens and
                                      a pad) whole
             coverage                 C: the rejection positions the packed pass prepares
             fanout                   F: the candidates for the target's token at each (the
-                                     drafter's likeliest other than d_k)
+                                     drafter's likeliest other than d_i)
             cover                    which positions: "first" (1 .. C) or "likely"
             lanes                    1: the packed pass after the verification; 2: beside it
         keep_ratio (selective prefill, here):
@@ -892,12 +892,12 @@ def kv_bytes_per_slot(model) -> int:
 
 
 def check_fanout(fanout: int, vocab_size: int) -> None:
-    """F counts the drafter's likeliest tokens other than d_k (plan_branches), so at most
+    """F counts the drafter's likeliest tokens other than d_i (plan_branches), so at most
     V - 1: a larger one is a UserError, before caches are sized by it (cache_len)."""
     if fanout > vocab_size - 1:
         raise UserError(
             f"fanout {fanout} asks for more candidates than the {vocab_size - 1} tokens other "
-            f"than d_k in a vocabulary of {vocab_size} — give fanout (decode.py --fanout) at "
+            f"than d_i in a vocabulary of {vocab_size} — give fanout (decode.py --fanout) at "
             f"most {vocab_size - 1}"
         )
 

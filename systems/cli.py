@@ -22,6 +22,7 @@ import json
 import os
 import struct
 import sys
+import warnings
 
 # the ranges live in runtime.py, beside the configs that use them; the drivers import them here
 from runtime import Range, UserError, check_ranges, flag_name  # noqa: F401
@@ -43,8 +44,15 @@ class Parser(argparse.ArgumentParser):
         raise UserError(f"{self.prog}: {message} — see `{self.prog} --help`")
 
 
+def warning_line(message, category, filename, lineno, line=None) -> str:
+    """A warning as the drivers print it: one line, no source location."""
+    return f"warning: {message}\n"
+
+
 def run(main, *args, **kwargs):
-    """Call a driver's main; a UserError becomes one line on stderr and exit status 2."""
+    """Call a driver's main; a UserError becomes one line on stderr and exit status 2, and a
+    warning (a drafter used at another B than it was trained with, ...) one line too."""
+    warnings.formatwarning = warning_line
     try:
         return main(*args, **kwargs)
     except UserError as e:

@@ -223,6 +223,8 @@ def prepare(models: Models, run: Run, all_ids: list[torch.Tensor], modes: list[s
         coverage, fanout = _budget(spec, run, block_size)
         if parse_mode(spec)[0] != "async":
             coverage = 0
+        else:
+            runtime.check_fanout(fanout, models.drafter.d3d_config.target_vocab_size)
         widest = max(widest, runtime.cache_len(0, 0, block_size, coverage, fanout))
     # the warm-ups decode up to this many tokens
     new_tokens = max(run.config.max_new_tokens, 16, 2 * block_size + 3)

@@ -342,3 +342,6 @@ def test_decode_py_at_another_block_size_says_it_once(saved):
     assert status == 0, err
     lines = [line for line in err.splitlines() if "trained at B = 3 and decodes at B = 5" in line]
     assert len(lines) == 1, err
+    # one line: "warning: ...", with no source location and no echo of the code after it
+    assert lines[0].startswith("warning: the drafter was trained at B = 3"), err
+    assert "warnings.warn" not in err, err
