@@ -3,7 +3,7 @@
     python lab.py list                    the exercises, their place in the paper, their tests
     python lab.py start NAME [--force]    runs/lab/NAME/d3d.py: d3d.py with NAME's body blank
         [--hints goal|rules|steps]        how much its comment says (default rules)
-    python lab.py hint NAME LEVEL         NAME's hints at that level
+    python lab.py list NAME [--hints L]   NAME's hints at that level (default rules)
     python lab.py check NAME [FILE]       grade FILE (default runs/lab/NAME/d3d.py) as d3d.py
         [--quick] [--test T] [--json P]   skip the slow tests; only test T; write the grade
     python lab.py check all [FILE]        every exercise (in a handout: its own) in one run
@@ -852,7 +852,7 @@ def blank_body(source: str, exercise: Exercise, function: str, level: str = DEFA
             stub += comment_lines(indent, note, "  ", "    ")
     if level != LEVELS[-1]:
         more = LEVELS[LEVELS.index(level) + 1]
-        stub.append(f"{indent}# More help: python lab.py hint {exercise.name} {more}\n")
+        stub.append(f"{indent}# More help: python lab.py list {exercise.name} --hints {more}\n")
     message = STUB.format(name=exercise.name, function=function)
     stub.append(f'{indent}raise NotImplementedError("{message}")\n')
     return "".join(lines[:start] + stub + lines[end:])
@@ -1265,6 +1265,8 @@ def reference_source() -> str:
 
 
 def cmd_list(args) -> int:
+    if args.name is not None:
+        return print_hints(exercise_named(args.name), args.hints)
     handout = handout_exercises()
     print(
         f"{len(EXERCISES)} exercises: python lab.py start NAME, write the body, "
@@ -1378,7 +1380,7 @@ def cmd_check(args) -> int:
         result["hints"] = level
     if not result["passed"] and level in LEVELS[:-1]:
         more = LEVELS[LEVELS.index(level) + 1]
-        say(f"hints: {level}; more help: python lab.py hint {exercise.name} {more}", "")
+        say(f"hints: {level}; more help: python lab.py list {exercise.name} --hints {more}", "")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
@@ -1445,12 +1447,11 @@ def cmd_handout(args) -> int:
     return 0
 
 
-def cmd_hint(args) -> int:
+def print_hints(exercise: Exercise, level: str) -> int:
     """The hints of an exercise at a level, as its blank body would show them."""
-    exercise = exercise_named(args.name)
     for function in exercise.functions:
-        print(f"{function} (hints: {args.level}):")
-        for line in comment_lines("  ", exercise.hints[function].at(args.level), "", ""):
+        print(f"{function} (hints: {level}):")
+        for line in comment_lines("  ", exercise.hints[function].at(level), "", ""):
             print(line.rstrip("\n").replace("  # ", "  ", 1))
     return 0
 
@@ -1466,7 +1467,14 @@ class Parser(argparse.ArgumentParser):
 def parser() -> argparse.ArgumentParser:
     top = Parser(prog="python lab.py", description="Write D3D yourself, graded by its tests.")
     commands = top.add_subparsers(dest="command", required=True, parser_class=Parser)
-    commands.add_parser("list", help="the exercises and the tests that grade them")
+    listing = commands.add_parser("list", help="the exercises and their tests; NAME's hints")
+    listing.add_argument("name", metavar="NAME", nargs="?", help="print this exercise's hints")
+    listing.add_argument(
+        "--hints",
+        choices=LEVELS,
+        default=DEFAULT_LEVEL,
+        help=f"with NAME, the level: {HELP_LEVELS} (default {DEFAULT_LEVEL})",
+    )
     start = commands.add_parser("start", help="runs/lab/NAME/d3d.py with NAME's body blank")
     start.add_argument("name", metavar="NAME")
     start.add_argument("--force", action="store_true", help="write over an earlier start")
@@ -1509,9 +1517,6 @@ def parser() -> argparse.ArgumentParser:
         default=DEFAULT_LEVEL,
         help=f"how much the blank bodies say: {HELP_LEVELS} (default {DEFAULT_LEVEL})",
     )
-    hint = commands.add_parser("hint", help="an exercise's hints at a level")
-    hint.add_argument("name", metavar="NAME")
-    hint.add_argument("level", metavar="LEVEL", choices=LEVELS, help=HELP_LEVELS)
     return top
 
 
@@ -1528,7 +1533,6 @@ def main(argv=None) -> int:
         "start": cmd_start,
         "check": cmd_check,
         "handout": cmd_handout,
-        "hint": cmd_hint,
     }
     try:
         return run[args.command](args)

@@ -272,9 +272,9 @@ def test_the_plugin_selects_by_name_and_parameters_and_keeps_the_worst_outcome()
     assert "check draft_rows first" in blocked
 
 
-def test_hint_prints_each_level_of_an_exercises_hints():
+def test_list_prints_each_level_of_an_exercises_hints():
     for level in lab.LEVELS:
-        shown = lab_py(ROOT, "hint", "d3d_loss", level, timeout=60)
+        shown = lab_py(ROOT, "list", "d3d_loss", "--hints", level, timeout=60)
         assert shown.returncode == 0 and f"d3d_loss (hints: {level}):" in shown.stdout
         for hint in lab.BY_NAME["d3d_loss"].hints.values():
             assert " ".join(hint.at(level).split()) in " ".join(shown.stdout.split())
@@ -309,7 +309,7 @@ def test_start_blanks_one_body_and_keeps_every_other_byte(lab_runs):
             assert " ".join(hint.at(level).split()) in flat.replace("Exercise: ", ""), function
             if level != "steps":
                 assert " ".join(hint.steps.split()) not in flat, function
-                assert f"python lab.py hint {exercise.name}" in copy
+                assert f"python lab.py list {exercise.name} --hints" in copy
         nodes = sorted(
             (lab.find_function(tree, f) for f in exercise.functions), key=lambda node: node.lineno
         )
@@ -372,7 +372,7 @@ def test_a_blank_copy_fails_every_test_that_grades_it(lab_runs, name):
     assert result["hints"] == level
     if level != "steps":
         more = lab.LEVELS[lab.LEVELS.index(level) + 1]
-        assert f"hints: {level}; more help: python lab.py hint {name} {more}" in run.stdout
+        assert f"hints: {level}; more help: python lab.py list {name} --hints {more}" in run.stdout
 
 
 def test_a_handout_with_every_exercise_blank_fails_every_graded_test(lab_runs):
@@ -472,8 +472,8 @@ def test_a_handout_grades_its_own_d3d_py_and_holds_no_answer(lab_runs):
         (["check"], "NAME"),
         (["grade", "x"], "invalid choice"),
         (["start", "select_segment", "--hints", "all"], "invalid choice"),
-        (["hint", "nope", "goal"], "no exercise 'nope'"),
-        (["hint", "select_segment", "more"], "invalid choice"),
+        (["list", "nope", "--hints", "goal"], "no exercise 'nope'"),
+        (["list", "select_segment", "--hints", "more"], "invalid choice"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_status_2(tmp_path, argv, says):
