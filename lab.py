@@ -2,10 +2,13 @@
 
     python lab.py list                    the exercises, their place in the paper, their tests
     python lab.py start NAME [--force]    runs/lab/NAME/d3d.py: d3d.py with NAME's body blank
+        [--hints goal|rules|steps]        how much its comment says (default rules)
+    python lab.py list NAME [--hints L]   NAME's hints at that level (default rules)
     python lab.py check NAME [FILE]       grade FILE (default runs/lab/NAME/d3d.py) as d3d.py
         [--quick] [--test T] [--json P]   skip the slow tests; only test T; write the grade
     python lab.py check all [FILE]        every exercise (in a handout: its own) in one run
     python lab.py handout DIR [NAME ...]  a copy of the repository with those bodies blank
+        [--hints goal|rules|steps]
 
 A check puts FILE as d3d.py into a temporary copy of the repository, so that the drivers
 and systems/ import it too, and runs pytest there in a subprocess with this file as its
@@ -56,6 +59,31 @@ WIDTH = 100
 # The exercises
 
 
+# How much help a blank body gives, least first: the teacher's choice (start, handout --hints)
+LEVELS = ("goal", "rules", "steps")
+DEFAULT_LEVEL = "rules"
+HELP_LEVELS = (
+    "goal (what it returns, the paper's sentence), rules (and the method's rules), "
+    "steps (step by step)"
+)
+
+
+@dataclass(frozen=True)
+class Hint:
+    """What a blank body's comment says, at each level of help."""
+
+    goal: str  # what the function returns, and the paper's sentence it implements
+    rules: str  # the method's rules it keeps (added to the goal)
+    steps: str  # how to write it, step by step
+
+    def at(self, level: str) -> str:
+        if level == "goal":
+            return self.goal
+        if level == "rules":
+            return f"{self.goal} {self.rules}"
+        return self.steps
+
+
 @dataclass(frozen=True)
 class Exercise:
     """A function of d3d.py (or two) to write, its place in the paper, the tests grading it.
@@ -64,16 +92,11 @@ class Exercise:
     name: str
     functions: tuple[str, ...]
     paper: str
-    hints: dict  # function -> the comment its blank body starts with
+    hints: dict  # function -> Hint: the comment its blank body starts with
     right: tuple[str, ...]  # what the method must do
     fast: tuple[str, ...] = ()  # the speed rules it keeps, graded after
     no_fast: str = ""  # why no speed rule is graded, where none is
 
-
-ONE_READ = (
-    "test_a_round_reads_the_device_once pins one host read per round, but it "
-    "monkeypatches d3d.accept_draft: left out"
-)  # select_segment's speed rule
 
 EXERCISES = (
     Exercise(
@@ -81,15 +104,28 @@ EXERCISES = (
         ("packed_attention_mask",),
         "Fig. 1a, packed mask",
         {
-            "packed_attention_mask": """
-            Number the q packed tokens: the causal stream 0 .. N-1, then S segments of
-            prefix_len + B tokens each. A causal row sees the causal keys j <= i and no
-            segment. A segment's rows see the causal keys up to their anchor, none after it,
-            and their own segment only: its prefix tokens causally, each MASK the whole
-            segment. The past_len cached tokens come first, seen by every row. Positions:
-            causal i -> past_len + i; segment token t (0-based) -> past_len + anchor + 1 + t.
-            Every size is a host int: build it from torch.arange and comparisons, and read
-            no tensor back."""
+            "packed_attention_mask": Hint(
+                goal="""
+                Return the mask (b, 1, W, past_len + W), True where a row may attend, and the
+                position ids (b, W) of the packed sequence the docstring draws. The paper: a
+                block sees the clean tokens up to its anchor, none after it, all of its own
+                MASKs, and no other block.""",
+                rules="""
+                The causal stream attends causally and sees no segment. A segment's tokens see
+                the causal rows up to their anchor (so by position nothing after it) and their
+                own segment only: its prefix causally, each MASK all of it. The past_len cached
+                tokens come first; every row sees them. A segment's tokens sit at the positions
+                right after their anchor's. Every size is a host int: nothing is read back.""",
+                steps="""
+                Number the q packed tokens: the causal stream 0 .. N-1, then S segments of
+                prefix_len + B tokens each. A causal row sees the causal keys j <= i and no
+                segment. A segment's rows see the causal keys up to their anchor, none after it,
+                and their own segment only: its prefix tokens causally, each MASK the whole
+                segment. The past_len cached tokens come first, seen by every row. Positions:
+                causal i -> past_len + i; segment token t (0-based) -> past_len + anchor + 1 + t.
+                Every size is a host int: build it from torch.arange and comparisons, and read
+                no tensor back.""",
+            )
         },
         (
             "test_mask_matches_slow_reference",
@@ -104,22 +140,48 @@ EXERCISES = (
         ("_block_labels", "d3d_loss"),
         "Fig. 1a, L_block + lambda L_AR",
         {
-            "_block_labels": """
-            Block k predicts x_{j_k + 1} .. x_{j_k + B}. Gather those labels (indices past
-            the end clamped to the last token), and count a label only where it exists, is
-            a response token (loss_mask) and its anchor is valid. Both (b, K, B).""",
-            "d3d_loss": """
-            Every setting is the drafter's config: K = num_anchors, B = block_size,
-            lambda = ar_weight, gamma = decay_gamma, d1_from. The anchors: `at`, else
-            sample_anchors (K of them, with `generator`); _packed_hidden gives the causal
-            stream (b, N, H) and each block's MASKs (b, K, B, H); _block_labels. L_block:
-            the weighted mean of cross_entropy over the counted MASKs, block position i
-            weighted w_i = exp(-(i-1)/gamma), 1 without gamma. L_AR (only if lambda > 0):
-            the causal token at position j against x_{j+1}, where x_{j+1} is a response
-            token. block_acc (B,): per block position i, the share of counted blocks whose
-            d_i, read where decoding reads it, is the label: under d1_from "causal" d_1 is
-            _greedy_tokens at the anchor's row of the causal stream. The metrics
-            detached.""",
+            "_block_labels": Hint(
+                goal="""
+                Return the labels (b, K, B) of every block k, x_{j_k+1} .. x_{j_k+B}, and where
+                each counts (b, K, B). The paper: MASK i of a block predicts the clean token i
+                places after its anchor; only response tokens carry loss.""",
+                rules="""
+                A label counts where it exists (inside the sequence), is a response token
+                (loss_mask) and its anchor is valid; one past the end still needs some token in
+                its place.""",
+                steps="""
+                Block k predicts x_{j_k + 1} .. x_{j_k + B}. Gather those labels (indices past
+                the end clamped to the last token), and count a label only where it exists, is
+                a response token (loss_mask) and its anchor is valid. Both (b, K, B).""",
+            ),
+            "d3d_loss": Hint(
+                goal="""
+                Return (loss, {loss_block, loss_ar, block_acc}): L = L_block + lambda * L_AR, its
+                two terms, and block_acc (B,), each block position's accuracy. The paper: MASK i
+                of block k predicts x_{j_k+i} (L_block, position i weighted w_i =
+                exp(-(i-1)/gamma)), and the clean stream keeps its next-token loss (L_AR), both
+                on response tokens only.""",
+                rules="""
+                The settings are the drafter's config (K, B, lambda, gamma, d1_from); the
+                anchors `at`, else K drawn with `generator`. L_block: the w_i-weighted mean over
+                the labels that count, none of a block whose anchor is invalid. L_AR: the causal
+                row at j against x_{j+1} where x_{j+1} is a response token, computed only if
+                lambda > 0 (else loss_ar is 0). block_acc[i - 1]: the share of counted blocks
+                whose d_i, read where decoding reads it, is the label: under d1_from "causal" d_1
+                at the anchor's causal row, under "mask" at MASK 1. Metrics carry no gradient.""",
+                steps="""
+                Every setting is the drafter's config: K = num_anchors, B = block_size,
+                lambda = ar_weight, gamma = decay_gamma, d1_from. The anchors: `at`, else
+                sample_anchors (K of them, with `generator`); _packed_hidden gives the causal
+                stream (b, N, H) and each block's MASKs (b, K, B, H); _block_labels. L_block:
+                the weighted mean of cross_entropy over the counted MASKs, block position i
+                weighted w_i = exp(-(i-1)/gamma), 1 without gamma. L_AR (only if lambda > 0):
+                the causal token at position j against x_{j+1}, where x_{j+1} is a response
+                token. block_acc (B,): per block position i, the share of counted blocks whose
+                d_i, read where decoding reads it, is the label: under d1_from "causal" d_1 is
+                _greedy_tokens at the anchor's row of the causal stream. The metrics
+                detached.""",
+            ),
         },
         (
             "test_loss_starts_near_log_vocab_and_falls",
@@ -128,6 +190,9 @@ EXERCISES = (
             "test_block_loss_weights_position_i_by_exp_minus_i_minus_1_over_gamma",
             "test_loss_gives_gradients_to_drafter_only",
             "test_offline_tau_drafts_the_d1_from_where_decoding_does",
+            "test_loss_ignores_blocks_of_invalid_anchors",
+            "test_the_ar_term_is_zero_at_lambda_0",
+            "test_block_acc_reads_d1_where_d1_from_says",
         ),
         no_fast="training has no speed rule of its own",
     ),
@@ -136,11 +201,21 @@ EXERCISES = (
         ("draft_rows",),
         "Fig. 1a and ours, where d_1 is read",
         {
-            "draft_rows": """
-            Broadcast prefix_row and first_mask_row together. Rows (..., B):
-            first_mask_row + 0 .. B-1, the block's B MASK rows; with d1_from "causal" the
-            first is prefix_row instead (the one LM head applied at the token just before
-            the MASKs, as L_AR trains it, drafts d_1). Tensor ops only."""
+            "draft_rows": Hint(
+                goal="""
+                Return the rows (..., B) of a packed pass that hold a block's d_1 .. d_B. The
+                paper is silent on which row drafts d_1 (our reading: under d1_from "causal" the
+                LM head at the token just before the block's MASKs, as L_AR trains it).""",
+                rules="""
+                d_2 .. d_B are read at MASK 2 .. B; d_1 at MASK 1 under "mask", at prefix_row
+                under "causal". prefix_row and first_mask_row broadcast together. Tensor ops
+                only: nothing is read back.""",
+                steps="""
+                Broadcast prefix_row and first_mask_row together. Rows (..., B):
+                first_mask_row + 0 .. B-1, the block's B MASK rows; with d1_from "causal" the
+                first is prefix_row instead (the one LM head applied at the token just before
+                the MASKs, as L_AR trains it, drafts d_1). Tensor ops only.""",
+            )
         },
         (
             "test_packed_blocks_equal_separate_passes",
@@ -155,16 +230,30 @@ EXERCISES = (
         ("accept_draft",),
         "Sec. 3, greedy, then lossless sampling",
         {
-            "accept_draft": """
-            Only the first `num_real` draft tokens count (default all). Greedy
-            (sampler.temperature 0): accept the leading d_i equal to the target's argmax,
-            then take the argmax after them. Sampling: p = sampler.probs(p_logits); accept
-            d_i while u_i q(d_i) <= p(d_i), the u_i from sampler.uniform; at the first
-            rejection draw (sampler.draw) from max(p - q, 0) renormalised; after full
-            acceptance draw the bonus token from p. Take every random number from the
-            sampler: it draws on its generator's device (the logits' without one). Return
-            two 0-d tensors left on the device: no .item(), no Python if on a tensor (_at
-            helps)."""
+            "accept_draft": Hint(
+                goal="""
+                Return (a, t), the accepted count and the next token, as two 0-d tensors left on
+                the device. The paper: greedy accepts the longest prefix the target agrees with,
+                then the target's own token; sampling accepts d_i with probability min(1,
+                p(d_i) / q(d_i)), draws t from max(p - q, 0) renormalised at the first rejection
+                and from p after a full block: the output follows p exactly.""",
+                rules="""
+                Only d_1 .. d_R (R = num_real) can be accepted: a pad never is. Greedy at
+                sampler.temperature 0; else p = sampler.probs(p_logits). Every random number
+                comes from the sampler, on its generator's device (the logits' without one),
+                none made on the host. Nothing is read back (no .item(), no if on a tensor): the
+                round reads (a, t) once, later.""",
+                steps="""
+                Only the first `num_real` draft tokens count (default all). Greedy
+                (sampler.temperature 0): accept the leading d_i equal to the target's argmax,
+                then take the argmax after them. Sampling: p = sampler.probs(p_logits); accept
+                d_i while u_i q(d_i) <= p(d_i), the u_i from sampler.uniform; at the first
+                rejection draw (sampler.draw) from max(p - q, 0) renormalised; after full
+                acceptance draw the bonus token from p. Take every random number from the
+                sampler: it draws on its generator's device (the logits' without one). Return
+                two 0-d tensors left on the device: no .item(), no Python if on a tensor (_at
+                helps).""",
+            )
         },
         (
             "test_sync_equals_target_greedy",
@@ -178,23 +267,39 @@ EXERCISES = (
             "test_sampling_is_reproducible_with_a_generator",
             "test_sampling_after_full_acceptance_hits_draws_the_bonus_from_the_target",
         ),
-        ("test_accept_draft_without_a_generator_draws_on_the_logits_device",),
+        (
+            "test_accept_draft_without_a_generator_draws_on_the_logits_device",
+            "test_each_round_reads_the_device_once_between_two_reports",
+        ),
     ),
     Exercise(
         "decode_sync",
         ("_decode_sync",),
         "Sec. 3 and Table 1, synchronous decoding",
         {
-            "_decode_sync": """
-            B is config.block_size. Until out.done, one round: the drafter reads the
-            committed tokens it has not read (out.tokens from dc.length on) and drafts a
-            block after them (draft_block, padded to width B + 1, so that every round has
-            one shape); sampler.pick; the target verifies [x_n, d_1 .. d_B] (verify_block);
-            accept_draft with the sampler; one read_round for the accepted count, the next
-            token and the draft; out.commit_round; rewind the target's cache to the
-            committed tokens but x_n; report(out, the draft read, B, (accepted, next
-            token)). Time the two phases with clock.span("draft") and
-            clock.span("verify")."""
+            "_decode_sync": Hint(
+                goal="""
+                Decode until out.done, a round at a time: draft a block, verify it, commit the
+                accepted prefix and the target's token. The paper (Sec. 3): the synchronous
+                speculative loop, the baseline of Table 1.""",
+                rules="""
+                A round: the drafter reads the committed tokens it has not read and drafts B
+                tokens after x_n; the target verifies [x_n, d_1 .. d_B]; accept_draft; one host
+                read (read_round); commit; then the drafter's cache holds only committed tokens
+                and the target's all but x_n. Every drafter pass has one shape, B + 1 causal
+                tokens and B MASKs, so a compiled pass never recompiles. Each round goes to
+                report; clock.span times the draft and the verify.""",
+                steps="""
+                B is config.block_size. Until out.done, one round: the drafter reads the
+                committed tokens it has not read (out.tokens from dc.length on) and drafts a
+                block after them (draft_block, padded to width B + 1, so that every round has
+                one shape); sampler.pick; the target verifies [x_n, d_1 .. d_B] (verify_block);
+                accept_draft with the sampler; one read_round for the accepted count, the next
+                token and the draft; out.commit_round; rewind the target's cache to the
+                committed tokens but x_n; report(out, the draft read, B, (accepted, next
+                token)). Time the two phases with clock.span("draft") and
+                clock.span("verify").""",
+            )
         },
         (
             "test_sync_equals_target_greedy",
@@ -207,25 +312,50 @@ EXERCISES = (
             "test_sampling_matches_target_distribution[mode=sync]",
             "test_sampling_is_reproducible_with_a_generator[mode=sync]",
         ),
-        ("test_every_pass_traces_as_one_graph_and_compiles_once",),
+        (
+            "test_every_pass_traces_as_one_graph_and_compiles_once",
+            "test_each_round_reads_the_device_once_between_two_reports[mode=sync]",
+        ),
     ),
     Exercise(
         "plan_branches",
         ("first_rejection_chance", "plan_branches"),
         "Fig. 1c and 3, the outcomes to prepare",
         {
-            "first_rejection_chance": """
-            q = softmax(draft_logits / T) with T the scoring temperature: 1 when
-            `temperature` is 0 (greedy), else `temperature`. q(d_i) is q's entry at d_i;
-            rho_i = q(d_1) .. q(d_{i-1}) * (1 - q(d_i)) (a cumulative product, shifted by
-            one, times 1 - q(d_i)); the pad, block positions past num_real, gets -inf.
-            Shape (B,), on the device.""",
-            "plan_branches": """
-            C and F from branch_budget(config, B); clip C to B and F to V - 1. Covered
-            block positions (C,), 1-based, ascending: 1 .. C for "first"; for "likely" the
-            C largest rho_i (first_rejection_chance at config.temperature). Candidates
-            (C, F): at each covered i the drafter's F likeliest tokens other than d_i. On
-            the device: no .item(), no Python loop.""",
+            "first_rejection_chance": Hint(
+                goal="""
+                Return rho (B,) on the device: rho_i, the chance that d_i is the first rejected
+                draft token (-inf at the pad). The paper ranks the outcomes to prepare by where
+                the first rejection is likely (as D2SD).""",
+                rules="""
+                rho_i = q(d_1) .. q(d_{i-1}) * (1 - q(d_i)), q the drafter's softmax at the
+                scoring temperature: 1 when greedy (temperature 0), else the sampling
+                temperature. A block position past R is never rejected.""",
+                steps="""
+                q = softmax(draft_logits / T) with T the scoring temperature: 1 when
+                `temperature` is 0 (greedy), else `temperature`. q(d_i) is q's entry at d_i;
+                rho_i = q(d_1) .. q(d_{i-1}) * (1 - q(d_i)) (a cumulative product, shifted by
+                one, times 1 - q(d_i)); the pad, block positions past num_real, gets -inf.
+                Shape (B,), on the device.""",
+            ),
+            "plan_branches": Hint(
+                goal="""
+                Return covered (C,), the block positions i that get branches (1-based,
+                ascending), and candidates (C, F), the tokens t each branch is prepared for. The
+                paper: while the target verifies, the drafter prepares the next block for C
+                rejection positions x F alternative tokens ("d_i rejected, the target said t").""",
+                rules="""
+                C and F from branch_budget, at most B and V - 1. cover "first": i = 1 .. C;
+                "likely": the C largest rho_i (first_rejection_chance). The candidates at i: the
+                drafter's F likeliest tokens there, never d_i itself (the target saying d_i is
+                no rejection). On the device: no host read, no Python loop.""",
+                steps="""
+                C and F from branch_budget(config, B); clip C to B and F to V - 1. Covered
+                block positions (C,), 1-based, ascending: 1 .. C for "first"; for "likely" the
+                C largest rho_i (first_rejection_chance at config.temperature). Candidates
+                (C, F): at each covered i the drafter's F likeliest tokens other than d_i. On
+                the device: no .item(), no Python loop.""",
+            ),
         },
         (
             "test_plan_branches_chooses_positions_and_candidates",
@@ -243,13 +373,26 @@ EXERCISES = (
         ("select_segment",),
         "Fig. 1c, a hit or a miss",
         {
-            "select_segment": """
-            Segments: the C x F branches in candidates.flatten() order, then full
-            acceptance. Branch (i, t) matches when i = num_accepted + 1 and t = next_token.
-            The last segment matches when num_accepted = num_real and `guess`, its guess
-            of the bonus token (bonus_guess; -1 at B = 1, so it never matches there), is
-            next_token. Return the first match's index as a 0-d device tensor, -1 if none:
-            no .item()."""
+            "select_segment": Hint(
+                goal="""
+                Return the index of the prepared segment that the outcome (a + 1, t) selects, a
+                0-d device tensor, -1 on a miss. The paper: when verification's outcome is one
+                that was prepared, its block is the next draft at once (a hit); otherwise the
+                drafter drafts it anew (a miss).""",
+                rules="""
+                The segments: the C x F branches in candidates.flatten() order, then full
+                acceptance. A branch (i, t) is prepared for its own position and token only.
+                Full acceptance is prepared for a = R with t its guess g; at B = 1 it has no row
+                left to reuse (g = -1) and never matches. Where a branch and full acceptance
+                both match, the branch. No host read: the round's one read comes later.""",
+                steps="""
+                Segments: the C x F branches in candidates.flatten() order, then full
+                acceptance. Branch (i, t) matches when i = num_accepted + 1 and t = next_token.
+                The last segment matches when num_accepted = num_real and `guess`, its guess
+                of the bonus token (bonus_guess; -1 at B = 1, so it never matches there), is
+                next_token. Return the first match's index as a 0-d device tensor, -1 if none:
+                no .item().""",
+            )
         },
         (
             "test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for",
@@ -260,35 +403,56 @@ EXERCISES = (
             "test_two_lanes_on_a_cpu_decode_the_same_tokens",
             "test_sampling_after_full_acceptance_hits_draws_the_bonus_from_the_target",
             "test_sampling_matches_target_distribution[mode=async]",
+            "test_full_acceptance_is_never_selected_at_b_1",
         ),
-        no_fast=ONE_READ,
+        (
+            "test_select_segment_reads_nothing_back_to_the_host",
+            "test_each_round_reads_the_device_once_between_two_reports[mode=async]",
+        ),
     ),
     Exercise(
         "prune_drafter",
         ("prune_drafter",),
         "Fig. 1b, progressive layer pruning",
         {
-            "prune_drafter": """
-            At the call: with_settings(config, PruneConfig, settings), the keywords
-            replacing its fields (PruneConfig checks each range: min_layers >= 1, tau_floor
-            > 0, recovery_steps >= 0, ...), then a ValueError without a stopping rule
-            (min_layers or tau_floor). Then return a generator of records. The fixed teacher: a
-            deep copy of the unpruned drafter, in eval mode, without gradients. Measure with
-            the config's val_anchors and seed; recovery's generator is seeded with its seed.
-            Yield record 0 (the unpruned tau0), then, while deeper than max(1, min_layers):
-            score every layer (`score`, default tau_without_each_layer), least_costly_layer,
-            a host_copy if tau_floor is set, remove_layer, recover (with the config),
-            re-measure with validation_tau (without recovery steps the score is already the
-            new tau); below tau_floor * tau0 undo the removal (_undo_removal) and stop. A
-            record's keys: iteration, removed_layer (its original index), layers (the depth
-            measured), tau_before_recovery, tau_after_recovery, seconds, score_seconds,
-            kept, recovery_skipped, tau_without_layer."""
+            "prune_drafter": Hint(
+                goal="""
+                Check the settings at the call, then return a generator of records: the
+                unpruned drafter's tau, then one per removed layer. The paper (Fig. 1b): score
+                every layer by the offline tau without it, remove the one that costs least,
+                recover by distilling from the fixed unpruned drafter, re-measure, repeat to a
+                depth or a tau floor.""",
+                rules="""
+                Settings: a PruneConfig, keywords replacing its fields, checked at the call; a
+                stopping rule (min_layers or tau_floor) or a ValueError. The teacher: a frozen
+                copy of the unpruned drafter. Stop at min_layers; a removal whose recovered tau
+                falls below tau_floor x the unpruned tau is undone, and pruning stops. A record:
+                iteration, removed_layer (its original index), layers, tau_before_recovery,
+                tau_after_recovery, seconds, score_seconds, kept, recovery_skipped,
+                tau_without_layer (record 0: the first eight).""",
+                steps="""
+                At the call: with_settings(config, PruneConfig, settings), the keywords
+                replacing its fields (PruneConfig checks each range: min_layers >= 1, tau_floor
+                > 0, recovery_steps >= 0, ...), then a ValueError without a stopping rule
+                (min_layers or tau_floor). Then return a generator of records. The fixed teacher: a
+                deep copy of the unpruned drafter, in eval mode, without gradients. Measure with
+                the config's val_anchors and seed; recovery's generator is seeded with its seed.
+                Yield record 0 (the unpruned tau0), then, while deeper than max(1, min_layers):
+                score every layer (`score`, default tau_without_each_layer), least_costly_layer,
+                a host_copy if tau_floor is set, remove_layer, recover (with the config),
+                re-measure with validation_tau (without recovery steps the score is already the
+                new tau); below tau_floor * tau0 undo the removal (_undo_removal) and stop. A
+                record's keys: iteration, removed_layer (its original index), layers (the depth
+                measured), tau_before_recovery, tau_after_recovery, seconds, score_seconds,
+                kept, recovery_skipped, tau_without_layer.""",
+            )
         },
         (
             "test_pruning_removes_one_layer_per_iteration_and_the_noop_layer_first",
             "test_pruning_removes_the_layer_whose_removal_costs_least",
             "test_recovery_with_activation_checkpointing_takes_the_same_steps",
             "test_pruning_stops_where_the_rules_say",
+            "test_the_floor_is_a_fraction_of_the_unpruned_tau_with_scores_given",
             "test_pruning_checks_its_arguments_at_the_call",
             "test_pruned_drafter_saves_loads_and_decodes_losslessly",
         ),
@@ -299,12 +463,26 @@ EXERCISES = (
         ("select_chunks",),
         "Fig. 5 and appendix, selective prefill",
         {
-            "select_chunks": """
-            Check keep_ratio and chunk_size. The drafter's cache (rewound to 0) reads the
-            whole prompt: prefill all but the last query_window tokens, then attention_pass
-            over those. A chunk's score: the attention its tokens receive, mean over layers,
-            heads and queries. Keep the first chunk, the last, and the best others up to
-            max(2, ceil(keep_ratio * num_chunks)), in order. Return the docstring's keys."""
+            "select_chunks": Hint(
+                goal="""
+                Return the docstring's dict: the kept ids and their original positions, the
+                drafter's cache holding the whole prompt, the chunk scores and the kept chunks.
+                The paper (appendix): the drafter scores prompt chunks by the attention the
+                prompt's last tokens pay them; the target prefills only the best.""",
+                rules="""
+                Refuse keep_ratio outside (0, 1] and chunk_size < 1. A chunk's score: the
+                attention its tokens receive from the last query_window prompt tokens (mean over
+                layers, heads and queries), summed over the chunk. Keep the first chunk, the
+                last and the best others, ceil(keep_ratio x chunks) in all but at least 2, in
+                order, at their original positions. The prompt is read in prefill chunks, only
+                the last window with attention.""",
+                steps="""
+                Check keep_ratio and chunk_size. The drafter's cache (rewound to 0) reads the
+                whole prompt: prefill all but the last query_window tokens, then attention_pass
+                over those. A chunk's score: the attention its tokens receive, mean over layers,
+                heads and queries. Keep the first chunk, the last, and the best others up to
+                max(2, ceil(keep_ratio * num_chunks)), in order. Return the docstring's keys.""",
+            )
         },
         (
             "test_kept_chunks_are_in_order_with_original_positions",
@@ -445,6 +623,25 @@ CLAIMS = {
     "test_selective_prefill_decodes_like_the_target_on_the_kept_chunks": (
         "selective prefill decodes what the target reads from the kept chunks"
     ),
+    "test_loss_ignores_blocks_of_invalid_anchors": (
+        "a block whose anchor is invalid carries no loss and counts in no metric"
+    ),
+    "test_the_ar_term_is_zero_at_lambda_0": "L_AR is skipped at lambda = 0: loss_ar is 0",
+    "test_block_acc_reads_d1_where_d1_from_says": (
+        "block_acc[0] reads d_1 where d1_from says: the share offline tau accepts"
+    ),
+    "test_full_acceptance_is_never_selected_at_b_1": (
+        "at B = 1 full acceptance is never selected (its guess g is -1)"
+    ),
+    "test_select_segment_reads_nothing_back_to_the_host": (
+        "select_segment selects on the device: no host read, no loop over values"
+    ),
+    "test_each_round_reads_the_device_once_between_two_reports": (
+        "each round reads the device once: one read_round, nothing else read back"
+    ),
+    "test_the_floor_is_a_fraction_of_the_unpruned_tau_with_scores_given": (
+        "the tau floor is a fraction of the unpruned tau, not of the last depth's"
+    ),
     "test_long_prompts_are_prefilled_in_chunks": (
         "the prompt is read in prefill chunks, only the last window with attention"
     ),
@@ -456,12 +653,15 @@ SLOW = (
     "test_every_pass_traces_as_one_graph_and_compiles_once",
 )
 
+ROUND_READS = "test_each_round_reads_the_device_once_between_two_reports"
+
 # Tests of these exercises' functions that grade nothing: each monkeypatches a function of
 # d3d.py, so its verdict would rest on how the reference is built (tests/test_lab.py checks
 # that each of them does, and that no graded test does). test name -> (what, exercises)
 LEFT_OUT = {
     "test_a_round_reads_the_device_once": (
-        "wraps d3d.accept_draft or d3d.Sampler.pick to mark the rounds",
+        "wraps d3d.accept_draft or d3d.Sampler.pick to mark the rounds; "
+        f"{ROUND_READS} counts the same reads between on_round's reports",
         ("accept_draft", "decode_sync", "select_segment"),
     ),
     "test_every_verification_and_packed_pass_keeps_one_shape_through_full_acceptance_hits": (
@@ -624,15 +824,19 @@ def comment_lines(indent: str, text: str, first: str, rest: str) -> list[str]:
     """`text` as comment lines no wider than WIDTH."""
     width = WIDTH - len(indent) - 2
     lines = textwrap.wrap(
-        " ".join(text.split()), width, initial_indent=first, subsequent_indent=rest
+        " ".join(text.split()),
+        width,
+        initial_indent=first,
+        subsequent_indent=rest,
+        break_on_hyphens=False,
     )
     return [f"{indent}# {line}\n" for line in lines]
 
 
-def blank_body(source: str, exercise: Exercise, function: str) -> str:
-    """`source` with `function`'s body replaced by its hint, the body's own comments (its
-    shapes and rules) and a NotImplementedError; all else byte for byte, the signature and
-    the docstring included."""
+def blank_body(source: str, exercise: Exercise, function: str, level: str = DEFAULT_LEVEL) -> str:
+    """`source` with `function`'s body replaced by its hint at `level`, the body's own comments
+    (its shapes and rules; not at "goal") and a NotImplementedError; all else byte for byte,
+    the signature and the docstring included."""
     lines = source.splitlines(keepends=True)
     node = find_function(ast.parse(source), function)
     first = node.body[0]
@@ -640,22 +844,25 @@ def blank_body(source: str, exercise: Exercise, function: str) -> str:
         raise LabError(f"{function} has no docstring", "blank only functions that say what they do")
     start, end = first.end_lineno, node.end_lineno  # the body is lines start + 1 .. end
     indent = " " * node.body[1].col_offset
-    stub = comment_lines(indent, exercise.hints[function], "Exercise: ", "  ")
-    notes = comments(lines[start:end])
+    stub = comment_lines(indent, exercise.hints[function].at(level), "Exercise: ", "  ")
+    notes = comments(lines[start:end]) if level != "goal" else []
     if notes:
         stub.append(f"{indent}# The reference's comments, in order (shapes, rules):\n")
         for note in notes:
             stub += comment_lines(indent, note, "  ", "    ")
+    if level != LEVELS[-1]:
+        more = LEVELS[LEVELS.index(level) + 1]
+        stub.append(f"{indent}# More help: python lab.py list {exercise.name} --hints {more}\n")
     message = STUB.format(name=exercise.name, function=function)
     stub.append(f'{indent}raise NotImplementedError("{message}")\n')
     return "".join(lines[:start] + stub + lines[end:])
 
 
-def blank(source: str, exercises) -> str:
-    """`source` with the functions of these exercises blank."""
+def blank(source: str, exercises, level: str = DEFAULT_LEVEL) -> str:
+    """`source` with the functions of these exercises blank, their hints at `level`."""
     for exercise in exercises:
         for function in exercise.functions:
-            source = blank_body(source, exercise, function)
+            source = blank_body(source, exercise, function, level)
     return source
 
 
@@ -745,6 +952,20 @@ def copy_project(root: str, dest: str, leave_out: tuple[str, ...] = ()) -> int:
     return count
 
 
+START_FILE = "lab-start.json"  # next to runs/lab/NAME/d3d.py: the level it was started at
+
+
+def hint_level(path: str, root: str = ROOT) -> str | None:
+    """The hint level the d3d.py at `path` was handed out or started with (None: unknown)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    for name in (START_FILE, HANDOUT_FILE):
+        record = os.path.join(folder, name)
+        if os.path.isfile(record):
+            with open(record, encoding="utf-8") as f:
+                return json.load(f).get("hints")
+    return None
+
+
 def handout_exercises(root: str = ROOT) -> list[str]:
     """The exercises this repository's d3d.py was handed out with blank (none if no handout)."""
     path = os.path.join(root, HANDOUT_FILE)
@@ -765,7 +986,8 @@ def tidy(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in ')  # a frame of a Python traceback
+FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (\S+)')  # a frame of a Python traceback
+CALLS = "d3d.py calls: "  # a failure's third line: the graded file's frames, outermost first
 NOISE = re.compile(r"Use -v|\+ +where [\w.]+ = [\w.]+$")  # pytest's hints, a name's origin
 
 
@@ -774,19 +996,26 @@ def short_failure(text: str, root: str) -> str:
     inside `root`, the graded copy, with its source line), then what (the error, shortened)."""
     lines = text.splitlines()
     frames = [i for i, line in enumerate(lines) if FRAME.match(line)]
-    where = ""
+    where, calls = "", []
     for i in frames:
-        path, number = FRAME.match(lines[i]).groups()
+        path, number, function = FRAME.match(lines[i]).groups()
         if os.path.realpath(path).startswith(os.path.join(os.path.realpath(root), "")):
             source = lines[i + 1].strip() if i + 1 not in frames and i + 1 < len(lines) else ""
-            where = f"{os.path.relpath(os.path.realpath(path), os.path.realpath(root))}:{number}: "
+            name = os.path.relpath(os.path.realpath(path), os.path.realpath(root))
+            where = f"{name}:{number}: "
+            if name == REFERENCE:  # the graded file: which of its functions raised
+                where = f"{name}:{number} in {function}: "
+                calls.append(function)
+            else:
+                calls = []  # only the graded file's frames below the last test frame count
             where = (where + source)[: WIDTH - 8]
     rest = lines[frames[-1] + 2 :] if frames else lines  # after the last frame and its source
     rest = [line for line in rest if line.strip() and set(line.strip()) - set("^~")]
     errors = [tidy(line[1:] if line.startswith("E ") else line) for line in rest]
     what = " / ".join(e for e in errors if e and not NOISE.match(e)) or "failed"
     what = textwrap.shorten(what, 2 * (WIDTH - 8), placeholder=" ...")
-    return "\n".join(([where] if where else []) + [what])
+    chain = [CALLS + " > ".join(calls)] if calls else []
+    return "\n".join(([where] if where else []) + [what] + chain)
 
 
 def run_suite(root: str, file: str, tests: list[str], timeout: float) -> dict:
@@ -927,14 +1156,33 @@ def grade(exercise: Exercise, results: dict, quick: bool = False, only=()) -> di
 
 
 def explain(message: str, exercise: Exercise) -> str:
-    """A failure's message, said plainly where it comes from a lab stub."""
-    last = message.splitlines()[-1] if message else ""  # the error; the line above: where
+    """A failure's message, said plainly where it comes from a lab stub, and pointed at the
+    exercise's function where another function of d3d.py raised."""
+    lines = message.splitlines()
+    calls = []
+    if lines and lines[-1].startswith(CALLS):
+        calls = lines.pop()[len(CALLS) :].split(" > ")
+    last = lines[-1] if lines else ""  # the error; the line above: where
     stub = re.search(r"lab exercise (\w+): write (\w+)", last)
     if stub and stub.group(1) == exercise.name:
         return f"{stub.group(2)} is still the blank stub: write its body"
     if stub:
         return f"needs {stub.group(2)}, still blank: python lab.py check {stub.group(1)} first"
-    return message
+    text = "\n".join(lines)
+    if not calls or calls[-1] in exercise.functions:
+        return text
+    raised, yours = calls[-1], [f for f in exercise.functions if f in calls]
+    if yours:
+        pointer = (
+            f"raised in {raised}, which your {yours[-1]} calls: look at what {yours[-1]} passes it"
+        )
+    else:
+        written = " or ".join(exercise.functions)
+        pointer = (
+            f"raised in {raised}, not in {written}: the cause is likely in {written}, "
+            f"called before it (what it returned reached {raised})"
+        )
+    return f"{text}\n{pointer}"
 
 
 def say(text: str, indent: str) -> None:
@@ -1017,6 +1265,8 @@ def reference_source() -> str:
 
 
 def cmd_list(args) -> int:
+    if args.name is not None:
+        return print_hints(exercise_named(args.name), args.hints)
     handout = handout_exercises()
     print(
         f"{len(EXERCISES)} exercises: python lab.py start NAME, write the body, "
@@ -1058,14 +1308,16 @@ def cmd_start(args) -> int:
                 f"{function} is already blank in {REFERENCE}",
                 f"write it there, then python lab.py check {exercise.name}",
             )
-    text = blank(source, [exercise])
+    text = blank(source, [exercise], args.hints)
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     with open(dest, "w", encoding="utf-8") as f:
         f.write(text)
+    with open(os.path.join(os.path.dirname(dest), START_FILE), "w", encoding="utf-8") as f:
+        json.dump({"exercise": exercise.name, "hints": args.hints}, f, indent=2)
     tree = ast.parse(text)
     spans = [find_function(tree, n) for n in exercise.functions]
     where = ", ".join(f"{n.name} (lines {n.lineno}-{n.end_lineno})" for n in spans)
-    print(f"wrote {shown(dest)}: {REFERENCE} with {where} blank")
+    print(f"wrote {shown(dest)}: {REFERENCE} with {where} blank (hints: {args.hints})")
     print(f"write the body there, then: python lab.py check {exercise.name}")
     return 0
 
@@ -1123,6 +1375,12 @@ def cmd_check(args) -> int:
     result = grade(exercise, results, args.quick, args.test)
     result.update(file=shown(path), sha256=hashlib.sha256(source.encode()).hexdigest())
     print_grade(result, exercise)
+    level = hint_level(path)
+    if level is not None:
+        result["hints"] = level
+    if not result["passed"] and level in LEVELS[:-1]:
+        more = LEVELS[LEVELS.index(level) + 1]
+        say(f"hints: {level}; more help: python lab.py list {exercise.name} --hints {more}", "")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
@@ -1170,19 +1428,31 @@ def cmd_handout(args) -> int:
     for function in [f for e in exercises for f in e.functions]:
         if is_blank(source, function):
             raise LabError(f"{function} is already blank here", "hand out a full repository")
-    text = blank(source, exercises)
+    text = blank(source, exercises, args.hints)
     os.makedirs(dest, exist_ok=True)
     count = copy_project(ROOT, dest, HANDOUT_LEAVES_OUT)
     with open(os.path.join(dest, REFERENCE), "w", encoding="utf-8") as f:
         f.write(text)
     with open(os.path.join(dest, HANDOUT_FILE), "w", encoding="utf-8") as f:
-        json.dump({"exercises": [e.name for e in exercises]}, f, indent=2)
+        json.dump({"exercises": [e.name for e in exercises], "hints": args.hints}, f, indent=2)
     names = ", ".join(e.name for e in exercises)
-    print(f"wrote {shown(dest)}: {count} files; its {REFERENCE} has {names} blank")
+    print(
+        f"wrote {shown(dest)}: {count} files; its {REFERENCE} has {names} blank "
+        f"(hints: {args.hints})"
+    )
     print(
         f"there: python lab.py list, then python lab.py check {exercises[0].name} "
         f"(it grades that {REFERENCE})"
     )
+    return 0
+
+
+def print_hints(exercise: Exercise, level: str) -> int:
+    """The hints of an exercise at a level, as its blank body would show them."""
+    for function in exercise.functions:
+        print(f"{function} (hints: {level}):")
+        for line in comment_lines("  ", exercise.hints[function].at(level), "", ""):
+            print(line.rstrip("\n").replace("  # ", "  ", 1))
     return 0
 
 
@@ -1197,10 +1467,23 @@ class Parser(argparse.ArgumentParser):
 def parser() -> argparse.ArgumentParser:
     top = Parser(prog="python lab.py", description="Write D3D yourself, graded by its tests.")
     commands = top.add_subparsers(dest="command", required=True, parser_class=Parser)
-    commands.add_parser("list", help="the exercises and the tests that grade them")
+    listing = commands.add_parser("list", help="the exercises and their tests; NAME's hints")
+    listing.add_argument("name", metavar="NAME", nargs="?", help="print this exercise's hints")
+    listing.add_argument(
+        "--hints",
+        choices=LEVELS,
+        default=DEFAULT_LEVEL,
+        help=f"with NAME, the level: {HELP_LEVELS} (default {DEFAULT_LEVEL})",
+    )
     start = commands.add_parser("start", help="runs/lab/NAME/d3d.py with NAME's body blank")
     start.add_argument("name", metavar="NAME")
     start.add_argument("--force", action="store_true", help="write over an earlier start")
+    start.add_argument(
+        "--hints",
+        choices=LEVELS,
+        default=DEFAULT_LEVEL,
+        help=f"how much the blank body says: {HELP_LEVELS} (default {DEFAULT_LEVEL})",
+    )
     check = commands.add_parser("check", help="grade a d3d.py with NAME's tests")
     check.add_argument("name", metavar="NAME", help="an exercise, or all")
     check.add_argument(
@@ -1228,6 +1511,12 @@ def parser() -> argparse.ArgumentParser:
     handout = commands.add_parser("handout", help="a copy of the repository, bodies blank")
     handout.add_argument("dir", metavar="DIR")
     handout.add_argument("names", metavar="NAME", nargs="*", help="default: every exercise")
+    handout.add_argument(
+        "--hints",
+        choices=LEVELS,
+        default=DEFAULT_LEVEL,
+        help=f"how much the blank bodies say: {HELP_LEVELS} (default {DEFAULT_LEVEL})",
+    )
     return top
 
 
@@ -1239,7 +1528,12 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
-    run = {"list": cmd_list, "start": cmd_start, "check": cmd_check, "handout": cmd_handout}
+    run = {
+        "list": cmd_list,
+        "start": cmd_start,
+        "check": cmd_check,
+        "handout": cmd_handout,
+    }
     try:
         return run[args.command](args)
     except LabError as error:

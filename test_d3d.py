@@ -436,6 +436,61 @@ def test_offline_tau_drafts_the_d1_from_where_decoding_does(tok, target):
     )
 
 
+def test_loss_ignores_blocks_of_invalid_anchors(tok):
+    """A block whose anchor is invalid (sample_anchors' valid False: a sequence with fewer than K
+    places for one) counts nowhere: the loss and every metric equal those of the valid blocks
+    alone, though the invalid blocks' labels are response tokens."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=2), tokenizer=tok, block_size=3)
+    x, loss_mask = batch(b=1, length=15, prompt_len=4)
+    anchors = torch.tensor([[4, 6, 9, 11]])
+    valid = torch.tensor([[True, False, True, False]])
+    loss, metrics = d3d.d3d_loss(drafter, x, loss_mask, at=(anchors, valid))
+    kept = anchors[valid][None]
+    kept_loss, kept_metrics = d3d.d3d_loss(
+        drafter, x, loss_mask, at=(kept, torch.ones_like(kept, dtype=torch.bool))
+    )
+    why = "a block whose anchor is invalid (valid False) must carry no loss and count in no metric"
+    for name in ("loss_block", "loss_ar", "block_acc"):
+        torch.testing.assert_close(metrics[name], kept_metrics[name], msg=f"{name}: {why}")
+    torch.testing.assert_close(loss, kept_loss, msg=why)
+
+
+def test_the_ar_term_is_zero_at_lambda_0(tok):
+    """At lambda = 0 L_AR is not computed: loss_ar is 0 and the loss is L_block alone."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=2), tokenizer=tok, block_size=4)
+    x, loss_mask = batch()
+    without_ar = with_config(drafter, ar_weight=0.0)
+    loss, metrics = d3d.d3d_loss(
+        without_ar, x, loss_mask, generator=torch.Generator().manual_seed(0)
+    )
+    assert metrics["loss_ar"].item() == 0.0, (
+        f"loss_ar is {metrics['loss_ar'].item():.4f} at lambda = 0: L_AR is computed only if "
+        "lambda > 0"
+    )
+    torch.testing.assert_close(loss, metrics["loss_block"], msg="at lambda = 0 the loss is L_block")
+
+
+@pytest.mark.parametrize("d1_from", ["causal", "mask"])
+def test_block_acc_reads_d1_where_d1_from_says(tok, target, d1_from):
+    """block_acc[0] is the share of blocks whose d_1, read where decoding reads it (d1_from:
+    the anchor's causal row, or MASK 1), is the label x_{j_k+1}: on the same anchors, the share
+    of blocks whose d_1 offline_tau accepts. The target's weights drafting the target's own
+    continuation: its causal row is always right, its untrained MASK 1 is not."""
+    prompt = torch.tensor([[5, 3, 8]])
+    ids = reference_continuation(target, prompt, 40)
+    input_ids, loss_mask = torch.tensor([ids]), torch.zeros(1, len(ids), dtype=torch.bool)
+    loss_mask[0, 3:] = True
+    drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=4, d1_from=d1_from)
+    at = d3d.sample_anchors(loss_mask, 16, torch.Generator().manual_seed(0))
+    _, metrics = d3d.d3d_loss(drafter, input_ids, loss_mask, at=at)
+    d1_accepted = (d3d.offline_tau(drafter, input_ids, loss_mask, at=at) >= 2).float().mean()
+    assert metrics["block_acc"][0].item() == pytest.approx(d1_accepted.item()), (
+        f"block_acc[0] = {metrics['block_acc'][0].item():.3f}, but d_1 read where d1_from="
+        f"{d1_from!r} says is right in {d1_accepted.item():.3f} of the blocks: block_acc reads "
+        "d_1 at the anchor's causal row under 'causal', at MASK 1 under 'mask'"
+    )
+
+
 def test_chunked_loss_equals_the_plain_computation(tok, monkeypatch):
     """cross_entropy projects a few rows at a time and recomputes them in backward: its value and
     its gradients (for the hidden states and the shared embedding / output layer) equal
@@ -993,6 +1048,7 @@ def scripted(tok, target, prompt, block_size, kind, max_new):
     "block_size,coverage,fanout,cover",
     [
         (1, 1, 1, "first"),
+        (1, 1, 2, "first"),  # B = 1, F = 2: full acceptance, if ever selected, has no row left
         (5, 0, 2, "first"),
         (5, 2, 1, "first"),
         (5, 4, 2, "likely"),
@@ -1196,7 +1252,7 @@ def test_a_prepared_block_is_the_draft_its_outcome_would_get(tok, d1_from):
 def test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for(tok):
     """Segments: (i=1, t=5), (1, 6), (2, 5), (2, 7), then full acceptance. A branch drafted off
     another prefix is never reused because its token happens to match. At B = 1 the
-    full-acceptance segment has no row after its guess to be the next draft: never a hit."""
+    full-acceptance segment has no row after its guess to be the next draft: its guess is -1."""
     drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=4)
     draft_hidden = torch.randn(5, 4, 32, generator=torch.Generator().manual_seed(1))
     # the full-acceptance segment's bonus-token guess
@@ -1214,9 +1270,9 @@ def test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for(to
     g = int(guess)
     assert hit(4, g) == 4 and hit(4, (g + 1) % TEXT_VOCAB) == -1 and hit(3, g) == -1
     # B = 1: a block of one row; its guess is -1, so full acceptance misses whatever t is
+    # (select_segment at B = 1: test_full_acceptance_is_never_selected_at_b_1)
     one_row = d3d.bonus_guess(drafter, draft_hidden[:, :1], d3d.Sampler())
     assert int(one_row) == -1
-    assert all(hit(1, t, one_row, num_real=1) != 4 for t in range(TEXT_VOCAB))
 
 
 def test_a_branch_at_the_pad_is_selected_before_full_acceptance():
@@ -1230,6 +1286,50 @@ def test_a_branch_at_the_pad_is_selected_before_full_acceptance():
     assert int(d3d.select_segment(a, t, 3, covered, candidates, torch.tensor(5))) == 7
     # without the branch, full acceptance
     assert int(d3d.select_segment(a, torch.tensor(2), 3, covered, candidates, torch.tensor(2))) == 8
+
+
+def test_full_acceptance_is_never_selected_at_b_1():
+    """At B = 1 the full-acceptance segment has no row after its guess to be the next draft:
+    bonus_guess gives -1 there, and select_segment never selects that segment, whatever t is (a
+    branch of the same round still can be)."""
+    covered, candidates = torch.tensor([1]), torch.tensor([[5, 6]])
+    guess = torch.tensor(-1)  # bonus_guess at B = 1
+    full_acceptance = 2  # the segments: (1, 5), (1, 6), then full acceptance
+    for t in range(TEXT_VOCAB):
+        chosen = int(
+            d3d.select_segment(torch.tensor(1), torch.tensor(t), 1, covered, candidates, guess)
+        )
+        assert chosen != full_acceptance, (
+            f"a = R = 1, t = {t}, g = -1 (B = 1): full acceptance selected; at B = 1 it is "
+            "never a hit (its guess is -1, never a token)"
+        )
+        assert chosen == -1, f"a = R = 1, t = {t}: selected {chosen}, no segment was prepared"
+    chosen = int(
+        d3d.select_segment(torch.tensor(0), torch.tensor(6), 1, covered, candidates, guess)
+    )
+    assert chosen == 1, f"(1, 6) is branch 1 at B = 1 too, got {chosen}"
+
+
+def test_select_segment_reads_nothing_back_to_the_host(monkeypatch):
+    """select_segment works on the device: no .item(), .tolist(), int(), bool() or index of a
+    tensor (no Python loop or if over its values), so that the round keeps its one host read."""
+    covered, candidates = torch.tensor([1, 2]), torch.tensor([[5, 6], [5, 7]])
+    outcomes = [(0, 5, 9), (0, 6, 9), (1, 5, 9), (1, 7, 9), (2, 5, 9), (4, 9, 9), (4, 8, 9)]
+    for name in ("item", "tolist", "__int__", "__bool__", "__index__", "__float__"):
+        monkeypatch.setattr(
+            torch.Tensor,
+            name,
+            lambda *a, **k: pytest.fail("select_segment read a tensor back to the host"),
+        )
+    chosen = [
+        d3d.select_segment(
+            torch.tensor(a), torch.tensor(t), 4, covered, candidates, torch.tensor(g)
+        )
+        for a, t, g in outcomes
+    ]
+    monkeypatch.undo()
+    # which segment is right is the hit test's claim; here only where it was computed
+    assert all(isinstance(c, torch.Tensor) and c.dim() == 0 for c in chosen), "a 0-d tensor each"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1302,6 +1402,52 @@ def test_a_round_reads_the_device_once(tok, target, monkeypatch, mode, temperatu
     prefill, *rounds = [r.split().count("read") for r in " ".join(events).split("round")]
     # prefill: the prompt, the first token
     assert prefill <= 2 and len(rounds) > 4 and max(rounds) <= 1, events
+
+
+@pytest.mark.parametrize(
+    "mode,temperature", [("sync", 0), ("async", 0), ("sync", 1.0), ("async", 1.0)]
+)
+def test_each_round_reads_the_device_once_between_two_reports(
+    tok, target, monkeypatch, mode, temperature
+):
+    """The one host read per round, counted without touching d3d: every .item(), .tolist(),
+    int(), bool(), float() or index of a tensor between two on_round reports (one per round,
+    after its read) is one read; a round that waits for the device twice stalls the host twice
+    on CUDA."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=4)
+    prompt = torch.tensor([[7, 1, 9, 4, 4]])
+    events = []
+    for name in ("item", "tolist", "__int__", "__bool__", "__index__", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(*args, __original=original, **kwargs):
+            events.append("read")
+            return __original(*args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    d3d.generate(
+        target,
+        drafter,
+        prompt,
+        max_new_tokens=25,
+        mode=mode,
+        temperature=temperature,
+        generator=torch.Generator().manual_seed(0),
+        on_round=lambda info: events.append("round"),
+    )
+    monkeypatch.undo()
+    first, *rounds = [r.split().count("read") for r in " ".join(events).split("round")][:-1]
+    assert len(rounds) >= 3, events
+    # the prefill (the prompt, the first token), then round 0's own read
+    assert first <= 3, (
+        f"{first} host reads up to the end of round 0 (the prefill's two, then the round's one): "
+        "a round reads the device once"
+    )
+    assert max(rounds) <= 1, (
+        f"a round read the device {max(rounds)} times (reads per round: {rounds}): one "
+        "read_round per round, nothing else read back (no .item(), .tolist(), int() or if on a "
+        "tensor)"
+    )
 
 
 def test_async_builds_no_tensor_from_host_values_after_its_first_round(tok, target, monkeypatch):
@@ -1644,6 +1790,33 @@ def test_the_tau_floor_is_a_fraction_of_the_unpruned_tau_and_keeps_a_removal_at_
     assert [row["tau_after_recovery"] for row in table] == [2.0, 1.5, 1.4]
     assert [row["tau_before_recovery"] for row in table[1:]] == [1.0, 1.0]
     assert drafter.d3d_config.layer_ids == [1, 2, 3] and len(drafter.model.model.layers) == 3
+
+
+def test_the_floor_is_a_fraction_of_the_unpruned_tau_with_scores_given(tok):
+    """tau_floor is a fraction of the unpruned drafter's tau, not of the last depth's. Without
+    recovery steps the removed layer's score is the new tau, so the scores set it: 0.8, 0.7, then
+    0.6 x the unpruned tau, at tau_floor 0.75. The first removal is kept; the second is undone
+    and pruning stops, though 0.7 is above 0.75 x the first removal's 0.8 (0.6)."""
+    drafter = d3d.make_drafter(
+        tiny_qwen3(seed=3, layers=4), tokenizer=tok, block_size=3, num_anchors=4
+    )
+    data = prune_data()
+    measure = d3d.PruneConfig(min_layers=1)
+    tau0, _ = d3d.validation_tau(drafter, data, val_anchors=measure.val_anchors, seed=measure.seed)
+    fractions = iter([0.8, 0.7, 0.6])
+
+    def scores(drafter, batches, **_):  # layer 0 of those left costs least
+        fraction = next(fractions)
+        return {i: fraction * tau0 - 0.01 * i for i in range(len(drafter.model.model.layers))}
+
+    table = list(
+        d3d.prune_drafter(drafter, data, data, tau_floor=0.75, recovery_steps=0, score=scores)
+    )
+    assert [row["kept"] for row in table] == [True, True, False], (
+        f"kept {[row['kept'] for row in table]}: a removal whose tau falls below tau_floor x "
+        "the unpruned tau (here 0.7 < 0.75) is undone and pruning stops"
+    )
+    assert len(drafter.model.model.layers) == 3, "the undone removal's layer is back"
 
 
 def test_pruning_checks_its_arguments_at_the_call(tok):

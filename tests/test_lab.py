@@ -86,7 +86,7 @@ def lab_runs(tmp_path_factory):
     repo = base / "repo"
     lab.copy_project(ROOT, str(repo))
     before = {"repo": sha(os.path.join(ROOT, "d3d.py")), "copy": sha(repo / "d3d.py")}
-    starts = {e.name: lab_py(repo, "start", e.name) for e in lab.EXERCISES}
+    starts = {e.name: lab_py(repo, "start", e.name, "--hints", level_of(e)) for e in lab.EXERCISES}
     after_start = sha(repo / "d3d.py")
     handouts = {
         "all": base / "handout-all",
@@ -94,9 +94,11 @@ def lab_runs(tmp_path_factory):
         "solved": base / "handout-solved",
     }
     made = {
-        "all": lab_py(repo, "handout", handouts["all"]),
+        "all": lab_py(repo, "handout", handouts["all"], "--hints", "goal"),
         "one": lab_py(repo, "handout", handouts["one"], "packed_attention_mask"),
-        "solved": lab_py(repo, "handout", handouts["solved"], "packed_attention_mask"),
+        "solved": lab_py(
+            repo, "handout", handouts["solved"], "packed_attention_mask", "--hints", "steps"
+        ),
     }
     reference = (repo / "d3d.py").read_text()
     right_mask = open(os.path.join(SOLUTIONS, "packed_attention_mask_by_key_kind.py")).read()
@@ -159,6 +161,11 @@ def lab_runs(tmp_path_factory):
         "futures": futures,
     }
     pool.shutdown(wait=True)
+
+
+def level_of(exercise) -> str:
+    """The hint level each exercise is started at here: every level, in turn."""
+    return lab.LEVELS[lab.EXERCISES.index(exercise) % len(lab.LEVELS)]
 
 
 def finished(lab_runs, job) -> subprocess.CompletedProcess:
@@ -235,12 +242,42 @@ def test_the_plugin_selects_by_name_and_parameters_and_keeps_the_worst_outcome()
         "AssertionError: assert False / + where False = "
         "equal(x, y)"
     )
+    raised = (
+        "Traceback (most recent call last):\n"
+        '  File "/copy/test_d3d.py", line 1070, in test_async\n'
+        "    out, stats = d3d.generate(target, drafter, prompt)\n"
+        '  File "/copy/d3d.py", line 1900, in generate\n'
+        "    stats = _decode_async(drafter, out, caches, clock, config)\n"
+        '  File "/copy/d3d.py", line 1460, in _decode_async\n'
+        "    *packed_inputs, segment_rows = build_branch_pass(\n"
+        '  File "/copy/d3d.py", line 1167, in build_branch_pass\n'
+        "    segments[:, 0] = torch.cat([candidates.flatten(), draft[:1]])\n"
+        "RuntimeError: The expanded size of the tensor (3) must match"
+    )
+    message = lab.short_failure(raised, "/copy")
+    assert message.splitlines()[0].startswith("d3d.py:1167 in build_branch_pass: segments")
+    assert message.splitlines()[-1] == "d3d.py calls: generate > _decode_async > build_branch_pass"
+    told = lab.explain(message, lab.BY_NAME["select_segment"])
+    assert "raised in build_branch_pass, not in select_segment" in told and "calls:" not in told
+    assert "which your _decode_sync calls" in lab.explain(
+        message.replace("_decode_async", "_decode_sync"), lab.BY_NAME["decode_sync"]
+    )
+    own = lab.Exercise("x", ("build_branch_pass",), "", {}, ("t",))  # raised in the function
+    assert "raised in" not in lab.explain(message, own)
     mask = lab.BY_NAME["packed_attention_mask"]
     assert "still the blank stub" in lab.explain(
         "lab exercise packed_attention_mask: write packed_attention_mask", mask
     )
     blocked = lab.explain("lab exercise draft_rows: write draft_rows", mask)
     assert "check draft_rows first" in blocked
+
+
+def test_list_prints_each_level_of_an_exercises_hints():
+    for level in lab.LEVELS:
+        shown = lab_py(ROOT, "list", "d3d_loss", "--hints", level, timeout=60)
+        assert shown.returncode == 0 and f"d3d_loss (hints: {level}):" in shown.stdout
+        for hint in lab.BY_NAME["d3d_loss"].hints.values():
+            assert " ".join(hint.at(level).split()) in " ".join(shown.stdout.split())
 
 
 def test_list_names_every_exercise_its_place_and_its_tests():
@@ -260,9 +297,19 @@ def test_start_blanks_one_body_and_keeps_every_other_byte(lab_runs):
     reference = (repo / "d3d.py").read_text().splitlines(keepends=True)
     tree = ast.parse("".join(reference))
     for exercise in lab.EXERCISES:
+        level = level_of(exercise)
         assert lab_runs["starts"][exercise.name].returncode == 0
         assert f"python lab.py check {exercise.name}" in lab_runs["starts"][exercise.name].stdout
-        copy = (repo / "runs" / "lab" / exercise.name / "d3d.py").read_text()
+        assert f"(hints: {level})" in lab_runs["starts"][exercise.name].stdout
+        folder = repo / "runs" / "lab" / exercise.name
+        assert json.loads((folder / lab.START_FILE).read_text())["hints"] == level
+        copy = (folder / "d3d.py").read_text()
+        flat = " ".join(line.strip().lstrip("#").strip() for line in copy.splitlines())
+        for function, hint in exercise.hints.items():  # its level's words, not the next one's
+            assert " ".join(hint.at(level).split()) in flat.replace("Exercise: ", ""), function
+            if level != "steps":
+                assert " ".join(hint.steps.split()) not in flat, function
+                assert f"python lab.py list {exercise.name} --hints" in copy
         nodes = sorted(
             (lab.find_function(tree, f) for f in exercise.functions), key=lambda node: node.lineno
         )
@@ -286,7 +333,10 @@ def test_start_blanks_one_body_and_keeps_every_other_byte(lab_runs):
     again = lab_py(repo, "start", "packed_attention_mask")
     assert again.returncode == 2 and again.stderr.count("\n") == 1
     assert again.stderr.startswith("error: ") and "--force" in again.stderr
-    assert lab_py(repo, "start", "packed_attention_mask", "--force").returncode == 0
+    level = level_of(lab.BY_NAME["packed_attention_mask"])  # its blank check reads the level
+    assert (
+        lab_py(repo, "start", "packed_attention_mask", "--force", "--hints", level).returncode == 0
+    )
     assert lab_runs["after_start"] == lab_runs["before"]["copy"]
 
 
@@ -318,6 +368,11 @@ def test_a_blank_copy_fails_every_test_that_grades_it(lab_runs, name):
     assert result["full"] and len(entries) == len(lab.graded(lab.BY_NAME[name]))
     assert all(e["failed"] == e["cases"] >= 1 for e in entries), entries
     assert run.stdout.count("is still the blank stub: write its body") == len(entries)
+    level = level_of(lab.BY_NAME[name])  # the level it was started at, and where more help is
+    assert result["hints"] == level
+    if level != "steps":
+        more = lab.LEVELS[lab.LEVELS.index(level) + 1]
+        assert f"hints: {level}; more help: python lab.py list {name} --hints {more}" in run.stdout
 
 
 def test_a_handout_with_every_exercise_blank_fails_every_graded_test(lab_runs):
@@ -342,24 +397,35 @@ def test_a_solution_passes_or_fails_as_it_says(lab_runs, name):
         assert run.returncode == 0 and result["passed"], run.stdout[-3000:]
         return
     assert run.returncode == 1, run.stdout[-3000:]
+    exercise = lab.BY_NAME[facts["EXERCISE"]]
     for entry in result["right"] + result["fast"]:
         assert not entry["passed"], entry["test"]
         message = entry["first_failure"]["message"]
-        assert re.search(r"test_\w+\.py:\d+: ", message) and "blank stub" not in message, message
+        where = re.search(r"^(test_\w+\.py:\d+|d3d\.py:\d+ in (\w+)): ", message, re.M)
+        assert where and "blank stub" not in message, message
         assert f"FAIL  {entry['claim']}" in run.stdout
-    assert {e["test"].split("::")[1] for e in result["right"] + result["fast"]} == set(
-        facts["FAILS"]
-    )
+        if where.group(2) and where.group(2) not in exercise.functions:  # raised elsewhere
+            assert f"raised in {where.group(2)}" in run.stdout, run.stdout[-3000:]
+    failed = {e["test"].split("::")[1].split("[")[0] for e in result["right"] + result["fast"]}
+    assert failed == set(facts["FAILS"])
 
 
-def test_three_exercises_have_a_second_right_solution_and_two_wrong_ones():
-    counts = {}
+# The exercises without a second right solution: a different body would be the same steps
+ONE_RIGHT_SOLUTION = ("decode_sync", "prune_drafter", "select_chunks")
+
+
+def test_every_exercise_has_two_wrong_solutions_and_most_a_second_right_one():
+    """Each exercise: at least two plausible wrong solutions, each naming the tests it fails,
+    and a right one written another way (but where the body has only one way to say it)."""
+    counts = {name: [0, 0] for name in lab.BY_NAME}
     for name in solution_files():
         facts = solution_facts(name)
-        right, wrong = counts.setdefault(facts["EXERCISE"], [0, 0])
-        counts[facts["EXERCISE"]] = [right + facts["RIGHT"], wrong + (not facts["RIGHT"])]
-        assert facts["EXERCISE"] in lab.BY_NAME and (facts["RIGHT"] or facts["FAILS"])
-    assert len([e for e, (right, wrong) in counts.items() if right >= 1 and wrong >= 2]) >= 3
+        assert facts["EXERCISE"] in lab.BY_NAME and (facts["RIGHT"] or facts["FAILS"]), name
+        assert name.startswith(facts["EXERCISE"]), name
+        counts[facts["EXERCISE"]][0] += facts["RIGHT"]
+        counts[facts["EXERCISE"]][1] += not facts["RIGHT"]
+    assert all(wrong >= 2 for _, wrong in counts.values()), counts
+    assert all(right >= 1 for e, (right, _) in counts.items() if e not in ONE_RIGHT_SOLUTION)
 
 
 def test_a_handout_grades_its_own_d3d_py_and_holds_no_answer(lab_runs):
@@ -369,7 +435,8 @@ def test_a_handout_grades_its_own_d3d_py_and_holds_no_answer(lab_runs):
     one, solved = lab_runs["handouts"]["one"], lab_runs["handouts"]["solved"]
     assert lab_runs["made"]["one"].returncode == 0
     assert json.loads((one / "lab-handout.json").read_text()) == {
-        "exercises": ["packed_attention_mask"]
+        "exercises": ["packed_attention_mask"],
+        "hints": lab.DEFAULT_LEVEL,
     }
     assert not (one / "tests" / "lab_solutions").exists()
     assert not (one / "tests" / "test_lab.py").exists()
@@ -404,6 +471,9 @@ def test_a_handout_grades_its_own_d3d_py_and_holds_no_answer(lab_runs):
         (["handout", "out", "nope"], "no exercise 'nope'"),
         (["check"], "NAME"),
         (["grade", "x"], "invalid choice"),
+        (["start", "select_segment", "--hints", "all"], "invalid choice"),
+        (["list", "nope", "--hints", "goal"], "no exercise 'nope'"),
+        (["list", "select_segment", "--hints", "more"], "invalid choice"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_status_2(tmp_path, argv, says):

@@ -1,0 +1,26 @@
+"""_decode_sync, wrong: the drafter is given x_n alone each round, not every committed token it
+has not read: after a round that accepted d_1 .. d_a, the tokens before x_n never reach its
+cache, which then holds fewer tokens than are committed, and its blocks are drafted off a
+text with holes.
+"""
+
+EXERCISE = "decode_sync"
+RIGHT = False
+FAILS = ("test_drafter_cache_holds_exactly_the_committed_tokens",)  # must fail (others may too)
+
+
+def _decode_sync(drafter, out, caches, clock, config, *, sampler, report):
+    tc, dc = caches.target, caches.drafter
+    block_size = config.block_size
+    while not out.done:
+        with clock.span("draft"):
+            new_tokens = torch.tensor([out.tokens[-1:]], device=dc.device)  # the bug
+            draft_logits = draft_block(drafter, dc, new_tokens, block_size, width=block_size + 1)
+            draft, q_draft = sampler.pick(draft_logits)
+        with clock.span("verify"):
+            p_logits = verify_block(tc, new_tokens[0, -1], draft)
+            num_accepted, next_token = accept_draft(p_logits, draft, q_draft, sampler)
+        num_accepted, next_token, *tokens = read_round([num_accepted, next_token, draft], tc, dc)
+        out.commit_round(tokens[:num_accepted], next_token)
+        tc.rewind(len(out.tokens) - 1)
+        report(out, tokens, block_size, (num_accepted, next_token))
