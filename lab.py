@@ -306,7 +306,7 @@ EXERCISES = (
             "test_sync_stops_at_eos_inside_an_accepted_block",
             "test_sync_with_real_drafters_equals_target",
             "test_zero_new_tokens",
-            "test_drafter_cache_holds_exactly_the_committed_tokens[mode=sync]",
+            "test_drafter_cache_holds_the_committed_tokens_each_pass_assumes[mode=sync]",
             "test_eos_inside_an_accepted_block_is_committed_there",
             "test_keep_ratio_one_equals_ordinary_decoding",
             "test_sampling_matches_target_distribution[mode=sync]",
@@ -398,7 +398,7 @@ EXERCISES = (
             "test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for",
             "test_a_branch_at_the_pad_is_selected_before_full_acceptance",
             "test_async_equals_sync_and_target",
-            "test_drafter_cache_holds_exactly_the_committed_tokens[mode=async]",
+            "test_drafter_cache_holds_the_committed_tokens_each_pass_assumes[mode=async]",
             "test_async_stops_at_eos_inside_a_block",
             "test_two_lanes_on_a_cpu_decode_the_same_tokens",
             "test_sampling_after_full_acceptance_hits_draws_the_bonus_from_the_target",
@@ -565,8 +565,8 @@ CLAIMS = {
         "sampling with a seeded generator repeats itself exactly"
     ),
     "test_zero_new_tokens": "max_new_tokens=0 gives back the prompt in every mode",
-    "test_drafter_cache_holds_exactly_the_committed_tokens": (
-        "after every round the drafter's cache holds exactly the committed tokens"
+    "test_drafter_cache_holds_the_committed_tokens_each_pass_assumes": (
+        "before each pass the drafter's cache holds the committed tokens it assumes"
     ),
     "test_keep_ratio_one_equals_ordinary_decoding": (
         "keep_ratio=1 keeps every chunk and decodes like the target in every mode"

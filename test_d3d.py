@@ -760,10 +760,11 @@ class AuditedDrafter(d3d.Drafter):
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("kind", ["oracle", "never", "partial", "real"])
-def test_drafter_cache_holds_exactly_the_committed_tokens(tok, target, mode, kind):
-    """After every round, hit or miss, the drafter's cache holds the committed tokens and nothing
-    else (a scripted drafter ignores its cache, so only this check sees a wrong one); the caches are
-    reused by the next request."""
+def test_drafter_cache_holds_the_committed_tokens_each_pass_assumes(tok, target, mode, kind):
+    """Before each of its passes, hit or miss, the drafter's cache holds exactly the committed
+    tokens the pass takes for granted, with their true keys and values (sync: what was committed
+    when the round began; async: every committed token but x_n). A scripted drafter ignores its
+    cache, so only this check sees a wrong one; the caches are reused by the next request."""
     block_size, max_new = 5, 31
     prompt = torch.tensor([[3, 14, 15, 92, 65]])
     expected, _ = d3d.generate(target, None, prompt, max_new_tokens=max_new, mode="target")
