@@ -134,7 +134,7 @@ def load(target, drafter, modes, device, dtype, attn, threads=None) -> Models:
         where = f"{args_file}: target"
         target = runtime.find_recorded(recorded, where, must_exist=not on_hub)
     cli.check_model_folder("--target", target)
-    tok = transformers.AutoTokenizer.from_pretrained(target)
+    tok = runtime.load_tokenizer(target)
     if draft_model is not None:
         # before loading a large target for nothing
         runtime.check_tokenizer(draft_model, tok)
@@ -589,6 +589,8 @@ def main(args: argparse.Namespace) -> dict:
     or a benchmark. Every flag is checked before anything loads. Returns what the run printed,
     as numbers; a benchmark also writes it to --out."""
     check_args(vars(args))
+    # a device this machine lacks: one line, before anything loads
+    runtime.resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     plan = plan_run(args)
@@ -898,4 +900,12 @@ def cli_main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    cli.run(cli_main, sys.argv[1:])
+    try:
+        cli.run(cli_main, sys.argv[1:])
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, no traceback (a benchmark's --out is written when it ends)
+        print(
+            "decode.py: interrupted (Ctrl-C); --out and --trace are written when a run ends",
+            file=sys.stderr,
+        )
+        sys.exit(130)
