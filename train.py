@@ -398,9 +398,11 @@ def save(drafter, model, optimizer, scheduler, done, skipped, recipe, s: TrainSe
         distributed.save_checkpoint(s.out, done, state, optimizer.state_dict())
 
 
-def stopped(name: str, done: int, s: TrainSettings) -> str:
-    """The line a stopped run ends with (rank 0 prints it): the step, the checkpoint, the
-    command that goes on."""
+def stopped(name: str | None, done: int, s: TrainSettings) -> str:
+    """The line a stopped run ends with (rank 0 prints it): the signal (None: another
+    process's), the step, the checkpoint, the command that goes on."""
+    if name is None:
+        name = "another process's signal"
     where = os.path.join(s.out, "checkpoint.pt")
     if s.fsdp:
         where = os.path.join(s.out, distributed.SHARDED_CHECKPOINT)
