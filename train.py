@@ -682,6 +682,11 @@ def load_answers(args, found: dict, data: dict) -> tuple[list, list]:
         )
         return train, val
     num_val = min(args.num_val, round(len(train) * args.val_fraction))
+    if num_val == 0:
+        raise runtime.UserError(
+            f"--val-fraction {args.val_fraction} of {len(train)} prompts holds out none — give "
+            "--val-prompts, a larger --val-fraction, or more --prompts"
+        )
     return train[: len(train) - num_val], train[len(train) - num_val :]
 
 
