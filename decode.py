@@ -116,6 +116,8 @@ def load(target, drafter, modes, device, dtype, attn, threads=None) -> Models:
         )
     if check_drafter:
         cli.check_drafter_folder("--drafter", drafter)
+    # a device this machine lacks: one line, before anything loads
+    device = runtime.resolve_device(str(device))
     args_file = os.path.join(drafter, "train_args.json")
     recipe = {}
     if os.path.isfile(args_file):
@@ -589,8 +591,6 @@ def main(args: argparse.Namespace) -> dict:
     or a benchmark. Every flag is checked before anything loads. Returns what the run printed,
     as numbers; a benchmark also writes it to --out."""
     check_args(vars(args))
-    # a device this machine lacks: one line, before anything loads
-    runtime.resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     plan = plan_run(args)
