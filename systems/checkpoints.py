@@ -187,8 +187,9 @@ class StopSignals:
     """Inside `with StopSignals() as stop:`, SIGINT (Ctrl-C) and SIGTERM (a scheduler's kill)
     do not kill the run: they set stop.name, and the loop asks `stop.agreed(...)` at each step
     boundary. A second signal stops at once (KeyboardInterrupt): the last checkpoint stays
-    whole, since every piece is written, then renamed. Outside the main thread (where Python
-    takes no signal handler) it does nothing."""
+    whole, since every piece is written, then renamed. A signal the process ignores stays
+    ignored (a shell's background job ignores SIGINT: Ctrl-C is not meant for it); outside the
+    main thread (where Python takes no signal handler) it does nothing."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -199,7 +200,8 @@ class StopSignals:
     def __enter__(self) -> "StopSignals":
         try:
             for number in self.SIGNALS:
-                self.before[number] = signal.signal(number, self.ask)
+                if signal.getsignal(number) is not signal.SIG_IGN:
+                    self.before[number] = signal.signal(number, self.ask)
         except ValueError:
             # not the main thread: the signals keep their handlers
             self.before = {}

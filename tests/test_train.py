@@ -870,6 +870,25 @@ def test_sigterm_stops_at_the_end_of_its_step_and_the_rerun_goes_on(setup, tmp_p
         assert torch.equal(a, b), name
 
 
+def test_a_signal_the_process_ignores_stays_ignored(setup, tmp_path, monkeypatch):
+    """A shell's background job ignores SIGINT (Ctrl-C is meant for the foreground job):
+    training keeps ignoring it and runs to its end."""
+    real_loss = d3d.d3d_loss
+
+    def signalled(*a, **k):
+        signal.raise_signal(signal.SIGINT)
+        return real_loss(*a, **k)
+
+    monkeypatch.setattr(d3d, "d3d_loss", signalled)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        result = _run(setup, tmp_path / "d", steps=2, drafter_layers="2")
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert result["history"][-1]["step"] == 2
+    assert torch.load(tmp_path / "d" / "checkpoint.pt", weights_only=True)["step"] == 2
+
+
 def _signalled_ddp_worker(rank, setup_paths, out, port):
     """A DDP process of 2 in which only rank 0 receives SIGINT, in step 2; each writes the
     line it stopped with."""
