@@ -125,9 +125,11 @@ class TrainSettings:
 def train_drafter(drafter: d3d.Drafter, train, val, s: TrainSettings) -> dict:
     """AdamW on d3d_loss (L_block + lambda L_AR), the rate from get_lr.
 
-    Checkpoints every s.save_every steps and resumes from them. With s.fsdp the
-    drafter is sharded in place and returned as "sharded" (its FSDP root) with
-    the result; every process then evaluates and saves."""
+    Checkpoints every s.save_every steps and resumes from them. SIGINT (Ctrl-C) or
+    SIGTERM stops it at the end of the step in progress, on every process alike:
+    that step is saved, and checkpoints.Interrupted carries the line that says how
+    to go on. With s.fsdp the drafter is sharded in place and returned as "sharded"
+    (its FSDP root) with the result; every process then evaluates and saves."""
     device = s.device
     if device is None:
         device = drafter.device
