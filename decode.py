@@ -104,6 +104,8 @@ def load(target, drafter, modes, device, dtype, attn, threads=None) -> Models:
     device = torch.device(device)
     need_drafter = any(m != "target" for m in modes)
     recipe = drafter_recipe(drafter, check=need_drafter or target is None)
+    # a device this machine lacks: one line, before anything loads
+    device = runtime.resolve_device(str(device))
     if dtype in (None, "auto") and recipe.get("compute_dtype") == "float32":
         # trained in fp32 (the toy always is): decode in it too
         dtype = "float32"
@@ -118,7 +120,7 @@ def load(target, drafter, modes, device, dtype, attn, threads=None) -> Models:
         on_hub = cli.looks_like_hub_name(recorded)
         target = runtime.find_recorded(recorded, where, must_exist=not on_hub)
     cli.check_model_folder("--target", target)
-    tok = transformers.AutoTokenizer.from_pretrained(target)
+    tok = runtime.load_tokenizer(target)
     if draft_model is not None:
         # before loading a large target for nothing
         runtime.check_tokenizer(draft_model, tok)
@@ -579,4 +581,12 @@ def cli_main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    cli.run(cli_main, sys.argv[1:])
+    try:
+        cli.run(cli_main, sys.argv[1:])
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, no traceback (a benchmark's --out is written when it ends)
+        print(
+            "decode.py: interrupted (Ctrl-C); --out and --trace are written when a run ends",
+            file=sys.stderr,
+        )
+        sys.exit(130)

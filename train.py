@@ -31,13 +31,14 @@ import json
 import math
 import os
 import random
+import shlex
 import sys
 import time
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
 import d3d
 import runtime
@@ -115,16 +116,20 @@ class TrainSettings:
     # where to train (None: the drafter's device; a rank > 0 under fsdp holds the
     # drafter on the meta device until distributed.shard_model fills its shards)
     device: torch.device | None = None
-    # the checkpoint the drafter started from, kept in the recipe (checkpoints.recipe_of)
+    # the checkpoint the drafter started from, and whether its weights were drawn afresh
+    # (--random-init): kept in the recipe (checkpoints.recipe_of)
     init: str = ""
+    random_init: bool = False
 
 
 def train_drafter(drafter: d3d.Drafter, train, val, s: TrainSettings) -> dict:
     """AdamW on d3d_loss (L_block + lambda L_AR), the rate from get_lr.
 
-    Checkpoints every s.save_every steps and resumes from them. With s.fsdp the
-    drafter is sharded in place and returned as "sharded" (its FSDP root) with
-    the result; every process then evaluates and saves."""
+    Checkpoints every s.save_every steps and resumes from them. SIGINT (Ctrl-C) or
+    SIGTERM stops it at the end of the step in progress, on every process alike:
+    that step is saved, and checkpoints.Interrupted carries the line that says how
+    to go on. With s.fsdp the drafter is sharded in place and returned as "sharded"
+    (its FSDP root) with the result; every process then evaluates and saves."""
     device = s.device
     if device is None:
         device = drafter.device
@@ -133,8 +138,10 @@ def train_drafter(drafter: d3d.Drafter, train, val, s: TrainSettings) -> dict:
     model, frozen = wrap_for_training(drafter, s, device)
     optimizer = make_optimizer(drafter, frozen, s)
     scheduler = make_scheduler(optimizer, s)
-    recipe = checkpoints.recipe_of(drafter, s)
+    recipe = checkpoints.recipe_of(drafter, train, s)
     start_step, skipped = checkpoints.resume(drafter, model, optimizer, scheduler, recipe, s)
+    if start_step >= s.steps:
+        checkpoints.report_finished(s, start_step, drafter.d3d_config.block_size)
     batches = MicroBatches(train, s, device)
     skipped_in_a_row = 0
     history = []
@@ -143,42 +150,50 @@ def train_drafter(drafter: d3d.Drafter, train, val, s: TrainSettings) -> dict:
     start = time.perf_counter()
     drafter.train()
     bar = progress_bar(start_step, s)
-    for step in bar:
-        step_start = time.perf_counter()
-        num_tokens = 0
-        for a in range(s.grad_accum):
-            input_ids, loss_mask = batches(step * s.grad_accum + a)
-            num_tokens += int((input_ids != s.pad_id).sum())
-            last = a == s.grad_accum - 1
-            with gradient_sync(model, s, last):
-                with autocast():
-                    # loss, metrics = d3d.d3d_loss(drafter, input_ids, loss_mask, generator=...)
-                    # run in the forward of `model`, which DDP and FSDP wrap (TrainingLoss);
-                    # K, B, lambda and gamma from the drafter's config
-                    loss, metrics = model(
-                        d3d.d3d_loss, input_ids, loss_mask, generator=batches.anchors_rng
-                    )
-                (loss / s.grad_accum).backward()
-        # a NaN or Inf gradient never reaches AdamW: the step is skipped
-        stepped = runtime.finite_step(optimizer, drafter.parameters(), s.grad_clip)
-        # on a skipped step too: the rate stays a function of the step, as a resume assumes
-        scheduler.step()
-        if stepped:
-            skipped_in_a_row = 0
-            # only here: a NaN loss would stay in the running mean for good
-            loss_ema = running_mean(loss_ema, loss.item())
-        else:
-            skipped_in_a_row += 1
-            skipped += 1
-        check_diverged(step, skipped_in_a_row, skipped)
-        tokens_per_s = num_tokens * s.world / (time.perf_counter() - step_start)
-        show_progress(bar, metrics, loss_ema, tokens_per_s, skipped, device)
-        done = step + 1
-        if evaluates(s, val) and done % s.eval_every == 0 and done < s.steps:
-            tau = evaluate(drafter, val, model, s, autocast)
-            history.append(report(done, tau, loss_ema, skipped, s, drafter.d3d_config.block_size))
-        if done % s.save_every == 0 or done == s.steps:
-            save(drafter, model, optimizer, scheduler, done, skipped, recipe, s)
+    # SIGINT and SIGTERM stop the loop at the end of the step in progress, which is saved
+    with checkpoints.StopSignals() as stop:
+        for step in bar:
+            step_start = time.perf_counter()
+            num_tokens = 0
+            for a in range(s.grad_accum):
+                input_ids, loss_mask = batches(step * s.grad_accum + a)
+                num_tokens += int((input_ids != s.pad_id).sum())
+                last = a == s.grad_accum - 1
+                with gradient_sync(model, s, last):
+                    with autocast():
+                        # loss, metrics = d3d.d3d_loss(drafter, input_ids, loss_mask, generator=...)
+                        # run in the forward of `model`, which DDP and FSDP wrap (TrainingLoss);
+                        # K, B, lambda and gamma from the drafter's config
+                        loss, metrics = model(
+                            d3d.d3d_loss, input_ids, loss_mask, generator=batches.anchors_rng
+                        )
+                    (loss / s.grad_accum).backward()
+            # a NaN or Inf gradient never reaches AdamW: the step is skipped
+            stepped = runtime.finite_step(optimizer, drafter.parameters(), s.grad_clip)
+            # on a skipped step too: the rate stays a function of the step, as a resume assumes
+            scheduler.step()
+            if stepped:
+                skipped_in_a_row = 0
+                # only here: a NaN loss would stay in the running mean for good
+                loss_ema = running_mean(loss_ema, loss.item())
+            else:
+                skipped_in_a_row += 1
+                skipped += 1
+            check_diverged(step, skipped_in_a_row, skipped)
+            tokens_per_s = num_tokens * s.world / (time.perf_counter() - step_start)
+            show_progress(bar, metrics, loss_ema, tokens_per_s, skipped, device)
+            done = step + 1
+            if evaluates(s, val) and done % s.eval_every == 0 and done < s.steps:
+                tau = evaluate(drafter, val, model, s, autocast)
+                block_size = drafter.d3d_config.block_size
+                history.append(report(done, tau, loss_ema, skipped, s, block_size))
+            # every process alike: all save the same step
+            stopping = stop.agreed(s.world, device)
+            if done % s.save_every == 0 or done == s.steps or stopping:
+                save(drafter, model, optimizer, scheduler, done, skipped, recipe, s)
+            if stopping:
+                bar.close()
+                raise checkpoints.Interrupted(stopped(stop.name, done, s))
     bar.close()
     # also when a rerun finds the run finished: evaluates with the new --num-val, ...
     if evaluates(s, val):
@@ -353,7 +368,10 @@ def evaluate(drafter, val, model, s: TrainSettings, autocast) -> float:
 def report(done: int, tau: float, loss_ema, skipped: int, s: TrainSettings, block_size) -> dict:
     """Print an evaluation (rank 0) and return it as a row of the history."""
     if s.rank == 0:
-        line = f"[train] step {done}: loss {loss_ema or float('nan'):.3f}, "
+        line = f"[train] step {done}: "
+        # a rerun of a finished run trains no step: it has no loss to show
+        if loss_ema is not None:
+            line += f"loss {loss_ema:.3f}, "
         line += f"offline tau (B={block_size}) {tau:.3f}"
         if skipped:
             line += f", {skipped} steps skipped (non-finite gradient)"
@@ -380,6 +398,34 @@ def save(drafter, model, optimizer, scheduler, done, skipped, recipe, s: TrainSe
             "recipe": recipe,
         }
         distributed.save_checkpoint(s.out, done, state, optimizer.state_dict())
+
+
+def stopped(name: str | None, done: int, s: TrainSettings) -> str:
+    """The line a stopped run ends with (rank 0 prints it): the signal (None: another
+    process's), the step, the checkpoint, the command that goes on."""
+    if name is None:
+        name = "another process's signal"
+    where = os.path.join(s.out, "checkpoint.pt")
+    if s.fsdp:
+        where = os.path.join(s.out, distributed.SHARDED_CHECKPOINT)
+    line = f"[train] {name}: stopped after step {done} of {s.steps}, saved in {where}"
+    line += f"; go on with: {go_on_command(s)}"
+    if s.rank == 0:
+        tqdm.write(line)
+    return line
+
+
+def go_on_command(s: TrainSettings) -> str:
+    """The command that resumes this run: the one that started it, without --no-resume."""
+    argv = sys.argv
+    if not argv[0].endswith("train.py"):
+        # called in-process
+        return f"train.main(out={s.out!r}, ...) with the same settings"
+    argv = [a for a in argv if a != "--no-resume"]
+    launcher = "python"
+    if s.world > 1:
+        launcher = f"torchrun --nproc_per_node={s.world}"
+    return f"{launcher} {shlex.join(argv)}"
 
 
 class TrainingLoss(torch.nn.Module):
@@ -638,16 +684,12 @@ def load_answers(args, found: dict, data: dict) -> tuple[list, list]:
         )
         return train, val
     num_val = min(args.num_val, round(len(train) * args.val_fraction))
+    if num_val == 0:
+        raise runtime.UserError(
+            f"--val-fraction {args.val_fraction} of {len(train)} prompts holds out none — give "
+            "--val-prompts, a larger --val-fraction, or more --prompts"
+        )
     return train[: len(train) - num_val], train[len(train) - num_val :]
-
-
-def default_device(name: str | None) -> torch.device:
-    """The device a flag names; by default CUDA if there is one, else the CPU."""
-    if name is None:
-        name = "cpu"
-        if torch.cuda.is_available():
-            name = "cuda"
-    return torch.device(name)
 
 
 def main(**overrides) -> dict:
@@ -663,7 +705,7 @@ def main(**overrides) -> dict:
     if toy_run:
         paths = toy.open_toy(args.toy)
     fill_defaults(args, toy_run)
-    device = default_device(args.device)
+    device = runtime.resolve_device(args.device)
     device, rank, world = distributed.start_process_group(device, args.fsdp, args.dist_timeout)
     if toy_run and args.dtype == "auto":
         # the toy's tiny models: bf16 would buy nothing and round more
@@ -676,7 +718,7 @@ def main(**overrides) -> dict:
     found = found_inputs(args)
     if toy_run:
         found = use_the_toy(args, paths, rank)
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    tokenizer = runtime.load_tokenizer(args.target)
     data_dir = args.data_dir
     if data_dir is None:
         data_dir = os.path.dirname(os.path.abspath(args.out))
@@ -691,7 +733,11 @@ def main(**overrides) -> dict:
     if pad_id is None:
         pad_id = tokenizer.eos_token_id
     where = dict(pad_id=pad_id, bf16=bf16, rank=rank, world=world, device=device)
-    settings = cli.settings_of(TrainSettings, vars(args), init=runtime.record_path(init), **where)
+    init = runtime.record_path(init)
+    settings = cli.settings_of(
+        TrainSettings, vars(args), init=init, random_init=args.random_init, **where
+    )
+    check_training_size(drafter, train, val, settings)
     # everything is loaded and checked: the loop starts
     result = train_drafter(drafter, train, val, settings)
 
@@ -704,11 +750,35 @@ def main(**overrides) -> dict:
     return {**result, "drafter": drafter, "out": args.out}
 
 
+def check_training_size(drafter: d3d.Drafter, train, val, s: TrainSettings) -> None:
+    """runtime.check_training_size before the first step: the positions and the bytes of the
+    longest packed sequence, cut at --max-len, one line if they do not fit. Under FSDP the
+    positions alone: the bytes it counts are those of a whole drafter on one device."""
+    longest = max(len(prompt) + len(response) for prompt, response in train + val)
+    max_len = min(s.max_len, longest)
+    if s.fsdp:
+        block_size = drafter.d3d_config.block_size
+        asked = f"training with --max-len {max_len} and --block-size {block_size}"
+        lower = "--block-size or --max-len"
+        runtime.check_positions(asked, max_len + block_size, "the drafter", drafter, lower)
+        return
+    runtime.check_training_size(
+        drafter,
+        train + val,
+        batch_size=s.batch_size,
+        max_len=s.max_len,
+        device=s.device,
+        bf16=s.bf16,
+        val_anchors=s.val_anchors,
+    )
+
+
 def load_drafter(args, layers, tokenizer, device, rank: int) -> tuple[d3d.Drafter, str]:
     """(the drafter build_drafter makes from the flags, on `device`; the checkpoint it starts
     from). Under FSDP rank 0 alone reads the weights, the others get shards
     (distributed.shard_model)."""
-    target_config = AutoConfig.from_pretrained(args.target).get_text_config()
+    config = runtime.from_local_or_hub(AutoConfig.from_pretrained, args.target, "--target")
+    target_config = config.get_text_config()
     on_meta = args.fsdp and rank > 0
     init = args.drafter_init or args.target
     # B, K, lambda, gamma and d1_from: the flags of d3d.D3DConfig
@@ -850,5 +920,24 @@ def cli_main(argv: list[str]) -> None:
         main(**vars(parse_args(argv)))
 
 
+def run_command(argv: list[str]) -> None:
+    """cli_main as a command: a bad input is one line (cli.run); so is Ctrl-C, with exit
+    status 130. Inside the steps training saves first (checkpoints.Interrupted, its line
+    already printed); anywhere else the answers and checkpoints already written are kept."""
+    try:
+        cli.run(cli_main, argv)
+    except checkpoints.Interrupted:
+        sys.exit(130)
+    except KeyboardInterrupt:
+        line = f"train.py {' '.join(argv[:1])}: interrupted"
+        if argv[:1] not in (["prune"], ["eval"]):
+            line = (
+                "[train] interrupted, not at a step boundary: the answers and the last "
+                "checkpoint written are kept, and the same command goes on from them"
+            )
+        print(line, file=sys.stderr)
+        sys.exit(130)
+
+
 if __name__ == "__main__":
-    cli.run(cli_main, sys.argv[1:])
+    run_command(sys.argv[1:])

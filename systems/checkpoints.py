@@ -1,13 +1,19 @@
-"""What train.py keeps in a checkpoint to resume it, and the check that a rerun trains the same
-recipe: `resume` loads a checkpoint that distributed.save_checkpoint (or, under FSDP,
-save_sharded_checkpoint) wrote, after `check_resume` compared its recipe with the run's.
-`s` everywhere: train.py's TrainSettings (out, resume, fsdp, rank, world, init)."""
+"""What train.py keeps in a checkpoint to resume it, the check that a rerun trains the same
+recipe, and the signals that stop a run without losing its work: `resume` loads a checkpoint
+that distributed.save_checkpoint (or, under FSDP, save_sharded_checkpoint) wrote, after
+`check_resume` compared its recipe with the run's; `StopSignals` turns SIGINT and SIGTERM into
+a stop at the end of the step in progress, which train.py saves and ends with `Interrupted`.
+`s` everywhere: train.py's TrainSettings (out, resume, fsdp, rank, world, init, ...)."""
 
 from __future__ import annotations
 
+import array
 import functools
+import hashlib
+import json
 import os
 import random
+import signal
 
 import torch
 
@@ -19,6 +25,8 @@ def resume(drafter, model, optimizer, scheduler, recipe: dict, s) -> tuple[int, 
     """Load the checkpoint in s.out (if s.resume and there is one): weights,
     AdamW, schedule, random states. Returns (first step, steps skipped so far)."""
     if not s.resume:
+        if s.rank == 0:
+            print(f"[train] --no-resume: starting from step 0 (the first save replaces {s.out}'s)")
         return 0, 0
     check = functools.partial(check_resume, recipe=recipe, out=s.out)
     if s.fsdp:
@@ -32,6 +40,8 @@ def resume(drafter, model, optimizer, scheduler, recipe: dict, s) -> tuple[int, 
             if optimizer_state is not None:
                 optimizer.load_state_dict(optimizer_state)
     if not state:
+        if s.rank == 0:
+            print(f"[train] no checkpoint in {s.out}: starting from step 0")
         return 0, 0
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
@@ -57,9 +67,14 @@ def check_not_sharded(out: str) -> None:
         )
 
 
-# What shapes a drafter and its data, kept in every checkpoint; the flag that sets each
+# What shapes a drafter and its data, kept in every checkpoint; the flag that sets each. Not in
+# it: --steps (a rerun with more extends the run), the held-out settings, where and in what
+# dtype the run computes, and under --fsdp the number of processes (the data order then
+# follows the new sharding)
 RECIPE_FLAGS = {
+    # the drafter
     "init": "--drafter-init",
+    "random_init": "--random-init",
     "layer_ids": "--drafter-layers",
     "block_size": "--block-size",
     "num_anchors": "--num-anchors",
@@ -67,14 +82,29 @@ RECIPE_FLAGS = {
     "decay_gamma": "--decay-gamma",
     "d1_from": "--d1-from",
     "tokenizer": "--target (its tokenizer)",
+    "freeze_embeddings": "--freeze-embeddings",
+    # the data, and the order it comes in
+    "answers": "the training answers (--target, --prompts, --prompt-field, --num-prompts, "
+    "--val-fraction, --num-val, --max-new-tokens, --thinking)",
+    "max_len": "--max-len",
+    "batch_size": "--batch-size",
+    "grad_accum": "--grad-accum",
+    "seed": "--seed",
+    # the optimizer and its schedule
+    "lr": "--lr",
+    "warmup": "--warmup",
+    "weight_decay": "--weight-decay",
+    "grad_clip": "--grad-clip",
 }
 
 
-def recipe_of(drafter, s) -> dict:
-    """The settings a checkpoint was trained with (RECIPE_FLAGS), as plain values."""
+def recipe_of(drafter, train: list, s) -> dict:
+    """The settings a checkpoint was trained with (RECIPE_FLAGS), as plain values; the
+    training answers `train` as their fingerprint."""
     config = drafter.d3d_config
     return {
         "init": s.init,
+        "random_init": s.random_init,
         "layer_ids": config.layer_ids,
         "block_size": config.block_size,
         "num_anchors": config.num_anchors,
@@ -82,7 +112,27 @@ def recipe_of(drafter, s) -> dict:
         "decay_gamma": config.decay_gamma,
         "d1_from": config.d1_from,
         "tokenizer": config.tokenizer_hash,
+        "freeze_embeddings": s.freeze_embeddings,
+        "answers": answers_fingerprint(train),
+        "max_len": s.max_len,
+        "batch_size": s.batch_size,
+        "grad_accum": s.grad_accum,
+        "seed": s.seed,
+        "lr": s.lr,
+        "warmup": s.warmup,
+        "weight_decay": s.weight_decay,
+        "grad_clip": s.grad_clip,
     }
+
+
+def answers_fingerprint(train: list) -> str:
+    """A short hash of the training examples, (prompt ids, response ids) each, in order."""
+    digest = hashlib.sha256()
+    for prompt, response in train:
+        for ids in (prompt, response):
+            digest.update(len(ids).to_bytes(8, "little"))
+            digest.update(array.array("q", ids).tobytes())
+    return digest.hexdigest()[:16]
 
 
 def check_resume(saved: dict, recipe: dict, out: str) -> None:
@@ -92,10 +142,85 @@ def check_resume(saved: dict, recipe: dict, out: str) -> None:
         message = f"--out {out} holds a checkpoint that records no recipe — {fresh}"
         raise runtime.UserError(message)
     for key, value in recipe.items():
-        before = saved["recipe"].get(key)
+        if key not in saved["recipe"]:
+            raise runtime.UserError(
+                f"--out {out} holds a checkpoint that records no {RECIPE_FLAGS[key]} — {fresh}"
+            )
+        before = saved["recipe"][key]
         if before != value:
             raise runtime.UserError(
                 f"--out {out} holds a checkpoint trained with {RECIPE_FLAGS[key]} = "
                 f"{before!r}, this run asks for {value!r} — rerun with the same "
                 f"setting to resume, or {fresh}"
             )
+
+
+def report_finished(s, step: int, block_size: int) -> None:
+    """What a rerun of a finished training found (rank 0): the step and the offline tau its
+    train_args.json holds (none there: the run stopped before its drafter was saved)."""
+    if s.rank > 0:
+        return
+    path = os.path.join(s.out, "train_args.json")
+    found = "no train_args.json yet"
+    if os.path.isfile(path):
+        with open(path) as f:
+            record = json.load(f)
+        if record.get("steps") == step and record.get("offline_tau") is not None:
+            tau = record["offline_tau"]
+            found = f"offline tau (B={block_size}) {tau:.3f} in train_args.json"
+    print(
+        f"[train] {s.out} holds a finished run of {step} steps ({found}): nothing to train, "
+        "the held-out answers are measured again — more --steps trains on"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Stopping at a step boundary
+
+
+class Interrupted(KeyboardInterrupt):
+    """Training stopped by SIGINT or SIGTERM at the end of a step, its checkpoint saved: the
+    message is the one line that says so (the step, where, the command that goes on)."""
+
+
+class StopSignals:
+    """Inside `with StopSignals() as stop:`, SIGINT (Ctrl-C) and SIGTERM (a scheduler's kill)
+    do not kill the run: they set stop.name, and the loop asks `stop.agreed(...)` at each step
+    boundary. A second signal stops at once (KeyboardInterrupt): the last checkpoint stays
+    whole, since every piece is written, then renamed. A signal the process ignores stays
+    ignored (a shell's background job ignores SIGINT: Ctrl-C is not meant for it); outside the
+    main thread (where Python takes no signal handler) it does nothing."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.name = None
+        self.before = {}
+
+    def __enter__(self) -> "StopSignals":
+        try:
+            for number in self.SIGNALS:
+                if signal.getsignal(number) is not signal.SIG_IGN:
+                    self.before[number] = signal.signal(number, self.ask)
+        except ValueError:
+            # not the main thread: the signals keep their handlers
+            self.before = {}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self.before.items():
+            signal.signal(number, handler)
+
+    def ask(self, number: int, frame) -> None:
+        """The handler: the first signal asks for a stop, a second one raises."""
+        if self.name is not None:
+            raise KeyboardInterrupt
+        self.name = signal.Signals(number).name
+
+    def agreed(self, world: int, device) -> bool:
+        """Whether to stop now: on several processes, if any of them was signalled
+        (distributed.any_rank), so that all save at the same step."""
+        asked = self.name is not None
+        if world > 1:
+            return distributed.any_rank(asked, device)
+        return asked

@@ -63,6 +63,14 @@ def start_process_group(
     return device, rank, world
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` holds on any process (an all-reduce of one number: every process calls
+    it at the same point, and all get the same answer)."""
+    value = torch.tensor(float(flag), device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def end_process_group() -> None:
     """Every process waits for the others, then the process group (if any) is taken down."""
     if dist.is_initialized():

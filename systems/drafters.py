@@ -8,7 +8,7 @@ import functools
 import os
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import d3d
 import runtime
@@ -52,7 +52,7 @@ def build_drafter(
     cut, MASK row) on the meta device: no weights read, no memory (a rank > 0 under
     --fsdp, which receives its shards from rank 0: distributed.shard_model)."""
     try:
-        init_tokenizer = AutoTokenizer.from_pretrained(drafter_init)
+        init_tokenizer = runtime.load_tokenizer(drafter_init, "--drafter-init")
     except (OSError, ValueError):
         # no tokenizer saved with it: make_drafter still checks the vocabulary size
         init_tokenizer = None
@@ -70,7 +70,7 @@ def build_drafter(
         model = random_weights(drafter_init)
     else:
         # fp32 master weights
-        model = AutoModelForCausalLM.from_pretrained(drafter_init, dtype=torch.float32)
+        model = runtime.load_causal_lm(drafter_init, torch.float32, flag="--drafter-init")
     num_layers = model.config.get_text_config().num_hidden_layers
     layer_ids = select_layers(num_layers, layers)
     drafter = d3d.make_drafter(
@@ -92,7 +92,7 @@ def build_drafter(
 
 def random_weights(drafter_init: str):
     """The architecture of `drafter_init` with freshly initialised fp32 weights."""
-    config = AutoConfig.from_pretrained(drafter_init)
+    config = runtime.from_local_or_hub(AutoConfig.from_pretrained, drafter_init, "--drafter-init")
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 

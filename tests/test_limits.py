@@ -1,15 +1,17 @@
 """Sizes at the far end of their ranges, no network, no GPU: a request past the positions a model
 has or the memory there is gets one line before anything is allocated; a model name that is no
 local folder fails in seconds and names local folders; a device that is not there is named; a
-drafter used at another B than it was trained with says so once. Tiny models built from
-configs, CPU, no network.
+drafter used at another B than it was trained with says so once; Ctrl-C in decode.py is one
+line. Tiny models built from configs, CPU, no network.
 
 Run: python -m pytest -q tests/test_limits.py"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ from test_decode import ROOT, build_setting
 
 import d3d
 import runtime
+import train
 from systems import batched
 
 torch.set_num_threads(1)
@@ -296,19 +299,36 @@ def test_a_hub_name_in_the_local_cache_loads_without_the_network(saved, tmp_path
     assert seconds < 15, f"loaded from the cache in {seconds:.0f} s: it waited on the network"
 
 
-def test_a_cuda_device_that_is_not_there_is_one_line():
-    count = 0
-    if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-    # one past the last device there is, on any machine
-    with pytest.raises(runtime.UserError, match="CUDA device") as refused:
-        runtime.resolve_device(f"cuda:{count}")
-    assert str(refused.value).startswith(f"--device cuda:{count}: this machine has")
+def cuda_devices() -> int:
+    """How many CUDA devices this machine has."""
+    if not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count()
+
+
+def cuda_past_the_devices() -> tuple[str, str]:
+    """A CUDA device this machine lacks, and the words its error says (with or without CUDA
+    here: the tests run on both)."""
+    count = cuda_devices()
     if count == 0:
-        with pytest.raises(runtime.UserError, match="--device cpu"):
-            runtime.resolve_device("cuda")
+        return "cuda", "this machine has no CUDA device"
+    return f"cuda:{count}", f"this machine has {count} CUDA device"
+
+
+def test_a_cuda_device_past_those_the_machine_has_is_one_line():
+    count = cuda_devices()
+    names = [f"cuda:{count}"]
+    if count == 0:
+        names.append("cuda")
     else:
         assert runtime.resolve_device(f"cuda:{count - 1}").index == count - 1
+    _, said = cuda_past_the_devices()
+    for name in names:
+        with pytest.raises(runtime.UserError, match=said) as refused:
+            runtime.resolve_device(name)
+        assert "\n" not in str(refused.value)
+        if count == 0:
+            assert "--device cpu" in str(refused.value)
 
 
 def test_mps_where_there_is_none_and_a_word_that_is_no_device_are_one_line():
@@ -345,3 +365,93 @@ def test_decode_py_at_another_block_size_says_it_once(saved):
     # one line: "warning: ...", with no source location and no echo of the code after it
     assert lines[0].startswith("warning: the drafter was trained at B = 3"), err
     assert "warnings.warn" not in err, err
+
+
+# --------------------------------------------------------------------------------------------------
+# The drivers: train.py's sizes before its first step; devices and model names before anything
+# loads; Ctrl-C
+
+
+def train_settings(saved, tmp_path, **settings) -> dict:
+    """train.py's flags for one short step on the saved target (256 positions), every sequence
+    cut at 12 tokens (each prompt alone is longer)."""
+    prompts = str(saved / "gsm.jsonl")
+    flags = dict(target=str(saved / "target"), prompts=prompts, val_prompts=prompts, steps=1)
+    flags.update(out=str(tmp_path / "drafter"), max_len=12, num_anchors=2, max_new_tokens=8)
+    flags.update(batch_size=2, device="cpu", dtype="float32")
+    return {**flags, **settings}
+
+
+def test_train_block_size_at_the_last_position_trains_and_one_more_is_refused(saved, tmp_path):
+    # 12 tokens + B positions of the 256 the drafter has
+    train.main(**train_settings(saved, tmp_path, block_size=256 - 12))
+    with pytest.raises(runtime.UserError, match="needs 257 positions") as refused:
+        train.main(**train_settings(saved, tmp_path, block_size=256 - 12 + 1, resume=False))
+    assert "max_position_embeddings 256" in str(refused.value)
+    assert "--block-size" in str(refused.value)
+
+
+def test_train_py_block_size_100000_is_one_line_before_the_first_step(saved, tmp_path):
+    flags = train_settings(saved, tmp_path, block_size=100000)
+    command = [sys.executable, "train.py"]
+    for name, value in flags.items():
+        command += [runtime.flag_name(name), str(value)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    err = one_line_error(done.returncode, done.stderr.strip())
+    assert "needs 100012 positions" in err and "lower --block-size" in err, err
+    assert not os.path.exists(tmp_path / "drafter" / "checkpoint.pt")
+
+
+def test_decode_py_device_past_the_machines_is_one_line(saved):
+    device, said = cuda_past_the_devices()
+    status, err, seconds = decode_py(saved, "--prompt", "1 + 2", "--device", device)
+    err = one_line_error(status, err)
+    assert f"--device {device}: {said}" in err, err
+    assert seconds < 60, f"refused before loading, took {seconds:.0f} s"
+    # the device that is there decodes
+    status, err, _ = decode_py(saved, "--prompt", "1 + 2", "--device", "cpu", "--max-new-tokens", 4)
+    assert status == 0, err
+
+
+def test_train_device_past_the_machines_is_one_line(saved, tmp_path):
+    device, said = cuda_past_the_devices()
+    with pytest.raises(runtime.UserError, match=f"--device {device}: {said}"):
+        train.main(**train_settings(saved, tmp_path, device=device))
+    assert not os.path.exists(tmp_path / "drafter")
+
+
+def test_a_target_that_is_no_local_folder_is_one_line_in_both_drivers(saved, tmp_path):
+    name = "no-such-org/no-such-model"
+    status, err, seconds = decode_py(saved, "--prompt", "1 + 2", "--target", name)
+    err = one_line_error(status, err)
+    assert f"--target {name}" in err and "toy-target" in err, err
+    assert seconds < 60, f"failed in {seconds:.0f} s"
+    with pytest.raises(runtime.UserError, match=f"--target {name}: .*toy-target"):
+        train.main(**train_settings(saved, tmp_path, target=name))
+
+
+def test_ctrl_c_in_decode_py_ends_with_one_line(saved, tmp_path):
+    prompts = tmp_path / "many.jsonl"
+    prompts.write_text("".join(json.dumps({"question": f"{i} + {i}"}) + "\n" for i in range(300)))
+    command = [sys.executable, "decode.py", "--drafter", str(saved / "drafter"), "--no-color"]
+    command += ["--dtype", "float32", "--mode", "sync", "--prompts-file", str(prompts)]
+    command += ["--max-samples", "300", "--max-new-tokens", "100"]
+    child = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # a background process ignores SIGINT unless it resets the handler
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    # the third answer on its way: decoding has begun
+    for line in child.stdout:
+        if "prompt 3/300" in line:
+            break
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("decode.py: interrupted (Ctrl-C)"), err

@@ -8,7 +8,11 @@ import io
 import json
 import os
 import re
+import shlex
+import shutil
+import signal
 import socket
+import subprocess
 import sys
 import warnings
 
@@ -21,7 +25,10 @@ import d3d
 import runtime
 import toy
 import train
-from systems import answers, evaluation, memory, pictures, pruning
+from systems import answers, checkpoints, evaluation, memory, pictures, pruning
+
+# train.py lives there
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 QUESTIONS = [
     "1 + 2",
@@ -696,22 +703,244 @@ def test_prune_memory_estimate_fits_the_qwen3_drafter_on_one_80gb_gpu():
     )  # 4 chunks of ~1 GiB
 
 
-def test_resume_with_another_recipe_says_which_setting_differs(setup, tmp_path):
+def test_resume_with_another_recipe_says_which_setting_differs(setup, tmp_path, capsys):
+    """Each setting the recipe records, changed on a resume: refused in one line that names
+    its flag and the value trained with, and the checkpoint left as it was."""
+    shutil.copytree(setup["target"], tmp_path / "init")
     out = tmp_path / "d"
     _run(setup, out, steps=2, save_every=1, drafter_layers="2")
     before = {name: (out / name).read_bytes() for name in os.listdir(out)}
-    for change, flag in (
-        (dict(block_size=3), "--block-size = 4"),
-        (dict(drafter_layers="3"), "--drafter-layers = [0, 3]"),
-        (dict(ar_weight=0.5), "--ar-weight = 1.0"),
-        (dict(d1_from="mask"), "--d1-from = 'causal'"),
-    ):
+    changes = {
+        "init": (
+            dict(drafter_init=str(tmp_path / "init")),
+            f"--drafter-init = {setup['target']!r}",
+        ),
+        "random_init": (dict(random_init=True), "--random-init = False"),
+        "layer_ids": (dict(drafter_layers="3"), "--drafter-layers = [0, 3]"),
+        "block_size": (dict(block_size=3), "--block-size = 4"),
+        "num_anchors": (dict(num_anchors=5), "--num-anchors = 6"),
+        "ar_weight": (dict(ar_weight=0.5), "--ar-weight = 1.0"),
+        "decay_gamma": (dict(decay_gamma=7.0), "--decay-gamma = None"),
+        "d1_from": (dict(d1_from="mask"), "--d1-from = 'causal'"),
+        "freeze_embeddings": (dict(freeze_embeddings=True), "--freeze-embeddings = False"),
+        "answers": (dict(num_prompts=11), "the training answers (--target, --prompts"),
+        "max_len": (dict(max_len=48), "--max-len = 64"),
+        "batch_size": (dict(batch_size=3), "--batch-size = 4"),
+        "grad_accum": (dict(grad_accum=2), "--grad-accum = 1"),
+        "seed": (dict(seed=1), "--seed = 0"),
+        "lr": (dict(lr=5e-3), "--lr = 0.01"),
+        "warmup": (dict(warmup=2), "--warmup = 1"),
+        "weight_decay": (dict(weight_decay=0.1), "--weight-decay = 0.0"),
+        "grad_clip": (dict(grad_clip=0.5), "--grad-clip = 1.0"),
+    }
+    for key, (change, flag) in changes.items():
         with pytest.raises(runtime.UserError, match=re.escape(flag) + ".*--no-resume"):
             _run(setup, out, **{"steps": 3, "save_every": 1, "drafter_layers": "2", **change})
     assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+    # the tokenizer alone: the same target folder, its tokenizer replaced by one with a token
+    # more (its answers cached apart: a cache in another tokenizer's ids is refused)
+    replaced = tmp_path / "replaced"
+    shutil.copytree(setup["target"], replaced)
+    alone = {**setup, "target": str(replaced)}
+    _run(alone, tmp_path / "t", steps=2, drafter_layers="2", data_dir=str(tmp_path / "a"))
+    longer = toy.make_tokenizer()
+    longer.add_tokens(["<|tool|>"])
+    longer.save_pretrained(replaced)
+    flag = "--target (its tokenizer) = "
+    with pytest.raises(runtime.UserError, match=re.escape(flag) + ".*--no-resume"):
+        _run(alone, tmp_path / "t", steps=3, drafter_layers="2", data_dir=str(tmp_path / "b"))
+    assert {*changes, "tokenizer"} == set(checkpoints.RECIPE_FLAGS)
     # the same recipe resumes; --no-resume starts afresh with the new one
     _run(setup, out, steps=3, save_every=1, drafter_layers="2")
+    capsys.readouterr()
     _run(setup, out, steps=1, save_every=1, drafter_layers="2", block_size=3, resume=False)
+    assert "[train] --no-resume: starting from step 0" in capsys.readouterr().out
+
+
+def test_a_rerun_of_a_finished_run_says_what_it_found_not_a_nan_loss(setup, tmp_path, capsys):
+    out = tmp_path / "d"
+    _run(setup, out, steps=2, drafter_layers="2")
+    assert f"[train] no checkpoint in {out}: starting from step 0" in capsys.readouterr().out
+    tau = json.loads((out / "train_args.json").read_text())["offline_tau"]
+    _run(setup, out, steps=2, drafter_layers="2")
+    printed = capsys.readouterr().out
+    found = f"holds a finished run of 2 steps (offline tau (B=4) {tau:.3f} in train_args.json)"
+    assert found in printed, printed
+    assert f"[train] step 2: offline tau (B=4) {tau:.3f}" in printed, printed
+    assert "loss nan" not in printed, printed
+
+
+# ---------------------------------------------------------------------------------------------
+# Stopped by a signal: the step in progress ends and is saved, and the same command goes on
+
+
+def _train_py(setup, out, **flags) -> list[str]:
+    """`python train.py` on the tiny target with FAST's settings and `flags`, as argv."""
+    settings = {**FAST, "drafter_layers": "2", "threads": 1, **flags}
+    argv = [sys.executable, "train.py", "--target", setup["target"], "--prompts", setup["prompts"]]
+    argv += ["--out", str(out)]
+    for name, value in settings.items():
+        argv += [runtime.flag_name(name), str(value)]
+    return argv
+
+
+def _wait_for_step(stream, step: int) -> None:
+    """Read the progress bar off a child's stderr until it shows `step` done or more."""
+    seen = ""
+    while True:
+        char = stream.read(1)
+        assert char, f"the run ended before step {step}: {seen[-2000:]}"
+        seen += char
+        done = re.findall(r"train drafter:.*?\| *(\d+)/", seen[-300:])
+        if done and int(done[-1]) >= step:
+            return
+
+
+def test_sigint_mid_run_saves_its_step_and_the_same_command_ends_with_the_uninterrupted_weights(
+    setup, tmp_path
+):
+    """`python train.py`, Ctrl-C in the middle: the step in progress ends and is saved, one
+    line says where and how to go on, exit status 130, no traceback; the command it names
+    resumes at that step and ends with the weights of a run never interrupted."""
+    steps = 400
+    flags = dict(steps=steps, save_every=1000, data_dir=str(tmp_path))
+    straight = _train_py(setup, tmp_path / "straight", **flags)
+    done = subprocess.run(straight, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    cut = tmp_path / "cut"
+    command = _train_py(setup, cut, **flags)
+    child = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # a background process ignores SIGINT unless it resets the handler
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    _wait_for_step(child.stderr, 5)
+    child.send_signal(signal.SIGINT)
+    printed, err = child.communicate(timeout=600)
+    assert child.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert f"[train] no checkpoint in {cut}: starting from step 0" in printed
+    (line,) = [line for line in printed.splitlines() if "stopped after" in line]
+    stopped_at = int(re.search(rf"\[train\] SIGINT: stopped after step (\d+) of {steps}", line)[1])
+    assert 5 <= stopped_at < steps, line
+    assert f"saved in {cut / 'checkpoint.pt'}; go on with: " in line
+    saved = torch.load(cut / "checkpoint.pt", weights_only=True)
+    assert saved["step"] == stopped_at
+    go_on = shlex.split(line.split("go on with: ")[1])
+    assert go_on[0] == "python" and go_on[1:] == command[1:], line
+    again = subprocess.run(
+        [sys.executable, *go_on[1:]], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert again.returncode == 0, again.stderr
+    assert f"[train] resumed from {cut / 'checkpoint.pt'} at step {stopped_at}" in again.stdout
+    uninterrupted = d3d.Drafter.from_pretrained(str(tmp_path / "straight")).state_dict()
+    resumed = d3d.Drafter.from_pretrained(str(cut)).state_dict()
+    assert uninterrupted.keys() == resumed.keys()
+    for key, value in uninterrupted.items():
+        assert torch.equal(resumed[key], value), key
+
+
+def test_sigterm_stops_at_the_end_of_its_step_and_the_rerun_goes_on(setup, tmp_path, monkeypatch):
+    """SIGTERM (what a scheduler sends before it kills) as Ctrl-C: the step it came in ends
+    and is saved; in process, train.main raises checkpoints.Interrupted with the line."""
+    straight = _run(setup, tmp_path / "a", steps=6, drafter_layers="2")["drafter"]
+    real_loss = d3d.d3d_loss
+    calls = []
+
+    def signalled_in_step_3(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGTERM)
+        return real_loss(*a, **k)
+
+    monkeypatch.setattr(d3d, "d3d_loss", signalled_in_step_3)
+    handlers = [signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)]
+    with pytest.raises(checkpoints.Interrupted, match="SIGTERM: stopped after step 3 of 6"):
+        _run(setup, tmp_path / "b", steps=6, drafter_layers="2", save_every=1000)
+    monkeypatch.setattr(d3d, "d3d_loss", real_loss)
+    # the signal handlers are the ones before the run
+    assert [signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)] == handlers
+    assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)["step"] == 3
+    resumed = _run(setup, tmp_path / "b", steps=6, drafter_layers="2")["drafter"]
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_a_signal_the_process_ignores_stays_ignored(setup, tmp_path, monkeypatch):
+    """A shell's background job ignores SIGINT (Ctrl-C is meant for the foreground job):
+    training keeps ignoring it and runs to its end."""
+    real_loss = d3d.d3d_loss
+
+    def signalled(*a, **k):
+        signal.raise_signal(signal.SIGINT)
+        return real_loss(*a, **k)
+
+    monkeypatch.setattr(d3d, "d3d_loss", signalled)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        result = _run(setup, tmp_path / "d", steps=2, drafter_layers="2")
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert result["history"][-1]["step"] == 2
+    assert torch.load(tmp_path / "d" / "checkpoint.pt", weights_only=True)["step"] == 2
+
+
+def _signalled_ddp_worker(rank, setup_paths, out, port):
+    """A DDP process of 2 in which only rank 0 receives SIGINT, in step 2; each writes the
+    line it stopped with."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    if rank == 0:
+        real_loss = d3d.d3d_loss
+        calls = []
+
+        def signalled_in_step_2(*a, **k):
+            calls.append(1)
+            if len(calls) == 2:
+                signal.raise_signal(signal.SIGINT)
+            return real_loss(*a, **k)
+
+        d3d.d3d_loss = signalled_in_step_2
+    line = "not stopped"
+    try:
+        train.main(
+            target=setup_paths["target"],
+            prompts=setup_paths["prompts"],
+            out=out,
+            steps=6,
+            drafter_layers="2",
+            dist_timeout=1,
+            **FAST,
+        )
+    except checkpoints.Interrupted as stop:
+        line = str(stop)
+        torch.distributed.destroy_process_group()
+    with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+        f.write(line)
+
+
+def test_ddp_processes_agree_on_a_stop_only_one_of_them_was_signalled(setup, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "drafter")
+    os.makedirs(out)
+    paths = {"target": setup["target"], "prompts": setup["prompts"]}
+    mp.spawn(_signalled_ddp_worker, args=(paths, out, port), nprocs=2)
+    lines = [open(os.path.join(out, f"rank{rank}.txt")).read() for rank in range(2)]
+    assert lines[0].startswith("[train] SIGINT: stopped after step 2 of 6"), lines
+    assert lines[1].startswith("[train] another process's signal: stopped after step 2 of 6"), lines
+    assert torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)["step"] == 2
 
 
 # ---------------------------------------------------------------------------------------------
