@@ -240,8 +240,8 @@ def default_mode_line(plan: Plan, summaries: dict) -> str:
     shown = [m for m in ("sync", "async") if m in summaries]
     speedups = ", ".join(f"{m} {summaries[m]['speedup']:.2f}x" for m in shown)
     return (
-        f"the answers above used {plan.mode}, the mode without --mode ({plan.why}); this "
-        f"table's speedups: {speedups}"
+        f"the answers above used {plan.mode}, the mode a run takes without --mode: {plan.why}; "
+        f"this table's speedups: {speedups}"
     )
 
 
