@@ -1363,6 +1363,19 @@ def test_branch_pass_is_planned_and_built_without_reading_the_device(tok, monkey
     assert mask.shape == (1, 1, 40, 45)
 
 
+def record_host_reads(monkeypatch, events: list) -> None:
+    """Append "read" to `events` at every .item(), .tolist(), int(), bool(), index or float() of a
+    tensor: each is a read back to the host (on CUDA it waits for the device)."""
+    for name in ("item", "tolist", "__int__", "__bool__", "__index__", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(*args, __original=original, **kwargs):
+            events.append("read")
+            return __original(*args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+
+
 @pytest.mark.parametrize(
     "mode,temperature", [("target", 0), ("sync", 0), ("async", 0), ("sync", 1.0), ("async", 1.0)]
 )
@@ -1373,14 +1386,7 @@ def test_a_round_reads_the_device_once(tok, target, monkeypatch, mode, temperatu
     drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=4)
     prompt = torch.tensor([[7, 1, 9, 4, 4]])
     events = []
-    for name in ("item", "tolist", "__int__", "__bool__", "__index__", "__float__"):
-        original = getattr(torch.Tensor, name)
-
-        def counted(*args, __original=original, **kwargs):
-            events.append("read")
-            return __original(*args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
+    record_host_reads(monkeypatch, events)
     # once a round (target: a token)
     owner, name = (d3d.Sampler, "pick") if mode == "target" else (d3d, "accept_draft")
     boundary = getattr(owner, name)
@@ -1418,14 +1424,7 @@ def test_each_round_reads_the_device_once_between_two_reports(
     drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=4)
     prompt = torch.tensor([[7, 1, 9, 4, 4]])
     events = []
-    for name in ("item", "tolist", "__int__", "__bool__", "__index__", "__float__"):
-        original = getattr(torch.Tensor, name)
-
-        def counted(*args, __original=original, **kwargs):
-            events.append("read")
-            return __original(*args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
+    record_host_reads(monkeypatch, events)
     d3d.generate(
         target,
         drafter,
