@@ -193,6 +193,7 @@ EXERCISES = (
             "test_loss_ignores_blocks_of_invalid_anchors",
             "test_the_ar_term_is_zero_at_lambda_0",
             "test_block_acc_reads_d1_where_d1_from_says",
+            "test_the_losss_metrics_carry_no_gradient",
         ),
         no_fast="training has no speed rule of its own",
     ),
@@ -305,6 +306,7 @@ EXERCISES = (
             "test_sync_equals_target_greedy",
             "test_sync_stops_at_eos_inside_an_accepted_block",
             "test_sync_with_real_drafters_equals_target",
+            "test_sync_times_its_draft_and_its_verification_apart",
             "test_zero_new_tokens",
             "test_drafter_cache_holds_the_committed_tokens_each_pass_assumes[mode=sync]",
             "test_eos_inside_an_accepted_block_is_committed_there",
@@ -454,6 +456,7 @@ EXERCISES = (
             "test_pruning_stops_where_the_rules_say",
             "test_the_floor_is_a_fraction_of_the_unpruned_tau_with_scores_given",
             "test_pruning_checks_its_arguments_at_the_call",
+            "test_pruning_records_carry_every_key",
             "test_pruned_drafter_saves_loads_and_decodes_losslessly",
         ),
         no_fast="pruning runs offline; systems/fast.py's quicker scorer has its own tests",
@@ -497,6 +500,11 @@ BY_NAME = {exercise.name: exercise for exercise in EXERCISES}
 
 # Each graded test's claim in words; a test missing here is told by its docstring's first line
 CLAIMS = {
+    "test_the_losss_metrics_carry_no_gradient": "the loss's metrics are detached: no graph kept",
+    "test_sync_times_its_draft_and_its_verification_apart": (
+        "a sync round times its draft and its verification, each in its own span"
+    ),
+    "test_pruning_records_carry_every_key": "each pruning record carries every key",
     "test_likely_cover_scores_at_the_sampling_temperature_and_at_1_when_greedy": (
         "likely scores q at the sampling temperature, at 1 when greedy"
     ),

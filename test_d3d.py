@@ -402,6 +402,17 @@ def test_loss_gives_gradients_to_drafter_only(tok, target):
     assert all(p.grad is None for p in target.parameters())
 
 
+def test_the_losss_metrics_carry_no_gradient(tok):
+    """d3d_loss's metrics are read for logs and progress bars: detached, so that keeping them
+    keeps no graph (and no activations) alive between steps."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=2), tokenizer=tok, block_size=4, num_anchors=8)
+    x, loss_mask = batch()
+    loss, metrics = d3d.d3d_loss(drafter, x, loss_mask, generator=torch.Generator().manual_seed(0))
+    assert loss.requires_grad
+    attached = [name for name, value in metrics.items() if value.requires_grad]
+    assert not attached, f"metrics {attached} carry a graph: detach them"
+
+
 def test_offline_tau_drafts_the_d1_from_where_decoding_does(tok, target):
     """The target's own weights as drafter, on the target's own greedy continuation: its next-token
     head is always right, so with d1_from "causal" every sampled block accepts at least d_1; MASK 1
@@ -696,6 +707,17 @@ def test_sync_with_real_drafters_equals_target(tok, target, d1_from):
         out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=30)
         assert out.tolist() == expected.tolist()
         assert stats["num_rounds"] == len(stats["accept_lengths"]) and stats["time_verify"] > 0
+
+
+def test_sync_times_its_draft_and_its_verification_apart(tok, target):
+    """The two phases of a sync round each go into their own clock span, so that stats say where
+    a round's time went: time_draft and time_verify, each positive and together within the
+    decode's time."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=4)
+    _, stats = d3d.generate(target, drafter, torch.tensor([[7, 1, 9]]), max_new_tokens=20)
+    phases = {key: stats.get(key, 0.0) for key in ("time_draft", "time_verify")}
+    assert all(seconds > 0 for seconds in phases.values()), f"untimed phases: {phases}"
+    assert sum(phases.values()) <= stats["time_total"]
 
 
 def test_zero_new_tokens(target, tok):
@@ -1833,6 +1855,22 @@ def test_pruning_checks_its_arguments_at_the_call(tok):
     for arguments, message in bad:
         with pytest.raises(ValueError, match=message):
             d3d.prune_drafter(drafter, data, data, **arguments)
+
+
+def test_pruning_records_carry_every_key(tok):
+    """Each record prune_drafter yields has the keys its docstring and the drivers read; the
+    unpruned record has no removal, each later one its timings and skipped steps."""
+    drafter = noop_layer_drafter(tok)
+    records = list(d3d.prune_drafter(drafter, prune_data(), prune_data(), min_layers=2))
+    first = {"iteration", "removed_layer", "layers", "tau_before_recovery", "tau_after_recovery"}
+    first |= {"seconds", "score_seconds", "kept"}
+    assert set(records[0]) >= first and records[0]["removed_layer"] is None
+    later = first | {"recovery_skipped", "tau_without_layer"}
+    for record in records[1:]:
+        missing = later - set(record)
+        assert not missing, f"a record lacks {sorted(missing)}"
+        assert record["score_seconds"] <= record["seconds"]
+        assert record["recovery_skipped"] == 0
 
 
 def test_pruned_drafter_saves_loads_and_decodes_losslessly(tok, target, tmp_path):
