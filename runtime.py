@@ -1168,7 +1168,8 @@ def resolve_device(name: str | None, flag: str = "--device") -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise UserError(f"{flag} {name} is not a device — give cpu, cuda, cuda:N or mps") from None
+        message = f"{flag} {name} is not a device — give cpu, cuda, cuda:N or mps"
+        raise UserError(message) from None
     if device.type == "cuda":
         count = 0
         if torch.cuda.is_available():

@@ -515,7 +515,7 @@ class RunSettings:
         "auto",
         "bfloat16 autocast (fp32 master weights) or float32 (auto = bfloat16 where the device "
         "does it natively: CUDA, or a CPU with AVX512-BF16/AMX; else float32)",
-        Range(str, choices=("auto", "float32", "bfloat16")),
+        cli.DTYPE_RANGE,
     )
     gradient_checkpointing: bool = cli.flag(
         False,

@@ -29,6 +29,8 @@ from runtime import Range, UserError, check_ranges, flag_name  # noqa: F401
 
 # a field's metadata key for how argparse spells it: flag=, action=, nargs=, metavar=, const=
 SPELLING = "argparse"
+# every driver's --dtype: a name of runtime.resolve_dtype's
+DTYPE_RANGE = Range(str, choices=("auto", "float32", "bfloat16"))
 
 
 class Parser(argparse.ArgumentParser):

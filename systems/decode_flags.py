@@ -33,7 +33,7 @@ class ModelFlags:
         "weights of both models (auto = bfloat16 where the device computes it natively: "
         "CUDA, or a CPU with AVX512-BF16/AMX; float32 elsewhere and for drafters trained in "
         "float32)",
-        Range(str, choices=("auto", "float32", "bfloat16")),
+        cli.DTYPE_RANGE,
     )
     attn: str = cli.flag("sdpa", "attention kernel", Range(str, choices=("sdpa", "eager")))
     threads: int | None = cli.flag(

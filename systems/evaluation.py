@@ -235,7 +235,7 @@ class EvalFlags:
     dtype: str | None = cli.flag(
         None,
         "bfloat16 autocast or float32 (default: as in training; auto: bfloat16 where native)",
-        Range(str, choices=("auto", "float32", "bfloat16")),
+        cli.DTYPE_RANGE,
     )
     plot: str | None = cli.flag(
         None,

@@ -41,7 +41,7 @@ class PruneFlags:
         None,
         "bfloat16 autocast for scoring and recovery (fp32 master weights), or float32 "
         "(default: auto on CUDA = bfloat16 where native; float32 on a CPU)",
-        Range(str, choices=("auto", "float32", "bfloat16")),
+        cli.DTYPE_RANGE,
     )
     gradient_checkpointing: bool | None = cli.flag(
         None,
