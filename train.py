@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
-import random
-import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
@@ -44,16 +43,13 @@ import d3d
 import runtime
 import toy
 from runtime import Range
-from systems import answers, checkpoints, cli, distributed, evaluation, memory, pruning
+from systems import answers, checkpoints, cli, distributed, evaluation, memory, pruning, train_flags
 
 # the drafter: a pretrained causal LM with the target's tokenizer, some of its layers kept
 from systems.drafters import build_drafter, freeze_embeddings, select_layers  # noqa: F401
 
 # steps in a row with a non-finite gradient before training stops: the run has diverged
 MAX_SKIPPED_IN_A_ROW = 5
-
-# the toy's runs: the default drafter, and answers to any prompts the toy does not ship
-TOY_RUNS = "runs/toy"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,13 +109,19 @@ class TrainSettings:
     bf16: bool = False
     rank: int = 0
     world: int = 1
-    # where to train (None: the drafter's device; a rank > 0 under fsdp holds the
-    # drafter on the meta device until distributed.shard_model fills its shards)
-    device: torch.device | None = None
+    # where to train (a rank > 0 under fsdp holds the drafter on the meta device until
+    # distributed.shard_model fills its shards)
+    device: torch.device = torch.device("cpu")
     # the checkpoint the drafter started from, and whether its weights were drawn afresh
     # (--random-init): kept in the recipe (checkpoints.recipe_of)
     init: str = ""
     random_init: bool = False
+
+    def held_out(self, bf16: bool) -> evaluation.HeldOut:
+        """How offline tau measures the held-out answers: --val-anchors blocks each, cut at
+        --max-len, in bfloat16 autocast if `bf16`."""
+        autocast = evaluation.bf16_autocast(self.device, bf16)
+        return evaluation.HeldOut(self.pad_id, self.max_len, self.val_anchors, autocast)
 
 
 def train_drafter(drafter: d3d.Drafter, train, val, s: TrainSettings) -> dict:
@@ -130,23 +132,17 @@ def train_drafter(drafter: d3d.Drafter, train, val, s: TrainSettings) -> dict:
     that step is saved, and checkpoints.Interrupted carries the line that says how
     to go on. With s.fsdp the drafter is sharded in place and returned as "sharded"
     (its FSDP root) with the result; every process then evaluates and saves."""
-    device = s.device
-    if device is None:
-        device = drafter.device
     # FSDP casts to bf16 itself (distributed.shard_model)
-    autocast = evaluation.bf16_autocast(device, s.bf16 and not s.fsdp)
-    model, frozen = wrap_for_training(drafter, s, device)
+    held_out = s.held_out(s.bf16 and not s.fsdp)
+    model, frozen = wrap_for_training(drafter, s)
     optimizer = make_optimizer(drafter, frozen, s)
     scheduler = make_scheduler(optimizer, s)
     recipe = checkpoints.recipe_of(drafter, train, s)
     start_step, skipped = checkpoints.resume(drafter, model, optimizer, scheduler, recipe, s)
     if start_step >= s.steps:
         checkpoints.report_finished(s, start_step, drafter.d3d_config.block_size)
-    batches = MicroBatches(train, s, device)
-    skipped_in_a_row = 0
-    history = []
-    loss_ema = None  # the running mean of the loss, for the progress bar
-    tau = float("nan")
+    batches = MicroBatches(train, s)
+    tally = Tally(skipped=skipped)
     start = time.perf_counter()
     drafter.train()
     bar = progress_bar(start_step, s)
@@ -154,60 +150,96 @@ def train_drafter(drafter: d3d.Drafter, train, val, s: TrainSettings) -> dict:
     with checkpoints.StopSignals() as stop:
         for step in bar:
             step_start = time.perf_counter()
-            num_tokens = 0
-            for a in range(s.grad_accum):
-                input_ids, loss_mask = batches(step * s.grad_accum + a)
-                num_tokens += int((input_ids != s.pad_id).sum())
-                last = a == s.grad_accum - 1
-                with gradient_sync(model, s, last):
-                    with autocast():
-                        # loss, metrics = d3d.d3d_loss(drafter, input_ids, loss_mask, generator=...)
-                        # run in the forward of `model`, which DDP and FSDP wrap (TrainingLoss);
-                        # K, B, lambda and gamma from the drafter's config
-                        loss, metrics = model(
-                            d3d.d3d_loss, input_ids, loss_mask, generator=batches.anchors_rng
-                        )
-                    (loss / s.grad_accum).backward()
-            # a NaN or Inf gradient never reaches AdamW: the step is skipped
-            stepped = runtime.finite_step(optimizer, drafter.parameters(), s.grad_clip)
-            # on a skipped step too: the rate stays a function of the step, as a resume assumes
-            scheduler.step()
-            if stepped:
-                skipped_in_a_row = 0
-                # only here: a NaN loss would stay in the running mean for good
-                loss_ema = running_mean(loss_ema, loss.item())
-            else:
-                skipped_in_a_row += 1
-                skipped += 1
-            check_diverged(step, skipped_in_a_row, skipped)
+            stepped, loss, metrics, num_tokens = train_step(
+                model, optimizer, scheduler, batches, step, held_out.autocast
+            )
+            tally.count(step, stepped, loss)
             tokens_per_s = num_tokens * s.world / (time.perf_counter() - step_start)
-            show_progress(bar, metrics, loss_ema, tokens_per_s, skipped, device)
+            show_progress(bar, metrics, tally, tokens_per_s, s.device)
             done = step + 1
             if evaluates(s, val) and done % s.eval_every == 0 and done < s.steps:
-                tau = evaluate(drafter, val, model, s, autocast)
-                block_size = drafter.d3d_config.block_size
-                history.append(report(done, tau, loss_ema, skipped, s, block_size))
+                evaluate(drafter, val, held_out, model, done, tally, s)
             # every process alike: all save the same step
-            stopping = stop.agreed(s.world, device)
+            stopping = stop.agreed(s.world, s.device)
             if done % s.save_every == 0 or done == s.steps or stopping:
-                save(drafter, model, optimizer, scheduler, done, skipped, recipe, s)
+                checkpoints.save(
+                    drafter, model, optimizer, scheduler, done, tally.skipped, recipe, s
+                )
             if stopping:
                 bar.close()
-                raise checkpoints.Interrupted(stopped(stop.name, done, s))
+                raise checkpoints.Interrupted(checkpoints.stopped(stop.name, done, s))
     bar.close()
     # also when a rerun finds the run finished: evaluates with the new --num-val, ...
     if evaluates(s, val):
-        tau = evaluate(drafter, val, model, s, autocast)
-        history.append(report(s.steps, tau, loss_ema, skipped, s, drafter.d3d_config.block_size))
+        evaluate(drafter, val, held_out, model, s.steps, tally, s)
     result = {
-        "offline_tau": tau,
-        "history": history,
-        "skipped_steps": skipped,
+        "offline_tau": tally.tau,
+        "history": tally.history,
+        "skipped_steps": tally.skipped,
         "train_seconds": round(time.perf_counter() - start, 1),
     }
     if s.fsdp:
         result["sharded"] = model
     return result
+
+
+def train_step(model, optimizer, scheduler, batches: MicroBatches, step: int, autocast):
+    """One optimizer step: the loss and backward of s.grad_accum micro-batches, then AdamW
+    unless the gradient is not finite, and the next rate. Returns (whether AdamW stepped,
+    the last micro-batch's loss and metrics, the tokens this process trained on)."""
+    s = batches.s
+    num_tokens = 0
+    for a in range(s.grad_accum):
+        input_ids, loss_mask = batches(step * s.grad_accum + a)
+        num_tokens += int((input_ids != s.pad_id).sum())
+        last = a == s.grad_accum - 1
+        with gradient_sync(model, s, last):
+            with autocast():
+                # loss, metrics = d3d.d3d_loss(drafter, input_ids, loss_mask, generator=...)
+                # run in the forward of `model`, which DDP and FSDP wrap (TrainingLoss);
+                # K, B, lambda and gamma from the drafter's config
+                loss, metrics = model(
+                    d3d.d3d_loss, input_ids, loss_mask, generator=batches.anchors_rng
+                )
+            (loss / s.grad_accum).backward()
+    # a NaN or Inf gradient never reaches AdamW: the step is skipped
+    stepped = runtime.finite_step(optimizer, model.parameters(), s.grad_clip)
+    # on a skipped step too: the rate stays a function of the step, as a resume assumes
+    scheduler.step()
+    return stepped, loss, metrics, num_tokens
+
+
+@dataclass
+class Tally:
+    """What the loop counts: the running mean of the loss (for the progress bar), the steps
+    skipped for a non-finite gradient (in all and in a row), the evaluations so far."""
+
+    skipped: int = 0
+    skipped_in_a_row: int = 0
+    loss_ema: float | None = None
+    tau: float = float("nan")
+    history: list = field(default_factory=list)
+
+    def count(self, step: int, stepped: bool, loss: torch.Tensor) -> None:
+        """A step that stepped adds its loss to the running mean (0.9 old, 0.1 new); one that
+        did not is skipped, and MAX_SKIPPED_IN_A_ROW of them in a row stop the run."""
+        if stepped:
+            self.skipped_in_a_row = 0
+            # only here: a NaN loss would stay in the running mean for good
+            if self.loss_ema is None:
+                self.loss_ema = loss.item()
+            else:
+                self.loss_ema = 0.9 * self.loss_ema + 0.1 * loss.item()
+            return
+        self.skipped_in_a_row += 1
+        self.skipped += 1
+        if self.skipped_in_a_row < MAX_SKIPPED_IN_A_ROW:
+            return
+        raise RuntimeError(
+            f"step {step + 1}: {self.skipped_in_a_row} steps in a row had a non-finite "
+            f"gradient ({self.skipped} skipped in all); training has diverged. Lower "
+            "--lr, use --dtype float32, or check the data for empty or corrupt answers"
+        )
 
 
 def get_lr(step: int, warmup: int, steps: int) -> float:
@@ -223,24 +255,21 @@ def get_lr(step: int, warmup: int, steps: int) -> float:
 
 def make_scheduler(optimizer, s: TrainSettings):
     """LambdaLR: the optimizer's rate is lr x get_lr(step)."""
-
-    def share_of_peak(step: int) -> float:
-        return get_lr(step, s.warmup, s.steps)
-
+    share_of_peak = functools.partial(get_lr, warmup=s.warmup, steps=s.steps)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, share_of_peak)
 
 
-def wrap_for_training(drafter: d3d.Drafter, s: TrainSettings, device):
+def wrap_for_training(drafter: d3d.Drafter, s: TrainSettings):
     """The drafter's loss as a module, sharded (FSDP2) or wrapped in DDP on
     several processes; embeddings frozen if s.freeze. Returns (model, the
     frozen embedding weight or None)."""
     frozen = None
     if s.freeze_embeddings:
-        frozen, keep = freeze_embeddings(drafter, hook=not s.fsdp, device=device)
+        frozen, keep = freeze_embeddings(drafter, hook=not s.fsdp, device=s.device)
     model = TrainingLoss(drafter)
     if s.fsdp:
         layers = drafter.model.get_decoder().layers
-        distributed.shard_model(model, layers, s.bf16, device)
+        distributed.shard_model(model, layers, s.bf16, s.device)
         if s.freeze_embeddings:
             # fully_shard replaced the parameter, dropping the hooks of the old one
             frozen = drafter.model.get_input_embeddings().weight
@@ -248,8 +277,8 @@ def wrap_for_training(drafter: d3d.Drafter, s: TrainSettings, device):
     elif s.world > 1:
         # PyTorch's own DDP: gradients all-reduced in backward
         device_ids = None
-        if device.type == "cuda":
-            device_ids = [device]
+        if s.device.type == "cuda":
+            device_ids = [s.device]
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     return model, frozen
 
@@ -268,11 +297,10 @@ class MicroBatches:
     """This rank's micro-batches: batches(m) is the m-th, a function of m only
     (data order and anchors seeded by m), so a resume continues exactly."""
 
-    def __init__(self, train, s: TrainSettings, device):
+    def __init__(self, train, s: TrainSettings):
         self.shard = train[s.rank :: s.world]  # each rank its own sequences
         self.per_epoch = math.ceil(len(self.shard) / s.batch_size)
         self.s = s
-        self.device = device
         # draws the anchors of the micro-batch (d3d_loss's generator)
         self.anchors_rng = torch.Generator()
 
@@ -285,7 +313,7 @@ class MicroBatches:
         chosen = order[k * s.batch_size : (k + 1) * s.batch_size]
         examples = [self.shard[i] for i in chosen]
         input_ids, loss_mask = answers.collate(examples, s.pad_id, s.max_len)
-        return input_ids.to(self.device), loss_mask.to(self.device)
+        return input_ids.to(s.device), loss_mask.to(s.device)
 
 
 def gradient_sync(model, s: TrainSettings, last: bool):
@@ -295,24 +323,6 @@ def gradient_sync(model, s: TrainSettings, last: bool):
     if s.world > 1 and not s.fsdp and not last:
         return model.no_sync()
     return contextlib.nullcontext()
-
-
-def running_mean(loss_ema: float | None, loss: float) -> float:
-    """The exponential running mean of the loss (0.9 old, 0.1 new)."""
-    if loss_ema is None:
-        return loss
-    return 0.9 * loss_ema + 0.1 * loss
-
-
-def check_diverged(step: int, skipped_in_a_row: int, skipped: int) -> None:
-    """Stop after MAX_SKIPPED_IN_A_ROW steps in a row with a non-finite gradient."""
-    if skipped_in_a_row < MAX_SKIPPED_IN_A_ROW:
-        return
-    raise RuntimeError(
-        f"step {step + 1}: {skipped_in_a_row} steps in a row had a non-finite "
-        f"gradient ({skipped} skipped in all); training has diverged. Lower "
-        "--lr, use --dtype float32, or check the data for empty or corrupt answers"
-    )
 
 
 def progress_bar(start_step: int, s: TrainSettings):
@@ -326,12 +336,12 @@ def progress_bar(start_step: int, s: TrainSettings):
     )
 
 
-def show_progress(bar, metrics: dict, loss_ema, tokens_per_s, skipped: int, device) -> None:
+def show_progress(bar, metrics: dict, tally: Tally, tokens_per_s: float, device) -> None:
     """The step's numbers on the progress bar: running loss, the two terms,
     block accuracy (mean, and d1_acc: d_1's, read where decoding reads it),
     tokens per second, peak memory."""
     bar.set_postfix(
-        loss=f"{loss_ema or float('nan'):.3f}",
+        loss=f"{tally.loss_ema or float('nan'):.3f}",
         block=f"{metrics['loss_block']:.2f}",
         ar=f"{metrics['loss_ar']:.2f}",
         block_acc=f"{metrics['block_acc'].mean():.3f}",
@@ -339,7 +349,7 @@ def show_progress(bar, metrics: dict, loss_ema, tokens_per_s, skipped: int, devi
         tok_per_s=f"{tokens_per_s:.0f}",
         # CUDA: this step's peak; CPU: the run's
         peak_gib=f"{memory.peak_memory_gib(device, reset=True):.2f}",
-        skipped=skipped,
+        skipped=tally.skipped,
     )
 
 
@@ -349,83 +359,26 @@ def evaluates(s: TrainSettings, val) -> bool:
     return (s.rank == 0 or s.fsdp) and bool(val)
 
 
-def evaluate(drafter, val, model, s: TrainSettings, autocast) -> float:
-    """Offline tau on the held-out answers (evaluation.evaluate_tau)."""
+def evaluate(drafter, val, held_out, model, done: int, tally: Tally, s: TrainSettings) -> None:
+    """Offline tau on the held-out answers after `done` steps (evaluation.evaluate_tau): printed
+    (rank 0), and a row of tally.history."""
     sharded = None
     if s.fsdp:
         sharded = model
-    return evaluation.evaluate_tau(
-        drafter,
-        val,
-        val_anchors=s.val_anchors,
-        pad_id=s.pad_id,
-        max_len=s.max_len,
-        autocast=autocast,
-        sharded=sharded,
-    )
-
-
-def report(done: int, tau: float, loss_ema, skipped: int, s: TrainSettings, block_size) -> dict:
-    """Print an evaluation (rank 0) and return it as a row of the history."""
-    if s.rank == 0:
-        line = f"[train] step {done}: "
-        # a rerun of a finished run trains no step: it has no loss to show
-        if loss_ema is not None:
-            line += f"loss {loss_ema:.3f}, "
-        line += f"offline tau (B={block_size}) {tau:.3f}"
-        if skipped:
-            line += f", {skipped} steps skipped (non-finite gradient)"
-        tqdm.write(line)
+    tally.tau = evaluation.evaluate_tau(drafter, val, held_out, sharded=sharded)
     loss = None
-    if loss_ema is not None:
-        loss = round(loss_ema, 4)
-    return {"step": done, "loss": loss, "offline_tau": round(tau, 3), "skipped": skipped}
-
-
-def save(drafter, model, optimizer, scheduler, done, skipped, recipe, s: TrainSettings) -> None:
-    """A checkpoint after `done` steps: under FSDP every process writes its
-    shards (distributed.save_sharded_checkpoint), else rank 0 alone."""
-    if s.fsdp:
-        state = {"scheduler": scheduler.state_dict(), "skipped": skipped, "recipe": recipe}
-        distributed.save_sharded_checkpoint(s.out, done, model, optimizer, state)
-    elif s.rank == 0:
-        state = {
-            "model": drafter.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "rng": torch.get_rng_state(),
-            "python_rng": random.getstate(),
-            "skipped": skipped,
-            "recipe": recipe,
-        }
-        distributed.save_checkpoint(s.out, done, state, optimizer.state_dict())
-
-
-def stopped(name: str | None, done: int, s: TrainSettings) -> str:
-    """The line a stopped run ends with (rank 0 prints it): the signal (None: another
-    process's), the step, the checkpoint, the command that goes on."""
-    if name is None:
-        name = "another process's signal"
-    where = os.path.join(s.out, "checkpoint.pt")
-    if s.fsdp:
-        where = os.path.join(s.out, distributed.SHARDED_CHECKPOINT)
-    line = f"[train] {name}: stopped after step {done} of {s.steps}, saved in {where}"
-    line += f"; go on with: {go_on_command(s)}"
+    line = f"[train] step {done}: "
+    # a rerun of a finished run trains no step: it has no loss to show
+    if tally.loss_ema is not None:
+        loss = round(tally.loss_ema, 4)
+        line += f"loss {tally.loss_ema:.3f}, "
+    line += f"offline tau (B={drafter.d3d_config.block_size}) {tally.tau:.3f}"
+    if tally.skipped:
+        line += f", {tally.skipped} steps skipped (non-finite gradient)"
     if s.rank == 0:
         tqdm.write(line)
-    return line
-
-
-def go_on_command(s: TrainSettings) -> str:
-    """The command that resumes this run: the one that started it, without --no-resume."""
-    argv = sys.argv
-    if not argv[0].endswith("train.py"):
-        # called in-process
-        return f"train.main(out={s.out!r}, ...) with the same settings"
-    argv = [a for a in argv if a != "--no-resume"]
-    launcher = "python"
-    if s.world > 1:
-        launcher = f"torchrun --nproc_per_node={s.world}"
-    return f"{launcher} {shlex.join(argv)}"
+    row = {"step": done, "loss": loss, "offline_tau": round(tally.tau, 3)}
+    tally.history.append({**row, "skipped": tally.skipped})
 
 
 class TrainingLoss(torch.nn.Module):
@@ -444,134 +397,19 @@ class TrainingLoss(torch.nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Command line
+# Command line: the flags of train_flags' dataclasses, d3d.D3DConfig's and TrainSettings'
 
-
-@dataclass
-class DataSettings:
-    """Where the training answers come from (answers.load_data)."""
-
-    target: str | None = cli.flag(
-        None, "target model: HF folder or hub name (default: the toy, --toy)"
-    )
-    toy: str = cli.flag(
-        toy.SHIPPED,
-        "toy folder, when no --target: its target, prompts and answers, checked against its "
-        "toy.json (default: the repository's, toy-target/; `python toy.py` builds others)",
-    )
-    prompts: str | None = cli.flag(
-        None, "JSON Lines file of training prompts (default: the toy's train prompts)"
-    )
-    prompt_field: str = cli.flag("question", "field holding the prompt")
-    val_prompts: str | None = cli.flag(
-        None,
-        "JSON Lines file of held-out prompts (default: toy test prompts, else --val-fraction "
-        "of --prompts)",
-    )
-    val_fraction: float = cli.flag(
-        0.05,
-        "share of --prompts held out when there is no --val-prompts",
-        Range(float, low=0, high=1, low_open=True, high_open=True),
-    )
-    num_prompts: int | None = cli.flag(
-        None, "use the first N training prompts (default: all)", Range(int, low=1)
-    )
-    num_val: int = cli.flag(200, "use the first N held-out prompts", Range(int, low=1))
-    thinking: bool = cli.flag(False, "Qwen3: answer with thinking on (default: off)", Range(bool))
-    max_new_tokens: int = cli.flag(256, "cap on a target answer, tokens", Range(int, low=1))
-    gen_batch_size: int = cli.flag(64, "prompts answered together", Range(int, low=1))
-    data_dir: str | None = cli.flag(
-        None,
-        "where the answer caches go (default: the folder above --out; runs/toy for prompts "
-        "the toy does not ship answers to)",
-    )
-
-
-@dataclass
-class DrafterSettings:
-    """What the drafter starts from (build_drafter)."""
-
-    drafter_init: str | None = cli.flag(
-        None, "causal LM with the target's tokenizer to start from (default: the target)"
-    )
-    drafter_layers: str | None = cli.flag(
-        None,
-        "keep N layers evenly spaced (first and last kept) or ids '0,5,29' (default: all; "
-        "the first 2, '0,1', for the toy)",
-    )
-    random_init: bool = cli.flag(
-        False,
-        "same architecture as --drafter-init, random weights (the paper's Fig. 2; default: "
-        "its pretrained weights)",
-        Range(bool),
-    )
-
-
-@dataclass
-class RunSettings:
-    """Where and how the run computes, and what it draws at the end."""
-
-    dtype: str = cli.flag(
-        "auto",
-        "bfloat16 autocast (fp32 master weights) or float32 (auto = bfloat16 where the device "
-        "does it natively: CUDA, or a CPU with AVX512-BF16/AMX; else float32)",
-        cli.DTYPE_RANGE,
-    )
-    gradient_checkpointing: bool = cli.flag(
-        False,
-        "recompute each layer's activations in backward: less memory (SmolLM2, K 64, batch 2, "
-        "1,024 tokens: 3.2 -> 2.2 GiB), ~30 % more compute",
-        Range(bool),
-    )
-    # rank 0 works alone while the others wait in a collective: it reads the whole
-    # checkpoint before the first broadcast, and at the end writes the gathered
-    # drafter. At 8B that is 16 GB read into 33 GB of fp32 and 16 GB of bf16 written:
-    # minutes on a local disk, ~30 min at 10 MB/s on a slow network disk. NCCL's own
-    # default (10 min) would kill a healthy run there; 60 min still ends a hung one
-    # within the hour
-    dist_timeout: float = cli.flag(
-        60.0,
-        "how long a process waits for the others in a collective before the run fails "
-        "(torchrun and --fsdp; 60 lets rank 0 read and write an 8B drafter alone while the "
-        "others wait)",
-        Range(float, low=0, low_open=True),
-        metavar="MINUTES",
-    )
-    plot: str | None = cli.flag(
-        None,
-        "at the end, draw the share of held-out blocks with d_1 .. d_i all accepted, by "
-        "position i, d_1 from the head and from MASK 1 (as train.py eval --plot); needs "
-        "matplotlib (requirements-plots.txt)",
-        metavar="PATH.png",
-    )
-    threads: int | None = cli.flag(
-        None,
-        "torch CPU threads (the toy's tiny models run fastest on one; use 1 on a CPU shared "
-        "with other jobs)",
-        Range(int, low=1),
-    )
-    device: str | None = cli.flag(
-        None, "cpu, cuda, ... (default: cuda if available; cuda:LOCAL_RANK under torchrun)"
-    )
-
-
-# d3d.D3DConfig's fields that are the drafter's, not flags: make_drafter sets them
-NOT_FLAGS = ("mask_token_id", "target_vocab_size", "tokenizer_hash", "layer_ids")
-# The toy's own settings where a flag is not given (short answers, a 0.4M-parameter drafter)
-TOY_DEFAULTS = {"block_size": 8, "num_anchors": 32, "lr": 6e-3, "threads": 1}
-# Everywhere else
-DEFAULTS = {"block_size": 16, "num_anchors": 64, "lr": 1e-3}
 # Zero is legal where it means something: --seed 0, --warmup 0 (no warmup), --ar-weight 0
 # (Table 3's lambda = 0), --weight-decay 0.
 GROUPS = {
-    "data": DataSettings,
-    "drafter": DrafterSettings,
+    "data": train_flags.DataSettings,
+    "drafter": train_flags.DrafterSettings,
     "the method (d3d.D3DConfig, saved as the drafter's d3d_config.json)": (
         d3d.D3DConfig,
-        NOT_FLAGS,
+        train_flags.NOT_FLAGS,
     ),
     "training (TrainSettings)": TrainSettings,
-    "run": RunSettings,
+    "run": train_flags.RunSettings,
 }
 RANGES, _ = cli.flag_ranges(GROUPS)
 
@@ -580,8 +418,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The flags of `python train.py`, a group per settings dataclass, as --help shows them."""
     ap = cli.Parser(description=__doc__.split("\n\n")[0])
     later = {}
-    for name, toy_value in TOY_DEFAULTS.items():
-        value = DEFAULTS.get(name, "torch's choice")
+    for name, toy_value in train_flags.TOY_DEFAULTS.items():
+        value = train_flags.DEFAULTS.get(name, "torch's choice")
         later[name] = f"{value}; {toy_value} for the toy"
     cli.add_groups(ap, GROUPS, later=later)
     return ap.parse_args(argv)
@@ -594,7 +432,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.drafter_layers is not None and str(args.drafter_layers).strip() == "":
         raise runtime.UserError("--drafter-layers is empty — give a count N or ids '0,5,29'")
     if args.plot is not None:
-        evaluation.check_plotting()
+        train_flags.check_plotting()
     if args.target is None:
         return
     cli.check_model_folder("--target", args.target)
@@ -607,89 +445,8 @@ def check_args(args: argparse.Namespace) -> None:
         cli.check_model_folder("--drafter-init", args.drafter_init)
 
 
-def fill_defaults(args: argparse.Namespace, toy_run: bool) -> None:
-    """The documented defaults of flags the user did not give; a value given is kept."""
-    defaults = DEFAULTS
-    if toy_run:
-        defaults = TOY_DEFAULTS
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-
-
-def use_the_toy(args: argparse.Namespace, paths: dict, rank: int) -> dict:
-    """Point the flags not given at the built-in toy (toy.py: scaffolding, not the
-    method): its target, prompts and shipped answers. One toy for every run, wherever
-    --out puts the drafter: the same target and the same answers, checked against
-    toy.json. Returns what to read (as found_inputs)."""
-    if rank == 0:
-        print(
-            f"[toy] target and its answers from {paths['target']}; the drafter goes to {args.out}"
-        )
-    found = found_inputs(args)
-    if args.prompts is None:
-        found["train_answers"] = paths["train_answers"]
-        args.prompts = paths["train"]
-    else:
-        cli.read_jsonl("--prompts", args.prompts)
-    if args.val_prompts is None:
-        found["val_answers"] = paths["test_answers"]
-        found["val_prompts"] = paths["test"]
-    else:
-        cli.read_jsonl("--val-prompts", args.val_prompts)
-    args.target = paths["target"]
-    if args.data_dir is None:
-        args.data_dir = TOY_RUNS
-    if found["layers"] is None:
-        # the target's first 2 layers, the plain prefix (LAB.md, exercise 5, compares others)
-        found["layers"] = "0,1"
-    return found
-
-
-def found_inputs(args: argparse.Namespace) -> dict:
-    """What a run reads besides --target and --prompts: the held-out prompts, the
-    answer files shipped with them (None: the target writes them) and the layers kept."""
-    return {
-        "val_prompts": args.val_prompts,
-        "train_answers": None,
-        "val_answers": None,
-        "layers": args.drafter_layers,
-    }
-
-
-def load_answers(args, found: dict, data: dict) -> tuple[list, list]:
-    """The target's answers to the training and the held-out prompts (answers.load_data:
-    cached, or written now); without --val-prompts the last --val-fraction of --prompts."""
-    data = dict(
-        data,
-        prompt_field=args.prompt_field,
-        thinking=args.thinking,
-        max_new_tokens=args.max_new_tokens,
-        gen_batch_size=args.gen_batch_size,
-    )
-    train = answers.load_data(
-        args.target,
-        prompts=args.prompts,
-        num_prompts=args.num_prompts,
-        answers=found["train_answers"],
-        **data,
-    )
-    if found["val_prompts"]:
-        val = answers.load_data(
-            args.target,
-            prompts=found["val_prompts"],
-            num_prompts=args.num_val,
-            answers=found["val_answers"],
-            **data,
-        )
-        return train, val
-    num_val = min(args.num_val, round(len(train) * args.val_fraction))
-    if num_val == 0:
-        raise runtime.UserError(
-            f"--val-fraction {args.val_fraction} of {len(train)} prompts holds out none — give "
-            "--val-prompts, a larger --val-fraction, or more --prompts"
-        )
-    return train[: len(train) - num_val], train[len(train) - num_val :]
+# ---------------------------------------------------------------------------------------------
+# The run: load -> train -> save and print
 
 
 def main(**overrides) -> dict:
@@ -702,9 +459,10 @@ def main(**overrides) -> dict:
     args = argparse.Namespace(**{**defaults, **overrides})
     check_args(args)
     toy_run = args.target is None
+    paths = None
     if toy_run:
         paths = toy.open_toy(args.toy)
-    fill_defaults(args, toy_run)
+    train_flags.fill_defaults(args, toy_run)
     device = runtime.resolve_device(args.device)
     device, rank, world = distributed.start_process_group(device, args.fsdp, args.dist_timeout)
     if toy_run and args.dtype == "auto":
@@ -715,18 +473,13 @@ def main(**overrides) -> dict:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    found = found_inputs(args)
-    if toy_run:
-        found = use_the_toy(args, paths, rank)
-    tokenizer = runtime.load_tokenizer(args.target)
-    data_dir = args.data_dir
-    if data_dir is None:
-        data_dir = os.path.dirname(os.path.abspath(args.out))
-    data = dict(tokenizer=tokenizer, cache_dir=data_dir, device=device, rank=rank, world=world)
+    inputs = train_flags.inputs_of(args, paths, rank)
+    tokenizer = runtime.load_tokenizer(inputs.target)
+    data = dict(tokenizer=tokenizer, device=device, rank=rank, world=world)
     data["dtype"] = torch.bfloat16 if bf16 else None
-    train, val = load_answers(args, found, data)
+    train, val = train_flags.load_answers(inputs, vars(args), **data)
 
-    drafter, init = load_drafter(args, found["layers"], tokenizer, device, rank)
+    drafter, init = load_drafter(args, inputs, tokenizer, device, rank)
     if rank == 0:
         describe_drafter(args, drafter, init, len(train), len(val))
     pad_id = tokenizer.pad_token_id
@@ -742,10 +495,10 @@ def main(**overrides) -> dict:
     result = train_drafter(drafter, train, val, settings)
 
     peak = memory.peak_memory_gib(device)
-    drafter, other = measure_the_other_d1(args, drafter, val, result, settings)
+    drafter, other = measure_the_other_d1(drafter, val, result, settings)
     if rank == 0:
-        save_drafter(args, found, drafter, tokenizer, val, result, settings, peak)
-        print_done(args, result, other, len(val), peak, device, data_dir)
+        save_drafter(args, inputs, drafter, tokenizer, val, result, settings, peak)
+        print_done(args, inputs, result, other, len(val), peak, device)
     distributed.end_process_group()
     return {**result, "drafter": drafter, "out": args.out}
 
@@ -773,21 +526,22 @@ def check_training_size(drafter: d3d.Drafter, train, val, s: TrainSettings) -> N
     )
 
 
-def load_drafter(args, layers, tokenizer, device, rank: int) -> tuple[d3d.Drafter, str]:
+def load_drafter(args, inputs, tokenizer, device, rank: int) -> tuple[d3d.Drafter, str]:
     """(the drafter build_drafter makes from the flags, on `device`; the checkpoint it starts
     from). Under FSDP rank 0 alone reads the weights, the others get shards
     (distributed.shard_model)."""
-    config = runtime.from_local_or_hub(AutoConfig.from_pretrained, args.target, "--target")
+    config = runtime.from_local_or_hub(AutoConfig.from_pretrained, inputs.target, "--target")
     target_config = config.get_text_config()
     on_meta = args.fsdp and rank > 0
-    init = args.drafter_init or args.target
+    init = args.drafter_init or inputs.target
     # B, K, lambda, gamma and d1_from: the flags of d3d.D3DConfig
-    method = {f.name: getattr(args, f.name) for f in cli.flag_fields(d3d.D3DConfig, NOT_FLAGS)}
+    fields = cli.flag_fields(d3d.D3DConfig, train_flags.NOT_FLAGS)
+    method = {f.name: getattr(args, f.name) for f in fields}
     drafter = build_drafter(
         init,
         tokenizer,
         target_vocab_size=target_config.vocab_size,
-        layers=layers,
+        layers=inputs.layers,
         random_init=args.random_init,
         meta=on_meta,
         **method,
@@ -801,7 +555,7 @@ def load_drafter(args, layers, tokenizer, device, rank: int) -> tuple[d3d.Drafte
     return drafter, init
 
 
-def measure_the_other_d1(args, drafter, val, result: dict, s: TrainSettings):
+def measure_the_other_d1(drafter, val, result: dict, s: TrainSettings):
     """The same held-out blocks with d_1 drafted by MASK 1 instead of the causal row, or the
     reverse (result["offline_tau_d1_from_..."]). Returns (the drafter, whole: gathered from
     its shards under FSDP, in the dtype it was trained in; the other d1_from)."""
@@ -809,12 +563,13 @@ def measure_the_other_d1(args, drafter, val, result: dict, s: TrainSettings):
     if drafter.d3d_config.d1_from == "mask":
         other = "causal"
     key = f"offline_tau_d1_from_{other}"
-    held_out = dict(val_anchors=s.val_anchors, pad_id=s.pad_id, max_len=s.max_len)
+    # bf16 autocast as in training: FSDP's sharded passes cast themselves
+    held_out = s.held_out(s.bf16 and not s.fsdp)
     sharded = result.pop("sharded", None)
     if sharded is not None:
         # every rank evaluates the sharded drafter, then all gather it once, onto rank 0's host
         result[key] = evaluation.evaluate_tau(
-            drafter, val, sharded=sharded, d1_from=other, **held_out
+            drafter, val, held_out, sharded=sharded, d1_from=other
         )
         # ranks > 0 keep their shards
         drafter = distributed.gather_drafter(sharded, drafter) or drafter
@@ -823,29 +578,35 @@ def measure_the_other_d1(args, drafter, val, result: dict, s: TrainSettings):
         # the checkpoint)
         drafter.model.to(torch.bfloat16)
     if s.rank == 0 and sharded is None:
-        autocast = evaluation.bf16_autocast(s.device, s.bf16)
-        result[key] = evaluation.evaluate_tau(
-            drafter, val, autocast=autocast, d1_from=other, **held_out
-        )
+        result[key] = evaluation.evaluate_tau(drafter, val, held_out, d1_from=other)
     return drafter, other
 
 
-def save_drafter(args, found, drafter, tokenizer, val, result: dict, s: TrainSettings, peak):
-    """The final drafter folder: the drafter, its curve (--plot), train_args.json."""
+def save_drafter(args, inputs, drafter, tokenizer, val, result: dict, s: TrainSettings, peak):
+    """The final drafter folder: the drafter, its curve (--plot), train_args.json: the flags,
+    the files read (the toy's relative to the repository, a user's as given:
+    runtime.record_path), the result and where it ran."""
     if args.plot is not None:
         title = f"{args.out}: held-out blocks with d_1 .. d_i all accepted"
-        autocast = evaluation.bf16_autocast(s.device, s.bf16)
-        held_out = dict(val_anchors=s.val_anchors, pad_id=s.pad_id, max_len=s.max_len)
-        result["curve"] = evaluation.plot_curves(
-            args.plot, drafter, val, title=title, autocast=autocast, **held_out
-        )
+        held_out = s.held_out(s.bf16)
+        result["curve"] = evaluation.plot_curves(args.plot, drafter, val, held_out, title)
     drafter.save_pretrained(args.out, tokenizer=tokenizer)
-    record = training_record(args, found, drafter, result)
-    record["peak_memory_gib"] = round(peak, 2)
-    record["device"] = str(s.device)
-    record["world_size"] = s.world
-    record["compute_dtype"] = "bfloat16" if s.bf16 else "float32"
-    record["fsdp"] = args.fsdp
+    record = {
+        **vars(args),
+        "target": runtime.record_path(inputs.target),
+        "toy": runtime.record_path(args.toy),
+        "prompts": runtime.record_path(inputs.prompts),
+        "val_prompts": runtime.record_path(inputs.val_prompts),
+        "answers": runtime.record_path(inputs.answers),
+        "val_answers": runtime.record_path(inputs.val_answers),
+        "layer_ids": drafter.d3d_config.layer_ids,
+        **result,
+        "peak_memory_gib": round(peak, 2),
+        "device": str(s.device),
+        "world_size": s.world,
+        "compute_dtype": "bfloat16" if s.bf16 else "float32",
+        "fsdp": args.fsdp,
+    }
     with open(os.path.join(args.out, "train_args.json"), "w") as f:
         json.dump(record, f, indent=2)
 
@@ -868,25 +629,8 @@ def describe_drafter(args, drafter: d3d.Drafter, init: str, num_train: int, num_
         )
 
 
-def training_record(args, found: dict, drafter: d3d.Drafter, result: dict) -> dict:
-    """train_args.json: the flags, the files read (the toy's relative to the repository,
-    a user's as given: runtime.record_path) and the result."""
-    return {
-        **vars(args),
-        "target": runtime.record_path(args.target),
-        "toy": runtime.record_path(args.toy),
-        "prompts": runtime.record_path(args.prompts),
-        "val_prompts": runtime.record_path(found["val_prompts"]),
-        "answers": runtime.record_path(found["train_answers"]),
-        "val_answers": runtime.record_path(found["val_answers"]),
-        "layer_ids": drafter.d3d_config.layer_ids,
-        **result,
-    }
-
-
-def print_done(args, result: dict, other: str, num_val: int, peak, device, data_dir):
+def print_done(args, inputs, result: dict, other: str, num_val: int, peak, device):
     """The closing lines: tau both ways, time, memory, and where everything went."""
-    names = {"causal": "the causal row", "mask": "MASK 1"}
     first = "causal"
     if other == "causal":
         first = "mask"
@@ -895,16 +639,16 @@ def print_done(args, result: dict, other: str, num_val: int, peak, device, data_
         memory_kind = "GPU allocated"
     print(
         f"[done] offline tau (B={args.block_size}) on {num_val} held-out answers: "
-        f"{result['offline_tau']:.3f} (d_1 from {names[first]}; "
-        f"{result[f'offline_tau_d1_from_{other}']:.3f} from {names[other]}); "
+        f"{result['offline_tau']:.3f} (d_1 from {evaluation.D1_READ[first]}; "
+        f"{result[f'offline_tau_d1_from_{other}']:.3f} from {evaluation.D1_READ[other]}); "
         f"training {result['train_seconds']:.0f} s; peak memory {peak:.2f} GiB "
         f"({memory_kind})"
     )
     kept = "checkpoint.pt and optimizer-*.pt resume"
     if args.fsdp:
         kept = f"{distributed.SHARDED_CHECKPOINT}/ resumes"
-    print(f"[done] target: {runtime.record_path(args.target)}")
-    print(f"[done] answer caches: {data_dir}")
+    print(f"[done] target: {runtime.record_path(inputs.target)}")
+    print(f"[done] answer caches: {inputs.cache_dir}")
     print(
         f"[done] drafter (+ train_args.json; {kept} or extend the run): {os.path.abspath(args.out)}"
     )

@@ -1,8 +1,9 @@
 """What train.py keeps in a checkpoint to resume it, the check that a rerun trains the same
-recipe, and the signals that stop a run without losing its work: `resume` loads a checkpoint
-that distributed.save_checkpoint (or, under FSDP, save_sharded_checkpoint) wrote, after
-`check_resume` compared its recipe with the run's; `StopSignals` turns SIGINT and SIGTERM into
-a stop at the end of the step in progress, which train.py saves and ends with `Interrupted`.
+recipe, and the signals that stop a run without losing its work: `save` writes a checkpoint
+(distributed.save_checkpoint, or under FSDP save_sharded_checkpoint) and `resume` loads it,
+after `check_resume` compared its recipe with the run's; `StopSignals` turns SIGINT and SIGTERM
+into a stop at the end of the step in progress, which train.py saves and ends with
+`Interrupted` and the line `stopped` writes: the command that goes on.
 `s` everywhere: train.py's TrainSettings (out, resume, fsdp, rank, world, init, ...)."""
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import hashlib
 import json
 import os
 import random
+import shlex
 import signal
+import sys
 
 import torch
+from tqdm.auto import tqdm
 
 import runtime
 from systems import distributed
@@ -174,6 +178,24 @@ def report_finished(s, step: int, block_size: int) -> None:
     )
 
 
+def save(drafter, model, optimizer, scheduler, done, skipped, recipe, s) -> None:
+    """A checkpoint after `done` steps: under FSDP every process writes its
+    shards (distributed.save_sharded_checkpoint), else rank 0 alone."""
+    if s.fsdp:
+        state = {"scheduler": scheduler.state_dict(), "skipped": skipped, "recipe": recipe}
+        distributed.save_sharded_checkpoint(s.out, done, model, optimizer, state)
+    elif s.rank == 0:
+        state = {
+            "model": drafter.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+            "skipped": skipped,
+            "recipe": recipe,
+        }
+        distributed.save_checkpoint(s.out, done, state, optimizer.state_dict())
+
+
 # ---------------------------------------------------------------------------------------------
 # Stopping at a step boundary
 
@@ -224,3 +246,31 @@ class StopSignals:
         if world > 1:
             return distributed.any_rank(asked, device)
         return asked
+
+
+def stopped(name: str | None, done: int, s) -> str:
+    """The line a stopped run ends with (rank 0 prints it): the signal (None: another
+    process's), the step, the checkpoint, the command that goes on."""
+    if name is None:
+        name = "another process's signal"
+    where = os.path.join(s.out, "checkpoint.pt")
+    if s.fsdp:
+        where = os.path.join(s.out, distributed.SHARDED_CHECKPOINT)
+    line = f"[train] {name}: stopped after step {done} of {s.steps}, saved in {where}"
+    line += f"; go on with: {go_on_command(s)}"
+    if s.rank == 0:
+        tqdm.write(line)
+    return line
+
+
+def go_on_command(s) -> str:
+    """The command that resumes this run: the one that started it, without --no-resume."""
+    argv = sys.argv
+    if not argv[0].endswith("train.py"):
+        # called in-process
+        return f"train.main(out={s.out!r}, ...) with the same settings"
+    argv = [a for a in argv if a != "--no-resume"]
+    launcher = "python"
+    if s.world > 1:
+        launcher = f"torchrun --nproc_per_node={s.world}"
+    return f"{launcher} {shlex.join(argv)}"

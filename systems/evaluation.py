@@ -8,8 +8,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib.util
+import math
 import os
+from collections.abc import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -18,34 +19,43 @@ from transformers import AutoTokenizer
 import d3d
 import runtime
 from runtime import Range
-from systems import answers, cli, pictures
+from systems import answers, cli, pictures, train_flags
+
+
+@dataclasses.dataclass
+class HeldOut:
+    """How held-out answers are measured: `val_anchors` blocks drafted per answer, in batches
+    of `batch_size` padded with `pad_id` and cut at `max_len`, under `autocast` (a context
+    factory); the same `seed` draws the same anchors at every evaluation."""
+
+    pad_id: int
+    max_len: int = 1024
+    val_anchors: int = 32
+    autocast: Callable = contextlib.nullcontext
+    batch_size: int = 8
+    seed: int = 0
+
+    def batches(self, examples, device):
+        """(input_ids, loss_mask) of each batch of `examples` in turn, on `device`."""
+        for s in range(0, len(examples), self.batch_size):
+            chosen = examples[s : s + self.batch_size]
+            input_ids, loss_mask = answers.collate(chosen, self.pad_id, self.max_len)
+            yield input_ids.to(device), loss_mask.to(device)
 
 
 @torch.no_grad()
 def evaluate_tau(
-    drafter,
-    examples,
-    *,
-    val_anchors: int = 32,
-    batch_size: int = 8,
-    pad_id: int,
-    max_len: int = 1024,
-    autocast=contextlib.nullcontext,
-    seed: int = 0,
-    d1_from=None,
-    per_block: bool = False,
-    sharded: torch.nn.Module | None = None,
+    drafter, examples, held_out: HeldOut, *, d1_from=None, per_block=False, sharded=None
 ):
-    """Mean offline tau (accepted + 1) over blocks of the drafter's B drafted at `val_anchors`
-    sampled points per held-out answer (with per_block: the tau of every block, a tensor); d_1
-    from where the drafter's config says (d1_from, if given, replaces it for the measurement:
-    "causal" or "mask").
+    """Mean offline tau (accepted + 1) over blocks of the drafter's B drafted at
+    held_out.val_anchors sampled points per held-out answer (with per_block: the tau of every
+    block, a tensor); d_1 from where the drafter's config says (d1_from, if given, replaces it
+    for the measurement: "causal" or "mask").
 
     `sharded`: the FSDP root (train.py's TrainingLoss) around `drafter`; every pass goes
     through its forward, which gathers the weights, so every process must evaluate, on
     the same examples."""
-    # the same anchors at every evaluation
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(held_out.seed)
     block_size = drafter.d3d_config.block_size
     was_training = drafter.training
     taus = []
@@ -56,14 +66,16 @@ def evaluate_tau(
         if sharded is not None
         else functools.partial(d3d.offline_tau, drafter)
     )
-    starts = range(0, len(examples), batch_size)
+    batches = held_out.batches(examples, drafter.device)
+    total = math.ceil(len(examples) / held_out.batch_size)
+    bar = tqdm(batches, total=total, desc=f"offline tau B={block_size}", leave=False)
     with replaced_config(drafter, d1_from=d1_from or drafter.d3d_config.d1_from):
-        for s in tqdm(starts, desc=f"offline tau B={block_size}", leave=False):
-            input_ids, loss_mask = answers.collate(examples[s : s + batch_size], pad_id, max_len)
-            input_ids = input_ids.to(drafter.device)
-            loss_mask = loss_mask.to(drafter.device)
-            with autocast():
-                taus.append(run(input_ids, loss_mask, val_anchors=val_anchors, generator=generator))
+        for input_ids, loss_mask in bar:
+            with held_out.autocast():
+                tau = run(
+                    input_ids, loss_mask, val_anchors=held_out.val_anchors, generator=generator
+                )
+            taus.append(tau)
     if sharded is not None:
         sharded.reshard()  # the root stays gathered after a forward that no backward follows
     drafter.train(was_training)
@@ -71,22 +83,12 @@ def evaluate_tau(
 
 
 @torch.no_grad()
-def block_accuracy(
-    drafter,
-    examples,
-    *,
-    val_anchors: int = 32,
-    batch_size: int = 8,
-    pad_id: int,
-    max_len: int = 1024,
-    autocast=contextlib.nullcontext,
-    seed: int = 0,
-) -> list[float]:
+def block_accuracy(drafter, examples, held_out: HeldOut) -> list[float]:
     """d3d_loss's block_acc over the held-out answers: per block position i = 1..B, the share
     of blocks whose d_i, read where decoding reads it, is x_{a+i}. Each position on its own,
     unlike the acceptance curve. On the anchors evaluate_tau draws (the same seed and
     batches), so block_acc[0] is the share of blocks whose d_1 is accepted."""
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(held_out.seed)
     block_size = drafter.d3d_config.block_size
     # the block loss's metrics alone: lambda = 0 skips L_AR's rows
     block_only = d3d.Drafter(drafter.model, dataclasses.replace(drafter.d3d_config, ar_weight=0.0))
@@ -94,12 +96,9 @@ def block_accuracy(
     drafter.eval()
     right = torch.zeros(block_size, dtype=torch.float64)
     total = torch.zeros(block_size, dtype=torch.float64)
-    for s in range(0, len(examples), batch_size):
-        input_ids, loss_mask = answers.collate(examples[s : s + batch_size], pad_id, max_len)
-        input_ids = input_ids.to(drafter.device)
-        loss_mask = loss_mask.to(drafter.device)
-        at = d3d.sample_anchors(loss_mask, val_anchors, generator)
-        with autocast():
+    for input_ids, loss_mask in held_out.batches(examples, drafter.device):
+        at = d3d.sample_anchors(loss_mask, held_out.val_anchors, generator)
+        with held_out.autocast():
             _, metrics = d3d.d3d_loss(block_only, input_ids, loss_mask, at=at)
         counts = labelled_blocks(input_ids, loss_mask, at, block_size)
         right += metrics["block_acc"].double().cpu() * counts
@@ -176,36 +175,11 @@ def load_trained(drafter: str, device):
     for key in ("target", "prompts", "val_prompts", "answers", "val_answers"):
         must_exist = key != "target" or not cli.looks_like_hub_name(recipe[key] or "")
         found[key] = runtime.find_recorded(recipe.get(key), f"{path}: {key}", must_exist)
+    cache_dir = recipe.get("data_dir") or os.path.dirname(os.path.abspath(drafter))
+    inputs = train_flags.Inputs(**found, cache_dir=cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(drafter)
     model = d3d.Drafter.from_pretrained(drafter, dtype=torch.float32, device=device)
-    cache_dir = recipe.get("data_dir") or os.path.dirname(os.path.abspath(drafter))
-    data = dict(
-        tokenizer=tokenizer,
-        prompt_field=recipe["prompt_field"],
-        thinking=recipe["thinking"],
-        cache_dir=cache_dir,
-        max_new_tokens=recipe["max_new_tokens"],
-        gen_batch_size=recipe["gen_batch_size"],
-        device=device,
-    )
-    train = answers.load_data(
-        found["target"],
-        prompts=found["prompts"],
-        num_prompts=recipe["num_prompts"],
-        answers=found["answers"],
-        **data,
-    )
-    if found["val_prompts"]:
-        val = answers.load_data(
-            found["target"],
-            prompts=found["val_prompts"],
-            num_prompts=recipe["num_val"],
-            answers=found["val_answers"],
-            **data,
-        )
-    else:
-        num_held = min(recipe["num_val"], round(len(train) * recipe["val_fraction"]))
-        train, val = train[: len(train) - num_held], train[len(train) - num_held :]
+    train, val = train_flags.load_answers(inputs, recipe, tokenizer=tokenizer, device=device)
     recipe = {**recipe, "target": found["target"]}
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
@@ -274,7 +248,7 @@ def eval_main(argv=None) -> dict:
     args = parse_eval_args(argv)
     cli.check_flags(vars(args), EVAL_GROUPS)
     if args.plot is not None:
-        check_plotting()
+        train_flags.check_plotting()
     device = default_device(args.device)
     recipe, _, drafter, _, val, pad_id = load_trained(args.drafter, device)
     num_val = args.num_val
@@ -286,15 +260,9 @@ def eval_main(argv=None) -> dict:
         val_anchors = recipe["val_anchors"]
     dtype = args.dtype or recipe.get("compute_dtype") or recipe.get("dtype")
     bf16 = runtime.resolve_dtype(dtype, device) == torch.bfloat16
+    held_out = HeldOut(pad_id, recipe["max_len"], val_anchors, bf16_autocast(device, bf16))
     block_size = drafter.d3d_config.block_size
-    taus = per_block_taus(
-        drafter,
-        val,
-        pad_id=pad_id,
-        max_len=recipe["max_len"],
-        val_anchors=val_anchors,
-        autocast=bf16_autocast(device, bf16),
-    )
+    taus = per_block_taus(drafter, val, held_out)
     result = {first: t.mean().item() for first, t in taus.items()}
     curves = {first: acceptance_curve(t, block_size) for first, t in taus.items()}
     print(
@@ -304,14 +272,7 @@ def eval_main(argv=None) -> dict:
         f"{drafter.d3d_config.d1_from!r})"
     )
     print_curves(curves)
-    block_acc = block_accuracy(
-        drafter,
-        val,
-        pad_id=pad_id,
-        max_len=recipe["max_len"],
-        val_anchors=val_anchors,
-        autocast=bf16_autocast(device, bf16),
-    )
+    block_acc = block_accuracy(drafter, val, held_out)
     print_block_accuracy(block_acc, drafter.d3d_config.d1_from)
     if args.plot is not None:
         title = f"{args.drafter}: share of blocks with d_1 .. d_i all accepted"
@@ -334,18 +295,11 @@ def bf16_autocast(device: torch.device, on: bool):
     return contextlib.nullcontext
 
 
-def check_plotting() -> None:
-    """--plot needs matplotlib: without it, a one-line error naming the install, before
-    any work is done."""
-    if importlib.util.find_spec("matplotlib") is None:
-        raise runtime.UserError(f"--plot: {pictures.MISSING}")
-
-
-def per_block_taus(drafter, examples, **settings) -> dict[str, torch.Tensor]:
+def per_block_taus(drafter, examples, held_out: HeldOut) -> dict[str, torch.Tensor]:
     """evaluate_tau's tau of every held-out block, per place d_1 is read (D1_SOURCES)."""
     taus = {}
     for d1_from in D1_SOURCES:
-        taus[d1_from] = evaluate_tau(drafter, examples, d1_from=d1_from, per_block=True, **settings)
+        taus[d1_from] = evaluate_tau(drafter, examples, held_out, d1_from=d1_from, per_block=True)
     return taus
 
 
@@ -377,10 +331,10 @@ def draw_curves(path: str, curves: dict[str, list[float]], title: str) -> str:
     return pictures.draw_block_accuracy(path, shares, title=title)
 
 
-def plot_curves(path: str, drafter, examples, *, title: str, **settings) -> dict:
+def plot_curves(path: str, drafter, examples, held_out: HeldOut, title: str) -> dict:
     """At the end of training (train.py --plot): the acceptance curves of `drafter` on
     the held-out answers, printed as a table and drawn at `path`. Returns the curves."""
-    taus = per_block_taus(drafter, examples, **settings)
+    taus = per_block_taus(drafter, examples, held_out)
     block_size = drafter.d3d_config.block_size
     curves = {first: acceptance_curve(t, block_size) for first, t in taus.items()}
     print_curves(curves, tag="[done]")

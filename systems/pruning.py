@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 import d3d
 import runtime
 from runtime import Range
-from systems import answers, cli, evaluation, fast, memory, pictures
+from systems import answers, cli, evaluation, fast, memory, pictures, train_flags
 
 
 @dataclasses.dataclass
@@ -95,7 +95,7 @@ def check_prune_args(values: dict) -> None:
             "train.py prune needs a stopping rule — give --min-layers N, --tau-floor F, or both"
         )
     if values.get("plot") is not None:
-        evaluation.check_plotting()
+        train_flags.check_plotting()
     cli.check_drafter_folder("--drafter", values["drafter"])
 
 

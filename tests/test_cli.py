@@ -18,7 +18,7 @@ import decode
 import runtime
 import toy
 import train
-from systems import cli, decode_flags, evaluation, pruning
+from systems import cli, decode_flags, evaluation, pruning, train_flags
 
 
 def prune_entry(argv):
@@ -161,7 +161,7 @@ def test_every_flag_takes_the_edges_of_its_range_as_given(driver, name, flag, al
         if driver == "train.py":
             args = train.parse_args([flag, *given])
             train.check_args(args)
-            train.fill_defaults(args, toy_run=True)
+            train_flags.fill_defaults(args, toy_run=True)
         elif driver == "train.py prune":
             args = pruning.parse_prune_args([flag, *given])
         elif driver == "train.py eval":
@@ -230,16 +230,16 @@ def parser_actions(parse) -> list:
 def test_zero_is_used_where_it_means_something_and_never_replaced():
     args = train.parse_args(["--seed", "0", "--warmup", "0", "--ar-weight", "0"])
     train.check_args(args)
-    train.fill_defaults(args, toy_run=True)
+    train_flags.fill_defaults(args, toy_run=True)
     assert (args.seed, args.warmup, args.ar_weight) == (0, 0, 0.0)
     args = train.parse_args([])
-    train.fill_defaults(args, toy_run=True)
+    train_flags.fill_defaults(args, toy_run=True)
     assert (args.block_size, args.num_anchors, args.lr) == (8, 32, 6e-3)
     args = train.parse_args([])
-    train.fill_defaults(args, toy_run=False)
+    train_flags.fill_defaults(args, toy_run=False)
     assert (args.block_size, args.num_anchors, args.lr) == (16, 64, 1e-3)
     args = train.parse_args(["--block-size", "3", "--num-anchors", "2", "--lr", "0.5"])
-    train.fill_defaults(args, toy_run=True)
+    train_flags.fill_defaults(args, toy_run=True)
     assert (args.block_size, args.num_anchors, args.lr) == (3, 2, 0.5)
     args = decode.build_parser().parse_args(["--coverage", "0", "--temperature", "0"])
     cli.check_ranges(vars(args), decode_flags.RANGES, decode_flags.FLAGS)

@@ -25,7 +25,7 @@ import d3d
 import runtime
 import toy
 import train
-from systems import answers, checkpoints, evaluation, memory, pictures, pruning
+from systems import answers, checkpoints, evaluation, memory, pictures, pruning, train_flags
 
 # train.py lives there
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -578,7 +578,7 @@ def test_every_toy_run_uses_the_shipped_toy_and_its_answers(monkeypatch, tmp_pat
     monkeypatch.setattr(
         answers, "load_target", lambda *a, **k: pytest.fail("the shipped answers were not used")
     )
-    monkeypatch.setattr(train, "TOY_RUNS", str(tmp_path / "toy"))
+    monkeypatch.setattr(train_flags, "TOY_RUNS", str(tmp_path / "toy"))
     before = {f: os.path.getmtime(os.path.join(toy.SHIPPED, f)) for f in os.listdir(toy.SHIPPED)}
     result = train.main(
         out=str(tmp_path / "lam0" / "drafter"),
