@@ -117,12 +117,6 @@ class TrainSettings:
     init: str = ""
     random_init: bool = False
 
-    def held_out(self, bf16: bool) -> evaluation.HeldOut:
-        """How offline tau measures the held-out answers: --val-anchors blocks each, cut at
-        --max-len, in bfloat16 autocast if `bf16`."""
-        autocast = evaluation.bf16_autocast(self.device, bf16)
-        return evaluation.HeldOut(self.pad_id, self.max_len, self.val_anchors, autocast)
-
 
 def train_drafter(drafter: d3d.Drafter, train, val, s: TrainSettings) -> dict:
     """AdamW on d3d_loss (L_block + lambda L_AR), the rate from get_lr.
@@ -133,7 +127,7 @@ def train_drafter(drafter: d3d.Drafter, train, val, s: TrainSettings) -> dict:
     to go on. With s.fsdp the drafter is sharded in place and returned as "sharded"
     (its FSDP root) with the result; every process then evaluates and saves."""
     # FSDP casts to bf16 itself (distributed.shard_model)
-    held_out = s.held_out(s.bf16 and not s.fsdp)
+    held_out = held_out_of(s, s.bf16 and not s.fsdp)
     model, frozen = wrap_for_training(drafter, s)
     optimizer = make_optimizer(drafter, frozen, s)
     scheduler = make_scheduler(optimizer, s)
@@ -240,6 +234,13 @@ class Tally:
             f"gradient ({self.skipped} skipped in all); training has diverged. Lower "
             "--lr, use --dtype float32, or check the data for empty or corrupt answers"
         )
+
+
+def held_out_of(s: TrainSettings, bf16: bool) -> evaluation.HeldOut:
+    """How offline tau measures the held-out answers: --val-anchors blocks each, cut at
+    --max-len, in bfloat16 autocast if `bf16`."""
+    autocast = evaluation.bf16_autocast(s.device, bf16)
+    return evaluation.HeldOut(s.pad_id, s.max_len, s.val_anchors, autocast)
 
 
 def get_lr(step: int, warmup: int, steps: int) -> float:
@@ -429,20 +430,7 @@ def check_args(args: argparse.Namespace) -> None:
     """Every flag in its range and every file it names readable, before anything loads: a
     bad value raises runtime.UserError (one line), never a traceback halfway through a run."""
     cli.check_flags(vars(args), GROUPS)
-    if args.drafter_layers is not None and str(args.drafter_layers).strip() == "":
-        raise runtime.UserError("--drafter-layers is empty — give a count N or ids '0,5,29'")
-    if args.plot is not None:
-        train_flags.check_plotting()
-    if args.target is None:
-        return
-    cli.check_model_folder("--target", args.target)
-    if args.prompts is None:
-        raise runtime.UserError("--target needs --prompts — give a JSON Lines file of prompts")
-    cli.read_jsonl("--prompts", args.prompts)
-    if args.val_prompts is not None:
-        cli.read_jsonl("--val-prompts", args.val_prompts)
-    if args.drafter_init is not None:
-        cli.check_model_folder("--drafter-init", args.drafter_init)
+    train_flags.check_inputs(args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,11 +440,7 @@ def check_args(args: argparse.Namespace) -> None:
 def main(**overrides) -> dict:
     """Run the whole recipe. Keyword arguments are the command-line flags (snake_case);
     defaults as there."""
-    defaults = vars(parse_args([]))
-    unknown = overrides.keys() - defaults.keys()
-    if unknown:
-        raise TypeError(f"unknown arguments: {sorted(unknown)}")
-    args = argparse.Namespace(**{**defaults, **overrides})
+    args = train_flags.given(parse_args, overrides)
     check_args(args)
     toy_run = args.target is None
     paths = None
@@ -490,7 +474,7 @@ def main(**overrides) -> dict:
     settings = cli.settings_of(
         TrainSettings, vars(args), init=init, random_init=args.random_init, **where
     )
-    check_training_size(drafter, train, val, settings)
+    memory.check_training_size(drafter, train, val, settings)
     # everything is loaded and checked: the loop starts
     result = train_drafter(drafter, train, val, settings)
 
@@ -501,29 +485,6 @@ def main(**overrides) -> dict:
         print_done(args, inputs, result, other, len(val), peak, device)
     distributed.end_process_group()
     return {**result, "drafter": drafter, "out": args.out}
-
-
-def check_training_size(drafter: d3d.Drafter, train, val, s: TrainSettings) -> None:
-    """runtime.check_training_size before the first step: the positions and the bytes of the
-    longest packed sequence, cut at --max-len, one line if they do not fit. Under FSDP the
-    positions alone: the bytes it counts are those of a whole drafter on one device."""
-    longest = max(len(prompt) + len(response) for prompt, response in train + val)
-    max_len = min(s.max_len, longest)
-    if s.fsdp:
-        block_size = drafter.d3d_config.block_size
-        asked = f"training with --max-len {max_len} and --block-size {block_size}"
-        lower = "--block-size or --max-len"
-        runtime.check_positions(asked, max_len + block_size, "the drafter", drafter, lower)
-        return
-    runtime.check_training_size(
-        drafter,
-        train + val,
-        batch_size=s.batch_size,
-        max_len=s.max_len,
-        device=s.device,
-        bf16=s.bf16,
-        val_anchors=s.val_anchors,
-    )
 
 
 def load_drafter(args, inputs, tokenizer, device, rank: int) -> tuple[d3d.Drafter, str]:
@@ -559,12 +520,10 @@ def measure_the_other_d1(drafter, val, result: dict, s: TrainSettings):
     """The same held-out blocks with d_1 drafted by MASK 1 instead of the causal row, or the
     reverse (result["offline_tau_d1_from_..."]). Returns (the drafter, whole: gathered from
     its shards under FSDP, in the dtype it was trained in; the other d1_from)."""
-    other = "mask"
-    if drafter.d3d_config.d1_from == "mask":
-        other = "causal"
+    other = evaluation.OTHER_D1[drafter.d3d_config.d1_from]
     key = f"offline_tau_d1_from_{other}"
     # bf16 autocast as in training: FSDP's sharded passes cast themselves
-    held_out = s.held_out(s.bf16 and not s.fsdp)
+    held_out = held_out_of(s, s.bf16 and not s.fsdp)
     sharded = result.pop("sharded", None)
     if sharded is not None:
         # every rank evaluates the sharded drafter, then all gather it once, onto rank 0's host
@@ -588,17 +547,13 @@ def save_drafter(args, inputs, drafter, tokenizer, val, result: dict, s: TrainSe
     runtime.record_path), the result and where it ran."""
     if args.plot is not None:
         title = f"{args.out}: held-out blocks with d_1 .. d_i all accepted"
-        held_out = s.held_out(s.bf16)
+        held_out = held_out_of(s, s.bf16)
         result["curve"] = evaluation.plot_curves(args.plot, drafter, val, held_out, title)
     drafter.save_pretrained(args.out, tokenizer=tokenizer)
     record = {
         **vars(args),
-        "target": runtime.record_path(inputs.target),
         "toy": runtime.record_path(args.toy),
-        "prompts": runtime.record_path(inputs.prompts),
-        "val_prompts": runtime.record_path(inputs.val_prompts),
-        "answers": runtime.record_path(inputs.answers),
-        "val_answers": runtime.record_path(inputs.val_answers),
+        **inputs.recorded(),
         "layer_ids": drafter.d3d_config.layer_ids,
         **result,
         "peak_memory_gib": round(peak, 2),
@@ -631,9 +586,7 @@ def describe_drafter(args, drafter: d3d.Drafter, init: str, num_train: int, num_
 
 def print_done(args, inputs, result: dict, other: str, num_val: int, peak, device):
     """The closing lines: tau both ways, time, memory, and where everything went."""
-    first = "causal"
-    if other == "causal":
-        first = "mask"
+    first = evaluation.OTHER_D1[other]
     memory_kind = "RSS"
     if device.type == "cuda":
         memory_kind = "GPU allocated"

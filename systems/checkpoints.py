@@ -103,30 +103,21 @@ RECIPE_FLAGS = {
 
 
 def recipe_of(drafter, train: list, s) -> dict:
-    """The settings a checkpoint was trained with (RECIPE_FLAGS), as plain values; the
-    training answers `train` as their fingerprint."""
+    """The settings a checkpoint was trained with (RECIPE_FLAGS), as plain values: the
+    method's from the drafter's D3DConfig, the tokenizer's fingerprint, the training answers
+    `train` as theirs (answers_fingerprint), the rest from `s`."""
     config = drafter.d3d_config
-    return {
-        "init": s.init,
-        "random_init": s.random_init,
-        "layer_ids": config.layer_ids,
-        "block_size": config.block_size,
-        "num_anchors": config.num_anchors,
-        "ar_weight": config.ar_weight,
-        "decay_gamma": config.decay_gamma,
-        "d1_from": config.d1_from,
-        "tokenizer": config.tokenizer_hash,
-        "freeze_embeddings": s.freeze_embeddings,
-        "answers": answers_fingerprint(train),
-        "max_len": s.max_len,
-        "batch_size": s.batch_size,
-        "grad_accum": s.grad_accum,
-        "seed": s.seed,
-        "lr": s.lr,
-        "warmup": s.warmup,
-        "weight_decay": s.weight_decay,
-        "grad_clip": s.grad_clip,
-    }
+    recipe = {}
+    for key in RECIPE_FLAGS:
+        if hasattr(config, key):
+            recipe[key] = getattr(config, key)
+        elif key == "tokenizer":
+            recipe[key] = config.tokenizer_hash
+        elif key == "answers":
+            recipe[key] = answers_fingerprint(train)
+        else:
+            recipe[key] = getattr(s, key)
+    return recipe
 
 
 def answers_fingerprint(train: list) -> str:

@@ -172,7 +172,7 @@ def load_trained(drafter: str, device):
             "folder that train.py wrote"
         )
     found = {}
-    for key in ("target", "prompts", "val_prompts", "answers", "val_answers"):
+    for key in train_flags.RECORDED:
         must_exist = key != "target" or not cli.looks_like_hub_name(recipe[key] or "")
         found[key] = runtime.find_recorded(recipe.get(key), f"{path}: {key}", must_exist)
     cache_dir = recipe.get("data_dir") or os.path.dirname(os.path.abspath(drafter))
@@ -232,15 +232,6 @@ def parse_eval_args(argv=None):
     return ap.parse_args(argv)
 
 
-def default_device(name: str | None) -> torch.device:
-    """The device a flag names; by default CUDA if there is one, else the CPU."""
-    if name is None:
-        name = "cpu"
-        if torch.cuda.is_available():
-            name = "cuda"
-    return torch.device(name)
-
-
 def eval_main(argv=None) -> dict:
     """python train.py eval --drafter FOLDER: offline tau on the held-out answers the
     drafter was trained with, with d_1 drafted by the causal row ("causal")
@@ -249,18 +240,16 @@ def eval_main(argv=None) -> dict:
     cli.check_flags(vars(args), EVAL_GROUPS)
     if args.plot is not None:
         train_flags.check_plotting()
-    device = default_device(args.device)
+    device = runtime.resolve_device(args.device)
     recipe, _, drafter, _, val, pad_id = load_trained(args.drafter, device)
-    num_val = args.num_val
-    if num_val is None:
-        num_val = recipe["num_val"]
-    val = val[:num_val]
-    val_anchors = args.val_anchors
-    if val_anchors is None:
-        val_anchors = recipe["val_anchors"]
+    # the flags not given: as in training
+    for name in ("num_val", "val_anchors"):
+        if getattr(args, name) is None:
+            setattr(args, name, recipe[name])
+    val = val[: args.num_val]
     dtype = args.dtype or recipe.get("compute_dtype") or recipe.get("dtype")
     bf16 = runtime.resolve_dtype(dtype, device) == torch.bfloat16
-    held_out = HeldOut(pad_id, recipe["max_len"], val_anchors, bf16_autocast(device, bf16))
+    held_out = HeldOut(pad_id, recipe["max_len"], args.val_anchors, bf16_autocast(device, bf16))
     block_size = drafter.d3d_config.block_size
     taus = per_block_taus(drafter, val, held_out)
     result = {first: t.mean().item() for first, t in taus.items()}
@@ -286,6 +275,7 @@ def eval_main(argv=None) -> dict:
 
 D1_SOURCES = {"causal": "the head", "mask": "MASK 1"}  # where d_1 is read, as the tables say
 D1_READ = {"causal": "the causal row", "mask": "MASK 1"}  # the same, in sentences
+OTHER_D1 = {"causal": "mask", "mask": "causal"}
 
 
 def bf16_autocast(device: torch.device, on: bool):

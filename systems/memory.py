@@ -1,5 +1,5 @@
-"""Memory of training and pruning: the peak a run measured, and what a step is estimated to
-hold at its peak."""
+"""Memory of training and pruning: the peak a run measured, whether training's longest sequence
+fits before the first step, and what a step is estimated to hold at its peak."""
 
 from __future__ import annotations
 
@@ -27,6 +27,30 @@ def peak_memory_gib(device, reset: bool = False) -> float:
         return float("nan")
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30
+
+
+def check_training_size(drafter, train, val, s) -> None:
+    """runtime.check_training_size before train.py's first step (`s`: its TrainSettings): the
+    positions and the bytes of the longest packed sequence, cut at --max-len, one line if they
+    do not fit. Under FSDP the positions alone: the bytes it counts are those of a whole
+    drafter on one device."""
+    longest = max(len(prompt) + len(response) for prompt, response in train + val)
+    max_len = min(s.max_len, longest)
+    if s.fsdp:
+        block_size = drafter.d3d_config.block_size
+        asked = f"training with --max-len {max_len} and --block-size {block_size}"
+        lower = "--block-size or --max-len"
+        runtime.check_positions(asked, max_len + block_size, "the drafter", drafter, lower)
+        return
+    runtime.check_training_size(
+        drafter,
+        train + val,
+        batch_size=s.batch_size,
+        max_len=s.max_len,
+        device=s.device,
+        bf16=s.bf16,
+        val_anchors=s.val_anchors,
+    )
 
 
 def prune_memory_estimate(

@@ -154,13 +154,9 @@ def prune_main(**flags) -> dict:
     checked before anything loads; d3d.prune_drafter on the answers the drafter was trained
     with, then unpruned vs pruned decoding against the target, the pruned folder and its
     table (prune_table.json). Returns the table's figures."""
-    defaults = vars(parse_prune_args([]))
-    unknown = flags.keys() - defaults.keys()
-    if unknown:
-        raise TypeError(f"unknown arguments: {sorted(unknown)}")
-    f = argparse.Namespace(**{**defaults, **flags})
+    f = train_flags.given(parse_prune_args, flags)
     check_prune_args(vars(f))
-    device = evaluation.default_device(f.device)
+    device = runtime.resolve_device(f.device)
     out, bf16, config = settings(f, device)
     recipe, tokenizer, model, train, val, pad_id = evaluation.load_trained(f.drafter, device)
     val_batches, train_batches = batches(train, val, f, pad_id, recipe["max_len"], device)

@@ -8,6 +8,7 @@ train_args.json a run wrote."""
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -147,11 +148,44 @@ def fill_defaults(args: argparse.Namespace, toy_run: bool) -> None:
             setattr(args, name, value)
 
 
+def check_inputs(args: argparse.Namespace) -> None:
+    """The files train.py's flags name, readable, and the flags that go together, given
+    together (runtime.UserError, one line)."""
+    if args.drafter_layers is not None and str(args.drafter_layers).strip() == "":
+        raise runtime.UserError("--drafter-layers is empty — give a count N or ids '0,5,29'")
+    if args.plot is not None:
+        check_plotting()
+    if args.target is None:
+        return
+    cli.check_model_folder("--target", args.target)
+    if args.prompts is None:
+        raise runtime.UserError("--target needs --prompts — give a JSON Lines file of prompts")
+    cli.read_jsonl("--prompts", args.prompts)
+    if args.val_prompts is not None:
+        cli.read_jsonl("--val-prompts", args.val_prompts)
+    if args.drafter_init is not None:
+        cli.check_model_folder("--drafter-init", args.drafter_init)
+
+
 def check_plotting() -> None:
     """--plot needs matplotlib: without it, a one-line error naming the install, before
     any work is done."""
     if importlib.util.find_spec("matplotlib") is None:
         raise runtime.UserError(f"--plot: {pictures.MISSING}")
+
+
+def given(parse, flags: dict) -> argparse.Namespace:
+    """A driver's flags given as keywords (`main(**flags)`): the defaults of `parse([])`, the
+    given ones over them; a keyword that is no flag is a TypeError, as for any function."""
+    defaults = vars(parse([]))
+    unknown = flags.keys() - defaults.keys()
+    if unknown:
+        raise TypeError(f"unknown arguments: {sorted(unknown)}")
+    return argparse.Namespace(**{**defaults, **flags})
+
+
+# the files of Inputs that train_args.json records, under these names
+RECORDED = ("target", "prompts", "val_prompts", "answers", "val_answers")
 
 
 @dataclass
@@ -168,6 +202,11 @@ class Inputs:
     val_answers: str | None = None
     cache_dir: str = "."
     layers: str | None = None
+
+    def recorded(self) -> dict:
+        """The files (RECORDED) as train_args.json records them: the toy's relative to the
+        repository, a user's as given (runtime.record_path)."""
+        return {name: runtime.record_path(getattr(self, name)) for name in RECORDED}
 
 
 def inputs_of(args: argparse.Namespace, paths: dict | None, rank: int) -> Inputs:
@@ -216,26 +255,15 @@ def load_answers(inputs: Inputs, flags: dict, **data) -> tuple[list, list]:
     data["cache_dir"] = inputs.cache_dir
     for name in ANSWERING:
         data[name] = flags[name]
-    train = answers.load_data(
-        inputs.target,
-        prompts=inputs.prompts,
-        num_prompts=flags["num_prompts"],
-        answers=inputs.answers,
-        **data,
-    )
-    if inputs.val_prompts:
-        val = answers.load_data(
-            inputs.target,
-            prompts=inputs.val_prompts,
-            num_prompts=flags["num_val"],
-            answers=inputs.val_answers,
-            **data,
-        )
-        return train, val
-    num_val = min(flags["num_val"], round(len(train) * flags["val_fraction"]))
-    if num_val == 0:
-        raise runtime.UserError(
-            f"--val-fraction {flags['val_fraction']} of {len(train)} prompts holds out none — "
-            "give --val-prompts, a larger --val-fraction, or more --prompts"
-        )
-    return train[: len(train) - num_val], train[len(train) - num_val :]
+    load = functools.partial(answers.load_data, inputs.target, **data)
+    train = load(prompts=inputs.prompts, num_prompts=flags["num_prompts"], answers=inputs.answers)
+    if not inputs.val_prompts:
+        num_val = min(flags["num_val"], round(len(train) * flags["val_fraction"]))
+        if num_val == 0:
+            raise runtime.UserError(
+                f"--val-fraction {flags['val_fraction']} of {len(train)} prompts holds out none "
+                "— give --val-prompts, a larger --val-fraction, or more --prompts"
+            )
+        return train[: len(train) - num_val], train[len(train) - num_val :]
+    val = load(prompts=inputs.val_prompts, num_prompts=flags["num_val"], answers=inputs.val_answers)
+    return train, val
