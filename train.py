@@ -126,8 +126,10 @@ def train_drafter(drafter: d3d.Drafter, train, val, s: TrainSettings) -> dict:
     that step is saved, and checkpoints.Interrupted carries the line that says how
     to go on. With s.fsdp the drafter is sharded in place and returned as "sharded"
     (its FSDP root) with the result; every process then evaluates and saves."""
-    # FSDP casts to bf16 itself (distributed.shard_model)
+    # bf16 autocast in training and evaluation alike; FSDP casts to bf16 itself
+    # (distributed.shard_model)
     held_out = held_out_of(s, s.bf16 and not s.fsdp)
+    autocast = held_out.autocast
     model, frozen = wrap_for_training(drafter, s)
     optimizer = make_optimizer(drafter, frozen, s)
     scheduler = make_scheduler(optimizer, s)
@@ -145,7 +147,7 @@ def train_drafter(drafter: d3d.Drafter, train, val, s: TrainSettings) -> dict:
         for step in bar:
             step_start = time.perf_counter()
             stepped, loss, metrics, num_tokens = train_step(
-                model, optimizer, scheduler, batches, step, held_out.autocast
+                model, optimizer, scheduler, batches, step, autocast
             )
             tally.count(step, stepped, loss)
             tokens_per_s = num_tokens * s.world / (time.perf_counter() - step_start)

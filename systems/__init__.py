@@ -28,6 +28,8 @@ Both drivers':
     pictures.py     the paper's pictures drawn by the code (optional: matplotlib,
                     requirements-plots.txt)
 train.py's machinery:
+    train_flags.py  train.py's flags: a dataclass per --help group, beside TrainSettings and
+                    d3d.D3DConfig's; the files a run reads (Inputs) and the target's answers
     drafters.py     the drafter a run starts from: a causal LM with the target's tokenizer,
                     some layers kept (build_drafter), its embeddings frozen but for MASK
     checkpoints.py  a checkpoint's recipe, checked before a rerun resumes it (resume)

@@ -172,18 +172,13 @@ def report_finished(s, step: int, block_size: int) -> None:
 def save(drafter, model, optimizer, scheduler, done, skipped, recipe, s) -> None:
     """A checkpoint after `done` steps: under FSDP every process writes its
     shards (distributed.save_sharded_checkpoint), else rank 0 alone."""
+    state = {"scheduler": scheduler.state_dict(), "skipped": skipped, "recipe": recipe}
     if s.fsdp:
-        state = {"scheduler": scheduler.state_dict(), "skipped": skipped, "recipe": recipe}
         distributed.save_sharded_checkpoint(s.out, done, model, optimizer, state)
     elif s.rank == 0:
-        state = {
-            "model": drafter.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "rng": torch.get_rng_state(),
-            "python_rng": random.getstate(),
-            "skipped": skipped,
-            "recipe": recipe,
-        }
+        state["model"] = drafter.state_dict()
+        state["rng"] = torch.get_rng_state()
+        state["python_rng"] = random.getstate()
         distributed.save_checkpoint(s.out, done, state, optimizer.state_dict())
 
 

@@ -61,11 +61,9 @@ def evaluate_tau(
     taus = []
     drafter.eval()
     # under FSDP every pass goes through the root's forward, which gathers the weights
-    run = (
-        functools.partial(sharded, d3d.offline_tau)
-        if sharded is not None
-        else functools.partial(d3d.offline_tau, drafter)
-    )
+    run = functools.partial(d3d.offline_tau, drafter)
+    if sharded is not None:
+        run = functools.partial(sharded, d3d.offline_tau)
     batches = held_out.batches(examples, drafter.device)
     total = math.ceil(len(examples) / held_out.batch_size)
     bar = tqdm(batches, total=total, desc=f"offline tau B={block_size}", leave=False)
@@ -163,8 +161,8 @@ def load_trained(drafter: str, device):
         )
     # how the drafter was trained: its target, prompts and answer caches
     recipe = cli.read_json("--drafter", path)
-    needed = ("target", "prompts", "prompt_field", "thinking", "max_new_tokens")
-    needed += ("gen_batch_size", "num_prompts", "num_val", "max_len", "val_anchors")
+    needed = ("target", "prompts", *train_flags.ANSWERING, "num_prompts", "num_val")
+    needed += ("max_len", "val_anchors")
     missing = [key for key in needed if key not in recipe]
     if missing:
         raise runtime.UserError(
@@ -251,9 +249,8 @@ def eval_main(argv=None) -> dict:
     bf16 = runtime.resolve_dtype(dtype, device) == torch.bfloat16
     held_out = HeldOut(pad_id, recipe["max_len"], args.val_anchors, bf16_autocast(device, bf16))
     block_size = drafter.d3d_config.block_size
-    taus = per_block_taus(drafter, val, held_out)
+    taus, curves = taus_and_curves(drafter, val, held_out)
     result = {first: t.mean().item() for first, t in taus.items()}
-    curves = {first: acceptance_curve(t, block_size) for first, t in taus.items()}
     print(
         f"[eval] {args.drafter}: offline tau (B={block_size}) on {len(val)} held-out "
         f"answers ({len(taus['causal'])} blocks): {result['causal']:.3f} with d_1 from "
@@ -285,12 +282,15 @@ def bf16_autocast(device: torch.device, on: bool):
     return contextlib.nullcontext
 
 
-def per_block_taus(drafter, examples, held_out: HeldOut) -> dict[str, torch.Tensor]:
-    """evaluate_tau's tau of every held-out block, per place d_1 is read (D1_SOURCES)."""
+def taus_and_curves(drafter, examples, held_out: HeldOut) -> tuple[dict, dict]:
+    """evaluate_tau's tau of every held-out block and their acceptance curve, per place d_1 is
+    read (D1_SOURCES)."""
     taus = {}
+    curves = {}
     for d1_from in D1_SOURCES:
         taus[d1_from] = evaluate_tau(drafter, examples, held_out, d1_from=d1_from, per_block=True)
-    return taus
+        curves[d1_from] = acceptance_curve(taus[d1_from], drafter.d3d_config.block_size)
+    return taus, curves
 
 
 def print_curves(curves: dict[str, list[float]], tag: str = "[eval]") -> None:
@@ -324,9 +324,7 @@ def draw_curves(path: str, curves: dict[str, list[float]], title: str) -> str:
 def plot_curves(path: str, drafter, examples, held_out: HeldOut, title: str) -> dict:
     """At the end of training (train.py --plot): the acceptance curves of `drafter` on
     the held-out answers, printed as a table and drawn at `path`. Returns the curves."""
-    taus = per_block_taus(drafter, examples, held_out)
-    block_size = drafter.d3d_config.block_size
-    curves = {first: acceptance_curve(t, block_size) for first, t in taus.items()}
+    _, curves = taus_and_curves(drafter, examples, held_out)
     print_curves(curves, tag="[done]")
     print(f"[done] block acceptance by position: {draw_curves(path, curves, title)}")
     return curves

@@ -18,7 +18,7 @@ import toy
 from runtime import Range
 from systems import answers, cli, pictures
 
-# the toy's answers to any prompts it does not ship
+# the toy's runs: the default drafter, and answers to any prompts the toy does not ship
 TOY_RUNS = "runs/toy"
 
 
