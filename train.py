@@ -153,7 +153,7 @@ def train_drafter(drafter: d3d.Drafter, train, val, s: TrainSettings) -> dict:
             tokens_per_s = num_tokens * s.world / (time.perf_counter() - step_start)
             show_progress(bar, metrics, tally, tokens_per_s, s.device)
             done = step + 1
-            if evaluates(s, val) and done % s.eval_every == 0 and done < s.steps:
+            if done % s.eval_every == 0 and done < s.steps:
                 evaluate(drafter, val, held_out, model, done, tally, s)
             # every process alike: all save the same step
             stopping = stop.agreed(s.world, s.device)
@@ -166,8 +166,7 @@ def train_drafter(drafter: d3d.Drafter, train, val, s: TrainSettings) -> dict:
                 raise checkpoints.Interrupted(checkpoints.stopped(stop.name, done, s))
     bar.close()
     # also when a rerun finds the run finished: evaluates with the new --num-val, ...
-    if evaluates(s, val):
-        evaluate(drafter, val, held_out, model, s.steps, tally, s)
+    evaluate(drafter, val, held_out, model, s.steps, tally, s)
     result = {
         "offline_tau": tally.tau,
         "history": tally.history,
@@ -356,15 +355,12 @@ def show_progress(bar, metrics: dict, tally: Tally, tokens_per_s: float, device)
     )
 
 
-def evaluates(s: TrainSettings, val) -> bool:
-    """Whether this process evaluates: rank 0, or every rank under FSDP
-    (each pass goes through the sharded root); never without held-out data."""
-    return (s.rank == 0 or s.fsdp) and bool(val)
-
-
 def evaluate(drafter, val, held_out, model, done: int, tally: Tally, s: TrainSettings) -> None:
     """Offline tau on the held-out answers after `done` steps (evaluation.evaluate_tau): printed
-    (rank 0), and a row of tally.history."""
+    (rank 0), and a row of tally.history. Rank 0 evaluates, or every rank under FSDP (each
+    pass goes through the sharded root); nothing does without held-out data."""
+    if not val or (s.rank > 0 and not s.fsdp):
+        return
     sharded = None
     if s.fsdp:
         sharded = model

@@ -113,9 +113,8 @@ def compare_drafters(target, drafters: dict, prompts, *, max_new_tokens: int, eo
     d3d.generate(target, None, prompts[0], max_new_tokens=4, mode="target")  # warm-up
     for ids in tqdm(prompts, desc="decode with each drafter", leave=False):
         for label, drafter, mode in runs:
-            _, stats = d3d.generate(
-                target, drafter, ids, max_new_tokens=max_new_tokens, mode=mode, eos_token_id=eos
-            )
+            config = d3d.DecodeConfig(max_new_tokens=max_new_tokens, mode=mode, eos_token_id=eos)
+            _, stats = d3d.generate(target, drafter, ids, config)
             times[label] += stats["time_total"] - stats["time_prefill"]
             tokens[label] += stats["num_new_tokens"] - 1
             taus[label].append(stats["tau"])
