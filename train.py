@@ -420,7 +420,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, toy_value in train_flags.TOY_DEFAULTS.items():
         value = train_flags.DEFAULTS.get(name, "torch's choice")
         later[name] = f"{value}; {toy_value} for the toy"
-    cli.add_groups(ap, GROUPS, later=later)
+    cli.add_groups(ap, GROUPS, later=later, defaults={"toy": toy.SHIPPED})
     return ap.parse_args(argv)
 
 

@@ -14,7 +14,6 @@ import os
 from dataclasses import dataclass
 
 import runtime
-import toy
 from runtime import Range
 from systems import answers, cli, pictures
 
@@ -29,8 +28,9 @@ class DataSettings:
     target: str | None = cli.flag(
         None, "target model: HF folder or hub name (default: the toy, --toy)"
     )
-    toy: str = cli.flag(
-        toy.SHIPPED,
+    # its default, toy.SHIPPED, is train.py's to give: systems/ sits below toy.py
+    toy: str | None = cli.flag(
+        None,
         "toy folder, when no --target: its target, prompts and answers, checked against its "
         "toy.json (default: the repository's, toy-target/; `python toy.py` builds others)",
     )
