@@ -27,7 +27,6 @@ The README's two, by name (LAB.md shows the command):
 
 from __future__ import annotations
 
-import argparse
 import collections
 import math
 import os
@@ -40,6 +39,8 @@ import torch
 
 import d3d
 import runtime
+from runtime import Range
+from systems.cli import Parser, add_groups, check_flags, flag, settings_of
 
 try:
     import matplotlib
@@ -52,8 +53,6 @@ try:
 except ImportError:
     matplotlib = None
 
-# the drivers' one-line error where runtime.py defines one (the drivers print it as `error: ...`)
-_UserError = getattr(runtime, "UserError", ValueError)
 
 MISSING = "matplotlib is not installed — pip install -r requirements-plots.txt"
 MAX_CELLS = 300  # rows or columns of the largest mask picture drawn (labels at 6 pt, 39 inches)
@@ -66,7 +65,7 @@ HATCHES = ("", "///", "...", "xx")
 _TOKEN = re.compile(r"\b[xdt]_(?:n[+-]\d+|\d+(?:,\d+)?|\{[^}]*\}|[a-z]\b)")  # x_3, t_1,2, x_j
 
 
-class PicturesUnavailable(_UserError):
+class PicturesUnavailable(runtime.UserError):
     """A picture cannot be drawn: matplotlib is missing or a value is out of range. One line,
     "<what is wrong> — <how to fix it>"."""
 
@@ -795,20 +794,44 @@ def pruning_curve_figure(rows, *, tau_floor: float | None = None, title: str | N
 # python -m systems.pictures masks ...
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose own errors (unknown flag, a word where a number goes) are one line."""
+@dataclass(frozen=True)
+class MaskFlags:
+    """The flags of `python -m systems.pictures masks` (cli.add_settings): the sizes of the two
+    mask pictures and where they go. --length must also be >= K + 1 and --coverage <= B
+    (parse_args checks both after the ranges)."""
 
-    def error(self, message):
-        raise PicturesUnavailable(f"{message} — see `{self.prog} --help`")
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    """The command line of `python -m systems.pictures`."""
-    ap = _Parser(
-        prog="python -m systems.pictures",
-        description="Draw the paper's pictures that need no model.",
+    block_size: int = flag(4, "B: MASKs per block", Range(int, low=1))
+    num_anchors: int = flag(3, "K: blocks of the training mask", Range(int, low=1))
+    length: int | None = flag(
+        None, "N: clean tokens of the training mask (default: B + 2 K - 1)", Range(int)
     )
-    commands = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    coverage: int = flag(2, "C: positions with rejection branches, 0 .. B", Range(int, low=0))
+    fanout: int = flag(1, "F: candidate tokens per position, >= 1", Range(int, low=1))
+    past: int = flag(2, "cached tokens before x_n in the packed pass", Range(int, low=0))
+    d1_from: str = flag(
+        "causal",
+        "which rows draft d_1 of a branch's block",
+        Range(str, choices=("causal", "mask")),
+    )
+    out: str = flag("runs/pictures", "folder for the PNGs")
+    training_png: str | None = flag(
+        None,
+        "where the training mask goes (default: OUT/training_mask_B<B>_K<K>.png)",
+        metavar="PATH.png",
+    )
+    branch_png: str | None = flag(
+        None,
+        "where the packed pass's mask goes (default: OUT/branch_pass_B<B>_C<C>_F<F>.png)",
+        metavar="PATH.png",
+    )
+
+
+def parse_args(argv=None) -> MaskFlags:
+    """The command line of `python -m systems.pictures`, every flag in its range."""
+    prog = "python -m systems.pictures"
+    description = "Draw the paper's pictures that need no model."
+    ap = Parser(prog=prog, usage="%(prog)s masks [flags]", description=description)
+    commands = ap.add_subparsers(dest="command", required=True, parser_class=Parser, prog=prog)
     masks = commands.add_parser(
         "masks",
         help="the training mask (Fig. 1a) and the asynchronous "
@@ -816,73 +839,26 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="Draw the training mask and the asynchronous packed "
         "pass's mask as d3d.py builds them.",
     )
-    masks.add_argument("--block-size", type=int, default=4, help="B: MASKs per block (default: 4)")
-    masks.add_argument(
-        "--num-anchors", type=int, default=3, help="K: blocks of the training mask (default: 3)"
-    )
-    masks.add_argument(
-        "--length", type=int, help="N: clean tokens of the training mask (default: B + 2 K - 1)"
-    )
-    masks.add_argument(
-        "--coverage",
-        type=int,
-        default=2,
-        help="C: positions with rejection branches, 0 .. B (default: 2)",
-    )
-    masks.add_argument(
-        "--fanout", type=int, default=1, help="F: candidate tokens per position, >= 1 (default: 1)"
-    )
-    masks.add_argument(
-        "--past",
-        type=int,
-        default=2,
-        help="cached tokens before x_n in the packed pass (default: 2)",
-    )
-    masks.add_argument(
-        "--d1-from",
-        choices=["causal", "mask"],
-        default="causal",
-        help="which rows draft d_1 of a branch's block (default: causal)",
-    )
-    masks.add_argument(
-        "--out", default="runs/pictures", help="folder for the PNGs (default: runs/pictures)"
-    )
-    masks.add_argument(
-        "--training-png",
-        metavar="PATH.png",
-        help="where the training mask goes (default: OUT/training_mask_B<B>_K<K>.png)",
-    )
-    masks.add_argument(
-        "--branch-png",
-        metavar="PATH.png",
-        help="where the packed pass's mask goes (default: OUT/branch_pass_B<B>_C<C>_F<F>.png)",
-    )
-    return ap.parse_args(argv)
-
-
-def check_mask_args(args: argparse.Namespace) -> None:
-    """Raise PicturesUnavailable, naming the flag, for a value the mask pictures cannot take."""
-    length = args.length
+    groups = {"the mask pictures": MaskFlags}
+    add_groups(masks, groups)
+    values = vars(ap.parse_args(argv))
+    check_flags(values, groups)
+    flags = settings_of(MaskFlags, values)
+    length = flags.length
     if length is None:
-        length = default_length(args.block_size, args.num_anchors)
+        length = default_length(flags.block_size, flags.num_anchors)
+    # the ranges that depend on another flag
+    K, B = flags.num_anchors, flags.block_size
     checks = [
-        ("--block-size", args.block_size, args.block_size >= 1, ">= 1"),
-        ("--num-anchors", args.num_anchors, args.num_anchors >= 1, ">= 1"),
-        ("--length", length, length >= args.num_anchors + 1, f">= K + 1 = {args.num_anchors + 1}"),
-        (
-            "--coverage",
-            args.coverage,
-            0 <= args.coverage <= args.block_size,
-            f"in 0 .. B = {args.block_size}",
-        ),
-        ("--fanout", args.fanout, args.fanout >= 1, ">= 1"),
-        ("--past", args.past, args.past >= 0, ">= 0"),
+        ("--length", length, length >= K + 1, f">= K + 1 = {K + 1}"),
+        ("--coverage", flags.coverage, flags.coverage <= B, f"in 0 .. B = {B}"),
     ]
-    for flag, value, ok, allowed in checks:
+    for name, value, ok, allowed in checks:
         if not ok:
             raise PicturesUnavailable(
-                f"{flag} must be {allowed}, got {value} — give a value {allowed}"
+                f"{name} must be {allowed}, got {value} — give a value {allowed}"
             )
+    return flags
 
 
 def main(argv=None) -> list[str]:
@@ -890,7 +866,6 @@ def main(argv=None) -> list[str]:
     --training-png and --branch-png say), printing each path as it is written. Returns the
     paths."""
     args = parse_args(argv)
-    check_mask_args(args)
     _need_matplotlib()
     training = args.training_png
     if training is None:
@@ -915,11 +890,11 @@ def main(argv=None) -> list[str]:
 
 
 def cli(argv=None) -> int:
-    """main(argv) as a command: a PicturesUnavailable becomes `error: ...` on stderr and exit
-    status 2. Returns the exit status."""
+    """main(argv) as a command: a bad flag or a PicturesUnavailable (a runtime.UserError)
+    becomes `error: ...` on stderr and exit status 2. Returns the exit status."""
     try:
         main(argv)
-    except PicturesUnavailable as e:
+    except runtime.UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
