@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import DynamicCache
 
 import runtime
 from d3d import DecodeConfig, Drafter, Sampler, accept_draft, draft_rows, packed_attention_mask
@@ -79,13 +80,6 @@ def _is_prompt(prompt) -> bool:
     return torch.is_tensor(prompt) and prompt.dim() == 1 and len(prompt) > 0
 
 
-def new_cache(model: nn.Module):
-    """An empty DynamicCache for `model`."""
-    from transformers import DynamicCache
-
-    return DynamicCache(config=model.config)
-
-
 def crop_cache(cache, length: int) -> None:
     """Keep the first `length` positions of a DynamicCache (public API: crop with a negative
     count)."""
@@ -101,7 +95,7 @@ class RaggedCache:
     would alone; all-hole trailing columns are cropped, finished rows leave."""
 
     def __init__(self, model: nn.Module, batch_size: int, device):
-        self.cache = new_cache(model)
+        self.cache = DynamicCache(config=model.config)
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # (b, C)
 
     def inputs(self, new_valid, relative, inner):

@@ -71,7 +71,8 @@ class PicturesUnavailable(runtime.UserError):
 
 
 def _need_matplotlib() -> None:
-    """Raise the one-line error when matplotlib is not importable."""
+    """Raise the one-line error when matplotlib is not importable (every figure function's
+    first line, so every draw function's too)."""
     if matplotlib is None:
         raise PicturesUnavailable(MISSING)
 
@@ -257,12 +258,6 @@ def _position(p: int, past_len: int, relative: bool) -> str:
     return "n" if offset == 0 else f"n{offset:+d}"
 
 
-def _column_positions(picture: MaskPicture) -> list[int]:
-    """The position id of every column: the cached tokens 0 .. past_len-1, then the packed
-    tokens' own positions."""
-    return list(range(len(picture.past_tokens))) + list(picture.positions)
-
-
 def _new_figure(width: float, height: float):
     """A figure drawn by the Agg backend (no window, no global pyplot state), its size a whole
     number of pixels."""
@@ -299,6 +294,20 @@ def _cell_size(count: int) -> tuple[float, float]:
     return cell, min(FONT, 0.8 * 72 * cell)
 
 
+def _right_of_cells(ax, text: str, height: float, gap: float, fontsize: float) -> None:
+    """A line of text right of the mask's cells, centred at `height` (a fraction of the axes,
+    0 at the bottom), `gap` points from them."""
+    ax.annotate(
+        text,
+        (1.0, height),
+        xycoords="axes fraction",
+        xytext=(gap, 0),
+        textcoords="offset points",
+        va="center",
+        fontsize=fontsize,
+    )
+
+
 def mask_figure(picture: MaskPicture, relative: bool = False):
     """The figure of a mask picture: one image cell per mask entry (figure.axes[0].images[0]
     holds the mask as drawn), dark where the row may attend; positions relative to x_n
@@ -320,18 +329,13 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
     for tag, anchor in zip(picture.tags, picture.anchors):
         tags_at[past + anchor].append(tag)
     tag_length = max(len(", ".join(tags)) for tags in tags_at.values())
-    notes = [
-        "rows and columns: token (position id); the columns are the same tokens"
-        + (
-            ", after the cached ones (left of the dashed line; the cache is seen by all)"
-            if past
-            else ""
-        ),
-        (
-            f"white dot, and the {unit}'s tag below its column: its anchor, the last causal "
-            f"token the {unit} sees"
-        ),
-    ]
+    notes = ["rows and columns: token (position id); the columns are the same tokens"]
+    if past:
+        notes[0] += ", after the cached ones (left of the dashed line; the cache is seen by all)"
+    notes.append(
+        f"white dot, and the {unit}'s tag below its column: its anchor, the last causal "
+        f"token the {unit} sees"
+    )
     if picture.draft_rows is not None:
         notes.append(
             "◀ i right of a row: its hidden state drafts token i of the segment's "
@@ -344,9 +348,12 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
         notes.append(
             "a causal row x_j predicts x_{j+1} (L_AR); a MASK at position j predicts x_j (L_block)"
         )
+    # the position id of every column: the cached tokens 0 .. past_len-1, then the packed
+    # tokens' own positions
+    column_positions = list(range(past)) + list(picture.positions)
     column_names = [
         f"{_math(t)} ({_position(p, past, relative)})"
-        for t, p in zip(picture.past_tokens + picture.tokens, _column_positions(picture))
+        for t, p in zip(picture.past_tokens + picture.tokens, column_positions)
     ]
     label_height = max(len(n) for n in picture.past_tokens + picture.tokens) + 5
     left = 1.3  # inches around the cells
@@ -366,11 +373,8 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
         aspect="auto",
         interpolation="nearest",
     )
-    labels = [
-        f"{_math(t)} ({_position(p, past, relative)})"
-        for t, p in zip(picture.tokens, picture.positions)
-    ]
-    ax.set_yticks(range(rows), labels, fontsize=font)
+    # the rows are the packed tokens: the columns after the cached ones
+    ax.set_yticks(range(rows), column_names[past:], fontsize=font)
     ax.set_xticks(range(cols), column_names, fontsize=font, rotation=90)
     ax.xaxis.tick_top()
     ax.tick_params(length=0, pad=2)
@@ -386,15 +390,7 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
         ax.axvline(past - 0.5, color="black", linewidth=1.0, linestyle=(0, (3, 2)))
     for (start, stop, name), anchor in zip(picture.segments, picture.anchors):
         middle = 1 - ((start + stop) / 2) / rows
-        ax.annotate(
-            _math_names(name),
-            (1.0, middle),
-            xycoords="axes fraction",
-            xytext=(24, 0),
-            textcoords="offset points",
-            va="center",
-            fontsize=FONT,
-        )
+        _right_of_cells(ax, _math_names(name), middle, 24, FONT)
         column = past + anchor
         ax.plot(
             [column] * (stop - start),
@@ -418,15 +414,7 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
         )
     for segment_rows in picture.draft_rows or []:
         for i, r in enumerate(segment_rows):
-            ax.annotate(
-                f"◀ {i + 1}",
-                (1.0, 1 - (r + 0.5) / rows),
-                xycoords="axes fraction",
-                xytext=(2, 0),
-                textcoords="offset points",
-                va="center",
-                fontsize=font,
-            )
+            _right_of_cells(ax, f"◀ {i + 1}", 1 - (r + 0.5) / rows, 2, font)
     ax.set_xlim(-0.5, cols - 0.5)
     ax.set_ylim(rows - 0.5, -0.5)
     key = [
@@ -462,33 +450,18 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
     return figure
 
 
-def draw_training_mask(
-    path: str,
-    block_size: int = 4,
-    num_anchors: int = 3,
-    length: int | None = None,
-    anchors: list[int] | None = None,
-) -> str:
-    """Draw training_mask_data(block_size, num_anchors, length, anchors) as a PNG at path.
-    Returns the path."""
+def draw_training_mask(path: str, *sizes, **settings) -> str:
+    """Draw training_mask_data(*sizes, **settings) (block_size, num_anchors, length, anchors)
+    as a PNG at path. Returns the path."""
     _need_matplotlib()
-    picture = training_mask_data(block_size, num_anchors, length, anchors)
-    return _save(mask_figure(picture), path)
+    return _save(mask_figure(training_mask_data(*sizes, **settings)), path)
 
 
-def draw_branch_pass(
-    path: str,
-    block_size: int = 4,
-    coverage: int = 2,
-    fanout: int = 1,
-    *,
-    past_len: int = 2,
-    d1_from: str = "causal",
-) -> str:
-    """Draw branch_pass_data(block_size, coverage, fanout, ...) as a PNG at path, positions
-    relative to x_n. Returns the path."""
+def draw_branch_pass(path: str, *sizes, **settings) -> str:
+    """Draw branch_pass_data(*sizes, **settings) (block_size, coverage, fanout, past_len,
+    d1_from) as a PNG at path, positions relative to x_n. Returns the path."""
     _need_matplotlib()
-    picture = branch_pass_data(block_size, coverage, fanout, past_len=past_len, d1_from=d1_from)
+    picture = branch_pass_data(*sizes, **settings)
     return _save(mask_figure(picture, relative=True), path)
 
 
@@ -549,7 +522,6 @@ def _style(index: int) -> dict:
 def draw_block_accuracy(path: str, block_acc, *, title: str | None = None) -> str:
     """Draw block_accuracy_data(block_acc) as bars, 0-100 %, with each bar's value on it.
     Returns the path."""
-    _need_matplotlib()
     return _save(block_accuracy_figure(block_acc, title=title), path)
 
 
@@ -622,7 +594,6 @@ def draw_acceptance(
 ) -> str:
     """Draw acceptance_data(stats, block_size): the τ histogram and, for an async run, hits and
     misses per first rejection beside it. Returns the path."""
-    _need_matplotlib()
     return _save(acceptance_figure(stats, block_size, title=title), path)
 
 
@@ -716,7 +687,6 @@ def draw_pruning_curve(
     """Draw pruning_curve_data(rows): τ before and after recovery against the drafter's depth,
     pruning going left to right, the unpruned τ as a reference line (and tau_floor x it, the
     stopping rule, if given). Returns the path."""
-    _need_matplotlib()
     return _save(pruning_curve_figure(rows, tau_floor=tau_floor, title=title), path)
 
 
