@@ -195,9 +195,13 @@ def branch_pass_data(
     vocab = 1 + block_size + block_size * fanout
     logits = torch.zeros(block_size, vocab)
     logits[torch.arange(block_size), draft] = 10.0
+    names = {x_n: "x_n", vocab: "MASK"}
     for i in range(1, block_size + 1):  # the F runners-up at d_i: ids of their own, in order
+        names[i] = f"d_{i}"
         first = 1 + block_size + (i - 1) * fanout
         logits[i - 1, first : first + fanout] = 5.0 - torch.arange(fanout, dtype=torch.float)
+        for f in range(fanout):
+            names[first + f] = _candidate_name(i, f, fanout)
     budget = d3d.DecodeConfig(coverage=coverage, fanout=fanout, cover="first")
     covered, candidates = d3d.plan_branches(logits, draft, block_size, budget)
     config = d3d.D3DConfig(block_size=block_size, mask_token_id=vocab, d1_from=d1_from)
@@ -205,10 +209,6 @@ def branch_pass_data(
     ids, position_ids, mask, rows = d3d.build_branch_pass(
         drafter, torch.tensor([x_n]), draft, covered, candidates, past_len=past_len
     )
-    names = {x_n: "x_n", vocab: "MASK", **{i: f"d_{i}" for i in range(1, block_size + 1)}}
-    for i in range(1, block_size + 1):
-        for f in range(fanout):
-            names[1 + block_size + (i - 1) * fanout + f] = _candidate_name(i, f, fanout)
     tokens = [names[token] for token in ids[0].tolist()]
     num_causal, seg_len = 1 + block_size, 1 + block_size
     segments, anchors = [], []
@@ -469,13 +469,6 @@ def draw_branch_pass(path: str, *sizes, **settings) -> str:
 # Block accuracy by position
 
 
-def _as_floats(values) -> list[float]:
-    """A tensor, array or sequence of numbers as a list of floats."""
-    if hasattr(values, "tolist"):
-        values = values.tolist()
-    return [float(v) for v in values]
-
-
 def block_accuracy_data(block_acc) -> dict:
     """Bars of block accuracy by position: block_acc is d3d_loss's metrics["block_acc"] (B,), the
     share of position-i predictions that were right, or {name: such values} to compare drafters.
@@ -484,7 +477,10 @@ def block_accuracy_data(block_acc) -> dict:
     series = block_acc if isinstance(block_acc, dict) else {"block accuracy": block_acc}
     percent = {}
     for name, values in series.items():
-        values = _as_floats(values)
+        # a tensor, an array or a sequence of numbers
+        if hasattr(values, "tolist"):
+            values = values.tolist()
+        values = [float(v) for v in values]
         if not values or not all(0.0 <= v <= 1.0 for v in values):
             raise PicturesUnavailable(
                 f"{name}: {values} — give per-position accuracies as "
@@ -624,14 +620,14 @@ def acceptance_figure(stats: dict, block_size: int | None = None, *, title: str 
     if panels == 2:
         ax = axes[1]
         x = data["outcomes"]
-        hit_bars = ax.bar(
-            [a - 0.19 for a in x], data["hits"], 0.38, label="hit: prepared block", **_style(0)
-        )
-        miss_bars = ax.bar(
-            [a + 0.19 for a in x], data["misses"], 0.38, label="miss: fallback draft", **_style(3)
-        )
-        _label_bars(ax, hit_bars)
-        _label_bars(ax, miss_bars)
+        # hits left of each outcome, misses right of it
+        sides = [
+            (-0.19, "hits", "hit: prepared block", 0),
+            (0.19, "misses", "miss: fallback draft", 3),
+        ]
+        for shift, key, label, style in sides:
+            bars = ax.bar([a + shift for a in x], data[key], 0.38, label=label, **_style(style))
+            _label_bars(ax, bars)
         ax.set_xticks(x)
         ax.set_xlabel(
             "drafts accepted a, by where the first rejection was\n"
@@ -768,7 +764,7 @@ def pruning_curve_figure(rows, *, tau_floor: float | None = None, title: str | N
 class MaskFlags:
     """The flags of `python -m systems.pictures masks` (cli.add_settings): the sizes of the two
     mask pictures and where they go. --length must also be >= K + 1 and --coverage <= B
-    (parse_args checks both after the ranges)."""
+    (parse_args narrows their ranges once it has read K and B)."""
 
     block_size: int = flag(4, "B: MASKs per block", Range(int, low=1))
     num_anchors: int = flag(3, "K: blocks of the training mask", Range(int, low=1))
@@ -812,23 +808,12 @@ def parse_args(argv=None) -> MaskFlags:
     groups = {"the mask pictures": MaskFlags}
     add_groups(masks, groups)
     values = vars(ap.parse_args(argv))
-    check_flags(values, groups)
-    flags = settings_of(MaskFlags, values)
-    length = flags.length
-    if length is None:
-        length = default_length(flags.block_size, flags.num_anchors)
-    # the ranges that depend on another flag
-    K, B = flags.num_anchors, flags.block_size
-    checks = [
-        ("--length", length, length >= K + 1, f">= K + 1 = {K + 1}"),
-        ("--coverage", flags.coverage, flags.coverage <= B, f"in 0 .. B = {B}"),
-    ]
-    for name, value, ok, allowed in checks:
-        if not ok:
-            raise PicturesUnavailable(
-                f"{name} must be {allowed}, got {value} — give a value {allowed}"
-            )
-    return flags
+    # the ranges of --length (its default, B + 2 K - 1, is always in it) and --coverage depend
+    # on K and B, whose own ranges check_flags checks first
+    K, B = values["num_anchors"], values["block_size"]
+    narrower = {"length": Range(int, low=K + 1), "coverage": Range(int, low=0, high=B)}
+    check_flags(values, groups, narrower)
+    return settings_of(MaskFlags, values)
 
 
 def main(argv=None) -> list[str]:
