@@ -40,6 +40,8 @@ import torch
 import d3d
 import runtime
 from runtime import Range
+
+# by name: `cli` here is this module's own command (pictures.cli)
 from systems.cli import Parser, add_groups, check_flags, flag, settings_of
 
 try:
