@@ -73,34 +73,28 @@ def _read_cache(paths: list[str], tokenizer) -> dict[int, tuple[list[int], list[
     another tokenizer's ids is an error (its ids would mean other text)."""
     done = {}
     mine = runtime.tokenizer_fingerprint(tokenizer)
-    for path in paths:
-        if os.path.exists(path):
-            _read_answers_file(path, mine, done)
+    for path in filter(os.path.exists, paths):
+        with open(path) as f:
+            for line in f:
+                # a line cut by a kill is answered again
+                if not line.endswith("\n"):
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise runtime.UserError(
+                        f"{path}: a line is not JSON ({e.msg}) — delete the file to answer again"
+                    ) from None
+                if "answers_of" not in row:
+                    done[row["i"]] = (row["prompt"], row["response"])
+                elif row["tokenizer"] != mine:
+                    raise runtime.UserError(
+                        f"{path} holds the answers of {row['answers_of']} in the ids of a "
+                        f"tokenizer with fingerprint {row['tokenizer']}, but this tokenizer's "
+                        f"is {mine}: its ids would decode to other text. Use the target that "
+                        "wrote it, or delete the file to answer again"
+                    )
     return done
-
-
-def _read_answers_file(path: str, mine: str, done: dict) -> None:
-    """Adds the answers in `path` to `done`; `mine`: the tokenizer's fingerprint."""
-    with open(path) as f:
-        for line in f:
-            # a line cut by a kill is answered again
-            if not line.endswith("\n"):
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise runtime.UserError(
-                    f"{path}: a line is not JSON ({e.msg}) — delete the file to answer again"
-                ) from None
-            if "answers_of" not in row:
-                done[row["i"]] = (row["prompt"], row["response"])
-            elif row["tokenizer"] != mine:
-                raise runtime.UserError(
-                    f"{path} holds the answers of {row['answers_of']} in the ids of a "
-                    f"tokenizer with fingerprint {row['tokenizer']}, but this tokenizer's "
-                    f"is {mine}: its ids would decode to other text. Use the target that "
-                    "wrote it, or delete the file to answer again"
-                )
 
 
 class _Throughput:

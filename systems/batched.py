@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import DynamicCache
 
 import runtime
 from d3d import DecodeConfig, Drafter, Sampler, accept_draft, draft_rows, packed_attention_mask
@@ -79,13 +80,6 @@ def _is_prompt(prompt) -> bool:
     return torch.is_tensor(prompt) and prompt.dim() == 1 and len(prompt) > 0
 
 
-def new_cache(model: nn.Module):
-    """An empty DynamicCache for `model`."""
-    from transformers import DynamicCache
-
-    return DynamicCache(config=model.config)
-
-
 def crop_cache(cache, length: int) -> None:
     """Keep the first `length` positions of a DynamicCache (public API: crop with a negative
     count)."""
@@ -101,7 +95,7 @@ class RaggedCache:
     would alone; all-hole trailing columns are cropped, finished rows leave."""
 
     def __init__(self, model: nn.Module, batch_size: int, device):
-        self.cache = new_cache(model)
+        self.cache = DynamicCache(config=model.config)
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # (b, C)
 
     def inputs(self, new_valid, relative, inner):
@@ -196,6 +190,18 @@ def draft_batch(
     return logits
 
 
+def target_step(target, cache: RaggedCache, outs, rows, new_tokens, sampler: Sampler) -> None:
+    """One target pass over each row's new tokens (left-padded), and each row's next token
+    committed: the prefill, or a round of target-only decoding. rows: indices into outs."""
+    ids, new_valid = left_pad(new_tokens, cache.valid.device)
+    logits = target_pass(target, cache, ids, new_valid, logits_to_keep=1)
+    logits = logits[:, -1]  # (b, V)
+    cache.commit(new_valid)
+    tokens = sampler.pick(logits)[0].tolist()
+    for row, token in zip(rows, tokens):
+        outs[row].commit([token])
+
+
 def prefill(target, prompts, config: DecodeConfig, sampler: Sampler):
     """_prefill for a batch: the target prefills the left-padded prompts and gives every row
     its first token."""
@@ -205,13 +211,8 @@ def prefill(target, prompts, config: DecodeConfig, sampler: Sampler):
     times = {"clock": Clock(device), "rounds": 0, "done": {}}
     if config.max_new_tokens > 0:
         with times["clock"].span("prefill"):
-            ids, new_valid = left_pad([out.tokens for out in outs], device)
-            logits = target_pass(target, cache, ids, new_valid, logits_to_keep=1)
-            logits = logits[:, -1]  # (b, V)
-            cache.commit(new_valid)
-            tokens = sampler.pick(logits)[0].tolist()
-            for out, token in zip(outs, tokens):
-                out.commit([token])
+            prompt_tokens = [out.tokens for out in outs]
+            target_step(target, cache, outs, range(len(outs)), prompt_tokens, sampler)
     return outs, cache, times
 
 
@@ -262,14 +263,7 @@ def decode_target(target, prompts, config: DecodeConfig, sampler: Sampler):
     while active:
         with times["clock"].span("verify"):
             last = [outs[row].tokens[-1:] for row in active]
-            ids = torch.tensor(last, device=device)  # (b, 1)
-            new_valid = torch.ones_like(ids, dtype=torch.bool)
-            logits = target_pass(target, cache, ids, new_valid, logits_to_keep=1)
-            logits = logits[:, -1]  # (b, V)
-            cache.commit(new_valid)
-            tokens = sampler.pick(logits)[0].tolist()
-            for row, token in zip(active, tokens):
-                outs[row].commit([token])
+            target_step(target, cache, outs, active, last, sampler)
         times["rounds"] += 1
         active = drop_finished(outs, active, [cache], times)
     return finish(outs, times, device)

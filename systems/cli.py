@@ -79,11 +79,6 @@ def flag_fields(kind: type, skip=()) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(kind) if "help" in f.metadata and f.name not in skip]
 
 
-def spelt(f: dataclasses.Field) -> str:
-    """The flag of a field: --field-name, or the one its spelling names."""
-    return f.metadata.get(SPELLING, {}).get("flag", flag_name(f.name))
-
-
 def add_settings(
     parser, kind: type, title: str, *, skip=(), later=None, narrower=None, defaults=None
 ):
@@ -150,8 +145,9 @@ def flag_ranges(groups: dict, narrower=None) -> tuple[dict, dict]:
     flags = {}
     for kind, skip in group_kinds(groups):
         for f in flag_fields(kind, skip):
-            if spelt(f) != flag_name(f.name):
-                flags[f.name] = spelt(f)
+            spelling = f.metadata.get(SPELLING, {})
+            if "flag" in spelling:
+                flags[f.name] = spelling["flag"]
             allowed = (narrower or {}).get(f.name, f.metadata.get("range"))
             if allowed is not None:
                 ranges[f.name] = allowed

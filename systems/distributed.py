@@ -54,9 +54,8 @@ def start_process_group(
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
         dist.init_process_group(backend, timeout=timeout)
-    elif (
-        fsdp
-    ):  # one process without torchrun: FSDP over a group of one (resumes a sharded checkpoint, too)
+    elif fsdp:
+        # one process without torchrun: FSDP over a group of one (resumes a sharded checkpoint, too)
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
@@ -92,15 +91,12 @@ def shard_model(model: torch.nn.Module, decoder_layers, bf16: bool, device: torc
     in fp32 into the fp32 master shards. On several processes only rank 0 holds the weights
     (ranks > 0 built the model on the meta device: one host copy, not one a process); they
     reach every rank's shards on `device` by broadcast_from_rank0."""
-    policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if bf16
-        else MixedPrecisionPolicy()
-    )
+    policy = MixedPrecisionPolicy()
+    if bf16:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     several = dist.get_world_size() > 1
-    full = (
-        model.state_dict() if several and dist.get_rank() == 0 else {}
-    )  # references to the weights, no copy
+    # references to the weights, no copy
+    full = model.state_dict() if several and dist.get_rank() == 0 else {}
     for layer in decoder_layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
@@ -249,9 +245,8 @@ def load_checkpoint(out: str) -> tuple[dict, dict | None]:
     return {**state, "step": step}, {"state": per_param, "param_groups": state["param_groups"]}
 
 
-SHARDED_CHECKPOINT = (
-    "checkpoint-fsdp"  # under --fsdp: a torch.distributed.checkpoint folder, one file per process
-)
+# under --fsdp: a torch.distributed.checkpoint folder, one file per process
+SHARDED_CHECKPOINT = "checkpoint-fsdp"
 
 
 def save_sharded_checkpoint(
@@ -280,9 +275,8 @@ def save_sharded_checkpoint(
             {**training_state, "step": step, "world": world, "rngs": rngs},
             os.path.join(path + ".tmp", "train_state.pt"),
         )
-        if os.path.exists(
-            path
-        ):  # a kill between the two renames leaves .old whole: load_sharded_checkpoint reads it
+        # a kill between the two renames leaves .old whole: load_sharded_checkpoint reads it
+        if os.path.exists(path):
             shutil.rmtree(path + ".old", ignore_errors=True)
             os.replace(path, path + ".old")
         os.replace(path + ".tmp", path)

@@ -137,15 +137,10 @@ def warm_up(
         if drafter is not None:
             block_size = drafter.d3d_config.block_size
     # two rounds at least: a first draft, then a draft after a verification
+    two_rounds = 2 * block_size + 3
     for mode in modes:
         d3d.generate(
-            target,
-            drafter,
-            prompt,
-            mode=mode,
-            max_new_tokens=2 * block_size + 3,
-            caches=caches,
-            **settings,
+            target, drafter, prompt, mode=mode, max_new_tokens=two_rounds, caches=caches, **settings
         )
     return time.perf_counter() - start
 

@@ -27,7 +27,6 @@ The README's two, by name (LAB.md shows the command):
 
 from __future__ import annotations
 
-import argparse
 import collections
 import math
 import os
@@ -40,6 +39,10 @@ import torch
 
 import d3d
 import runtime
+from runtime import Range
+
+# by name: `cli` here is this module's own command (pictures.cli)
+from systems.cli import Parser, add_groups, check_flags, flag, settings_of
 
 try:
     import matplotlib
@@ -52,8 +55,6 @@ try:
 except ImportError:
     matplotlib = None
 
-# the drivers' one-line error where runtime.py defines one (the drivers print it as `error: ...`)
-_UserError = getattr(runtime, "UserError", ValueError)
 
 MISSING = "matplotlib is not installed — pip install -r requirements-plots.txt"
 MAX_CELLS = 300  # rows or columns of the largest mask picture drawn (labels at 6 pt, 39 inches)
@@ -66,13 +67,14 @@ HATCHES = ("", "///", "...", "xx")
 _TOKEN = re.compile(r"\b[xdt]_(?:n[+-]\d+|\d+(?:,\d+)?|\{[^}]*\}|[a-z]\b)")  # x_3, t_1,2, x_j
 
 
-class PicturesUnavailable(_UserError):
+class PicturesUnavailable(runtime.UserError):
     """A picture cannot be drawn: matplotlib is missing or a value is out of range. One line,
     "<what is wrong> — <how to fix it>"."""
 
 
 def _need_matplotlib() -> None:
-    """Raise the one-line error when matplotlib is not importable."""
+    """Raise the one-line error when matplotlib is not importable (every figure function's
+    first line, so every draw function's too)."""
     if matplotlib is None:
         raise PicturesUnavailable(MISSING)
 
@@ -195,9 +197,13 @@ def branch_pass_data(
     vocab = 1 + block_size + block_size * fanout
     logits = torch.zeros(block_size, vocab)
     logits[torch.arange(block_size), draft] = 10.0
+    names = {x_n: "x_n", vocab: "MASK"}
     for i in range(1, block_size + 1):  # the F runners-up at d_i: ids of their own, in order
+        names[i] = f"d_{i}"
         first = 1 + block_size + (i - 1) * fanout
         logits[i - 1, first : first + fanout] = 5.0 - torch.arange(fanout, dtype=torch.float)
+        for f in range(fanout):
+            names[first + f] = _candidate_name(i, f, fanout)
     budget = d3d.DecodeConfig(coverage=coverage, fanout=fanout, cover="first")
     covered, candidates = d3d.plan_branches(logits, draft, block_size, budget)
     config = d3d.D3DConfig(block_size=block_size, mask_token_id=vocab, d1_from=d1_from)
@@ -205,10 +211,6 @@ def branch_pass_data(
     ids, position_ids, mask, rows = d3d.build_branch_pass(
         drafter, torch.tensor([x_n]), draft, covered, candidates, past_len=past_len
     )
-    names = {x_n: "x_n", vocab: "MASK", **{i: f"d_{i}" for i in range(1, block_size + 1)}}
-    for i in range(1, block_size + 1):
-        for f in range(fanout):
-            names[1 + block_size + (i - 1) * fanout + f] = _candidate_name(i, f, fanout)
     tokens = [names[token] for token in ids[0].tolist()]
     num_causal, seg_len = 1 + block_size, 1 + block_size
     segments, anchors = [], []
@@ -258,12 +260,6 @@ def _position(p: int, past_len: int, relative: bool) -> str:
     return "n" if offset == 0 else f"n{offset:+d}"
 
 
-def _column_positions(picture: MaskPicture) -> list[int]:
-    """The position id of every column: the cached tokens 0 .. past_len-1, then the packed
-    tokens' own positions."""
-    return list(range(len(picture.past_tokens))) + list(picture.positions)
-
-
 def _new_figure(width: float, height: float):
     """A figure drawn by the Agg backend (no window, no global pyplot state), its size a whole
     number of pixels."""
@@ -300,6 +296,20 @@ def _cell_size(count: int) -> tuple[float, float]:
     return cell, min(FONT, 0.8 * 72 * cell)
 
 
+def _right_of_cells(ax, text: str, height: float, gap: float, fontsize: float) -> None:
+    """A line of text right of the mask's cells, centred at `height` (a fraction of the axes,
+    0 at the bottom), `gap` points from them."""
+    ax.annotate(
+        text,
+        (1.0, height),
+        xycoords="axes fraction",
+        xytext=(gap, 0),
+        textcoords="offset points",
+        va="center",
+        fontsize=fontsize,
+    )
+
+
 def mask_figure(picture: MaskPicture, relative: bool = False):
     """The figure of a mask picture: one image cell per mask entry (figure.axes[0].images[0]
     holds the mask as drawn), dark where the row may attend; positions relative to x_n
@@ -321,18 +331,13 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
     for tag, anchor in zip(picture.tags, picture.anchors):
         tags_at[past + anchor].append(tag)
     tag_length = max(len(", ".join(tags)) for tags in tags_at.values())
-    notes = [
-        "rows and columns: token (position id); the columns are the same tokens"
-        + (
-            ", after the cached ones (left of the dashed line; the cache is seen by all)"
-            if past
-            else ""
-        ),
-        (
-            f"white dot, and the {unit}'s tag below its column: its anchor, the last causal "
-            f"token the {unit} sees"
-        ),
-    ]
+    notes = ["rows and columns: token (position id); the columns are the same tokens"]
+    if past:
+        notes[0] += ", after the cached ones (left of the dashed line; the cache is seen by all)"
+    notes.append(
+        f"white dot, and the {unit}'s tag below its column: its anchor, the last causal "
+        f"token the {unit} sees"
+    )
     if picture.draft_rows is not None:
         notes.append(
             "◀ i right of a row: its hidden state drafts token i of the segment's "
@@ -345,9 +350,12 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
         notes.append(
             "a causal row x_j predicts x_{j+1} (L_AR); a MASK at position j predicts x_j (L_block)"
         )
+    # the position id of every column: the cached tokens 0 .. past_len-1, then the packed
+    # tokens' own positions
+    column_positions = list(range(past)) + list(picture.positions)
     column_names = [
         f"{_math(t)} ({_position(p, past, relative)})"
-        for t, p in zip(picture.past_tokens + picture.tokens, _column_positions(picture))
+        for t, p in zip(picture.past_tokens + picture.tokens, column_positions)
     ]
     label_height = max(len(n) for n in picture.past_tokens + picture.tokens) + 5
     left = 1.3  # inches around the cells
@@ -367,11 +375,8 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
         aspect="auto",
         interpolation="nearest",
     )
-    labels = [
-        f"{_math(t)} ({_position(p, past, relative)})"
-        for t, p in zip(picture.tokens, picture.positions)
-    ]
-    ax.set_yticks(range(rows), labels, fontsize=font)
+    # the rows are the packed tokens: the columns after the cached ones
+    ax.set_yticks(range(rows), column_names[past:], fontsize=font)
     ax.set_xticks(range(cols), column_names, fontsize=font, rotation=90)
     ax.xaxis.tick_top()
     ax.tick_params(length=0, pad=2)
@@ -387,15 +392,7 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
         ax.axvline(past - 0.5, color="black", linewidth=1.0, linestyle=(0, (3, 2)))
     for (start, stop, name), anchor in zip(picture.segments, picture.anchors):
         middle = 1 - ((start + stop) / 2) / rows
-        ax.annotate(
-            _math_names(name),
-            (1.0, middle),
-            xycoords="axes fraction",
-            xytext=(24, 0),
-            textcoords="offset points",
-            va="center",
-            fontsize=FONT,
-        )
+        _right_of_cells(ax, _math_names(name), middle, 24, FONT)
         column = past + anchor
         ax.plot(
             [column] * (stop - start),
@@ -419,15 +416,7 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
         )
     for segment_rows in picture.draft_rows or []:
         for i, r in enumerate(segment_rows):
-            ax.annotate(
-                f"◀ {i + 1}",
-                (1.0, 1 - (r + 0.5) / rows),
-                xycoords="axes fraction",
-                xytext=(2, 0),
-                textcoords="offset points",
-                va="center",
-                fontsize=font,
-            )
+            _right_of_cells(ax, f"◀ {i + 1}", 1 - (r + 0.5) / rows, 2, font)
     ax.set_xlim(-0.5, cols - 0.5)
     ax.set_ylim(rows - 0.5, -0.5)
     key = [
@@ -463,45 +452,23 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
     return figure
 
 
-def draw_training_mask(
-    path: str,
-    block_size: int = 4,
-    num_anchors: int = 3,
-    length: int | None = None,
-    anchors: list[int] | None = None,
-) -> str:
-    """Draw training_mask_data(block_size, num_anchors, length, anchors) as a PNG at path.
-    Returns the path."""
+def draw_training_mask(path: str, *sizes, **settings) -> str:
+    """Draw training_mask_data(*sizes, **settings) (block_size, num_anchors, length, anchors)
+    as a PNG at path. Returns the path."""
     _need_matplotlib()
-    picture = training_mask_data(block_size, num_anchors, length, anchors)
-    return _save(mask_figure(picture), path)
+    return _save(mask_figure(training_mask_data(*sizes, **settings)), path)
 
 
-def draw_branch_pass(
-    path: str,
-    block_size: int = 4,
-    coverage: int = 2,
-    fanout: int = 1,
-    *,
-    past_len: int = 2,
-    d1_from: str = "causal",
-) -> str:
-    """Draw branch_pass_data(block_size, coverage, fanout, ...) as a PNG at path, positions
-    relative to x_n. Returns the path."""
+def draw_branch_pass(path: str, *sizes, **settings) -> str:
+    """Draw branch_pass_data(*sizes, **settings) (block_size, coverage, fanout, past_len,
+    d1_from) as a PNG at path, positions relative to x_n. Returns the path."""
     _need_matplotlib()
-    picture = branch_pass_data(block_size, coverage, fanout, past_len=past_len, d1_from=d1_from)
+    picture = branch_pass_data(*sizes, **settings)
     return _save(mask_figure(picture, relative=True), path)
 
 
 # ---------------------------------------------------------------------------------------------
 # Block accuracy by position
-
-
-def _as_floats(values) -> list[float]:
-    """A tensor, array or sequence of numbers as a list of floats."""
-    if hasattr(values, "tolist"):
-        values = values.tolist()
-    return [float(v) for v in values]
 
 
 def block_accuracy_data(block_acc) -> dict:
@@ -512,7 +479,10 @@ def block_accuracy_data(block_acc) -> dict:
     series = block_acc if isinstance(block_acc, dict) else {"block accuracy": block_acc}
     percent = {}
     for name, values in series.items():
-        values = _as_floats(values)
+        # a tensor, an array or a sequence of numbers
+        if hasattr(values, "tolist"):
+            values = values.tolist()
+        values = [float(v) for v in values]
         if not values or not all(0.0 <= v <= 1.0 for v in values):
             raise PicturesUnavailable(
                 f"{name}: {values} — give per-position accuracies as "
@@ -550,7 +520,6 @@ def _style(index: int) -> dict:
 def draw_block_accuracy(path: str, block_acc, *, title: str | None = None) -> str:
     """Draw block_accuracy_data(block_acc) as bars, 0-100 %, with each bar's value on it.
     Returns the path."""
-    _need_matplotlib()
     return _save(block_accuracy_figure(block_acc, title=title), path)
 
 
@@ -623,7 +592,6 @@ def draw_acceptance(
 ) -> str:
     """Draw acceptance_data(stats, block_size): the τ histogram and, for an async run, hits and
     misses per first rejection beside it. Returns the path."""
-    _need_matplotlib()
     return _save(acceptance_figure(stats, block_size, title=title), path)
 
 
@@ -654,14 +622,14 @@ def acceptance_figure(stats: dict, block_size: int | None = None, *, title: str 
     if panels == 2:
         ax = axes[1]
         x = data["outcomes"]
-        hit_bars = ax.bar(
-            [a - 0.19 for a in x], data["hits"], 0.38, label="hit: prepared block", **_style(0)
-        )
-        miss_bars = ax.bar(
-            [a + 0.19 for a in x], data["misses"], 0.38, label="miss: fallback draft", **_style(3)
-        )
-        _label_bars(ax, hit_bars)
-        _label_bars(ax, miss_bars)
+        # hits left of each outcome, misses right of it
+        sides = [
+            (-0.19, "hits", "hit: prepared block", 0),
+            (0.19, "misses", "miss: fallback draft", 3),
+        ]
+        for shift, key, label, style in sides:
+            bars = ax.bar([a + shift for a in x], data[key], 0.38, label=label, **_style(style))
+            _label_bars(ax, bars)
         ax.set_xticks(x)
         ax.set_xlabel(
             "drafts accepted a, by where the first rejection was\n"
@@ -717,7 +685,6 @@ def draw_pruning_curve(
     """Draw pruning_curve_data(rows): τ before and after recovery against the drafter's depth,
     pruning going left to right, the unpruned τ as a reference line (and tau_floor x it, the
     stopping rule, if given). Returns the path."""
-    _need_matplotlib()
     return _save(pruning_curve_figure(rows, tau_floor=tau_floor, title=title), path)
 
 
@@ -795,20 +762,44 @@ def pruning_curve_figure(rows, *, tau_floor: float | None = None, title: str | N
 # python -m systems.pictures masks ...
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose own errors (unknown flag, a word where a number goes) are one line."""
+@dataclass(frozen=True)
+class MaskFlags:
+    """The flags of `python -m systems.pictures masks` (cli.add_settings): the sizes of the two
+    mask pictures and where they go. --length must also be >= K + 1 and --coverage <= B
+    (parse_args narrows their ranges once it has read K and B)."""
 
-    def error(self, message):
-        raise PicturesUnavailable(f"{message} — see `{self.prog} --help`")
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    """The command line of `python -m systems.pictures`."""
-    ap = _Parser(
-        prog="python -m systems.pictures",
-        description="Draw the paper's pictures that need no model.",
+    block_size: int = flag(4, "B: MASKs per block", Range(int, low=1))
+    num_anchors: int = flag(3, "K: blocks of the training mask", Range(int, low=1))
+    length: int | None = flag(
+        None, "N: clean tokens of the training mask (default: B + 2 K - 1)", Range(int)
     )
-    commands = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    coverage: int = flag(2, "C: positions with rejection branches, 0 .. B", Range(int, low=0))
+    fanout: int = flag(1, "F: candidate tokens per position, >= 1", Range(int, low=1))
+    past: int = flag(2, "cached tokens before x_n in the packed pass", Range(int, low=0))
+    d1_from: str = flag(
+        "causal",
+        "which rows draft d_1 of a branch's block",
+        Range(str, choices=("causal", "mask")),
+    )
+    out: str = flag("runs/pictures", "folder for the PNGs")
+    training_png: str | None = flag(
+        None,
+        "where the training mask goes (default: OUT/training_mask_B<B>_K<K>.png)",
+        metavar="PATH.png",
+    )
+    branch_png: str | None = flag(
+        None,
+        "where the packed pass's mask goes (default: OUT/branch_pass_B<B>_C<C>_F<F>.png)",
+        metavar="PATH.png",
+    )
+
+
+def parse_args(argv=None) -> MaskFlags:
+    """The command line of `python -m systems.pictures`, every flag in its range."""
+    prog = "python -m systems.pictures"
+    description = "Draw the paper's pictures that need no model."
+    ap = Parser(prog=prog, usage="%(prog)s masks [flags]", description=description)
+    commands = ap.add_subparsers(dest="command", required=True, parser_class=Parser, prog=prog)
     masks = commands.add_parser(
         "masks",
         help="the training mask (Fig. 1a) and the asynchronous "
@@ -816,73 +807,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="Draw the training mask and the asynchronous packed "
         "pass's mask as d3d.py builds them.",
     )
-    masks.add_argument("--block-size", type=int, default=4, help="B: MASKs per block (default: 4)")
-    masks.add_argument(
-        "--num-anchors", type=int, default=3, help="K: blocks of the training mask (default: 3)"
-    )
-    masks.add_argument(
-        "--length", type=int, help="N: clean tokens of the training mask (default: B + 2 K - 1)"
-    )
-    masks.add_argument(
-        "--coverage",
-        type=int,
-        default=2,
-        help="C: positions with rejection branches, 0 .. B (default: 2)",
-    )
-    masks.add_argument(
-        "--fanout", type=int, default=1, help="F: candidate tokens per position, >= 1 (default: 1)"
-    )
-    masks.add_argument(
-        "--past",
-        type=int,
-        default=2,
-        help="cached tokens before x_n in the packed pass (default: 2)",
-    )
-    masks.add_argument(
-        "--d1-from",
-        choices=["causal", "mask"],
-        default="causal",
-        help="which rows draft d_1 of a branch's block (default: causal)",
-    )
-    masks.add_argument(
-        "--out", default="runs/pictures", help="folder for the PNGs (default: runs/pictures)"
-    )
-    masks.add_argument(
-        "--training-png",
-        metavar="PATH.png",
-        help="where the training mask goes (default: OUT/training_mask_B<B>_K<K>.png)",
-    )
-    masks.add_argument(
-        "--branch-png",
-        metavar="PATH.png",
-        help="where the packed pass's mask goes (default: OUT/branch_pass_B<B>_C<C>_F<F>.png)",
-    )
-    return ap.parse_args(argv)
-
-
-def check_mask_args(args: argparse.Namespace) -> None:
-    """Raise PicturesUnavailable, naming the flag, for a value the mask pictures cannot take."""
-    length = args.length
-    if length is None:
-        length = default_length(args.block_size, args.num_anchors)
-    checks = [
-        ("--block-size", args.block_size, args.block_size >= 1, ">= 1"),
-        ("--num-anchors", args.num_anchors, args.num_anchors >= 1, ">= 1"),
-        ("--length", length, length >= args.num_anchors + 1, f">= K + 1 = {args.num_anchors + 1}"),
-        (
-            "--coverage",
-            args.coverage,
-            0 <= args.coverage <= args.block_size,
-            f"in 0 .. B = {args.block_size}",
-        ),
-        ("--fanout", args.fanout, args.fanout >= 1, ">= 1"),
-        ("--past", args.past, args.past >= 0, ">= 0"),
-    ]
-    for flag, value, ok, allowed in checks:
-        if not ok:
-            raise PicturesUnavailable(
-                f"{flag} must be {allowed}, got {value} — give a value {allowed}"
-            )
+    groups = {"the mask pictures": MaskFlags}
+    add_groups(masks, groups)
+    values = vars(ap.parse_args(argv))
+    # the ranges of --length (its default, B + 2 K - 1, is always in it) and --coverage depend
+    # on K and B, whose own ranges check_flags checks first
+    K, B = values["num_anchors"], values["block_size"]
+    narrower = {"length": Range(int, low=K + 1), "coverage": Range(int, low=0, high=B)}
+    check_flags(values, groups, narrower)
+    return settings_of(MaskFlags, values)
 
 
 def main(argv=None) -> list[str]:
@@ -890,7 +823,6 @@ def main(argv=None) -> list[str]:
     --training-png and --branch-png say), printing each path as it is written. Returns the
     paths."""
     args = parse_args(argv)
-    check_mask_args(args)
     _need_matplotlib()
     training = args.training_png
     if training is None:
@@ -915,11 +847,11 @@ def main(argv=None) -> list[str]:
 
 
 def cli(argv=None) -> int:
-    """main(argv) as a command: a PicturesUnavailable becomes `error: ...` on stderr and exit
-    status 2. Returns the exit status."""
+    """main(argv) as a command: a bad flag or a PicturesUnavailable (a runtime.UserError)
+    becomes `error: ...` on stderr and exit status 2. Returns the exit status."""
     try:
         main(argv)
-    except PicturesUnavailable as e:
+    except runtime.UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -313,6 +313,18 @@ def test_masks_command_names_a_bad_value_in_one_line(tmp_path, capsys, argv, fla
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["--coverage", "4"], ["--num-anchors", "6", "--length", "7"], ["--coverage", "0"]],
+)
+def test_masks_command_takes_a_range_that_depends_on_b_or_k_at_its_edge(
+    mpl, tmp_path, capsys, argv
+):
+    # B = 4: --coverage in 0 .. B; --length >= K + 1
+    assert pictures.cli(["masks", *argv, "--out", str(tmp_path)]) == 0, capsys.readouterr().err
+    assert len(list(tmp_path.iterdir())) == 2
+
+
 def test_without_matplotlib_every_picture_says_how_to_install_it(
     monkeypatch, tmp_path, capsys, async_stats
 ):
