@@ -62,7 +62,7 @@ import d3d
 import runtime
 import toy
 from systems import benches, cli, decode_flags, decoding, explain, peers, pictures
-from systems.decoding import Models, Run
+from systems.decoding import Models, Plan, Run
 
 
 def sample(target_path="toy-target", drafter_path="runs/toy/drafter", prompt="7 * 6 + 8 - 5"):
@@ -86,8 +86,7 @@ def sample(target_path="toy-target", drafter_path="runs/toy/drafter", prompt="7 
 
 # d3d.DecodeConfig's fields that no flag sets
 NOT_FLAGS = decode_flags.NOT_FLAGS
-# the toy's shipped target and its test prompts
-TOY_TARGET = toy.SHIPPED
+# the toy's test prompts
 TOY_PROMPTS = os.path.join(toy.SHIPPED, toy.DATA_FILES["test"])
 
 
@@ -115,7 +114,7 @@ def load(target, drafter, modes, device, dtype, attn, threads=None) -> Models:
         draft_model = d3d.Drafter.from_pretrained(drafter, dtype, device, attn).eval()
     if target is None:
         # the target the drafter was trained for
-        recorded = recipe.get("target", TOY_TARGET)
+        recorded = recipe.get("target", toy.SHIPPED)
         where = f"{os.path.join(drafter, 'train_args.json')}: target"
         on_hub = cli.looks_like_hub_name(recorded)
         target = runtime.find_recorded(recorded, where, must_exist=not on_hub)
@@ -166,15 +165,6 @@ def describe_device(device: torch.device) -> str:
     return f"cpu ({platform.machine()}, {threads} thread{plural})"
 
 
-def plain_text(tok):
-    """token ids -> text, special tokens (EOS) left out."""
-
-    def decode(ids: list[int]) -> str:
-        return tok.decode(ids, skip_special_tokens=True)
-
-    return decode
-
-
 # ---------------------------------------------------------------------------------------------
 # One prompt, decoded in front of the reader
 
@@ -184,21 +174,24 @@ def answer(models: Models, ids, mode: str, run: Run, caches, colour: bool) -> di
     (explain.ColoredStream: accepted drafts green, the target's own tokens yellow), the
     answer printed. Returns the run's record of it (decoding.record)."""
     config, kwargs = decoding.request(mode, models, run, caches, ids.device)
-    # the answer streams as the rounds commit it
-    stream = explain.ColoredStream(decode=plain_text(models.tokenizer), colour=colour)
+    # the answer streams as the rounds commit it, special tokens (EOS) left out
+    text = functools.partial(models.tokenizer.decode, skip_special_tokens=True)
+    stream = explain.ColoredStream(decode=text, colour=colour)
     drafter = decoding.drafter_for(config, models.drafter)
     out, stats = d3d.generate(models.target, drafter, ids, config, on_round=stream, **kwargs)
     print()
     return decoding.record(ids, out, stats)
 
 
-def explain_prompt(models: Models, prompt: str, mode: str, run: Run, thinking: bool) -> dict:
-    """--explain: one prompt decoded once in `mode`, every round described as it ends
-    (explain.RoundPrinter): the draft and where it came from, what the target accepted and
+def explain_prompt(models: Models, plan: Plan, run: Run) -> dict:
+    """--explain: the first prompt decoded once in the plan's mode, every round described as it
+    ends (explain.RoundPrinter): the draft and where it came from, what the target accepted and
     said, what was committed, in async the prepared outcomes and the one used, and what each
     KV cache held before and after. Then the answer."""
     tok = models.tokenizer
-    ids = decoding.encode(tok, prompt, thinking, models.target.device)
+    prompt = plan.prompts[0]
+    mode = plan.mode
+    ids = decoding.encode(tok, prompt, plan.thinking, models.target.device)
     config, kwargs = decoding.request(mode, models, run, None, ids.device)
     printer = explain.RoundPrinter(decode=tok.decode, block_size=models.block_size(config))
     # x_0 .. x_{p-1}: the prompt; x_p: the first token, the target's prefill's
@@ -208,7 +201,7 @@ def explain_prompt(models: Models, prompt: str, mode: str, run: Run, thinking: b
     drafter = decoding.drafter_for(config, models.drafter)
     out, stats = d3d.generate(models.target, drafter, ids, config, on_round=printer, **kwargs)
     new_tokens = out[0, ids.shape[1] :].tolist()
-    text = plain_text(tok)(new_tokens)
+    text = tok.decode(new_tokens, skip_special_tokens=True)
     print(
         f"\nx_{p} = {tok.decode(new_tokens[:1])!r} came from the target's prefill; "
         f"{printer.rounds} rounds committed the other {len(new_tokens) - 1} tokens"
@@ -245,15 +238,16 @@ def default_mode_line(plan: Plan, summaries: dict) -> str:
     )
 
 
-def demo(args, models: Models, prompts: list[str], plan: Plan, run: Run, colour: bool) -> dict:
-    """Answer each prompt with `mode` (answer: coloured by origin), then compare it with
-    target-only decoding, and with the plan's `compare` modes, on the same prompts; with
-    --trace, write_trace of the first prompt."""
+def demo(args, models: Models, plan: Plan, run: Run) -> dict:
+    """Answer each prompt with the plan's mode (answer: coloured by origin), then compare it
+    with target-only decoding, and with the plan's `compare` modes, on the same prompts; with
+    --trace, write_trace of the first prompt; with --plot, the acceptance histogram drawn."""
+    colour = not args.no_color and sys.stdout.isatty() and "NO_COLOR" not in os.environ
     mode = plan.mode
     modes = list(dict.fromkeys(["target", mode, *plan.compare]))
+    tok = models.tokenizer
     # a bad prompt fails before any decoding
-    device = models.target.device
-    all_ids = [decoding.encode(models.tokenizer, p, args.thinking, device) for p in prompts]
+    all_ids = [decoding.encode(tok, p, plan.thinking, models.target.device) for p in plan.prompts]
     caches = decoding.prepare(models, run, all_ids, modes)
     # warm-up
     decoding.decode_prompt(models, all_ids[0], modes, run, caches, max_new_tokens=8)
@@ -263,15 +257,15 @@ def demo(args, models: Models, prompts: list[str], plan: Plan, run: Run, colour:
         reset = explain.RESET
         print(f"{draft}accepted draft tokens{reset}, {own}the target's own tokens{reset}")
     records = collections.defaultdict(list)
-    for i, (text, ids) in enumerate(zip(prompts, all_ids)):
-        print(f"\n── prompt {i + 1}/{len(prompts)}: {text}")
+    for i, (text, ids) in enumerate(zip(plan.prompts, all_ids)):
+        print(f"\n── prompt {i + 1}/{len(plan.prompts)}: {text}")
         for m in modes:
             if m == mode:
                 records[m].append(answer(models, ids, m, run, caches, colour))
             else:
                 records[m].append(decoding.decode_prompt(models, ids, [m], run, caches)[m])
     block_size = models.block_size(run.config)
-    summaries = benches.print_summary(models, records, modes, run, len(prompts), block_size)
+    summaries = benches.print_summary(models, records, modes, run, len(all_ids), block_size)
     if plan.why is not None and plan.compare:
         print(default_mode_line(plan, summaries))
     stats = None
@@ -280,15 +274,34 @@ def demo(args, models: Models, prompts: list[str], plan: Plan, run: Run, colour:
         rounds = f"tokens committed per round, 1 .. {block_size + 1}"
         print(f"{mode}: acceptance histogram ({rounds}):")
         print(benches.histogram(stats["accept_lengths"]))
-    if args.trace:
-        decoding.write_trace(models, all_ids[0], mode, run, caches, args.trace)
+    if plan.trace:
+        decoding.write_trace(models, all_ids[0], mode, run, caches, plan.trace)
+    if args.plot and stats is not None:
+        title = f"{mode}, {len(all_ids)} prompt(s)"
+        path = pictures.draw_acceptance(args.plot, stats, block_size, title=title)
+        drawn = "the acceptance histogram"
+        if mode == "async":
+            drawn += " and hits / misses per verification outcome"
+        print(f"wrote {path}: {drawn}")
     return {
         "summary": summaries[mode],
         "summaries": summaries,
         "block_size": block_size,
         "stats": stats,
-        "answers": [plain_text(models.tokenizer)(r["new_tokens"]) for r in records[mode]],
+        "answers": [tok.decode(r["new_tokens"], skip_special_tokens=True) for r in records[mode]],
     }
+
+
+def benchmark(models: Models, plan: Plan, run: Run) -> dict:
+    """The benchmark the plan names: --prefill-bench, --sampling-check, --concurrency
+    (Table 2), else Table 1 (--bench)."""
+    if plan.keep_ratios is not None:
+        return benches.prefill_bench(models, plan, run)
+    if plan.samples:
+        return benches.sampling_check(models, plan, run)
+    if plan.levels:
+        return benches.concurrency_bench(models, plan, run)
+    return benches.table1(models, plan, run)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,7 +343,7 @@ def refusals(args, plan: Plan) -> list[tuple[bool, str]]:
     mode = plan.mode
     bench = plan.bench_files
     baselines = ", ".join(m for m in plan.modes if m in peers.BASELINES)
-    speculative = ", ".join(m for m in decoding.available_modes() if m != "target")
+    speculative = ", ".join(m for m in d3d.MODES if m != "target")
     lossy = args.temperature or args.keep_ratio is not None
     samples = args.sampling_check_samples
     apart = args.prefill_bench_file or samples or args.concurrency
@@ -405,31 +418,10 @@ def demo_prompts(args) -> list[str]:
     return decoding.read_prompts(path, args.prompt_field, count)[1]
 
 
-@dataclasses.dataclass
-class Plan:
-    """What a run decodes, read from its flags before anything loads."""
-
-    # the demo's mode (--mode, else runtime.default_mode's), or the one --sampling-check and
-    # --prefill-bench use
-    mode: str
-    # the demo without --mode: the other speculative modes, shown beside it
-    compare: list[str]
-    # the benchmark's speculative modes (target-only always runs: it is the baseline)
-    modes: list[str]
-    # --bench's files (None with --prefill-bench)
-    bench_files: list[str] | None
-    # async's lanes (None: runtime.async_lanes decides)
-    lanes: int | None
-    device: str
-    # --sampling-check's N (None: no sampling check)
-    samples: int | None = None
-    # the demo without --mode: why runtime.default_mode chose its mode (said under the table)
-    why: str | None = None
-
-
 def plan_run(args) -> Plan:
-    """The modes, lanes and device of a run, every combination the flags cannot make refused."""
-    speculative = [m for m in decoding.available_modes() if m != "target"]
+    """The modes, lanes and device of a run, every combination the flags cannot make refused,
+    then what it reads (prompts, prompt files) read before anything loads."""
+    speculative = [m for m in d3d.MODES if m != "target"]
     mode = args.mode
     modes = args.modes
     bench_files = args.bench_files
@@ -459,10 +451,31 @@ def plan_run(args) -> Plan:
     if lanes is None and bench_files:
         # a benchmark names +2lanes itself; else the rule (runtime.py)
         lanes = 1
-    samples = args.sampling_check_samples
-    plan = Plan(mode, compare, modes, bench_files, lanes, device, samples, why)
+    plan = Plan(mode, compare, modes, bench_files, lanes, device, args.thinking, why=why)
+    plan.samples = args.sampling_check_samples
+    plan.levels = args.concurrency
+    plan.trace = args.trace
+    if args.prefill_bench_file:
+        plan.keep_ratios = list(args.keep_ratios)
+        plan.num_docs = args.num_docs
     check_plan(args, plan)
+    read_inputs(args, plan)
     return plan
+
+
+def read_inputs(args, plan: Plan) -> None:
+    """The plan's prompts and prompt files, read before the models load: the demo's and
+    --sampling-check's prompts (demo_prompts), --bench's files, --prefill-bench's problems."""
+    if not plan.bench_files and not args.prefill_bench_file:
+        plan.prompts = demo_prompts(args)
+    plan.files = []
+    for path in plan.bench_files or []:
+        plan.files.append((path, *decoding.read_prompts(path, args.prompt_field, args.max_samples)))
+    if args.prefill_bench_file:
+        path = args.prefill_bench_file
+        plan.files.append((path, *decoding.read_prompts(path, args.prompt_field)))
+        if args.max_samples is not None:
+            plan.num_long_prompts = args.max_samples
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -473,13 +486,6 @@ def main(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     plan = plan_run(args)
-    prompts = None
-    if not plan.bench_files and not args.prefill_bench_file:
-        prompts = demo_prompts(args)
-    # read before loading
-    files = []
-    for path in plan.bench_files or []:
-        files.append((path, *decoding.read_prompts(path, args.prompt_field, args.max_samples)))
     torch.manual_seed(args.seed)
     loaded_modes = plan.modes
     if not plan.bench_files:
@@ -493,10 +499,10 @@ def main(args: argparse.Namespace) -> dict:
     config = cli.settings_of(d3d.DecodeConfig, vars(args), NOT_FLAGS, lanes=plan.lanes)
     run = Run(config, args.seed, args.compile, args.max_len, args.tie_tolerance)
     if args.explain:
-        return explain_prompt(models, prompts[0], plan.mode, run, args.thinking)
-    if not plan.bench_files and not args.prefill_bench_file and not plan.samples:
-        return show_demo(args, models, prompts, plan, run)
-    result = benchmark(args, models, prompts, files, plan, run)
+        return explain_prompt(models, plan, run)
+    if plan.is_demo():
+        return demo(args, models, plan, run)
+    result = benchmark(models, plan, run)
     # None: called in-process
     command = None
     if sys.argv[0].endswith("decode.py"):
@@ -515,48 +521,6 @@ def main(args: argparse.Namespace) -> dict:
             json.dump(_finite(result), f, indent=1, ensure_ascii=False)
         print(f"wrote {args.out}")
     return result
-
-
-def show_demo(args, models: Models, prompts: list[str], plan: Plan, run: Run) -> dict:
-    """The demo, and with --plot its acceptance histogram drawn."""
-    colour = not args.no_color and sys.stdout.isatty() and "NO_COLOR" not in os.environ
-    mode = plan.mode
-    summary = demo(args, models, prompts, plan, run, colour)
-    if args.plot and summary["stats"] is not None:
-        title = f"{mode}, {len(prompts)} prompt(s)"
-        stats = summary["stats"]
-        path = pictures.draw_acceptance(args.plot, stats, summary["block_size"], title=title)
-        drawn = "the acceptance histogram"
-        if mode == "async":
-            drawn += " and hits / misses per verification outcome"
-        print(f"wrote {path}: {drawn}")
-    return summary
-
-
-def benchmark(args, models: Models, prompts, files, plan: Plan, run: Run) -> dict:
-    """The benchmark the flags name: --prefill-bench, --sampling-check, --concurrency
-    (Table 2), else Table 1 (--bench)."""
-    thinking = args.thinking
-    if args.prefill_bench_file:
-        docs = decoding.read_prompts(args.prefill_bench_file, args.prompt_field)[1]
-        count = args.max_samples
-        if count is None:
-            count = 10
-        full = dataclasses.replace(run, config=dataclasses.replace(run.config, keep_ratio=None))
-        path = args.prefill_bench_file
-        ratios = list(args.keep_ratios)
-        return benches.prefill_bench(
-            models, path, docs, plan.mode, ratios, args.num_docs, count, full, thinking
-        )
-    if plan.samples:
-        return benches.sampling_check(models, prompts[0], plan.mode, run, thinking, plan.samples)
-    if args.concurrency:
-        levels = list(args.concurrency)
-        return benches.concurrency_bench(models, files, plan.modes, levels, run, thinking)
-    trace = None
-    if args.trace:
-        trace = functools.partial(decoding.write_trace, models, run=run, path=args.trace)
-    return benches.table1(models, files, plan.modes, run, thinking, trace)
 
 
 def build_parser() -> argparse.ArgumentParser:

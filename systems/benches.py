@@ -40,13 +40,16 @@ def distance(a: list[list[int]], b: list[list[int]], position: int) -> float:
     return 0.5 * sum(abs(law_a[t] - law_b[t]) for t in tokens) / len(a)
 
 
-def sampling_check(models, prompt: str, mode: str, run, thinking: bool, num_samples: int) -> dict:
-    """Lossless speculative sampling, measured: `num_samples` answers to one prompt by
-    target-only sampling and by `mode`, each answer from its own seed, then per position the
-    total variation distance between the two empirical distributions of the token there (an
+def sampling_check(models, plan, run) -> dict:
+    """Lossless speculative sampling, measured: plan.samples answers to the plan's first prompt
+    by target-only sampling and by its mode, each answer from its own seed, then per position
+    the total variation distance between the two empirical distributions of the token there (an
     answer that ended counts as one more outcome). A second target-only set shows the distance
     that sampling noise alone gives: a lossless mode stays near it, a biased one rises above."""
-    ids = decoding.encode(models.tokenizer, prompt, thinking, models.target.device)
+    prompt = plan.prompts[0]
+    mode = plan.mode
+    num_samples = plan.samples
+    ids = decoding.encode(models.tokenizer, prompt, plan.thinking, models.target.device)
     caches = decoding.prepare(models, run, [ids], ["target", mode])
     sets = {"target": "target", mode: mode, "target, again": "target"}
     answers = {}
@@ -206,15 +209,15 @@ def concurrency_table(
     return "\n".join(lines)
 
 
-def concurrency_bench(
-    models, files, modes: list[str], levels: list[int], run, thinking: bool
-) -> dict:
-    """Table 2: at each concurrency c, the prompts of each file in consecutive groups of c
-    decoded as one batch, target-only and each speculative mode (async at c = 1 only); greedy
-    outputs are checked row by row against target-only decoding of the same group."""
-    target = models.target
-    tok = models.tokenizer
-    datasets = decoding.encode_files(tok, files, thinking, target.device)
+def concurrency_bench(models, plan, run) -> dict:
+    """Table 2: at each concurrency c of plan.levels, the prompts of each file in consecutive
+    groups of c decoded as one batch, target-only and each speculative mode (async at c = 1
+    only); greedy outputs are checked row by row against target-only decoding of the same
+    group."""
+    levels = plan.levels
+    datasets = decoding.encode_files(
+        models.tokenizer, plan.files, plan.thinking, models.target.device
+    )
     results = {}
     mismatches = []
     everything = {c: collections.defaultdict(list) for c in levels}
@@ -222,23 +225,8 @@ def concurrency_bench(
         results[name] = {"path": path, "field": field, "num_prompts": len(prompts), "levels": {}}
         for c in levels:
             level = ["target"]
-            level += [m for m in modes if c == 1 or decoding.parse_mode(m)[0] != "async"]
-            # warm-up at this batch size
-            decode_group(models, prompts[:c], level, run, max_new_tokens=16)
-            records = collections.defaultdict(list)
-            groups = [prompts[i : i + c] for i in range(0, len(prompts), c)]
-            bar = tqdm(groups, desc=f"{name} c={c}", unit="batch", dynamic_ncols=True)
-            for g, group in enumerate(bar):
-                for mode, r in decode_group(models, group, level, run).items():
-                    records[mode].append(r)
-                    references = records["target"][-1]["new_tokens"]
-                    for row, (ref, new) in enumerate(zip(references, r["new_tokens"])):
-                        where = dict(dataset=name, concurrency=c, mode=mode)
-                        where["prompt_index"] = g * c + row
-                        x = group[row]
-                        found = forensics.divergence(target, tok, x, ref, new, run, **where)
-                        if found:
-                            mismatches.append(found)
+            level += [m for m in plan.modes if c == 1 or decoding.parse_mode(m)[0] != "async"]
+            records = level_records(models, prompts, c, level, run, mismatches, dataset=name)
             cells = {}
             for m in level:
                 cells[m] = summarise_concurrent(records[m], records["target"])
@@ -249,30 +237,55 @@ def concurrency_bench(
                 )
             results[name]["levels"][c] = cells
     overall = {}
+    checked = 0
     for c in levels:
         baseline = everything[c]["target"]
         overall[c] = {m: summarise_concurrent(everything[c][m], baseline) for m in everything[c]}
-    block_size = models.block_size(run.config)
-    text = concurrency_table(results, overall, levels, modes, block_size)
-    checked = 0
-    for c in levels:
         for m in everything[c]:
             if m != "target":
                 checked += sum(len(r["new_tokens"]) for r in everything[c][m])
-    if run.config.temperature:
-        check = "greedy check skipped: at temperature > 0 the outputs are samples"
-    else:
-        against = "target-only at the same concurrency"
-        check = forensics.greedy_check(mismatches, checked, against=against)
-    print(f"\n{text}\n\n{check}")
+    block_size = models.block_size(run.config)
+    text = concurrency_table(results, overall, levels, plan.modes, block_size)
+    against = "target-only at the same concurrency"
     return {
         "concurrency": levels,
         "datasets": results,
         "overall": overall,
         "block_size": block_size,
         "table": text,
-        "mismatches": forensics.tally(mismatches, checked),
+        "mismatches": report(text, mismatches, checked, run, against=against),
     }
+
+
+def level_records(models, prompts, c: int, level: list[str], run, mismatches, dataset) -> dict:
+    """{mode: one record per group} of one file's prompts in consecutive groups of c, after a
+    warm-up at that batch size; each row that leaves target-only's is added to `mismatches`."""
+    decode_group(models, prompts[:c], level, run, max_new_tokens=16)
+    records = collections.defaultdict(list)
+    groups = [prompts[i : i + c] for i in range(0, len(prompts), c)]
+    bar = tqdm(groups, desc=f"{dataset} c={c}", unit="batch", dynamic_ncols=True)
+    for g, group in enumerate(bar):
+        for mode, r in decode_group(models, group, level, run).items():
+            records[mode].append(r)
+            references = records["target"][-1]["new_tokens"]
+            for row, (ref, new) in enumerate(zip(references, r["new_tokens"])):
+                where = dict(dataset=dataset, concurrency=c, mode=mode, prompt_index=g * c + row)
+                found = forensics.divergence(
+                    models.target, models.tokenizer, group[row], ref, new, run, **where
+                )
+                if found:
+                    mismatches.append(found)
+    return records
+
+
+def report(text: str, mismatches: list[dict], checked: int, run, **against) -> dict:
+    """Print a benchmark's table and its greedy check below (skipped at temperature > 0);
+    returns the check's counts for the JSON (forensics.tally)."""
+    check = "greedy check skipped: at temperature > 0 the outputs are samples"
+    if not run.config.temperature:
+        check = forensics.greedy_check(mismatches, checked, **against)
+    print(f"\n{text}\n\n{check}")
+    return forensics.tally(mismatches, checked)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,69 +323,49 @@ def per_token(records: list[dict], key: str, tokens: str) -> float:
     return sum(r[key] for r in records) / max(1, sum(r[tokens] for r in records))
 
 
-def prefill_bench(
-    models,
-    path: str,
-    docs: list[str],
-    mode: str,
-    keep_ratios: list[float],
-    num_docs: int,
-    count: int,
-    run,
-    thinking: bool,
-) -> dict:
+def prefill_bench(models, plan, run) -> dict:
     """Selective prefilling (paper Tables 6-7 in miniature): per long prompt, target-only
-    decoding with full prefill (the baseline), then `mode` with the drafter choosing the kept
-    chunks at each keep ratio (1.0 = full prefill, the drafter's scoring pass included in TTFT).
-    TTFT, decode and end-to-end speedups are ratios to the baseline in the same run; "same
-    answer" compares the whole output, "same number" its last number, with the baseline's."""
-    tok = models.tokenizer
-    prompts = long_prompts(docs, num_docs, count, run.seed)
-    ids = [decoding.encode(tok, p, thinking, models.target.device) for p, _ in prompts]
+    decoding with full prefill (the baseline), then the plan's mode with the drafter choosing
+    the kept chunks at each of plan.keep_ratios (1.0 = full prefill, the drafter's scoring pass
+    included in TTFT). TTFT, decode and end-to-end speedups are ratios to the baseline in the
+    same run; "same answer" compares the whole output, "same number" its last number, with the
+    baseline's."""
+    path, _, docs = plan.files[0]
+    count = plan.num_long_prompts
+    # the rows below set their own keep ratio
+    run = dataclasses.replace(run, config=dataclasses.replace(run.config, keep_ratio=None))
+    prompts = long_prompts(docs, plan.num_docs, count, run.seed)
+    ids = [
+        decoding.encode(models.tokenizer, p, plan.thinking, models.target.device)
+        for p, _ in prompts
+    ]
     rows = {"target, full prefill": None}
-    for r in keep_ratios:
-        rows[f"{r:.0%} + D3D ({mode})"] = r
+    for r in plan.keep_ratios:
+        rows[f"{r:.0%} + D3D ({plan.mode})"] = r
     records = collections.defaultdict(list)
-    caches = decoding.prepare(models, run, ids, ["target", mode])
+    caches = decoding.prepare(models, run, ids, ["target", plan.mode])
     # warm-up
     decoding.decode_prompt(models, ids[0], ["target"], run, caches, max_new_tokens=4)
     for x in tqdm(ids, desc="long prompts", unit="prompt", dynamic_ncols=True):
         for name, ratio in rows.items():
             row = dataclasses.replace(run, config=dataclasses.replace(run.config, keep_ratio=ratio))
-            row_mode = mode
+            row_mode = plan.mode
             if ratio is None:
                 row_mode = "target"
             decoded = decoding.decode_prompt(models, x, [row_mode], row, caches)
             records[name].append(decoded[row_mode])
-    base = records["target, full prefill"]
-    base_ttft = figures._mean(b["time_prefill"] for b in base)
-    table_rows = []
     result = {}
     for name, recs in records.items():
-        pairs = list(zip(recs, base))
-        same_number = []
-        for r, b in pairs:
-            ours = last_number(tok.decode(r["new_tokens"]))
-            theirs = last_number(tok.decode(b["new_tokens"]))
-            same_number.append(float(ours == theirs))
-        prefilled = [r.get("prompt_tokens_prefilled", x.shape[1]) for r, x in zip(recs, ids)]
-        ttft = figures._mean(r["time_prefill"] for r in recs)
-        decode_base = per_token(base, "decode_time", "decode_tokens")
-        e2e_base = per_token(base, "time_total", "num_new_tokens")
-        result[name] = {
-            "same_answer": figures._mean(
-                float(r["new_tokens"] == b["new_tokens"]) for r, b in pairs
-            ),
-            "same_number": figures._mean(same_number),
-            "ttft_s": ttft,
-            "ttft_speedup": base_ttft / ttft,
-            "decode_speedup": decode_base / per_token(recs, "decode_time", "decode_tokens"),
-            "e2e_speedup": e2e_base / per_token(recs, "time_total", "num_new_tokens"),
-            "prompt_tokens": figures._mean(x.shape[1] for x in ids),
-            "prompt_tokens_prefilled": figures._mean(prefilled),
-            "tau": figures._mean(r["tau"] for r in recs),
-        }
-        o = result[name]
+        result[name] = prefill_cells(models.tokenizer, recs, records["target, full prefill"], ids)
+    header = (
+        f"{os.path.basename(path)}: {count} prompts of {plan.num_docs} problems "
+        f"(~{result[next(iter(result))]['prompt_tokens']:.0f} tokens), chunks of "
+        f"{run.config.chunk_size} tokens; τ = the mean of per-prompt means\n"
+        f"{'setting':<24}{'same':>7}{'number':>8}{'prefill':>9}"
+        f"{'TTFT ms':>9}{'TTFT':>8}{'decode':>8}{'E2E':>8}{'τ':>7}"
+    )
+    table_rows = []
+    for name, o in result.items():
         table_rows.append(
             f"{name:<24}{o['same_answer']:>7.0%}{o['same_number']:>8.0%}"
             f"{o['prompt_tokens_prefilled']:>9.0f}"
@@ -380,24 +373,42 @@ def prefill_bench(
             f"{o['decode_speedup']:>7.2f}×"
             f"{o['e2e_speedup']:>7.2f}×{o['tau']:>7.2f}"
         )
-    prompt_tokens = result[next(iter(result))]["prompt_tokens"]
-    header = (
-        f"{os.path.basename(path)}: {count} prompts of {num_docs} problems "
-        f"(~{prompt_tokens:.0f} tokens), chunks of {run.config.chunk_size} tokens; "
-        "τ = the mean of per-prompt means\n"
-        f"{'setting':<24}{'same':>7}{'number':>8}{'prefill':>9}"
-        f"{'TTFT ms':>9}{'TTFT':>8}{'decode':>8}{'E2E':>8}{'τ':>7}"
-    )
     text = header + "\n" + "\n".join(table_rows)
     print("\n" + text)
     return {
         "prefill_bench": result,
         "table": text,
         "num_prompts": count,
-        "num_docs": num_docs,
+        "num_docs": plan.num_docs,
         "chunk_size": run.config.chunk_size,
-        "mode": mode,
+        "mode": plan.mode,
         "source": path,
+    }
+
+
+def prefill_cells(tok, records: list[dict], base: list[dict], ids: list[torch.Tensor]) -> dict:
+    """One setting's row of the prefill bench: its records against the baseline's (target-only,
+    full prefill) on the same long prompts."""
+    pairs = list(zip(records, base))
+    same_number = []
+    for r, b in pairs:
+        ours = last_number(tok.decode(r["new_tokens"]))
+        theirs = last_number(tok.decode(b["new_tokens"]))
+        same_number.append(float(ours == theirs))
+    prefilled = [r.get("prompt_tokens_prefilled", x.shape[1]) for r, x in zip(records, ids)]
+    ttft = figures._mean(r["time_prefill"] for r in records)
+    decode_base = per_token(base, "decode_time", "decode_tokens")
+    e2e_base = per_token(base, "time_total", "num_new_tokens")
+    return {
+        "same_answer": figures._mean(float(r["new_tokens"] == b["new_tokens"]) for r, b in pairs),
+        "same_number": figures._mean(same_number),
+        "ttft_s": ttft,
+        "ttft_speedup": figures._mean(b["time_prefill"] for b in base) / ttft,
+        "decode_speedup": decode_base / per_token(records, "decode_time", "decode_tokens"),
+        "e2e_speedup": e2e_base / per_token(records, "time_total", "num_new_tokens"),
+        "prompt_tokens": figures._mean(x.shape[1] for x in ids),
+        "prompt_tokens_prefilled": figures._mean(prefilled),
+        "tau": figures._mean(r["tau"] for r in records),
     }
 
 
@@ -405,15 +416,15 @@ def prefill_bench(
 # Table 1: batch 1, each mode beside target-only decoding
 
 
-def table1(models, files, modes: list[str], run, thinking: bool, trace=None) -> dict:
-    """files: (path, field, prompts) of each prompt file, decoded target-only and in each of
-    `modes`. Greedy outputs that differ from target-only are classified by
+def table1(models, plan, run) -> dict:
+    """plan.files: (path, field, prompts) of each prompt file, decoded target-only and in each
+    of plan.modes. Greedy outputs that differ from target-only are classified by
     forensics.classify_divergence (run.tie_tolerance: a fixed tolerance in logits instead of
-    tie_tolerance's). trace: called as trace(ids, mode, caches) with the first prompt of the
-    first file, in the first mode named (decode.py's write_trace)."""
+    tie_tolerance's). With plan.trace, the first prompt of the first file decoded once more in
+    the first mode named, its trace written (decoding.write_trace)."""
     tok = models.tokenizer
-    datasets = decoding.encode_files(tok, files, thinking, models.target.device)
-    every_mode = ["target"] + modes
+    datasets = decoding.encode_files(tok, plan.files, plan.thinking, models.target.device)
+    every_mode = ["target"] + plan.modes
     every_prompt = [x for _, _, ids in datasets.values() for x in ids]
     caches = decoding.prepare(models, run, every_prompt, every_mode)
     first = every_prompt[0]
@@ -440,9 +451,9 @@ def table1(models, files, modes: list[str], run, thinking: bool, trace=None) -> 
         results[name] |= dataset_cells(records, mismatches, name)
         for m in records:
             everything[m] += records[m]
-    result = table1_figures(models, results, everything, mismatches, modes, run)
-    if trace:
-        trace(first, modes[0], caches)
+    result = table1_figures(models, results, everything, mismatches, plan.modes, run)
+    if plan.trace:
+        decoding.write_trace(models, first, plan.modes[0], run, caches, plan.trace)
     return result
 
 
@@ -470,11 +481,7 @@ def table1_figures(models, results, everything, mismatches, modes, run) -> dict:
         overall[m] = figures.summarise(everything[m], everything["target"])
     text = figures.table(results, overall, modes, block_size)
     checked = sum(len(everything[m]) for m in modes)
-    if run.config.temperature:
-        check = "greedy check skipped: at temperature > 0 the outputs are samples"
-    else:
-        check = forensics.greedy_check(mismatches, checked)
-    print(f"\n{text}\n\n{check}")
+    tally = report(text, mismatches, checked, run)
     mean = {}
     for m in modes:
         mean[m] = {}
@@ -486,7 +493,7 @@ def table1_figures(models, results, everything, mismatches, modes, run) -> dict:
         "overall": overall,
         "block_size": block_size,
         "table": text,
-        "mismatches": forensics.tally(mismatches, checked),
+        "mismatches": tally,
     }
     if "hf" in overall:
         # > 1: this repo's target-only loop is faster than transformers' generate

@@ -7,7 +7,7 @@ a run and returns the records that the drivers and the benches time (record); en
 prompt's ids.
 
 `models` everywhere: the run's Models (decode.load); `run`: its Run, the DecodeConfig every mode
-starts from and the run's own settings, only read.
+starts from and the run's own settings, only read; `plan`: its Plan, what it decodes.
 """
 
 from __future__ import annotations
@@ -63,8 +63,46 @@ class Run:
     tie_tolerance: float | None = None
 
 
-def available_modes() -> tuple[str, ...]:
-    return d3d.MODES
+@dataclass
+class Plan:
+    """What a run decodes, read from decode.py's flags before anything loads (decode.plan_run):
+    the demo and each bench take it whole."""
+
+    # the demo's mode (--mode, else runtime.default_mode's), or the one --sampling-check and
+    # --prefill-bench use
+    mode: str
+    # the demo without --mode: the other speculative modes, shown beside it
+    compare: list[str]
+    # the benchmark's speculative modes (target-only always runs: it is the baseline)
+    modes: list[str]
+    # --bench's files (None with --prefill-bench)
+    bench_files: list[str] | None
+    # async's lanes (None: runtime.async_lanes decides)
+    lanes: int | None
+    device: str
+    # Qwen3's chat template with thinking on (encode)
+    thinking: bool = False
+    # --sampling-check's N (None: no sampling check)
+    samples: int | None = None
+    # --concurrency's sizes (None: Table 1)
+    levels: list[int] | None = None
+    # --trace's path
+    trace: str | None = None
+    # --prefill-bench: its keep ratios (None: no prefill bench), problems per long prompt, and
+    # how many long prompts
+    keep_ratios: list[float] | None = None
+    num_docs: int = 12
+    num_long_prompts: int = 10
+    # the demo's prompts (--sampling-check: its first), read before the models load
+    prompts: list[str] | None = None
+    # (path, field, prompts) of each --bench file, or of --prefill-bench's (all its problems)
+    files: list[tuple] | None = None
+    # the demo without --mode: why runtime.default_mode chose its mode (said under the table)
+    why: str | None = None
+
+    def is_demo(self) -> bool:
+        """The demo (or --explain): no benchmark named."""
+        return not self.bench_files and self.keep_ratios is None and not self.samples
 
 
 def parse_mode(spec: str) -> tuple[str, dict]:
@@ -93,8 +131,8 @@ def _parse_budget(spec: str) -> tuple[str, dict]:
     mode, _, budget = spec.partition(":")
     if mode in peers.BASELINES and not budget:
         return mode, {}
-    if mode not in available_modes() or (budget and mode != "async"):
-        names = ", ".join(available_modes() + peers.BASELINES)
+    if mode not in d3d.MODES or (budget and mode != "async"):
+        names = ", ".join(d3d.MODES + peers.BASELINES)
         raise runtime.UserError(f"unknown mode {spec!r}: use one of {names} or async:C,F[,cover]")
     if not budget:
         return mode, {}
@@ -199,17 +237,6 @@ class RunCaches:
     compile_seconds: float = 0.0
 
 
-def _budget(spec: str, run: Run, block_size: int) -> tuple[int, int]:
-    """(C, F) of one mode: its own async:C,F, else --coverage / --fanout, else d3d's."""
-    config = mode_config(spec, run)[0]
-    coverage, fanout = d3d.default_budget(block_size)
-    if config.coverage is not None:
-        coverage = config.coverage
-    if config.fanout is not None:
-        fanout = config.fanout
-    return coverage, fanout
-
-
 def prepare(models: Models, run: Run, all_ids: list[torch.Tensor], modes: list[str]) -> RunCaches:
     """Once per run, before the warm-up: the KV caches of fixed size every request reuses
     (--max-len, else the longest prompt + --max-new-tokens + the widest pass of `modes`), and
@@ -220,7 +247,8 @@ def prepare(models: Models, run: Run, all_ids: list[torch.Tensor], modes: list[s
         block_size = 1
     widest = 0
     for spec in modes:
-        coverage, fanout = _budget(spec, run, block_size)
+        # its own async:C,F, else --coverage / --fanout, else d3d's
+        coverage, fanout = d3d.branch_budget(mode_config(spec, run)[0], block_size)
         if parse_mode(spec)[0] != "async":
             coverage = 0
         else:

@@ -34,7 +34,7 @@ from systems import decoding, explain, figures, forensics, peers
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # decode.py lives there
 
 torch.set_num_threads(1)
-MODES = decoding.available_modes()
+MODES = d3d.MODES
 SPECULATIVE = [m for m in MODES if m != "target"]
 
 
