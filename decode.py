@@ -94,17 +94,20 @@ TOY_PROMPTS = os.path.join(toy.SHIPPED, toy.DATA_FILES["test"])
 # Models and prompts
 
 
-def load(target, drafter, modes, device, dtype, attn, threads=None) -> Models:
-    """The run's Models on `device` (plan_run's): target, drafter, the target's tokenizer, EOS
-    ids, its description.
+def load(flags: decode_flags.ModelFlags, modes: list[str]) -> Models:
+    """The run's Models for `modes`: target, drafter, the target's tokenizer, EOS ids, its
+    description.
 
-    The drafter is None when only target-only decoding runs; target None: the one the
+    The drafter is None when only target-only decoding runs; flags.target None: the one the
     drafter was trained for (its train_args.json)."""
-    device = torch.device(device)
+    target = flags.target
+    drafter = flags.drafter
+    attn = flags.attn
     need_drafter = any(m != "target" for m in modes)
     recipe = drafter_recipe(drafter, check=need_drafter or target is None)
     # a device this machine lacks: one line, before anything loads
-    device = runtime.resolve_device(str(device))
+    device = runtime.resolve_device(flags.device)
+    dtype = flags.dtype
     if dtype in (None, "auto") and recipe.get("compute_dtype") == "float32":
         # trained in fp32 (the toy always is): decode in it too
         dtype = "float32"
@@ -125,7 +128,7 @@ def load(target, drafter, modes, device, dtype, attn, threads=None) -> Models:
         runtime.check_tokenizer(draft_model, tok)
     model = runtime.load_causal_lm(target, dtype, device, attn_implementation=attn).eval()
     num_params = sum(p.numel() for p in model.parameters())
-    if device.type == "cpu" and not threads and num_params < 20_000_000:
+    if device.type == "cpu" and not flags.threads and num_params < 20_000_000:
         # a tiny model's passes are too short to split between threads (the toy: ~2x faster)
         torch.set_num_threads(1)
     eos = getattr(model.generation_config, "eos_token_id", None)
@@ -337,9 +340,16 @@ def check_args(args: dict) -> None:
             raise runtime.UserError(f"{flag} {path} is a folder — give a file name")
 
 
-def refusals(args, plan: Plan) -> list[tuple[bool, str]]:
-    """(refused, its one-line error) for each combination of flags a run cannot make, in the
-    order check_plan tries them."""
+def check_plan(args, plan: Plan) -> None:
+    """What the modes of a run cannot do (an unknown mode, a bad async:C,F, two compiled lanes
+    on CUDA), then the first combination of flags it cannot make (refusals: each with its
+    one-line error, in the order tried), said before the models load."""
+    device_type = torch.device(plan.device).type
+    for m in dict.fromkeys([plan.mode, *plan.compare, *plan.modes]):
+        spec, flags = decoding.parse_mode(m)
+        if spec == "async":
+            compiled = args.compile or flags.get("compiled", False)
+            runtime.async_lanes(device_type, compiled, flags.get("lanes", plan.lanes))
     mode = plan.mode
     bench = plan.bench_files
     baselines = ", ".join(m for m in plan.modes if m in peers.BASELINES)
@@ -347,7 +357,7 @@ def refusals(args, plan: Plan) -> list[tuple[bool, str]]:
     lossy = args.temperature or args.keep_ratio is not None
     samples = args.sampling_check_samples
     apart = args.prefill_bench_file or samples or args.concurrency
-    return [
+    refusals = [
         (
             mode in peers.BASELINES and not bench,
             f"{mode} is a benchmark baseline: run it with --bench FILE.jsonl --modes {mode}",
@@ -376,18 +386,7 @@ def refusals(args, plan: Plan) -> list[tuple[bool, str]]:
             "--sampling-check or --concurrency",
         ),
     ]
-
-
-def check_plan(args, plan: Plan) -> None:
-    """What the modes of a run cannot do (an unknown mode, a bad async:C,F, two compiled lanes
-    on CUDA), then the first of its refusals, said before the models load."""
-    device_type = torch.device(plan.device).type
-    for m in dict.fromkeys([plan.mode, *plan.compare, *plan.modes]):
-        spec, flags = decoding.parse_mode(m)
-        if spec == "async":
-            compiled = args.compile or flags.get("compiled", False)
-            runtime.async_lanes(device_type, compiled, flags.get("lanes", plan.lanes))
-    for refused, message in refusals(args, plan):
+    for refused, message in refusals:
         if refused:
             raise runtime.UserError(message)
 
@@ -492,9 +491,7 @@ def main(args: argparse.Namespace) -> dict:
         loaded_modes = [plan.mode, *plan.compare]
     if not plan.bench_files and args.keep_ratio:
         loaded_modes.append("sync")
-    models = load(
-        args.target, args.drafter, loaded_modes, plan.device, args.dtype, args.attn, args.threads
-    )
+    models = load(cli.settings_of(decode_flags.ModelFlags, vars(args)), loaded_modes)
     # the DecodeConfig every mode starts from: its flags, the lanes the plan chose
     config = cli.settings_of(d3d.DecodeConfig, vars(args), NOT_FLAGS, lanes=plan.lanes)
     run = Run(config, args.seed, args.compile, args.max_len, args.tie_tolerance)
