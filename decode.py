@@ -84,8 +84,6 @@ def sample(target_path="toy-target", drafter_path="runs/toy/drafter", prompt="7 
     return out, stats
 
 
-# d3d.DecodeConfig's fields that no flag sets
-NOT_FLAGS = decode_flags.NOT_FLAGS
 # the toy's test prompts
 TOY_PROMPTS = os.path.join(toy.SHIPPED, toy.DATA_FILES["test"])
 
@@ -268,15 +266,17 @@ def demo(args, models: Models, plan: Plan, run: Run) -> dict:
             else:
                 records[m].append(decoding.decode_prompt(models, ids, [m], run, caches)[m])
     block_size = models.block_size(run.config)
-    summaries = benches.print_summary(models, records, modes, run, len(all_ids), block_size)
+    summaries = benches.print_summary(models, records, modes, run)
     if plan.why is not None and plan.compare:
         print(default_mode_line(plan, summaries))
     stats = None
     if mode != "target":
-        stats = benches.merged_stats(records[mode])
+        # its rounds over every prompt, as pictures.draw_acceptance reads them
+        stats = dict(summaries[mode])
+        stats["accept_lengths"] = [n for r in records[mode] for n in r["accept_lengths"]]
         rounds = f"tokens committed per round, 1 .. {block_size + 1}"
         print(f"{mode}: acceptance histogram ({rounds}):")
-        print(benches.histogram(stats["accept_lengths"]))
+        print(benches.histogram(stats["histogram"]))
     if plan.trace:
         decoding.write_trace(models, all_ids[0], mode, run, caches, plan.trace)
     if args.plot and stats is not None:
@@ -418,13 +418,15 @@ def demo_prompts(args) -> list[str]:
 
 
 def plan_run(args) -> Plan:
-    """The modes, lanes and device of a run, every combination the flags cannot make refused,
-    then what it reads (prompts, prompt files) read before anything loads."""
+    """What a run decodes: its modes, lanes and device, every combination the flags cannot make
+    refused (check_plan), then the prompts and prompt files it reads, read before anything
+    loads."""
     speculative = [m for m in d3d.MODES if m != "target"]
     mode = args.mode
     modes = args.modes
     bench_files = args.bench_files
-    if args.prefill_bench_file:
+    prefill = args.prefill_bench_file
+    if prefill:
         # the paper pairs selective prefilling with sequential (sync) speculative decoding
         mode = mode or "sync"
         modes = [mode]
@@ -436,8 +438,8 @@ def plan_run(args) -> Plan:
     # target (--explain: that mode alone)
     compare = []
     why = None
-    is_demo = not bench_files and not args.prefill_bench_file and not args.sampling_check_samples
-    if mode is None and is_demo:
+    demo = not bench_files and not prefill and not args.sampling_check_samples
+    if mode is None and demo:
         mode, why = runtime.default_mode(torch.device(device).type)
         if not args.explain:
             compare = [m for m in speculative if m != mode]
@@ -450,31 +452,24 @@ def plan_run(args) -> Plan:
     if lanes is None and bench_files:
         # a benchmark names +2lanes itself; else the rule (runtime.py)
         lanes = 1
-    plan = Plan(mode, compare, modes, bench_files, lanes, device, args.thinking, why=why)
+    plan = Plan(mode, compare, modes, bench_files, lanes, device, demo, args.thinking, why=why)
     plan.samples = args.sampling_check_samples
     plan.levels = args.concurrency
     plan.trace = args.trace
-    if args.prefill_bench_file:
-        plan.keep_ratios = list(args.keep_ratios)
-        plan.num_docs = args.num_docs
     check_plan(args, plan)
-    read_inputs(args, plan)
-    return plan
-
-
-def read_inputs(args, plan: Plan) -> None:
-    """The plan's prompts and prompt files, read before the models load: the demo's and
-    --sampling-check's prompts (demo_prompts), --bench's files, --prefill-bench's problems."""
-    if not plan.bench_files and not args.prefill_bench_file:
+    if not bench_files and not prefill:
         plan.prompts = demo_prompts(args)
     plan.files = []
-    for path in plan.bench_files or []:
+    for path in bench_files or []:
         plan.files.append((path, *decoding.read_prompts(path, args.prompt_field, args.max_samples)))
-    if args.prefill_bench_file:
-        path = args.prefill_bench_file
-        plan.files.append((path, *decoding.read_prompts(path, args.prompt_field)))
+    if prefill:
+        # every problem of the file: the long prompts are made of them
+        plan.files.append((prefill, *decoding.read_prompts(prefill, args.prompt_field)))
+        plan.keep_ratios = list(args.keep_ratios)
+        plan.num_docs = args.num_docs
         if args.max_samples is not None:
             plan.num_long_prompts = args.max_samples
+    return plan
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -493,11 +488,11 @@ def main(args: argparse.Namespace) -> dict:
         loaded_modes.append("sync")
     models = load(cli.settings_of(decode_flags.ModelFlags, vars(args)), loaded_modes)
     # the DecodeConfig every mode starts from: its flags, the lanes the plan chose
-    config = cli.settings_of(d3d.DecodeConfig, vars(args), NOT_FLAGS, lanes=plan.lanes)
+    config = cli.settings_of(d3d.DecodeConfig, vars(args), decode_flags.NOT_FLAGS, lanes=plan.lanes)
     run = Run(config, args.seed, args.compile, args.max_len, args.tie_tolerance)
     if args.explain:
         return explain_prompt(models, plan, run)
-    if plan.is_demo():
+    if plan.demo:
         return demo(args, models, plan, run)
     result = benchmark(models, plan, run)
     # None: called in-process

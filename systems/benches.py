@@ -66,30 +66,27 @@ def sampling_check(models, plan, run) -> dict:
             bar.update(1)
     bar.close()
     length = max(len(r) for rows in answers.values() for r in rows)
-    rows = []
-    for p in range(length):
-        tv_mode = distance(answers[mode], answers["target"], p)
-        tv_noise = distance(answers["target, again"], answers["target"], p)
-        rows.append((p, tv_mode, tv_noise))
     print(
         f"\nsampling check at temperature {run.config.temperature}: {num_samples} answers per "
         f"set, prompt {prompt!r}\n"
         f"{'position':>8}  TV({mode}, target)  TV(target, target again)"
     )
-    for p, spec, noise in rows:
-        line = f"{p + 1:>8}  {spec:>16.3f}  {noise:>24.3f}"
+    positions = []
+    for p in range(length):
+        tv_mode = distance(answers[mode], answers["target"], p)
+        tv_noise = distance(answers["target, again"], answers["target"], p)
+        positions.append({"tv_mode": tv_mode, "tv_noise": tv_noise})
+        line = f"{p + 1:>8}  {tv_mode:>16.3f}  {tv_noise:>24.3f}"
         if p == 0:
             line += "   (the target's prefill token)"
         print(line)
-    mean = {
-        mode: sum(r[1] for r in rows) / len(rows),
-        "target, again": sum(r[2] for r in rows) / len(rows),
-    }
-    print(f"{'mean':>8}  {mean[mode]:>16.3f}  {mean['target, again']:>24.3f}")
+    mean_mode = figures._mean(x["tv_mode"] for x in positions)
+    mean_noise = figures._mean(x["tv_noise"] for x in positions)
+    print(f"{'mean':>8}  {mean_mode:>16.3f}  {mean_noise:>24.3f}")
     return {
-        "positions": [{"tv_mode": a, "tv_noise": b} for _, a, b in rows],
-        "mean_tv_mode": mean[mode],
-        "mean_tv_noise": mean["target, again"],
+        "positions": positions,
+        "mean_tv_mode": mean_mode,
+        "mean_tv_noise": mean_noise,
         "num_samples": num_samples,
         "mode": mode,
     }
@@ -335,10 +332,8 @@ def prefill_bench(models, plan, run) -> dict:
     # the rows below set their own keep ratio
     run = dataclasses.replace(run, config=dataclasses.replace(run.config, keep_ratio=None))
     prompts = long_prompts(docs, plan.num_docs, count, run.seed)
-    ids = [
-        decoding.encode(models.tokenizer, p, plan.thinking, models.target.device)
-        for p, _ in prompts
-    ]
+    device = models.target.device
+    ids = [decoding.encode(models.tokenizer, p, plan.thinking, device) for p, _ in prompts]
     rows = {"target, full prefill": None}
     for r in plan.keep_ratios:
         rows[f"{r:.0%} + D3D ({plan.mode})"] = r
@@ -506,10 +501,12 @@ def table1_figures(models, results, everything, mismatches, modes, run) -> dict:
 # The demo's comparison of its modes
 
 
-def print_summary(models, records, modes, run, num_prompts: int, block_size) -> dict:
+def print_summary(models, records: dict, modes: list[str], run) -> dict:
     """The demo's table: each mode's speed, speedup, tau, hit rate and whether its tokens are
     target-only's. Returns {mode: figures.summarise}."""
     info = models.info
+    num_prompts = len(records["target"])
+    block_size = models.block_size(run.config)
     print(
         f"\n{num_prompts} prompt(s), {info['device']}, {info['dtype']}, block size "
         f"{block_size}; tok/s with prefill excluded, speedup = target-only time per output "
@@ -521,16 +518,15 @@ def print_summary(models, records, modes, run, num_prompts: int, block_size) -> 
     for m in modes:
         s = figures.summarise(records[m], records["target"])
         summaries[m] = s
-        pairs = zip(records[m], records["target"])
-        same = sum(r["new_tokens"] == b["new_tokens"] for r, b in pairs)
-        same = f"{same}/{num_prompts}"
-        if run.config.temperature and m != "target":
-            same = "sampled"
-        if m == "target":
-            same = "-"
+        same = "-"
         tau = "-"
         if m != "target":
+            pairs = zip(records[m], records["target"])
+            same = sum(r["new_tokens"] == b["new_tokens"] for r, b in pairs)
+            same = f"{same}/{num_prompts}"
             tau = f"{s['tau']:.2f}"
+        if run.config.temperature and m != "target":
+            same = "sampled"
         hit_rate = "-"
         if "hit_rate" in s:
             hit_rate = format(s["hit_rate"], ".0%")
@@ -548,20 +544,11 @@ def print_summary(models, records, modes, run, num_prompts: int, block_size) -> 
     return summaries
 
 
-def merged_stats(records: list[dict]) -> dict:
-    """One mode's stats over several prompts: accept lengths joined, hits and misses added."""
-    merged = {"accept_lengths": [n for r in records for n in r["accept_lengths"]]}
-    for key in ("hits_per_position", "misses_per_position"):
-        if key in records[0]:
-            merged[key] = [sum(counts) for counts in zip(*(r[key] for r in records))]
-    return merged
-
-
-def histogram(accept_lengths: list[int], width: int = 40) -> str:
-    """One bar per round length that occurred (lengths with no round are left out)."""
-    counts = collections.Counter(accept_lengths)
+def histogram(counts: dict[int, int], width: int = 40) -> str:
+    """One bar per round length that occurred ({length: rounds}, figures.summarise's
+    histogram; lengths with no round are left out)."""
     top = max(counts.values(), default=1)
-    total = max(len(accept_lengths), 1)
+    total = max(sum(counts.values()), 1)
     lines = []
     for n in sorted(counts):
         bar = "#" * math.ceil(width * counts[n] / top)

@@ -80,6 +80,8 @@ class Plan:
     # async's lanes (None: runtime.async_lanes decides)
     lanes: int | None
     device: str
+    # no benchmark named: the demo (or --explain)
+    demo: bool = True
     # Qwen3's chat template with thinking on (encode)
     thinking: bool = False
     # --sampling-check's N (None: no sampling check)
@@ -99,10 +101,6 @@ class Plan:
     files: list[tuple] | None = None
     # the demo without --mode: why runtime.default_mode chose its mode (said under the table)
     why: str | None = None
-
-    def is_demo(self) -> bool:
-        """The demo (or --explain): no benchmark named."""
-        return not self.bench_files and self.keep_ratios is None and not self.samples
 
 
 def parse_mode(spec: str) -> tuple[str, dict]:

@@ -556,7 +556,7 @@ def test_the_demo_answer_is_coloured_by_origin(setting, monkeypatch, capsys):
     models = decode.load(flags, ["sync"])
     tok = models.tokenizer
     ids = decoding.encode(tok, "12 + 7 * 3", False, "cpu")
-    config = decode.cli.settings_of(d3d.DecodeConfig, vars(args), decode.NOT_FLAGS)
+    config = decode.cli.settings_of(d3d.DecodeConfig, vars(args), decode_flags.NOT_FLAGS)
     kept = decode.answer(models, ids, "sync", decoding.Run(config), None, colour=True)
     printed = capsys.readouterr().out.rstrip("\n")
     text = tok.decode(kept["new_tokens"], skip_special_tokens=True)
