@@ -121,19 +121,14 @@ def parse_mode(spec: str) -> tuple[str, dict]:
         flags["compiled"] = True
     if "2lanes" in setting:
         flags["lanes"] = 2
-    mode, overrides = _parse_budget(spec)
-    return mode, {**overrides, **flags}
-
-
-def _parse_budget(spec: str) -> tuple[str, dict]:
     mode, _, budget = spec.partition(":")
     if mode in peers.BASELINES and not budget:
-        return mode, {}
+        return mode, flags
     if mode not in d3d.MODES or (budget and mode != "async"):
         names = ", ".join(d3d.MODES + peers.BASELINES)
         raise runtime.UserError(f"unknown mode {spec!r}: use one of {names} or async:C,F[,cover]")
     if not budget:
-        return mode, {}
+        return mode, flags
     parts = budget.split(",")
     try:
         overrides = {"coverage": int(parts[0]), "fanout": int(parts[1])}
@@ -143,7 +138,7 @@ def _parse_budget(spec: str) -> tuple[str, dict]:
         )
     if len(parts) > 2:
         overrides["cover"] = parts[2]
-    return mode, overrides
+    return mode, {**overrides, **flags}
 
 
 def mode_config(spec: str, run: Run) -> tuple[d3d.DecodeConfig, bool]:
