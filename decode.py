@@ -100,7 +100,6 @@ def load(flags: decode_flags.ModelFlags, modes: list[str]) -> Models:
     drafter was trained for (its train_args.json)."""
     target = flags.target
     drafter = flags.drafter
-    attn = flags.attn
     need_drafter = any(m != "target" for m in modes)
     recipe = drafter_recipe(drafter, check=need_drafter or target is None)
     # a device this machine lacks: one line, before anything loads
@@ -112,7 +111,7 @@ def load(flags: decode_flags.ModelFlags, modes: list[str]) -> Models:
     dtype = runtime.resolve_dtype(dtype, device)
     draft_model = None
     if need_drafter:
-        draft_model = d3d.Drafter.from_pretrained(drafter, dtype, device, attn).eval()
+        draft_model = d3d.Drafter.from_pretrained(drafter, dtype, device, flags.attn).eval()
     if target is None:
         # the target the drafter was trained for
         recorded = recipe.get("target", toy.SHIPPED)
@@ -124,7 +123,7 @@ def load(flags: decode_flags.ModelFlags, modes: list[str]) -> Models:
     if draft_model is not None:
         # before loading a large target for nothing
         runtime.check_tokenizer(draft_model, tok)
-    model = runtime.load_causal_lm(target, dtype, device, attn_implementation=attn).eval()
+    model = runtime.load_causal_lm(target, dtype, device, attn_implementation=flags.attn).eval()
     num_params = sum(p.numel() for p in model.parameters())
     if device.type == "cpu" and not flags.threads and num_params < 20_000_000:
         # a tiny model's passes are too short to split between threads (the toy: ~2x faster)
@@ -133,7 +132,7 @@ def load(flags: decode_flags.ModelFlags, modes: list[str]) -> Models:
     if not isinstance(eos, list):
         eos = [eos]
     eos = sorted({tok.eos_token_id, *eos} - {None})
-    info = dict(device=describe_device(device), dtype=str(dtype), attn=attn, target=target)
+    info = dict(device=describe_device(device), dtype=str(dtype), attn=flags.attn, target=target)
     info.update(drafter=None, eos_token_id=eos, drafter_config=None)
     if draft_model is not None:
         info.update(drafter=drafter, drafter_config=dataclasses.asdict(draft_model.d3d_config))
@@ -228,17 +227,6 @@ def _finite(x):
 # The two drivers: the demo and the benchmark
 
 
-def default_mode_line(plan: Plan, summaries: dict) -> str:
-    """Under the demo's table: which mode the answers above used without --mode, why, and the
-    table's speedups that bear on it."""
-    shown = [m for m in ("sync", "async") if m in summaries]
-    speedups = ", ".join(f"{m} {summaries[m]['speedup']:.2f}x" for m in shown)
-    return (
-        f"the answers above used {plan.mode}, the mode a run takes without --mode: {plan.why}; "
-        f"this table's speedups: {speedups}"
-    )
-
-
 def demo(args, models: Models, plan: Plan, run: Run) -> dict:
     """Answer each prompt with the plan's mode (answer: coloured by origin), then compare it
     with target-only decoding, and with the plan's `compare` modes, on the same prompts; with
@@ -266,9 +254,7 @@ def demo(args, models: Models, plan: Plan, run: Run) -> dict:
             else:
                 records[m].append(decoding.decode_prompt(models, ids, [m], run, caches)[m])
     block_size = models.block_size(run.config)
-    summaries = benches.print_summary(models, records, modes, run)
-    if plan.why is not None and plan.compare:
-        print(default_mode_line(plan, summaries))
+    summaries = benches.print_summary(models, records, plan, run)
     stats = None
     if mode != "target":
         # its rounds over every prompt, as pictures.draw_acceptance reads them
@@ -293,18 +279,6 @@ def demo(args, models: Models, plan: Plan, run: Run) -> dict:
         "stats": stats,
         "answers": [tok.decode(r["new_tokens"], skip_special_tokens=True) for r in records[mode]],
     }
-
-
-def benchmark(models: Models, plan: Plan, run: Run) -> dict:
-    """The benchmark the plan names: --prefill-bench, --sampling-check, --concurrency
-    (Table 2), else Table 1 (--bench)."""
-    if plan.keep_ratios is not None:
-        return benches.prefill_bench(models, plan, run)
-    if plan.samples:
-        return benches.sampling_check(models, plan, run)
-    if plan.levels:
-        return benches.concurrency_bench(models, plan, run)
-    return benches.table1(models, plan, run)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,7 +468,16 @@ def main(args: argparse.Namespace) -> dict:
         return explain_prompt(models, plan, run)
     if plan.demo:
         return demo(args, models, plan, run)
-    result = benchmark(models, plan, run)
+    # the benchmark the plan names
+    if plan.keep_ratios is not None:
+        result = benches.prefill_bench(models, plan, run)
+    elif plan.samples:
+        result = benches.sampling_check(models, plan, run)
+    elif plan.levels:
+        # the paper's Table 2
+        result = benches.concurrency_bench(models, plan, run)
+    else:
+        result = benches.table1(models, plan, run)
     # None: called in-process
     command = None
     if sys.argv[0].endswith("decode.py"):

@@ -501,9 +501,11 @@ def table1_figures(models, results, everything, mismatches, modes, run) -> dict:
 # The demo's comparison of its modes
 
 
-def print_summary(models, records: dict, modes: list[str], run) -> dict:
-    """The demo's table: each mode's speed, speedup, tau, hit rate and whether its tokens are
-    target-only's. Returns {mode: figures.summarise}."""
+def print_summary(models, records: dict, plan, run) -> dict:
+    """The demo's table: target-only decoding, the plan's mode and its `compare` modes, each
+    with its speed, speedup, tau, hit rate and whether its tokens are target-only's; without
+    --mode, which mode the answers used and why. Returns {mode: figures.summarise}."""
+    modes = list(dict.fromkeys(["target", plan.mode, *plan.compare]))
     info = models.info
     num_prompts = len(records["target"])
     block_size = models.block_size(run.config)
@@ -540,6 +542,13 @@ def print_summary(models, records: dict, modes: list[str], run) -> dict:
             f"async: the packed pass ran {where} the verification ({lanes} "
             f"lane{'s' * (lanes == 2)}); its hit rate is how often the next draft was ready "
             "when the verification ended"
+        )
+    if plan.why is not None and plan.compare:
+        shown = [m for m in ("sync", "async") if m in summaries]
+        speedups = ", ".join(f"{m} {summaries[m]['speedup']:.2f}x" for m in shown)
+        print(
+            f"the answers above used {plan.mode}, the mode a run takes without --mode: "
+            f"{plan.why}; this table's speedups: {speedups}"
         )
     return summaries
 
