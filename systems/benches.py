@@ -107,10 +107,7 @@ def decode_group(
         mode = decoding.parse_mode(spec)[0]
         if mode == "async":
             # the batch-1 loop; decode_prompt's record carries the same totals
-            decoded = decoding.decode_prompt(
-                models, group[0], [spec], run, max_new_tokens=max_new_tokens
-            )
-            r = decoded[spec]
+            r = decoding.decode_prompt(models, group[0], [spec], run, None, max_new_tokens)[spec]
             records[spec] = {**r, "new_tokens": [r["new_tokens"]]}
             continue
         device = models.target.device
