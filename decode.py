@@ -296,8 +296,7 @@ def check_args(args: dict) -> None:
         cli.check_file("--bench", path)
     if args["prefill_bench_file"] is not None:
         cli.check_file("--prefill-bench", args["prefill_bench_file"])
-    benchmark = args["bench_files"] or args["prefill_bench_file"]
-    if args["plot"] is not None and benchmark:
+    if args["plot"] is not None and (args["bench_files"] or args["prefill_bench_file"]):
         raise runtime.UserError("--plot draws the demo's rounds — drop --bench / --prefill-bench")
     # what --explain cannot go with: it describes one decode
     alone = ("bench_files", "prefill_bench_file", "sampling_check_samples", "concurrency")

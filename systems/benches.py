@@ -209,9 +209,7 @@ def concurrency_bench(models, plan, run) -> dict:
     only); greedy outputs are checked row by row against target-only decoding of the same
     group."""
     levels = plan.levels
-    datasets = decoding.encode_files(
-        models.tokenizer, plan.files, plan.thinking, models.target.device
-    )
+    datasets = decoding.encode_files(models, plan)
     results = {}
     mismatches = []
     everything = {c: collections.defaultdict(list) for c in levels}
@@ -415,7 +413,7 @@ def table1(models, plan, run) -> dict:
     tie_tolerance's). With plan.trace, the first prompt of the first file decoded once more in
     the first mode named, its trace written (decoding.write_trace)."""
     tok = models.tokenizer
-    datasets = decoding.encode_files(tok, plan.files, plan.thinking, models.target.device)
+    datasets = decoding.encode_files(models, plan)
     every_mode = ["target"] + plan.modes
     every_prompt = [x for _, _, ids in datasets.values() for x in ids]
     caches = decoding.prepare(models, run, every_prompt, every_mode)
@@ -459,9 +457,8 @@ def dataset_cells(records: dict, mismatches: list[dict], name: str) -> dict:
         cells[m] = figures.summarise(records[m], records["target"])
         cells[m]["mismatches"] = len(found)
         cells[m]["errors"] = sum(x["class"] == "error" for x in found)
-        per_prompt[m] = []
-        for r in records[m]:
-            per_prompt[m].append({k: v for k, v in r.items() if k != "new_tokens"})
+        # each record without its new tokens
+        per_prompt[m] = [{k: v for k, v in r.items() if k != "new_tokens"} for r in records[m]]
     return {"modes": cells, "per_prompt": per_prompt}
 
 

@@ -202,15 +202,15 @@ def encode(tok, text: str, thinking: bool, device) -> torch.Tensor:
     return torch.tensor([ids], device=device)
 
 
-def encode_files(tok, files, thinking: bool, device) -> dict[str, tuple]:
-    """{dataset name: (path, field, prompt ids)} of (path, field, prompts) per prompt file; the
-    name is the file's, made unique with its index where two files share it."""
+def encode_files(models: Models, plan: Plan) -> dict[str, tuple]:
+    """{dataset name: (path, field, prompt ids)} of the plan's (path, field, prompts) per
+    prompt file; the name is the file's, made unique with its index where two files share it."""
     datasets = {}
-    for path, field, prompts in files:
+    for path, field, prompts in plan.files:
         name = os.path.splitext(os.path.basename(path))[0]
         if name in datasets:
             name = f"{name}-{len(datasets)}"
-        ids = [encode(tok, p, thinking, device) for p in prompts]
+        ids = [encode(models.tokenizer, p, plan.thinking, models.target.device) for p in prompts]
         datasets[name] = (path, field, ids)
     return datasets
 
