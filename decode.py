@@ -132,7 +132,12 @@ def load(flags: decode_flags.ModelFlags, modes: list[str]) -> Models:
     if not isinstance(eos, list):
         eos = [eos]
     eos = sorted({tok.eos_token_id, *eos} - {None})
-    info = dict(device=describe_device(device), dtype=str(dtype), attn=flags.attn, target=target)
+    # the GPU's name, or the CPU's architecture and torch's threads
+    threads = torch.get_num_threads()
+    described = f"cpu ({platform.machine()}, {threads} thread{'s' * (threads > 1)})"
+    if device.type == "cuda":
+        described = torch.cuda.get_device_name(device)
+    info = dict(device=described, dtype=str(dtype), attn=flags.attn, target=target)
     info.update(drafter=None, eos_token_id=eos, drafter_config=None)
     if draft_model is not None:
         info.update(drafter=drafter, drafter_config=dataclasses.asdict(draft_model.d3d_config))
@@ -154,15 +159,6 @@ def drafter_recipe(drafter: str, check: bool) -> dict:
     if not os.path.isfile(path):
         return {}
     return cli.read_json("--drafter", path)
-
-
-def describe_device(device: torch.device) -> str:
-    """The GPU's name, or the CPU's architecture and torch's threads."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    threads = torch.get_num_threads()
-    plural = "s" * (threads > 1)
-    return f"cpu ({platform.machine()}, {threads} thread{plural})"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ class Plan:
     # --prefill-bench: its keep ratios (None: no prefill bench), problems per long prompt, and
     # how many long prompts
     keep_ratios: list[float] | None = None
-    num_docs: int = 12
+    num_docs: int | None = None
     num_long_prompts: int = 10
     # the demo's prompts (--sampling-check: its first), read before the models load
     prompts: list[str] | None = None
