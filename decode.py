@@ -62,7 +62,7 @@ import d3d
 import runtime
 import toy
 from systems import benches, cli, decode_flags, decoding, explain, peers, pictures
-from systems.decoding import Models, Run
+from systems.decoding import Models, Plan, Run
 
 
 def sample(target_path="toy-target", drafter_path="runs/toy/drafter", prompt="7 * 6 + 8 - 5"):
@@ -84,10 +84,7 @@ def sample(target_path="toy-target", drafter_path="runs/toy/drafter", prompt="7 
     return out, stats
 
 
-# d3d.DecodeConfig's fields that no flag sets
-NOT_FLAGS = decode_flags.NOT_FLAGS
-# the toy's shipped target and its test prompts
-TOY_TARGET = toy.SHIPPED
+# the toy's test prompts
 TOY_PROMPTS = os.path.join(toy.SHIPPED, toy.DATA_FILES["test"])
 
 
@@ -95,27 +92,29 @@ TOY_PROMPTS = os.path.join(toy.SHIPPED, toy.DATA_FILES["test"])
 # Models and prompts
 
 
-def load(target, drafter, modes, device, dtype, attn, threads=None) -> Models:
-    """The run's Models on `device` (plan_run's): target, drafter, the target's tokenizer, EOS
-    ids, its description.
+def load(flags: decode_flags.ModelFlags, modes: list[str]) -> Models:
+    """The run's Models for `modes`: target, drafter, the target's tokenizer, EOS ids, its
+    description.
 
-    The drafter is None when only target-only decoding runs; target None: the one the
+    The drafter is None when only target-only decoding runs; flags.target None: the one the
     drafter was trained for (its train_args.json)."""
-    device = torch.device(device)
+    target = flags.target
+    drafter = flags.drafter
     need_drafter = any(m != "target" for m in modes)
     recipe = drafter_recipe(drafter, check=need_drafter or target is None)
     # a device this machine lacks: one line, before anything loads
-    device = runtime.resolve_device(str(device))
+    device = runtime.resolve_device(flags.device)
+    dtype = flags.dtype
     if dtype in (None, "auto") and recipe.get("compute_dtype") == "float32":
         # trained in fp32 (the toy always is): decode in it too
         dtype = "float32"
     dtype = runtime.resolve_dtype(dtype, device)
     draft_model = None
     if need_drafter:
-        draft_model = d3d.Drafter.from_pretrained(drafter, dtype, device, attn).eval()
+        draft_model = d3d.Drafter.from_pretrained(drafter, dtype, device, flags.attn).eval()
     if target is None:
         # the target the drafter was trained for
-        recorded = recipe.get("target", TOY_TARGET)
+        recorded = recipe.get("target", toy.SHIPPED)
         where = f"{os.path.join(drafter, 'train_args.json')}: target"
         on_hub = cli.looks_like_hub_name(recorded)
         target = runtime.find_recorded(recorded, where, must_exist=not on_hub)
@@ -124,16 +123,21 @@ def load(target, drafter, modes, device, dtype, attn, threads=None) -> Models:
     if draft_model is not None:
         # before loading a large target for nothing
         runtime.check_tokenizer(draft_model, tok)
-    model = runtime.load_causal_lm(target, dtype, device, attn_implementation=attn).eval()
+    model = runtime.load_causal_lm(target, dtype, device, attn_implementation=flags.attn).eval()
     num_params = sum(p.numel() for p in model.parameters())
-    if device.type == "cpu" and not threads and num_params < 20_000_000:
+    if device.type == "cpu" and not flags.threads and num_params < 20_000_000:
         # a tiny model's passes are too short to split between threads (the toy: ~2x faster)
         torch.set_num_threads(1)
     eos = getattr(model.generation_config, "eos_token_id", None)
     if not isinstance(eos, list):
         eos = [eos]
     eos = sorted({tok.eos_token_id, *eos} - {None})
-    info = dict(device=describe_device(device), dtype=str(dtype), attn=attn, target=target)
+    # the GPU's name, or the CPU's architecture and torch's threads
+    threads = torch.get_num_threads()
+    described = f"cpu ({platform.machine()}, {threads} thread{'s' * (threads > 1)})"
+    if device.type == "cuda":
+        described = torch.cuda.get_device_name(device)
+    info = dict(device=described, dtype=str(dtype), attn=flags.attn, target=target)
     info.update(drafter=None, eos_token_id=eos, drafter_config=None)
     if draft_model is not None:
         info.update(drafter=drafter, drafter_config=dataclasses.asdict(draft_model.d3d_config))
@@ -157,24 +161,6 @@ def drafter_recipe(drafter: str, check: bool) -> dict:
     return cli.read_json("--drafter", path)
 
 
-def describe_device(device: torch.device) -> str:
-    """The GPU's name, or the CPU's architecture and torch's threads."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    threads = torch.get_num_threads()
-    plural = "s" * (threads > 1)
-    return f"cpu ({platform.machine()}, {threads} thread{plural})"
-
-
-def plain_text(tok):
-    """token ids -> text, special tokens (EOS) left out."""
-
-    def decode(ids: list[int]) -> str:
-        return tok.decode(ids, skip_special_tokens=True)
-
-    return decode
-
-
 # ---------------------------------------------------------------------------------------------
 # One prompt, decoded in front of the reader
 
@@ -184,21 +170,24 @@ def answer(models: Models, ids, mode: str, run: Run, caches, colour: bool) -> di
     (explain.ColoredStream: accepted drafts green, the target's own tokens yellow), the
     answer printed. Returns the run's record of it (decoding.record)."""
     config, kwargs = decoding.request(mode, models, run, caches, ids.device)
-    # the answer streams as the rounds commit it
-    stream = explain.ColoredStream(decode=plain_text(models.tokenizer), colour=colour)
+    # the answer streams as the rounds commit it, special tokens (EOS) left out
+    text = functools.partial(models.tokenizer.decode, skip_special_tokens=True)
+    stream = explain.ColoredStream(decode=text, colour=colour)
     drafter = decoding.drafter_for(config, models.drafter)
     out, stats = d3d.generate(models.target, drafter, ids, config, on_round=stream, **kwargs)
     print()
     return decoding.record(ids, out, stats)
 
 
-def explain_prompt(models: Models, prompt: str, mode: str, run: Run, thinking: bool) -> dict:
-    """--explain: one prompt decoded once in `mode`, every round described as it ends
-    (explain.RoundPrinter): the draft and where it came from, what the target accepted and
+def explain_prompt(models: Models, plan: Plan, run: Run) -> dict:
+    """--explain: the first prompt decoded once in the plan's mode, every round described as it
+    ends (explain.RoundPrinter): the draft and where it came from, what the target accepted and
     said, what was committed, in async the prepared outcomes and the one used, and what each
     KV cache held before and after. Then the answer."""
     tok = models.tokenizer
-    ids = decoding.encode(tok, prompt, thinking, models.target.device)
+    prompt = plan.prompts[0]
+    mode = plan.mode
+    ids = decoding.encode(tok, prompt, plan.thinking, models.target.device)
     config, kwargs = decoding.request(mode, models, run, None, ids.device)
     printer = explain.RoundPrinter(decode=tok.decode, block_size=models.block_size(config))
     # x_0 .. x_{p-1}: the prompt; x_p: the first token, the target's prefill's
@@ -208,7 +197,7 @@ def explain_prompt(models: Models, prompt: str, mode: str, run: Run, thinking: b
     drafter = decoding.drafter_for(config, models.drafter)
     out, stats = d3d.generate(models.target, drafter, ids, config, on_round=printer, **kwargs)
     new_tokens = out[0, ids.shape[1] :].tolist()
-    text = plain_text(tok)(new_tokens)
+    text = tok.decode(new_tokens, skip_special_tokens=True)
     print(
         f"\nx_{p} = {tok.decode(new_tokens[:1])!r} came from the target's prefill; "
         f"{printer.rounds} rounds committed the other {len(new_tokens) - 1} tokens"
@@ -234,26 +223,16 @@ def _finite(x):
 # The two drivers: the demo and the benchmark
 
 
-def default_mode_line(plan: Plan, summaries: dict) -> str:
-    """Under the demo's table: which mode the answers above used without --mode, why, and the
-    table's speedups that bear on it."""
-    shown = [m for m in ("sync", "async") if m in summaries]
-    speedups = ", ".join(f"{m} {summaries[m]['speedup']:.2f}x" for m in shown)
-    return (
-        f"the answers above used {plan.mode}, the mode a run takes without --mode: {plan.why}; "
-        f"this table's speedups: {speedups}"
-    )
-
-
-def demo(args, models: Models, prompts: list[str], plan: Plan, run: Run, colour: bool) -> dict:
-    """Answer each prompt with `mode` (answer: coloured by origin), then compare it with
-    target-only decoding, and with the plan's `compare` modes, on the same prompts; with
-    --trace, write_trace of the first prompt."""
+def demo(args, models: Models, plan: Plan, run: Run) -> dict:
+    """Answer each prompt with the plan's mode (answer: coloured by origin), then compare it
+    with target-only decoding, and with the plan's `compare` modes, on the same prompts; with
+    --trace, write_trace of the first prompt; with --plot, the acceptance histogram drawn."""
+    colour = not args.no_color and sys.stdout.isatty() and "NO_COLOR" not in os.environ
     mode = plan.mode
     modes = list(dict.fromkeys(["target", mode, *plan.compare]))
+    tok = models.tokenizer
     # a bad prompt fails before any decoding
-    device = models.target.device
-    all_ids = [decoding.encode(models.tokenizer, p, args.thinking, device) for p in prompts]
+    all_ids = [decoding.encode(tok, p, plan.thinking, models.target.device) for p in plan.prompts]
     caches = decoding.prepare(models, run, all_ids, modes)
     # warm-up
     decoding.decode_prompt(models, all_ids[0], modes, run, caches, max_new_tokens=8)
@@ -263,31 +242,38 @@ def demo(args, models: Models, prompts: list[str], plan: Plan, run: Run, colour:
         reset = explain.RESET
         print(f"{draft}accepted draft tokens{reset}, {own}the target's own tokens{reset}")
     records = collections.defaultdict(list)
-    for i, (text, ids) in enumerate(zip(prompts, all_ids)):
-        print(f"\n── prompt {i + 1}/{len(prompts)}: {text}")
+    for i, (text, ids) in enumerate(zip(plan.prompts, all_ids)):
+        print(f"\n── prompt {i + 1}/{len(plan.prompts)}: {text}")
         for m in modes:
             if m == mode:
                 records[m].append(answer(models, ids, m, run, caches, colour))
             else:
                 records[m].append(decoding.decode_prompt(models, ids, [m], run, caches)[m])
     block_size = models.block_size(run.config)
-    summaries = benches.print_summary(models, records, modes, run, len(prompts), block_size)
-    if plan.why is not None and plan.compare:
-        print(default_mode_line(plan, summaries))
+    summaries = benches.print_summary(models, records, plan, run)
     stats = None
     if mode != "target":
-        stats = benches.merged_stats(records[mode])
+        # its rounds over every prompt, as pictures.draw_acceptance reads them
+        stats = dict(summaries[mode])
+        stats["accept_lengths"] = [n for r in records[mode] for n in r["accept_lengths"]]
         rounds = f"tokens committed per round, 1 .. {block_size + 1}"
         print(f"{mode}: acceptance histogram ({rounds}):")
-        print(benches.histogram(stats["accept_lengths"]))
-    if args.trace:
-        decoding.write_trace(models, all_ids[0], mode, run, caches, args.trace)
+        print(benches.histogram(stats["histogram"]))
+    if plan.trace:
+        decoding.write_trace(models, all_ids[0], mode, run, caches, plan.trace)
+    if args.plot and stats is not None:
+        title = f"{mode}, {len(all_ids)} prompt(s)"
+        path = pictures.draw_acceptance(args.plot, stats, block_size, title=title)
+        drawn = "the acceptance histogram"
+        if mode == "async":
+            drawn += " and hits / misses per verification outcome"
+        print(f"wrote {path}: {drawn}")
     return {
         "summary": summaries[mode],
         "summaries": summaries,
         "block_size": block_size,
         "stats": stats,
-        "answers": [plain_text(models.tokenizer)(r["new_tokens"]) for r in records[mode]],
+        "answers": [tok.decode(r["new_tokens"], skip_special_tokens=True) for r in records[mode]],
     }
 
 
@@ -306,8 +292,7 @@ def check_args(args: dict) -> None:
         cli.check_file("--bench", path)
     if args["prefill_bench_file"] is not None:
         cli.check_file("--prefill-bench", args["prefill_bench_file"])
-    benchmark = args["bench_files"] or args["prefill_bench_file"]
-    if args["plot"] is not None and benchmark:
+    if args["plot"] is not None and (args["bench_files"] or args["prefill_bench_file"]):
         raise runtime.UserError("--plot draws the demo's rounds — drop --bench / --prefill-bench")
     # what --explain cannot go with: it describes one decode
     alone = ("bench_files", "prefill_bench_file", "sampling_check_samples", "concurrency")
@@ -324,17 +309,24 @@ def check_args(args: dict) -> None:
             raise runtime.UserError(f"{flag} {path} is a folder — give a file name")
 
 
-def refusals(args, plan: Plan) -> list[tuple[bool, str]]:
-    """(refused, its one-line error) for each combination of flags a run cannot make, in the
-    order check_plan tries them."""
+def check_plan(args, plan: Plan) -> None:
+    """What the modes of a run cannot do (an unknown mode, a bad async:C,F, two compiled lanes
+    on CUDA), then the first combination of flags it cannot make (refusals: each with its
+    one-line error, in the order tried), said before the models load."""
+    device_type = torch.device(plan.device).type
+    for m in dict.fromkeys([plan.mode, *plan.compare, *plan.modes]):
+        spec, flags = decoding.parse_mode(m)
+        if spec == "async":
+            compiled = args.compile or flags.get("compiled", False)
+            runtime.async_lanes(device_type, compiled, flags.get("lanes", plan.lanes))
     mode = plan.mode
     bench = plan.bench_files
     baselines = ", ".join(m for m in plan.modes if m in peers.BASELINES)
-    speculative = ", ".join(m for m in decoding.available_modes() if m != "target")
+    speculative = ", ".join(m for m in d3d.MODES if m != "target")
     lossy = args.temperature or args.keep_ratio is not None
     samples = args.sampling_check_samples
     apart = args.prefill_bench_file or samples or args.concurrency
-    return [
+    refusals = [
         (
             mode in peers.BASELINES and not bench,
             f"{mode} is a benchmark baseline: run it with --bench FILE.jsonl --modes {mode}",
@@ -363,18 +355,7 @@ def refusals(args, plan: Plan) -> list[tuple[bool, str]]:
             "--sampling-check or --concurrency",
         ),
     ]
-
-
-def check_plan(args, plan: Plan) -> None:
-    """What the modes of a run cannot do (an unknown mode, a bad async:C,F, two compiled lanes
-    on CUDA), then the first of its refusals, said before the models load."""
-    device_type = torch.device(plan.device).type
-    for m in dict.fromkeys([plan.mode, *plan.compare, *plan.modes]):
-        spec, flags = decoding.parse_mode(m)
-        if spec == "async":
-            compiled = args.compile or flags.get("compiled", False)
-            runtime.async_lanes(device_type, compiled, flags.get("lanes", plan.lanes))
-    for refused, message in refusals(args, plan):
+    for refused, message in refusals:
         if refused:
             raise runtime.UserError(message)
 
@@ -405,35 +386,16 @@ def demo_prompts(args) -> list[str]:
     return decoding.read_prompts(path, args.prompt_field, count)[1]
 
 
-@dataclasses.dataclass
-class Plan:
-    """What a run decodes, read from its flags before anything loads."""
-
-    # the demo's mode (--mode, else runtime.default_mode's), or the one --sampling-check and
-    # --prefill-bench use
-    mode: str
-    # the demo without --mode: the other speculative modes, shown beside it
-    compare: list[str]
-    # the benchmark's speculative modes (target-only always runs: it is the baseline)
-    modes: list[str]
-    # --bench's files (None with --prefill-bench)
-    bench_files: list[str] | None
-    # async's lanes (None: runtime.async_lanes decides)
-    lanes: int | None
-    device: str
-    # --sampling-check's N (None: no sampling check)
-    samples: int | None = None
-    # the demo without --mode: why runtime.default_mode chose its mode (said under the table)
-    why: str | None = None
-
-
 def plan_run(args) -> Plan:
-    """The modes, lanes and device of a run, every combination the flags cannot make refused."""
-    speculative = [m for m in decoding.available_modes() if m != "target"]
+    """What a run decodes: its modes, lanes and device, every combination the flags cannot make
+    refused (check_plan), then the prompts and prompt files it reads, read before anything
+    loads."""
+    speculative = [m for m in d3d.MODES if m != "target"]
     mode = args.mode
     modes = args.modes
     bench_files = args.bench_files
-    if args.prefill_bench_file:
+    prefill = args.prefill_bench_file
+    if prefill:
         # the paper pairs selective prefilling with sequential (sync) speculative decoding
         mode = mode or "sync"
         modes = [mode]
@@ -445,8 +407,8 @@ def plan_run(args) -> Plan:
     # target (--explain: that mode alone)
     compare = []
     why = None
-    is_demo = not bench_files and not args.prefill_bench_file and not args.sampling_check_samples
-    if mode is None and is_demo:
+    demo = not bench_files and not prefill and not args.sampling_check_samples
+    if mode is None and demo:
         mode, why = runtime.default_mode(torch.device(device).type)
         if not args.explain:
             compare = [m for m in speculative if m != mode]
@@ -459,9 +421,23 @@ def plan_run(args) -> Plan:
     if lanes is None and bench_files:
         # a benchmark names +2lanes itself; else the rule (runtime.py)
         lanes = 1
-    samples = args.sampling_check_samples
-    plan = Plan(mode, compare, modes, bench_files, lanes, device, samples, why)
+    plan = Plan(mode, compare, modes, bench_files, lanes, device, demo, args.thinking, why=why)
+    plan.samples = args.sampling_check_samples
+    plan.levels = args.concurrency
+    plan.trace = args.trace
     check_plan(args, plan)
+    if not bench_files and not prefill:
+        plan.prompts = demo_prompts(args)
+    plan.files = []
+    for path in bench_files or []:
+        plan.files.append((path, *decoding.read_prompts(path, args.prompt_field, args.max_samples)))
+    if prefill:
+        # every problem of the file: the long prompts are made of them
+        plan.files.append((prefill, *decoding.read_prompts(prefill, args.prompt_field)))
+        plan.keep_ratios = list(args.keep_ratios)
+        plan.num_docs = args.num_docs
+        if args.max_samples is not None:
+            plan.num_long_prompts = args.max_samples
     return plan
 
 
@@ -473,30 +449,30 @@ def main(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     plan = plan_run(args)
-    prompts = None
-    if not plan.bench_files and not args.prefill_bench_file:
-        prompts = demo_prompts(args)
-    # read before loading
-    files = []
-    for path in plan.bench_files or []:
-        files.append((path, *decoding.read_prompts(path, args.prompt_field, args.max_samples)))
     torch.manual_seed(args.seed)
     loaded_modes = plan.modes
     if not plan.bench_files:
         loaded_modes = [plan.mode, *plan.compare]
     if not plan.bench_files and args.keep_ratio:
         loaded_modes.append("sync")
-    models = load(
-        args.target, args.drafter, loaded_modes, plan.device, args.dtype, args.attn, args.threads
-    )
+    models = load(cli.settings_of(decode_flags.ModelFlags, vars(args)), loaded_modes)
     # the DecodeConfig every mode starts from: its flags, the lanes the plan chose
-    config = cli.settings_of(d3d.DecodeConfig, vars(args), NOT_FLAGS, lanes=plan.lanes)
+    config = cli.settings_of(d3d.DecodeConfig, vars(args), decode_flags.NOT_FLAGS, lanes=plan.lanes)
     run = Run(config, args.seed, args.compile, args.max_len, args.tie_tolerance)
     if args.explain:
-        return explain_prompt(models, prompts[0], plan.mode, run, args.thinking)
-    if not plan.bench_files and not args.prefill_bench_file and not plan.samples:
-        return show_demo(args, models, prompts, plan, run)
-    result = benchmark(args, models, prompts, files, plan, run)
+        return explain_prompt(models, plan, run)
+    if plan.demo:
+        return demo(args, models, plan, run)
+    # the benchmark the plan names
+    if plan.keep_ratios is not None:
+        result = benches.prefill_bench(models, plan, run)
+    elif plan.samples:
+        result = benches.sampling_check(models, plan, run)
+    elif plan.levels:
+        # the paper's Table 2
+        result = benches.concurrency_bench(models, plan, run)
+    else:
+        result = benches.table1(models, plan, run)
     # None: called in-process
     command = None
     if sys.argv[0].endswith("decode.py"):
@@ -515,48 +491,6 @@ def main(args: argparse.Namespace) -> dict:
             json.dump(_finite(result), f, indent=1, ensure_ascii=False)
         print(f"wrote {args.out}")
     return result
-
-
-def show_demo(args, models: Models, prompts: list[str], plan: Plan, run: Run) -> dict:
-    """The demo, and with --plot its acceptance histogram drawn."""
-    colour = not args.no_color and sys.stdout.isatty() and "NO_COLOR" not in os.environ
-    mode = plan.mode
-    summary = demo(args, models, prompts, plan, run, colour)
-    if args.plot and summary["stats"] is not None:
-        title = f"{mode}, {len(prompts)} prompt(s)"
-        stats = summary["stats"]
-        path = pictures.draw_acceptance(args.plot, stats, summary["block_size"], title=title)
-        drawn = "the acceptance histogram"
-        if mode == "async":
-            drawn += " and hits / misses per verification outcome"
-        print(f"wrote {path}: {drawn}")
-    return summary
-
-
-def benchmark(args, models: Models, prompts, files, plan: Plan, run: Run) -> dict:
-    """The benchmark the flags name: --prefill-bench, --sampling-check, --concurrency
-    (Table 2), else Table 1 (--bench)."""
-    thinking = args.thinking
-    if args.prefill_bench_file:
-        docs = decoding.read_prompts(args.prefill_bench_file, args.prompt_field)[1]
-        count = args.max_samples
-        if count is None:
-            count = 10
-        full = dataclasses.replace(run, config=dataclasses.replace(run.config, keep_ratio=None))
-        path = args.prefill_bench_file
-        ratios = list(args.keep_ratios)
-        return benches.prefill_bench(
-            models, path, docs, plan.mode, ratios, args.num_docs, count, full, thinking
-        )
-    if plan.samples:
-        return benches.sampling_check(models, prompts[0], plan.mode, run, thinking, plan.samples)
-    if args.concurrency:
-        levels = list(args.concurrency)
-        return benches.concurrency_bench(models, files, plan.modes, levels, run, thinking)
-    trace = None
-    if args.trace:
-        trace = functools.partial(decoding.write_trace, models, run=run, path=args.trace)
-    return benches.table1(models, files, plan.modes, run, thinking, trace)
 
 
 def build_parser() -> argparse.ArgumentParser:

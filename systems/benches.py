@@ -40,13 +40,16 @@ def distance(a: list[list[int]], b: list[list[int]], position: int) -> float:
     return 0.5 * sum(abs(law_a[t] - law_b[t]) for t in tokens) / len(a)
 
 
-def sampling_check(models, prompt: str, mode: str, run, thinking: bool, num_samples: int) -> dict:
-    """Lossless speculative sampling, measured: `num_samples` answers to one prompt by
-    target-only sampling and by `mode`, each answer from its own seed, then per position the
-    total variation distance between the two empirical distributions of the token there (an
+def sampling_check(models, plan, run) -> dict:
+    """Lossless speculative sampling, measured: plan.samples answers to the plan's first prompt
+    by target-only sampling and by its mode, each answer from its own seed, then per position
+    the total variation distance between the two empirical distributions of the token there (an
     answer that ended counts as one more outcome). A second target-only set shows the distance
     that sampling noise alone gives: a lossless mode stays near it, a biased one rises above."""
-    ids = decoding.encode(models.tokenizer, prompt, thinking, models.target.device)
+    prompt = plan.prompts[0]
+    mode = plan.mode
+    num_samples = plan.samples
+    ids = decoding.encode(models.tokenizer, prompt, plan.thinking, models.target.device)
     caches = decoding.prepare(models, run, [ids], ["target", mode])
     sets = {"target": "target", mode: mode, "target, again": "target"}
     answers = {}
@@ -63,30 +66,27 @@ def sampling_check(models, prompt: str, mode: str, run, thinking: bool, num_samp
             bar.update(1)
     bar.close()
     length = max(len(r) for rows in answers.values() for r in rows)
-    rows = []
-    for p in range(length):
-        tv_mode = distance(answers[mode], answers["target"], p)
-        tv_noise = distance(answers["target, again"], answers["target"], p)
-        rows.append((p, tv_mode, tv_noise))
     print(
         f"\nsampling check at temperature {run.config.temperature}: {num_samples} answers per "
         f"set, prompt {prompt!r}\n"
         f"{'position':>8}  TV({mode}, target)  TV(target, target again)"
     )
-    for p, spec, noise in rows:
-        line = f"{p + 1:>8}  {spec:>16.3f}  {noise:>24.3f}"
+    positions = []
+    for p in range(length):
+        tv_mode = distance(answers[mode], answers["target"], p)
+        tv_noise = distance(answers["target, again"], answers["target"], p)
+        positions.append({"tv_mode": tv_mode, "tv_noise": tv_noise})
+        line = f"{p + 1:>8}  {tv_mode:>16.3f}  {tv_noise:>24.3f}"
         if p == 0:
             line += "   (the target's prefill token)"
         print(line)
-    mean = {
-        mode: sum(r[1] for r in rows) / len(rows),
-        "target, again": sum(r[2] for r in rows) / len(rows),
-    }
-    print(f"{'mean':>8}  {mean[mode]:>16.3f}  {mean['target, again']:>24.3f}")
+    mean_mode = figures._mean(x["tv_mode"] for x in positions)
+    mean_noise = figures._mean(x["tv_noise"] for x in positions)
+    print(f"{'mean':>8}  {mean_mode:>16.3f}  {mean_noise:>24.3f}")
     return {
-        "positions": [{"tv_mode": a, "tv_noise": b} for _, a, b in rows],
-        "mean_tv_mode": mean[mode],
-        "mean_tv_noise": mean["target, again"],
+        "positions": positions,
+        "mean_tv_mode": mean_mode,
+        "mean_tv_noise": mean_noise,
         "num_samples": num_samples,
         "mode": mode,
     }
@@ -107,10 +107,7 @@ def decode_group(
         mode = decoding.parse_mode(spec)[0]
         if mode == "async":
             # the batch-1 loop; decode_prompt's record carries the same totals
-            decoded = decoding.decode_prompt(
-                models, group[0], [spec], run, max_new_tokens=max_new_tokens
-            )
-            r = decoded[spec]
+            r = decoding.decode_prompt(models, group[0], [spec], run, None, max_new_tokens)[spec]
             records[spec] = {**r, "new_tokens": [r["new_tokens"]]}
             continue
         device = models.target.device
@@ -206,15 +203,13 @@ def concurrency_table(
     return "\n".join(lines)
 
 
-def concurrency_bench(
-    models, files, modes: list[str], levels: list[int], run, thinking: bool
-) -> dict:
-    """Table 2: at each concurrency c, the prompts of each file in consecutive groups of c
-    decoded as one batch, target-only and each speculative mode (async at c = 1 only); greedy
-    outputs are checked row by row against target-only decoding of the same group."""
-    target = models.target
-    tok = models.tokenizer
-    datasets = decoding.encode_files(tok, files, thinking, target.device)
+def concurrency_bench(models, plan, run) -> dict:
+    """Table 2: at each concurrency c of plan.levels, the prompts of each file in consecutive
+    groups of c decoded as one batch, target-only and each speculative mode (async at c = 1
+    only); greedy outputs are checked row by row against target-only decoding of the same
+    group."""
+    levels = plan.levels
+    datasets = decoding.encode_files(models, plan)
     results = {}
     mismatches = []
     everything = {c: collections.defaultdict(list) for c in levels}
@@ -222,23 +217,8 @@ def concurrency_bench(
         results[name] = {"path": path, "field": field, "num_prompts": len(prompts), "levels": {}}
         for c in levels:
             level = ["target"]
-            level += [m for m in modes if c == 1 or decoding.parse_mode(m)[0] != "async"]
-            # warm-up at this batch size
-            decode_group(models, prompts[:c], level, run, max_new_tokens=16)
-            records = collections.defaultdict(list)
-            groups = [prompts[i : i + c] for i in range(0, len(prompts), c)]
-            bar = tqdm(groups, desc=f"{name} c={c}", unit="batch", dynamic_ncols=True)
-            for g, group in enumerate(bar):
-                for mode, r in decode_group(models, group, level, run).items():
-                    records[mode].append(r)
-                    references = records["target"][-1]["new_tokens"]
-                    for row, (ref, new) in enumerate(zip(references, r["new_tokens"])):
-                        where = dict(dataset=name, concurrency=c, mode=mode)
-                        where["prompt_index"] = g * c + row
-                        x = group[row]
-                        found = forensics.divergence(target, tok, x, ref, new, run, **where)
-                        if found:
-                            mismatches.append(found)
+            level += [m for m in plan.modes if c == 1 or decoding.parse_mode(m)[0] != "async"]
+            records = level_records(models, prompts, c, level, run, mismatches, dataset=name)
             cells = {}
             for m in level:
                 cells[m] = summarise_concurrent(records[m], records["target"])
@@ -249,30 +229,55 @@ def concurrency_bench(
                 )
             results[name]["levels"][c] = cells
     overall = {}
+    checked = 0
     for c in levels:
         baseline = everything[c]["target"]
         overall[c] = {m: summarise_concurrent(everything[c][m], baseline) for m in everything[c]}
-    block_size = models.block_size(run.config)
-    text = concurrency_table(results, overall, levels, modes, block_size)
-    checked = 0
-    for c in levels:
         for m in everything[c]:
             if m != "target":
                 checked += sum(len(r["new_tokens"]) for r in everything[c][m])
-    if run.config.temperature:
-        check = "greedy check skipped: at temperature > 0 the outputs are samples"
-    else:
-        against = "target-only at the same concurrency"
-        check = forensics.greedy_check(mismatches, checked, against=against)
-    print(f"\n{text}\n\n{check}")
+    block_size = models.block_size(run.config)
+    text = concurrency_table(results, overall, levels, plan.modes, block_size)
+    against = "target-only at the same concurrency"
     return {
         "concurrency": levels,
         "datasets": results,
         "overall": overall,
         "block_size": block_size,
         "table": text,
-        "mismatches": forensics.tally(mismatches, checked),
+        "mismatches": report(text, mismatches, checked, run, against=against),
     }
+
+
+def level_records(models, prompts, c: int, level: list[str], run, mismatches, dataset) -> dict:
+    """{mode: one record per group} of one file's prompts in consecutive groups of c, after a
+    warm-up at that batch size; each row that leaves target-only's is added to `mismatches`."""
+    decode_group(models, prompts[:c], level, run, max_new_tokens=16)
+    records = collections.defaultdict(list)
+    groups = [prompts[i : i + c] for i in range(0, len(prompts), c)]
+    bar = tqdm(groups, desc=f"{dataset} c={c}", unit="batch", dynamic_ncols=True)
+    for g, group in enumerate(bar):
+        for mode, r in decode_group(models, group, level, run).items():
+            records[mode].append(r)
+            references = records["target"][-1]["new_tokens"]
+            for row, (ref, new) in enumerate(zip(references, r["new_tokens"])):
+                where = dict(dataset=dataset, concurrency=c, mode=mode, prompt_index=g * c + row)
+                found = forensics.divergence(
+                    models.target, models.tokenizer, group[row], ref, new, run, **where
+                )
+                if found:
+                    mismatches.append(found)
+    return records
+
+
+def report(text: str, mismatches: list[dict], checked: int, run, **against) -> dict:
+    """Print a benchmark's table and its greedy check below (skipped at temperature > 0);
+    returns the check's counts for the JSON (forensics.tally)."""
+    check = "greedy check skipped: at temperature > 0 the outputs are samples"
+    if not run.config.temperature:
+        check = forensics.greedy_check(mismatches, checked, **against)
+    print(f"\n{text}\n\n{check}")
+    return forensics.tally(mismatches, checked)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,69 +315,47 @@ def per_token(records: list[dict], key: str, tokens: str) -> float:
     return sum(r[key] for r in records) / max(1, sum(r[tokens] for r in records))
 
 
-def prefill_bench(
-    models,
-    path: str,
-    docs: list[str],
-    mode: str,
-    keep_ratios: list[float],
-    num_docs: int,
-    count: int,
-    run,
-    thinking: bool,
-) -> dict:
+def prefill_bench(models, plan, run) -> dict:
     """Selective prefilling (paper Tables 6-7 in miniature): per long prompt, target-only
-    decoding with full prefill (the baseline), then `mode` with the drafter choosing the kept
-    chunks at each keep ratio (1.0 = full prefill, the drafter's scoring pass included in TTFT).
-    TTFT, decode and end-to-end speedups are ratios to the baseline in the same run; "same
-    answer" compares the whole output, "same number" its last number, with the baseline's."""
-    tok = models.tokenizer
-    prompts = long_prompts(docs, num_docs, count, run.seed)
-    ids = [decoding.encode(tok, p, thinking, models.target.device) for p, _ in prompts]
+    decoding with full prefill (the baseline), then the plan's mode with the drafter choosing
+    the kept chunks at each of plan.keep_ratios (1.0 = full prefill, the drafter's scoring pass
+    included in TTFT). TTFT, decode and end-to-end speedups are ratios to the baseline in the
+    same run; "same answer" compares the whole output, "same number" its last number, with the
+    baseline's."""
+    path, _, docs = plan.files[0]
+    count = plan.num_long_prompts
+    # the rows below set their own keep ratio
+    run = dataclasses.replace(run, config=dataclasses.replace(run.config, keep_ratio=None))
+    prompts = long_prompts(docs, plan.num_docs, count, run.seed)
+    device = models.target.device
+    ids = [decoding.encode(models.tokenizer, p, plan.thinking, device) for p, _ in prompts]
     rows = {"target, full prefill": None}
-    for r in keep_ratios:
-        rows[f"{r:.0%} + D3D ({mode})"] = r
+    for r in plan.keep_ratios:
+        rows[f"{r:.0%} + D3D ({plan.mode})"] = r
     records = collections.defaultdict(list)
-    caches = decoding.prepare(models, run, ids, ["target", mode])
+    caches = decoding.prepare(models, run, ids, ["target", plan.mode])
     # warm-up
     decoding.decode_prompt(models, ids[0], ["target"], run, caches, max_new_tokens=4)
     for x in tqdm(ids, desc="long prompts", unit="prompt", dynamic_ncols=True):
         for name, ratio in rows.items():
             row = dataclasses.replace(run, config=dataclasses.replace(run.config, keep_ratio=ratio))
-            row_mode = mode
+            row_mode = plan.mode
             if ratio is None:
                 row_mode = "target"
             decoded = decoding.decode_prompt(models, x, [row_mode], row, caches)
             records[name].append(decoded[row_mode])
-    base = records["target, full prefill"]
-    base_ttft = figures._mean(b["time_prefill"] for b in base)
-    table_rows = []
     result = {}
     for name, recs in records.items():
-        pairs = list(zip(recs, base))
-        same_number = []
-        for r, b in pairs:
-            ours = last_number(tok.decode(r["new_tokens"]))
-            theirs = last_number(tok.decode(b["new_tokens"]))
-            same_number.append(float(ours == theirs))
-        prefilled = [r.get("prompt_tokens_prefilled", x.shape[1]) for r, x in zip(recs, ids)]
-        ttft = figures._mean(r["time_prefill"] for r in recs)
-        decode_base = per_token(base, "decode_time", "decode_tokens")
-        e2e_base = per_token(base, "time_total", "num_new_tokens")
-        result[name] = {
-            "same_answer": figures._mean(
-                float(r["new_tokens"] == b["new_tokens"]) for r, b in pairs
-            ),
-            "same_number": figures._mean(same_number),
-            "ttft_s": ttft,
-            "ttft_speedup": base_ttft / ttft,
-            "decode_speedup": decode_base / per_token(recs, "decode_time", "decode_tokens"),
-            "e2e_speedup": e2e_base / per_token(recs, "time_total", "num_new_tokens"),
-            "prompt_tokens": figures._mean(x.shape[1] for x in ids),
-            "prompt_tokens_prefilled": figures._mean(prefilled),
-            "tau": figures._mean(r["tau"] for r in recs),
-        }
-        o = result[name]
+        result[name] = prefill_cells(models.tokenizer, recs, records["target, full prefill"], ids)
+    header = (
+        f"{os.path.basename(path)}: {count} prompts of {plan.num_docs} problems "
+        f"(~{result[next(iter(result))]['prompt_tokens']:.0f} tokens), chunks of "
+        f"{run.config.chunk_size} tokens; τ = the mean of per-prompt means\n"
+        f"{'setting':<24}{'same':>7}{'number':>8}{'prefill':>9}"
+        f"{'TTFT ms':>9}{'TTFT':>8}{'decode':>8}{'E2E':>8}{'τ':>7}"
+    )
+    table_rows = []
+    for name, o in result.items():
         table_rows.append(
             f"{name:<24}{o['same_answer']:>7.0%}{o['same_number']:>8.0%}"
             f"{o['prompt_tokens_prefilled']:>9.0f}"
@@ -380,24 +363,42 @@ def prefill_bench(
             f"{o['decode_speedup']:>7.2f}×"
             f"{o['e2e_speedup']:>7.2f}×{o['tau']:>7.2f}"
         )
-    prompt_tokens = result[next(iter(result))]["prompt_tokens"]
-    header = (
-        f"{os.path.basename(path)}: {count} prompts of {num_docs} problems "
-        f"(~{prompt_tokens:.0f} tokens), chunks of {run.config.chunk_size} tokens; "
-        "τ = the mean of per-prompt means\n"
-        f"{'setting':<24}{'same':>7}{'number':>8}{'prefill':>9}"
-        f"{'TTFT ms':>9}{'TTFT':>8}{'decode':>8}{'E2E':>8}{'τ':>7}"
-    )
     text = header + "\n" + "\n".join(table_rows)
     print("\n" + text)
     return {
         "prefill_bench": result,
         "table": text,
         "num_prompts": count,
-        "num_docs": num_docs,
+        "num_docs": plan.num_docs,
         "chunk_size": run.config.chunk_size,
-        "mode": mode,
+        "mode": plan.mode,
         "source": path,
+    }
+
+
+def prefill_cells(tok, records: list[dict], base: list[dict], ids: list[torch.Tensor]) -> dict:
+    """One setting's row of the prefill bench: its records against the baseline's (target-only,
+    full prefill) on the same long prompts."""
+    pairs = list(zip(records, base))
+    same_number = []
+    for r, b in pairs:
+        ours = last_number(tok.decode(r["new_tokens"]))
+        theirs = last_number(tok.decode(b["new_tokens"]))
+        same_number.append(float(ours == theirs))
+    prefilled = [r.get("prompt_tokens_prefilled", x.shape[1]) for r, x in zip(records, ids)]
+    ttft = figures._mean(r["time_prefill"] for r in records)
+    decode_base = per_token(base, "decode_time", "decode_tokens")
+    e2e_base = per_token(base, "time_total", "num_new_tokens")
+    return {
+        "same_answer": figures._mean(float(r["new_tokens"] == b["new_tokens"]) for r, b in pairs),
+        "same_number": figures._mean(same_number),
+        "ttft_s": ttft,
+        "ttft_speedup": figures._mean(b["time_prefill"] for b in base) / ttft,
+        "decode_speedup": decode_base / per_token(records, "decode_time", "decode_tokens"),
+        "e2e_speedup": e2e_base / per_token(records, "time_total", "num_new_tokens"),
+        "prompt_tokens": figures._mean(x.shape[1] for x in ids),
+        "prompt_tokens_prefilled": figures._mean(prefilled),
+        "tau": figures._mean(r["tau"] for r in records),
     }
 
 
@@ -405,15 +406,15 @@ def prefill_bench(
 # Table 1: batch 1, each mode beside target-only decoding
 
 
-def table1(models, files, modes: list[str], run, thinking: bool, trace=None) -> dict:
-    """files: (path, field, prompts) of each prompt file, decoded target-only and in each of
-    `modes`. Greedy outputs that differ from target-only are classified by
+def table1(models, plan, run) -> dict:
+    """plan.files: (path, field, prompts) of each prompt file, decoded target-only and in each
+    of plan.modes. Greedy outputs that differ from target-only are classified by
     forensics.classify_divergence (run.tie_tolerance: a fixed tolerance in logits instead of
-    tie_tolerance's). trace: called as trace(ids, mode, caches) with the first prompt of the
-    first file, in the first mode named (decode.py's write_trace)."""
+    tie_tolerance's). With plan.trace, the first prompt of the first file decoded once more in
+    the first mode named, its trace written (decoding.write_trace)."""
     tok = models.tokenizer
-    datasets = decoding.encode_files(tok, files, thinking, models.target.device)
-    every_mode = ["target"] + modes
+    datasets = decoding.encode_files(models, plan)
+    every_mode = ["target"] + plan.modes
     every_prompt = [x for _, _, ids in datasets.values() for x in ids]
     caches = decoding.prepare(models, run, every_prompt, every_mode)
     first = every_prompt[0]
@@ -440,9 +441,9 @@ def table1(models, files, modes: list[str], run, thinking: bool, trace=None) -> 
         results[name] |= dataset_cells(records, mismatches, name)
         for m in records:
             everything[m] += records[m]
-    result = table1_figures(models, results, everything, mismatches, modes, run)
-    if trace:
-        trace(first, modes[0], caches)
+    result = table1_figures(models, results, everything, mismatches, plan.modes, run)
+    if plan.trace:
+        decoding.write_trace(models, first, plan.modes[0], run, caches, plan.trace)
     return result
 
 
@@ -456,9 +457,8 @@ def dataset_cells(records: dict, mismatches: list[dict], name: str) -> dict:
         cells[m] = figures.summarise(records[m], records["target"])
         cells[m]["mismatches"] = len(found)
         cells[m]["errors"] = sum(x["class"] == "error" for x in found)
-        per_prompt[m] = []
-        for r in records[m]:
-            per_prompt[m].append({k: v for k, v in r.items() if k != "new_tokens"})
+        # each record without its new tokens
+        per_prompt[m] = [{k: v for k, v in r.items() if k != "new_tokens"} for r in records[m]]
     return {"modes": cells, "per_prompt": per_prompt}
 
 
@@ -470,11 +470,7 @@ def table1_figures(models, results, everything, mismatches, modes, run) -> dict:
         overall[m] = figures.summarise(everything[m], everything["target"])
     text = figures.table(results, overall, modes, block_size)
     checked = sum(len(everything[m]) for m in modes)
-    if run.config.temperature:
-        check = "greedy check skipped: at temperature > 0 the outputs are samples"
-    else:
-        check = forensics.greedy_check(mismatches, checked)
-    print(f"\n{text}\n\n{check}")
+    tally = report(text, mismatches, checked, run)
     mean = {}
     for m in modes:
         mean[m] = {}
@@ -486,7 +482,7 @@ def table1_figures(models, results, everything, mismatches, modes, run) -> dict:
         "overall": overall,
         "block_size": block_size,
         "table": text,
-        "mismatches": forensics.tally(mismatches, checked),
+        "mismatches": tally,
     }
     if "hf" in overall:
         # > 1: this repo's target-only loop is faster than transformers' generate
@@ -499,10 +495,14 @@ def table1_figures(models, results, everything, mismatches, modes, run) -> dict:
 # The demo's comparison of its modes
 
 
-def print_summary(models, records, modes, run, num_prompts: int, block_size) -> dict:
-    """The demo's table: each mode's speed, speedup, tau, hit rate and whether its tokens are
-    target-only's. Returns {mode: figures.summarise}."""
+def print_summary(models, records: dict, plan, run) -> dict:
+    """The demo's table: target-only decoding, the plan's mode and its `compare` modes, each
+    with its speed, speedup, tau, hit rate and whether its tokens are target-only's; without
+    --mode, which mode the answers used and why. Returns {mode: figures.summarise}."""
+    modes = list(dict.fromkeys(["target", plan.mode, *plan.compare]))
     info = models.info
+    num_prompts = len(records["target"])
+    block_size = models.block_size(run.config)
     print(
         f"\n{num_prompts} prompt(s), {info['device']}, {info['dtype']}, block size "
         f"{block_size}; tok/s with prefill excluded, speedup = target-only time per output "
@@ -514,16 +514,15 @@ def print_summary(models, records, modes, run, num_prompts: int, block_size) -> 
     for m in modes:
         s = figures.summarise(records[m], records["target"])
         summaries[m] = s
-        pairs = zip(records[m], records["target"])
-        same = sum(r["new_tokens"] == b["new_tokens"] for r, b in pairs)
-        same = f"{same}/{num_prompts}"
-        if run.config.temperature and m != "target":
-            same = "sampled"
-        if m == "target":
-            same = "-"
+        same = "-"
         tau = "-"
         if m != "target":
+            pairs = zip(records[m], records["target"])
+            same = sum(r["new_tokens"] == b["new_tokens"] for r, b in pairs)
+            same = f"{same}/{num_prompts}"
             tau = f"{s['tau']:.2f}"
+        if run.config.temperature and m != "target":
+            same = "sampled"
         hit_rate = "-"
         if "hit_rate" in s:
             hit_rate = format(s["hit_rate"], ".0%")
@@ -538,23 +537,21 @@ def print_summary(models, records, modes, run, num_prompts: int, block_size) -> 
             f"lane{'s' * (lanes == 2)}); its hit rate is how often the next draft was ready "
             "when the verification ended"
         )
+    if plan.why is not None and plan.compare:
+        shown = [m for m in ("sync", "async") if m in summaries]
+        speedups = ", ".join(f"{m} {summaries[m]['speedup']:.2f}x" for m in shown)
+        print(
+            f"the answers above used {plan.mode}, the mode a run takes without --mode: "
+            f"{plan.why}; this table's speedups: {speedups}"
+        )
     return summaries
 
 
-def merged_stats(records: list[dict]) -> dict:
-    """One mode's stats over several prompts: accept lengths joined, hits and misses added."""
-    merged = {"accept_lengths": [n for r in records for n in r["accept_lengths"]]}
-    for key in ("hits_per_position", "misses_per_position"):
-        if key in records[0]:
-            merged[key] = [sum(counts) for counts in zip(*(r[key] for r in records))]
-    return merged
-
-
-def histogram(accept_lengths: list[int], width: int = 40) -> str:
-    """One bar per round length that occurred (lengths with no round are left out)."""
-    counts = collections.Counter(accept_lengths)
+def histogram(counts: dict[int, int], width: int = 40) -> str:
+    """One bar per round length that occurred ({length: rounds}, figures.summarise's
+    histogram; lengths with no round are left out)."""
     top = max(counts.values(), default=1)
-    total = max(len(accept_lengths), 1)
+    total = max(sum(counts.values()), 1)
     lines = []
     for n in sorted(counts):
         bar = "#" * math.ceil(width * counts[n] / top)

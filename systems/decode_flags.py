@@ -73,7 +73,7 @@ class RunFlags:
 
     mode: str | None = cli.flag(
         None,
-        f"one of {', '.join(decoding.available_modes())}, or a spec as --modes takes (default: "
+        f"one of {', '.join(d3d.MODES)}, or a spec as --modes takes (default: "
         "sync on every device, shown beside async and the target; runtime.default_mode says "
         "why)",
     )

@@ -7,7 +7,7 @@ a run and returns the records that the drivers and the benches time (record); en
 prompt's ids.
 
 `models` everywhere: the run's Models (decode.load); `run`: its Run, the DecodeConfig every mode
-starts from and the run's own settings, only read.
+starts from and the run's own settings, only read; `plan`: its Plan, what it decodes.
 """
 
 from __future__ import annotations
@@ -63,8 +63,44 @@ class Run:
     tie_tolerance: float | None = None
 
 
-def available_modes() -> tuple[str, ...]:
-    return d3d.MODES
+@dataclass
+class Plan:
+    """What a run decodes, read from decode.py's flags before anything loads (decode.plan_run):
+    the demo and each bench take it whole."""
+
+    # the demo's mode (--mode, else runtime.default_mode's), or the one --sampling-check and
+    # --prefill-bench use
+    mode: str
+    # the demo without --mode: the other speculative modes, shown beside it
+    compare: list[str]
+    # the benchmark's speculative modes (target-only always runs: it is the baseline)
+    modes: list[str]
+    # --bench's files (None with --prefill-bench)
+    bench_files: list[str] | None
+    # async's lanes (None: runtime.async_lanes decides)
+    lanes: int | None
+    device: str
+    # no benchmark named: the demo (or --explain)
+    demo: bool = True
+    # Qwen3's chat template with thinking on (encode)
+    thinking: bool = False
+    # --sampling-check's N (None: no sampling check)
+    samples: int | None = None
+    # --concurrency's sizes (None: Table 1)
+    levels: list[int] | None = None
+    # --trace's path
+    trace: str | None = None
+    # --prefill-bench: its keep ratios (None: no prefill bench), problems per long prompt, and
+    # how many long prompts
+    keep_ratios: list[float] | None = None
+    num_docs: int | None = None
+    num_long_prompts: int = 10
+    # the demo's prompts (--sampling-check: its first), read before the models load
+    prompts: list[str] | None = None
+    # (path, field, prompts) of each --bench file, or of --prefill-bench's (all its problems)
+    files: list[tuple] | None = None
+    # the demo without --mode: why runtime.default_mode chose its mode (said under the table)
+    why: str | None = None
 
 
 def parse_mode(spec: str) -> tuple[str, dict]:
@@ -85,19 +121,14 @@ def parse_mode(spec: str) -> tuple[str, dict]:
         flags["compiled"] = True
     if "2lanes" in setting:
         flags["lanes"] = 2
-    mode, overrides = _parse_budget(spec)
-    return mode, {**overrides, **flags}
-
-
-def _parse_budget(spec: str) -> tuple[str, dict]:
     mode, _, budget = spec.partition(":")
     if mode in peers.BASELINES and not budget:
-        return mode, {}
-    if mode not in available_modes() or (budget and mode != "async"):
-        names = ", ".join(available_modes() + peers.BASELINES)
+        return mode, flags
+    if mode not in d3d.MODES or (budget and mode != "async"):
+        names = ", ".join(d3d.MODES + peers.BASELINES)
         raise runtime.UserError(f"unknown mode {spec!r}: use one of {names} or async:C,F[,cover]")
     if not budget:
-        return mode, {}
+        return mode, flags
     parts = budget.split(",")
     try:
         overrides = {"coverage": int(parts[0]), "fanout": int(parts[1])}
@@ -107,7 +138,7 @@ def _parse_budget(spec: str) -> tuple[str, dict]:
         )
     if len(parts) > 2:
         overrides["cover"] = parts[2]
-    return mode, overrides
+    return mode, {**overrides, **flags}
 
 
 def mode_config(spec: str, run: Run) -> tuple[d3d.DecodeConfig, bool]:
@@ -171,15 +202,15 @@ def encode(tok, text: str, thinking: bool, device) -> torch.Tensor:
     return torch.tensor([ids], device=device)
 
 
-def encode_files(tok, files, thinking: bool, device) -> dict[str, tuple]:
-    """{dataset name: (path, field, prompt ids)} of (path, field, prompts) per prompt file; the
-    name is the file's, made unique with its index where two files share it."""
+def encode_files(models: Models, plan: Plan) -> dict[str, tuple]:
+    """{dataset name: (path, field, prompt ids)} of the plan's (path, field, prompts) per
+    prompt file; the name is the file's, made unique with its index where two files share it."""
     datasets = {}
-    for path, field, prompts in files:
+    for path, field, prompts in plan.files:
         name = os.path.splitext(os.path.basename(path))[0]
         if name in datasets:
             name = f"{name}-{len(datasets)}"
-        ids = [encode(tok, p, thinking, device) for p in prompts]
+        ids = [encode(models.tokenizer, p, plan.thinking, models.target.device) for p in prompts]
         datasets[name] = (path, field, ids)
     return datasets
 
@@ -199,17 +230,6 @@ class RunCaches:
     compile_seconds: float = 0.0
 
 
-def _budget(spec: str, run: Run, block_size: int) -> tuple[int, int]:
-    """(C, F) of one mode: its own async:C,F, else --coverage / --fanout, else d3d's."""
-    config = mode_config(spec, run)[0]
-    coverage, fanout = d3d.default_budget(block_size)
-    if config.coverage is not None:
-        coverage = config.coverage
-    if config.fanout is not None:
-        fanout = config.fanout
-    return coverage, fanout
-
-
 def prepare(models: Models, run: Run, all_ids: list[torch.Tensor], modes: list[str]) -> RunCaches:
     """Once per run, before the warm-up: the KV caches of fixed size every request reuses
     (--max-len, else the longest prompt + --max-new-tokens + the widest pass of `modes`), and
@@ -220,7 +240,8 @@ def prepare(models: Models, run: Run, all_ids: list[torch.Tensor], modes: list[s
         block_size = 1
     widest = 0
     for spec in modes:
-        coverage, fanout = _budget(spec, run, block_size)
+        # its own async:C,F, else --coverage / --fanout, else d3d's
+        coverage, fanout = d3d.branch_budget(mode_config(spec, run)[0], block_size)
         if parse_mode(spec)[0] != "async":
             coverage = 0
         else:

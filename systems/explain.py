@@ -23,6 +23,7 @@ RESET = "\033[0m"
 COLOURS = {"draft": GREEN, "target": YELLOW}  # as decode.py's coloured answers
 NBSP = "\u00a0"  # holds a unit such as "d_1 .. d_4" together while lines are wrapped
 
+# the symbols of describe_round, one a line
 LEGEND = """\
 x_j     the token at position j of the text (the prompt is x_0 onwards)
 n       the round starts with x_0 .. x_n committed (the target's cache holds x_0 .. x_{n-1})
@@ -34,11 +35,6 @@ t       the target's own token after them: its correction of d_{a+1}, or the bon
 hit     the round's outcome (a + 1, t) was prepared: that block is the next draft
 miss    it was not: the next round drafts anew
 cache   a KV cache of length 7 holds x_0 .. x_6"""
-
-
-def legend() -> str:
-    """The symbols of describe_round, one a line."""
-    return LEGEND
 
 
 def _show(token: int, decode) -> str:
@@ -209,7 +205,7 @@ class RoundPrinter:
             if info.mode != "target":
                 header += f" (B = {block_size})"
             print(header, file=file)
-            print(legend(), file=file)
+            print(LEGEND, file=file)
         self.rounds += 1
         print("", file=file)
         print(describe_round(info, block_size=block_size, decode=self.decode), file=file)
@@ -218,17 +214,14 @@ class RoundPrinter:
 
 class ColoredStream:
     """An on_round that writes the answer to `file` (default stdout) as each round commits it:
-    accepted draft tokens in colours["draft"] (green), the target's own token in colours["target"]
+    accepted draft tokens in COLOURS["draft"] (green), the target's own token in COLOURS["target"]
     (yellow); colour=False: plain text. The prefill's token, x_n of round 0, is the target's own:
     round 0 writes it first. .tokens: every token written so far."""
 
-    def __init__(self, decode=None, *, file=None, colour: bool = True, colours=None):
-        if colours is None:
-            colours = COLOURS
+    def __init__(self, decode=None, *, file=None, colour: bool = True):
         self.decode = decode
         self.file = file
         self.colour = colour
-        self.colours = colours
         self.tokens: list[int] = []
         self.shown = ""  # the text of self.tokens, as written
 
@@ -249,7 +242,7 @@ class ColoredStream:
             file = sys.stdout
         piece = self._piece(tokens)
         if self.colour:
-            piece = self.colours[origin] + piece + RESET
+            piece = COLOURS[origin] + piece + RESET
         file.write(piece)
         file.flush()
 

@@ -90,12 +90,10 @@ def hf_decode(models, ids: torch.Tensor, mode: str, config, max_new_tokens: int)
     drafter's. τ: tokens committed per target pass, the first pass (prompt + first drafts)
     left out as D3D leaves out its prefill."""
     target = models.target
-    drafter = models.drafter
-    tok = models.tokenizer
     eos = models.eos
     # config: the run's DecodeConfig (its block_size)
     block_size = models.block_size(config)
-    pad = tok.pad_token_id
+    pad = models.tokenizer.pad_token_id
     if pad is None:
         pad = eos[0]
     kwargs = {
@@ -107,7 +105,7 @@ def hf_decode(models, ids: torch.Tensor, mode: str, config, max_new_tokens: int)
     }
     if mode == "hf-assisted":
         vocab_size = target.get_output_embeddings().weight.shape[0]
-        assistant = assistant_model(drafter, vocab_size)
+        assistant = assistant_model(models.drafter, vocab_size)
         assistant.generation_config.update(
             num_assistant_tokens=block_size,
             num_assistant_tokens_schedule="constant",

@@ -29,12 +29,12 @@ import d3d
 import decode
 import runtime
 import toy
-from systems import decoding, explain, figures, forensics, peers
+from systems import decode_flags, decoding, explain, figures, forensics, peers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # decode.py lives there
 
 torch.set_num_threads(1)
-MODES = decoding.available_modes()
+MODES = d3d.MODES
 SPECULATIVE = [m for m in MODES if m != "target"]
 
 
@@ -552,10 +552,11 @@ def test_the_demo_answer_is_coloured_by_origin(setting, monkeypatch, capsys):
     args = decode.parse_args(models_args(setting))
     target = str(setting / "target")
     drafter = str(setting / "drafter")
-    models = decode.load(target, drafter, ["sync"], "cpu", "float32", "sdpa")
+    flags = decode_flags.ModelFlags(target, drafter, device="cpu", dtype="float32")
+    models = decode.load(flags, ["sync"])
     tok = models.tokenizer
     ids = decoding.encode(tok, "12 + 7 * 3", False, "cpu")
-    config = decode.cli.settings_of(d3d.DecodeConfig, vars(args), decode.NOT_FLAGS)
+    config = decode.cli.settings_of(d3d.DecodeConfig, vars(args), decode_flags.NOT_FLAGS)
     kept = decode.answer(models, ids, "sync", decoding.Run(config), None, colour=True)
     printed = capsys.readouterr().out.rstrip("\n")
     text = tok.decode(kept["new_tokens"], skip_special_tokens=True)

@@ -153,7 +153,7 @@ def trace_text() -> str:
         + ".",
         "",
     ]
-    lines += explain.legend().splitlines()
+    lines += explain.LEGEND.splitlines()
     for info, case in zip(rounds, CASES):
         lines.append("")
         lines += textwrap.wrap(case, explain.WIDTH)
