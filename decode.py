@@ -403,13 +403,15 @@ def plan_run(args) -> Plan:
     device = args.device
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    # a word that is no device: one line here; a device this machine lacks: load's check
+    device_type = runtime.parse_device(device).type
     # the demo without --mode: the rule's mode on this device, beside the other one and the
     # target (--explain: that mode alone)
     compare = []
     why = None
     demo = not bench_files and not prefill and not args.sampling_check_samples
     if mode is None and demo:
-        mode, why = runtime.default_mode(torch.device(device).type)
+        mode, why = runtime.default_mode(device_type)
         if not args.explain:
             compare = [m for m in speculative if m != mode]
     if mode is None:

@@ -1158,6 +1158,16 @@ def keep_layers(model: nn.Module, layer_ids: list[int]) -> nn.Module:
     return model
 
 
+def parse_device(name: str, flag: str = "--device") -> torch.device:
+    """The device a name spells, whether or not this machine has it; a word torch does not
+    read as a device is a UserError."""
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        message = f"{flag} {name} is not a device — give cpu, cuda, cuda:N or mps"
+        raise UserError(message) from None
+
+
 def resolve_device(name: str | None, flag: str = "--device") -> torch.device:
     """The device a flag names, checked before anything loads: None is CUDA if there is one,
     else the CPU; a CUDA or MPS device this machine lacks is a UserError."""
@@ -1165,11 +1175,7 @@ def resolve_device(name: str | None, flag: str = "--device") -> torch.device:
         if torch.cuda.is_available():
             return torch.device("cuda")
         return torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        message = f"{flag} {name} is not a device — give cpu, cuda, cuda:N or mps"
-        raise UserError(message) from None
+    device = parse_device(name, flag)
     if device.type == "cuda":
         count = 0
         if torch.cuda.is_available():

@@ -22,6 +22,7 @@ import torch
 from test_decode import ROOT, build_setting
 
 import d3d
+import decode
 import runtime
 import train
 from systems import batched
@@ -338,6 +339,12 @@ def test_mps_where_there_is_none_and_a_word_that_is_no_device_are_one_line():
     with pytest.raises(runtime.UserError, match="is not a device"):
         runtime.resolve_device("gpu")
     assert runtime.resolve_device("cpu") == torch.device("cpu")
+
+
+def test_decode_py_names_a_word_that_is_no_device_before_anything_loads():
+    with pytest.raises(runtime.UserError, match="--device gpu is not a device") as refused:
+        decode.main(decode.parse_args(["--device", "gpu"]))
+    assert "\n" not in str(refused.value)
 
 
 # --------------------------------------------------------------------------------------------------
