@@ -46,7 +46,7 @@ train.py's machinery:
 decode.py's machinery:
     decode_flags.py decode.py's flags: a dataclass per --help group, beside d3d.DecodeConfig's
     decoding.py     what a run decodes, read from its flags (Plan), the modes it names
-                    (parse_mode), one prompt decoded in each (decode_prompt), the caches
+                    (parse_mode), one prompt decoded in each (decode_prompt), the caches (prepare)
     figures.py      Table 1 from a run's records: a mode's speedup, tau, tok/s, hit rate
                     (summarise), its layout (table)
     forensics.py    the greedy check: where an output leaves target-only's, a near-tie or an
