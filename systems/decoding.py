@@ -157,29 +157,26 @@ def mode_config(spec: str, run: Run) -> tuple[d3d.DecodeConfig, bool]:
 PROMPT_FIELDS = ("question", "prompt", "turns")
 
 
-def read_prompts(
-    path: str, field: str | None = None, max_samples: int | None = None
-) -> tuple[str, list[str]]:
-    """(field, prompts) of a JSON Lines file; the field is found among PROMPT_FIELDS
-    unless given."""
-    fields = field
-    if fields is None:
-        fields = ", ".join(PROMPT_FIELDS)
-    rows = cli.read_jsonl("prompts file", path, f"a JSON object with a prompt field ({fields})")
-    if field is None:
-        field = next((k for k in PROMPT_FIELDS if k in rows[0]), None)
-    if field is None or field not in rows[0]:
-        named = field
-        if named is None:
-            named = PROMPT_FIELDS
+def read_prompts(path: str, field=None, max_samples=None) -> tuple[str, list[str]]:
+    """(field, prompts) of a JSON Lines file, the first `max_samples` (None: all); the field is
+    the first of PROMPT_FIELDS a row has, unless given."""
+    named = PROMPT_FIELDS
+    if field is not None:
+        named = (field,)
+    expected = f"a JSON object with a prompt field ({', '.join(named)})"
+    rows = cli.read_jsonl("prompts file", path, expected)
+    found = [k for k in named if k in rows[0]]
+    if not found:
         raise runtime.UserError(
-            f"{path}: no prompt field {named} (keys: {sorted(rows[0])}); "
+            f"{path}: no prompt field {' or '.join(named)} (keys: {sorted(rows[0])}); "
             "name it with --prompt-field"
         )
+    field = found[0]
     prompts = []
     for row in rows[:max_samples]:
         value = row[field]
         if isinstance(value, list):
+            # a conversation's turns: the first one
             value = value[0]
         prompts.append(value)
     return field, prompts
