@@ -114,7 +114,8 @@ def test_data_is_cached_and_resumed(setup, tmp_path, monkeypatch):
     calls = []
     real = answers.load_target
     monkeypatch.setattr(answers, "load_target", lambda *a, **k: calls.append(1) or real(*a, **k))
-    kw = dict(tokenizer=setup["tok"], cache_dir=str(tmp_path), max_new_tokens=6, gen_batch_size=5)
+    answering = answers.Answering(max_new_tokens=6, gen_batch_size=5, cache_dir=str(tmp_path))
+    kw = dict(tokenizer=setup["tok"], answering=answering)
     first = answers.load_data(setup["target"], prompts=setup["prompts"], **kw)
     assert len(calls) == 1 and len(first) == len(QUESTIONS)
     assert all(0 < len(r) <= 6 for _, r in first)
@@ -198,9 +199,8 @@ def test_training_lowers_loss_and_saves_a_lossless_drafter(setup, tmp_path):
         record["target"] == os.path.abspath(setup["target"]) and record["history"][-1]["step"] == 12
     )
     # the loss on a fixed batch fell from the initial drafter to the trained one
-    examples = answers.load_data(
-        setup["target"], setup["tok"], setup["prompts"], cache_dir=str(tmp_path), max_new_tokens=10
-    )
+    answering = answers.Answering(max_new_tokens=10, cache_dir=str(tmp_path))
+    examples = answers.load_data(setup["target"], setup["tok"], setup["prompts"], answering)
     input_ids, loss_mask = answers.collate(examples, setup["tok"].pad_token_id, 64)
     initial = train.build_drafter(
         setup["target"],
@@ -628,7 +628,8 @@ def test_train_refuses_a_toy_whose_files_do_not_match_toy_json(monkeypatch, tmp_
 def test_answers_that_do_not_match_the_prompts_are_refused(setup, tmp_path):
     """An answers file answers given prompt lines in given ids: other prompts, or one
     missing, are an error."""
-    kw = dict(tokenizer=setup["tok"], cache_dir=str(tmp_path), max_new_tokens=4, gen_batch_size=12)
+    answering = answers.Answering(max_new_tokens=4, gen_batch_size=12, cache_dir=str(tmp_path))
+    kw = dict(tokenizer=setup["tok"], answering=answering)
     answers.load_data(setup["target"], prompts=setup["prompts"], **kw)
     (cache,) = tmp_path.glob("answers-*.jsonl")
     assert len(
@@ -652,7 +653,8 @@ def test_answers_in_another_tokenizers_ids_are_refused(setup, tmp_path):
     """A cached answers file names the tokenizer whose ids it holds; a target with another
     tokenizer must not read it (the same ids would decode to other text), neither as a cache
     nor as a given answers file."""
-    kw = dict(cache_dir=str(tmp_path), max_new_tokens=4, gen_batch_size=12)
+    answering = answers.Answering(max_new_tokens=4, gen_batch_size=12, cache_dir=str(tmp_path))
+    kw = dict(answering=answering)
     answers.load_data(setup["target"], setup["tok"], prompts=setup["prompts"], **kw)
     (cache,) = tmp_path.glob("answers-*.jsonl")
     other = toy.make_tokenizer()
