@@ -685,16 +685,11 @@ def test_prune_memory_estimate_fits_the_qwen3_drafter_on_one_80gb_gpu():
     """Qwen3-1.7B as a drafter (28 layers, hidden 2,048, vocab 151,936, 2.03e9 parameters),
     recovery on 27 layers after the first removal: batch 8 of 1,024 answer tokens + K 16 x B
     16 MASKs, bf16 autocast on CUDA."""
-    shapes = dict(
-        num_params=2.03e9,
-        hidden=2048,
-        layers=27,
-        batch=8,
-        seq_len=1024 + 16 * 16,
-        vocab=151936,
-        device_type="cuda",
+    shapes = memory.StepShapes(
+        num_params=2.03e9, hidden=2048, layers=27, batch=8, seq_len=1024 + 16 * 16, vocab=151936
     )
-    on, off = (memory.prune_memory_estimate(**shapes, checkpointing=c) for c in (True, False))
+    on = memory.prune_memory_estimate(shapes, "cuda")
+    off = memory.prune_memory_estimate(dataclasses.replace(shapes, checkpointing=False), "cuda")
     assert on["total"] < 80 and on["activations"] < off["activations"]
     assert on["total"] == pytest.approx(sum(v for k, v in on.items() if k != "total"))
     assert on["weights"] + on["gradients"] + on["adamw_moments"] + on["teacher"] == pytest.approx(
