@@ -139,7 +139,7 @@ class Answering:
     gen_batch_size: int = 64
     # the folder of the answer caches
     cache_dir: str = "."
-    # where the target runs, and in which dtype (None: runtime.load_causal_lm's default)
+    # where the target runs, and in which dtype (None: from_pretrained's default)
     device: str | torch.device = "cpu"
     dtype: torch.dtype | None = None
     # this process and the number of processes under DDP: each answers its share of the prompts
