@@ -457,9 +457,10 @@ def main(**overrides) -> dict:
 
     inputs = train_flags.inputs_of(args, paths, rank)
     tokenizer = runtime.load_tokenizer(inputs.target)
-    data = dict(tokenizer=tokenizer, device=device, rank=rank, world=world)
-    data["dtype"] = torch.bfloat16 if bf16 else None
-    train, val = train_flags.load_answers(inputs, vars(args), **data)
+    dtype = torch.bfloat16 if bf16 else None
+    train, val = train_flags.load_answers(
+        inputs, vars(args), tokenizer, device=device, dtype=dtype, rank=rank, world=world
+    )
 
     drafter, init = load_drafter(args, inputs, tokenizer, device, rank)
     if rank == 0:

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -122,19 +123,33 @@ class _Throughput:
         pass
 
 
+@dataclass
+class Answering:
+    """How the target answers the prompts, and where: train.py's flags that shape its answers
+    (train_args.json records them, so `train.py eval` and `prune` read the same cache), the
+    folder of the answer caches, and the device and the process that run the target."""
+
+    # the JSON field that holds the prompt (read_prompts)
+    prompt_field: str = "question"
+    # Qwen3's chat template: answer with thinking on
+    thinking: bool = False
+    # cap on an answer, tokens (part of the cache's name: another cap, another cache)
+    max_new_tokens: int = 256
+    # prompts answered together, in one generate call
+    gen_batch_size: int = 64
+    # the folder of the answer caches
+    cache_dir: str = "."
+    # where the target runs, and in which dtype (None: from_pretrained's default)
+    device: str | torch.device = "cpu"
+    dtype: torch.dtype | None = None
+    # this process and the number of processes under DDP: each answers its share of the prompts
+    rank: int = 0
+    world: int = 1
+
+
 @torch.no_grad()
 def answer_prompts(
-    target_path: str,
-    tokenizer,
-    prompt_ids: list[list[int]],
-    cache: str,
-    *,
-    max_new_tokens: int,
-    batch_size: int,
-    device,
-    dtype=None,
-    rank: int = 0,
-    world: int = 1,
+    target_path: str, tokenizer, prompt_ids: list[list[int]], cache: str, answering: Answering
 ) -> list[list[int]]:
     """The target's greedy response (token ids, ending with EOS when it stopped) to each
     prompt. Every finished batch is appended to `cache` (under DDP each rank answers its
@@ -142,9 +157,9 @@ def answer_prompts(
     parts = [cache] + sorted(glob.glob(glob.escape(cache) + ".rank*"))
     done = _read_cache(parts, tokenizer)
     missing = [i for i, p in enumerate(prompt_ids) if i not in done or done[i][0] != p]
-    todo = missing[rank::world]
+    todo = missing[answering.rank :: answering.world]
     if todo:
-        target = load_target(target_path, device, dtype)
+        target = load_target(target_path, answering.device, answering.dtype)
         eos = target.generation_config.eos_token_id or tokenizer.eos_token_id
         if isinstance(eos, (list, tuple)):
             eos = set(eos)
@@ -155,30 +170,32 @@ def answer_prompts(
             pad = min(eos)
         # fresh: the checkpoint's sampling defaults do not apply
         gen_config = GenerationConfig(
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=answering.max_new_tokens,
             do_sample=False,
             eos_token_id=sorted(eos),
             pad_token_id=pad,
         )
         # similar lengths in a batch: little left padding
         todo.sort(key=lambda i: len(prompt_ids[i]))
-        bar = tqdm(total=len(todo), desc="target answers", unit="prompt", disable=rank > 0)
+        bar = tqdm(
+            total=len(todo), desc="target answers", unit="prompt", disable=answering.rank > 0
+        )
         throughput = _Throughput(bar, eos)
         mine = cache
-        if world != 1:
-            mine = f"{cache}.rank{rank}"
+        if answering.world != 1:
+            mine = f"{cache}.rank{answering.rank}"
         # drop a line cut by a kill, or the next one would be glued to it
         if os.path.exists(mine):
             with open(mine, "rb+") as f:
                 f.truncate(f.read().rfind(b"\n") + 1)
         with open(mine, "a") as f:
             if f.tell() == 0:
-                header = answers_header(target_path, tokenizer, max_new_tokens)
+                header = answers_header(target_path, tokenizer, answering.max_new_tokens)
                 f.write(json.dumps(header) + "\n")
-            for s in range(0, len(todo), batch_size):
-                idx = todo[s : s + batch_size]
+            for s in range(0, len(todo), answering.gen_batch_size):
+                idx = todo[s : s + answering.gen_batch_size]
                 # left padding: every prompt ends where its answer begins
-                ids, real = batched.left_pad([prompt_ids[i] for i in idx], device)
+                ids, real = batched.left_pad([prompt_ids[i] for i in idx], answering.device)
                 out = target.generate(
                     input_ids=ids,
                     attention_mask=real.long(),
@@ -196,7 +213,7 @@ def answer_prompts(
                 bar.update(len(idx))
         bar.close()
         del target
-    if world > 1:
+    if answering.world > 1:
         dist.barrier()  # every rank's share is on disk
     parts = [cache] + sorted(glob.glob(glob.escape(cache) + ".rank*"))
     done = _read_cache(parts, tokenizer)
@@ -204,29 +221,15 @@ def answer_prompts(
 
 
 def load_data(
-    target: str,
-    tokenizer,
-    prompts: str,
-    *,
-    prompt_field: str = "question",
-    num_prompts: int | None = None,
-    thinking: bool = False,
-    cache_dir: str = ".",
-    max_new_tokens: int = 256,
-    gen_batch_size: int = 64,
-    device="cpu",
-    dtype=None,
-    rank: int = 0,
-    world: int = 1,
-    answers: str | None = None,
+    target: str, tokenizer, prompts: str, answering: Answering, num_prompts=None, answers=None
 ) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids) for the first `num_prompts` prompts of a JSON Lines file,
-    answered by the target; `answers`: a file of the target's answers to these prompts (the
-    toy's), read as it is, never written."""
-    chats = read_prompts(prompts, prompt_field)[:num_prompts]
+    """(prompt ids, response ids) for the first `num_prompts` prompts (None: all) of a JSON
+    Lines file, answered by the target; `answers`: a file of the target's answers to these
+    prompts (the toy's), read as it is, never written."""
+    chats = read_prompts(prompts, answering.prompt_field)[:num_prompts]
     texts = [
         tokenizer.apply_chat_template(
-            c, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+            c, tokenize=False, add_generation_prompt=True, enable_thinking=answering.thinking
         )
         for c in chats
     ]
@@ -250,24 +253,13 @@ def load_data(
     if os.path.exists(target):
         target_name = os.path.abspath(target)
     fingerprint = runtime.tokenizer_fingerprint(tokenizer)
-    key = json.dumps([target_name, fingerprint, max_new_tokens])
+    key = json.dumps([target_name, fingerprint, answering.max_new_tokens])
     name = os.path.splitext(os.path.basename(prompts))[0]
     digest = hashlib.sha256(key.encode()).hexdigest()[:8]
-    cache = os.path.join(cache_dir, f"answers-{name}-{digest}.jsonl")
-    os.makedirs(cache_dir, exist_ok=True)
-    responses = answer_prompts(
-        target,
-        tokenizer,
-        prompt_ids,
-        cache,
-        max_new_tokens=max_new_tokens,
-        batch_size=gen_batch_size,
-        device=device,
-        dtype=dtype,
-        rank=rank,
-        world=world,
-    )
-    if rank == 0:
+    cache = os.path.join(answering.cache_dir, f"answers-{name}-{digest}.jsonl")
+    os.makedirs(answering.cache_dir, exist_ok=True)
+    responses = answer_prompts(target, tokenizer, prompt_ids, cache, answering)
+    if answering.rank == 0:
         print(f"[data] {len(chats)} answers of the target to {prompts} in {cache}")
     return list(zip(prompt_ids, responses))
 

@@ -177,7 +177,7 @@ def load_trained(drafter: str, device):
     inputs = train_flags.Inputs(**found, cache_dir=cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(drafter)
     model = d3d.Drafter.from_pretrained(drafter, dtype=torch.float32, device=device)
-    train, val = train_flags.load_answers(inputs, recipe, tokenizer=tokenizer, device=device)
+    train, val = train_flags.load_answers(inputs, recipe, tokenizer, device=device)
     recipe = {**recipe, "target": found["target"]}
     pad_id = tokenizer.pad_token_id
     if pad_id is None:

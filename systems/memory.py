@@ -4,6 +4,7 @@ fits before the first step, and what a step is estimated to hold at its peak."""
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -53,16 +54,36 @@ def check_training_size(drafter, train, val, s) -> None:
     )
 
 
-def prune_memory_estimate(
-    num_params: int,
-    hidden: int,
-    layers: int,
-    batch: int,
-    seq_len: int,
-    vocab: int,
-    checkpointing: bool,
-    device_type: str,
-) -> dict[str, float]:
+@dataclass
+class StepShapes:
+    """The sizes the memory of a drafter's training step follows (prune_memory_estimate,
+    fsdp_memory_estimate): the drafter's and the batch's."""
+
+    # the drafter's parameters
+    num_params: float
+    # its hidden size and its number of decoder layers
+    hidden: int
+    layers: int
+    # packed sequences a step, and the tokens of one (answer + K x B MASKs)
+    batch: int
+    seq_len: int
+    # the target's vocabulary: the width of the logits
+    vocab: int
+    # activation checkpointing: each layer's input kept, the layer recomputed in backward
+    checkpointing: bool = True
+
+    def activations(self, act_bytes: int, input_bytes: int) -> float:
+        """Bytes of the activations saved for backward: ~26 x hidden values per token and
+        layer, `act_bytes` each; with checkpointing, each layer's input (`input_bytes` a value)
+        plus one layer recomputed."""
+        tokens = self.batch * self.seq_len
+        layer_activations = tokens * self.hidden * 26 * act_bytes
+        if self.checkpointing:
+            return self.layers * tokens * self.hidden * input_bytes + layer_activations
+        return self.layers * layer_activations
+
+
+def prune_memory_estimate(shapes: StepShapes, device_type: str) -> dict[str, float]:
     """GiB at the peak of a recovery step of `prune`, per part and "total". seq_len: tokens
     of one packed sequence (answer + K x B MASKs). The drafter is fp32 (weights, gradients,
     two AdamW moments) and so is its teacher copy; the snapshot that --tau-floor undoes to
@@ -73,38 +94,23 @@ def prune_memory_estimate(
     layer recomputed. The loss keeps ~4 chunks of fp32 logits (student, log-probs, their
     gradient, adjusted teacher) of loss_chunk_rows rows. Attention scores are not counted:
     SDPA does not store them. A rough guide, not a bound."""
-    tokens = batch * seq_len
     act_bytes = 4  # bytes a saved activation: fp32 on a CPU
     if device_type == "cuda":
         act_bytes = 2  # bf16 under autocast
-    layer_activations = tokens * hidden * 26 * act_bytes
-    if checkpointing:
-        activations = layers * tokens * hidden * 4 + layer_activations
-    else:
-        activations = layers * layer_activations
     parts = {
-        "weights": 4 * num_params,
-        "gradients": 4 * num_params,
-        "adamw_moments": 8 * num_params,
-        "teacher": 4 * num_params,
-        "activations": activations,
-        "logits": 4 * runtime.loss_chunk_rows(vocab, device_type) * vocab * 4,
+        "weights": 4 * shapes.num_params,
+        "gradients": 4 * shapes.num_params,
+        "adamw_moments": 8 * shapes.num_params,
+        "teacher": 4 * shapes.num_params,
+        "activations": shapes.activations(act_bytes, input_bytes=4),
+        "logits": 4 * runtime.loss_chunk_rows(shapes.vocab, device_type) * shapes.vocab * 4,
     }
     gib = {name: size / 2**30 for name, size in parts.items()}
     return {**gib, "total": sum(gib.values())}
 
 
 def fsdp_memory_estimate(
-    num_params: float,
-    root_params: float,
-    layer_params: float,
-    hidden: int,
-    layers: int,
-    batch: int,
-    seq_len: int,
-    vocab: int,
-    world: int,
-    checkpointing: bool = True,
+    shapes: StepShapes, root_params: float, layer_params: float, world: int
 ) -> dict:
     """GiB per GPU at the peak of a `train.py --fsdp` step on CUDA in bf16, per part and
     "total", on `world` GPUs. Sharded (/world): fp32 weights (4 bytes a parameter), fp32
@@ -117,21 +123,14 @@ def fsdp_memory_estimate(
     residual stream in bf16). seq_len: tokens of one packed sequence (answer + K x B MASKs).
     A rough guide, not a bound: fragmentation, the CUDA context and NCCL buffers come on
     top."""
-    tokens = batch * seq_len
-    layer_activations = tokens * hidden * 26 * 2
-    activations = (
-        layers * tokens * hidden * 2 + layer_activations
-        if checkpointing
-        else layers * layer_activations
-    )
     parts = {
-        "weights": 4 * num_params / world,
-        "gradients": 4 * num_params / world,
-        "adamw_moments": 8 * num_params / world,
+        "weights": 4 * shapes.num_params / world,
+        "gradients": 4 * shapes.num_params / world,
+        "adamw_moments": 8 * shapes.num_params / world,
         "gathered_weights": 2 * (root_params + 2 * layer_params),
         "gathered_gradients": (2 + 4) * root_params,
-        "activations": activations,
-        "logits": 4 * runtime.loss_chunk_rows(vocab, "cuda") * vocab * 4,
+        "activations": shapes.activations(act_bytes=2, input_bytes=2),
+        "logits": 4 * runtime.loss_chunk_rows(shapes.vocab, "cuda") * shapes.vocab * 4,
     }
     gib = {name: size / 2**30 for name, size in parts.items()}
     return {**gib, "total": sum(gib.values())}

@@ -237,17 +237,17 @@ def recovery_estimate(model, train_batches, batch_size: int, config, device) -> 
     text_config = model.model.config.get_text_config()
     longest = max((ids.shape[1] for ids, _ in train_batches), default=0)
     seq_len = longest + config.val_anchors * model.d3d_config.block_size
-    estimate = memory.prune_memory_estimate(
-        sum(p.numel() for p in model.parameters()),
-        text_config.hidden_size,
+    shapes = memory.StepShapes(
+        num_params=sum(p.numel() for p in model.parameters()),
+        hidden=text_config.hidden_size,
         # recovery follows the first removal
-        max(text_config.num_hidden_layers - 1, 1),
-        batch_size,
-        seq_len,
-        model.d3d_config.target_vocab_size,
-        config.checkpointing,
-        device.type,
+        layers=max(text_config.num_hidden_layers - 1, 1),
+        batch=batch_size,
+        seq_len=seq_len,
+        vocab=model.d3d_config.target_vocab_size,
+        checkpointing=config.checkpointing,
     )
+    estimate = memory.prune_memory_estimate(shapes, device.type)
     print(
         f"[prune] estimated peak of a recovery step: {estimate['total']:.1f} GiB = "
         + ", ".join(f"{name} {gib:.1f}" for name, gib in estimate.items() if name != "total")

@@ -243,19 +243,18 @@ def inputs_of(args: argparse.Namespace, paths: dict | None, rank: int) -> Inputs
     return inputs
 
 
-# the flags of how the target answers, which load_data takes as they are
+# train.py's flags that are fields of answers.Answering (train_args.json records them)
 ANSWERING = ("prompt_field", "thinking", "max_new_tokens", "gen_batch_size")
 
 
-def load_answers(inputs: Inputs, flags: dict, **data) -> tuple[list, list]:
+def load_answers(inputs: Inputs, flags: dict, tokenizer, **where) -> tuple[list, list]:
     """The target's answers to the training and the held-out prompts (answers.load_data:
     cached, or written now); without held-out prompts the last --val-fraction of --prompts.
-    `flags`: train.py's, as a run parsed them or its train_args.json recorded them; `data`:
-    the rest of load_data's settings (tokenizer, device, ...)."""
-    data["cache_dir"] = inputs.cache_dir
-    for name in ANSWERING:
-        data[name] = flags[name]
-    load = functools.partial(answers.load_data, inputs.target, **data)
+    `flags`: train.py's, as a run parsed them or its train_args.json recorded them; `where`:
+    where the target answers (answers.Answering's device, dtype, rank, world)."""
+    flagged = {name: flags[name] for name in ANSWERING}
+    answering = answers.Answering(**flagged, cache_dir=inputs.cache_dir, **where)
+    load = functools.partial(answers.load_data, inputs.target, tokenizer, answering=answering)
     train = load(prompts=inputs.prompts, num_prompts=flags["num_prompts"], answers=inputs.answers)
     if not inputs.val_prompts:
         num_val = min(flags["num_val"], round(len(train) * flags["val_fraction"]))

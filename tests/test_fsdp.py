@@ -3,6 +3,7 @@ models from configs (the setup of test_train.py), and one run of train.py --fsdp
 torchrun from the command line."""
 
 import contextlib
+import dataclasses
 import datetime
 import itertools
 import json
@@ -429,23 +430,24 @@ def test_fsdp_memory_estimate_fits_the_qwen3_8b_drafter_on_eight_80gb_gpus():
     tokens + K 64 x B 16 MASKs, checkpointing."""
     layer = 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 12288 + 2 * 4096 + 2 * 128
     root = 2 * 151936 * 4096 + 4096
-    shapes = dict(
+    shapes = memory.StepShapes(
         num_params=36 * layer + root,
-        root_params=root,
-        layer_params=layer,
         hidden=4096,
         layers=36,
         batch=8,
         seq_len=1024 + 64 * 16,
         vocab=151936,
     )
-    est = {n: memory.fsdp_memory_estimate(**shapes, world=n) for n in (1, 2, 4, 8)}
-    assert 8.1e9 < shapes["num_params"] < 8.3e9
+    # the parameters FSDP gathers whole: the root's and one layer's
+    gathered = dict(root_params=root, layer_params=layer)
+    est = {n: memory.fsdp_memory_estimate(shapes, **gathered, world=n) for n in (1, 2, 4, 8)}
+    assert 8.1e9 < shapes.num_params < 8.3e9
     for n, e in est.items():
         states = e["weights"] + e["gradients"] + e["adamw_moments"]
-        assert states == pytest.approx(16 * shapes["num_params"] / n / 2**30)
+        assert states == pytest.approx(16 * shapes.num_params / n / 2**30)
         assert e["total"] == pytest.approx(sum(v for k, v in e.items() if k != "total"))
     assert (
         est[1]["total"] > 140 and est[2]["total"] > 80 and est[8]["total"] < 40
     )  # 8 x 80 GB: room to spare
-    assert memory.fsdp_memory_estimate(**shapes, world=8, checkpointing=False)["total"] > 140
+    no_checkpointing = dataclasses.replace(shapes, checkpointing=False)
+    assert memory.fsdp_memory_estimate(no_checkpointing, **gathered, world=8)["total"] > 140

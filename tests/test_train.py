@@ -114,7 +114,8 @@ def test_data_is_cached_and_resumed(setup, tmp_path, monkeypatch):
     calls = []
     real = answers.load_target
     monkeypatch.setattr(answers, "load_target", lambda *a, **k: calls.append(1) or real(*a, **k))
-    kw = dict(tokenizer=setup["tok"], cache_dir=str(tmp_path), max_new_tokens=6, gen_batch_size=5)
+    answering = answers.Answering(max_new_tokens=6, gen_batch_size=5, cache_dir=str(tmp_path))
+    kw = dict(tokenizer=setup["tok"], answering=answering)
     first = answers.load_data(setup["target"], prompts=setup["prompts"], **kw)
     assert len(calls) == 1 and len(first) == len(QUESTIONS)
     assert all(0 < len(r) <= 6 for _, r in first)
@@ -198,9 +199,8 @@ def test_training_lowers_loss_and_saves_a_lossless_drafter(setup, tmp_path):
         record["target"] == os.path.abspath(setup["target"]) and record["history"][-1]["step"] == 12
     )
     # the loss on a fixed batch fell from the initial drafter to the trained one
-    examples = answers.load_data(
-        setup["target"], setup["tok"], setup["prompts"], cache_dir=str(tmp_path), max_new_tokens=10
-    )
+    answering = answers.Answering(max_new_tokens=10, cache_dir=str(tmp_path))
+    examples = answers.load_data(setup["target"], setup["tok"], setup["prompts"], answering)
     input_ids, loss_mask = answers.collate(examples, setup["tok"].pad_token_id, 64)
     initial = train.build_drafter(
         setup["target"],
@@ -628,7 +628,8 @@ def test_train_refuses_a_toy_whose_files_do_not_match_toy_json(monkeypatch, tmp_
 def test_answers_that_do_not_match_the_prompts_are_refused(setup, tmp_path):
     """An answers file answers given prompt lines in given ids: other prompts, or one
     missing, are an error."""
-    kw = dict(tokenizer=setup["tok"], cache_dir=str(tmp_path), max_new_tokens=4, gen_batch_size=12)
+    answering = answers.Answering(max_new_tokens=4, gen_batch_size=12, cache_dir=str(tmp_path))
+    kw = dict(tokenizer=setup["tok"], answering=answering)
     answers.load_data(setup["target"], prompts=setup["prompts"], **kw)
     (cache,) = tmp_path.glob("answers-*.jsonl")
     assert len(
@@ -652,7 +653,8 @@ def test_answers_in_another_tokenizers_ids_are_refused(setup, tmp_path):
     """A cached answers file names the tokenizer whose ids it holds; a target with another
     tokenizer must not read it (the same ids would decode to other text), neither as a cache
     nor as a given answers file."""
-    kw = dict(cache_dir=str(tmp_path), max_new_tokens=4, gen_batch_size=12)
+    answering = answers.Answering(max_new_tokens=4, gen_batch_size=12, cache_dir=str(tmp_path))
+    kw = dict(answering=answering)
     answers.load_data(setup["target"], setup["tok"], prompts=setup["prompts"], **kw)
     (cache,) = tmp_path.glob("answers-*.jsonl")
     other = toy.make_tokenizer()
@@ -683,16 +685,11 @@ def test_prune_memory_estimate_fits_the_qwen3_drafter_on_one_80gb_gpu():
     """Qwen3-1.7B as a drafter (28 layers, hidden 2,048, vocab 151,936, 2.03e9 parameters),
     recovery on 27 layers after the first removal: batch 8 of 1,024 answer tokens + K 16 x B
     16 MASKs, bf16 autocast on CUDA."""
-    shapes = dict(
-        num_params=2.03e9,
-        hidden=2048,
-        layers=27,
-        batch=8,
-        seq_len=1024 + 16 * 16,
-        vocab=151936,
-        device_type="cuda",
+    shapes = memory.StepShapes(
+        num_params=2.03e9, hidden=2048, layers=27, batch=8, seq_len=1024 + 16 * 16, vocab=151936
     )
-    on, off = (memory.prune_memory_estimate(**shapes, checkpointing=c) for c in (True, False))
+    on = memory.prune_memory_estimate(shapes, "cuda")
+    off = memory.prune_memory_estimate(dataclasses.replace(shapes, checkpointing=False), "cuda")
     assert on["total"] < 80 and on["activations"] < off["activations"]
     assert on["total"] == pytest.approx(sum(v for k, v in on.items() if k != "total"))
     assert on["weights"] + on["gradients"] + on["adamw_moments"] + on["teacher"] == pytest.approx(
