@@ -39,7 +39,7 @@ import torch
 
 import d3d
 import runtime
-from runtime import Range
+from runtime import Range, setting
 
 # by name: `cli` here is this module's own command (pictures.cli)
 from systems.cli import Parser, add_groups, check_flags, flag, settings_of
@@ -81,6 +81,26 @@ def _need_matplotlib() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Mask pictures: what the data functions return
+
+
+@dataclass(frozen=True)
+class MaskSizes:
+    """The sizes of the two mask pictures, each also a flag of the masks command (MaskFlags): B,
+    K and N of the training mask; B, C, F, the cached tokens and d1_from of the packed pass."""
+
+    block_size: int = setting(4, "B: MASKs per block", Range(int, low=1))
+    num_anchors: int = setting(3, "K: blocks of the training mask", Range(int, low=1))
+    length: int | None = setting(
+        None, "N: clean tokens of the training mask (default: B + 2 K - 1)", Range(int)
+    )
+    coverage: int = setting(2, "C: positions with rejection branches, 0 .. B", Range(int, low=0))
+    fanout: int = setting(1, "F: candidate tokens per position, >= 1", Range(int, low=1))
+    past: int = setting(2, "cached tokens before x_n in the packed pass", Range(int, low=0))
+    d1_from: str = setting(
+        "causal",
+        "which rows draft d_1 of a branch's block",
+        Range(str, choices=("causal", "mask")),
+    )
 
 
 @dataclass(frozen=True)
@@ -129,17 +149,15 @@ def default_length(block_size: int, num_anchors: int) -> int:
 
 
 def training_mask_data(
-    block_size: int = 4,
-    num_anchors: int = 3,
-    length: int | None = None,
-    anchors: list[int] | None = None,
+    sizes: MaskSizes = MaskSizes(), anchors: list[int] | None = None
 ) -> MaskPicture:
     """The training mask (Fig. 1a) as d3d.packed_attention_mask builds it: a causal stream of N
     clean tokens x_0 .. x_{N-1}, then K blocks of B MASKs, block k hanging off anchor j_k.
 
-    length: N (default B + 2 K - 1); anchors: rows of the causal stream (default
-    spread_anchors(N, K, B)). Returns a MaskPicture whose mask is packed_attention_mask's
-    (1, 1, W, W) mask[0, 0]."""
+    sizes: B, K and N (sizes.length, default B + 2 K - 1); anchors: rows of the causal stream
+    (default spread_anchors(N, K, B)). Returns a MaskPicture whose mask is
+    packed_attention_mask's (1, 1, W, W) mask[0, 0]."""
+    block_size, num_anchors, length = sizes.block_size, sizes.num_anchors, sizes.length
     if block_size < 1:
         raise PicturesUnavailable(f"B = {block_size} — give a block size >= 1")
     length = default_length(block_size, num_anchors) if length is None else length
@@ -149,10 +167,10 @@ def training_mask_data(
     mask, positions = d3d.packed_attention_mask(length, torch.tensor(anchors), block_size)
     tokens = [f"x_{j}" for j in range(length)] + ["MASK"] * (len(anchors) * block_size)
     segments = []
-    for k, a in enumerate(anchors):
+    for k, j in enumerate(anchors):
         start = length + k * block_size
-        name = f"block {k + 1}: anchor x_{a}, predicts x_{a + 1} .. x_{a + block_size}"
-        if a + block_size >= length:
+        name = f"block {k + 1}: anchor x_{j}, predicts x_{j + 1} .. x_{j + block_size}"
+        if j + block_size >= length:
             name += f" (x_{length} on: past the stream, no label)"
         segments.append((start, start + block_size, name))
     return MaskPicture(
@@ -173,21 +191,17 @@ def _candidate_name(i: int, f: int, fanout: int) -> str:
     return f"t_{i}" if fanout == 1 else f"t_{i},{f + 1}"
 
 
-def branch_pass_data(
-    block_size: int = 4,
-    coverage: int = 2,
-    fanout: int = 1,
-    *,
-    past_len: int = 2,
-    d1_from: str = "causal",
-) -> MaskPicture:
+def branch_pass_data(sizes: MaskSizes = MaskSizes()) -> MaskPicture:
     """The asynchronous packed pass (Fig. 1c) as d3d.build_branch_pass builds it, for a plan from
     d3d.plan_branches (cover="first": positions i = 1 .. C) over made-up draft logits whose F
     likeliest other tokens at each k are distinct ids, so every token's role reads off its id.
 
-    No model: build_branch_pass only reads the drafter's config (MASK id, d1_from). The cache
-    holds past_len tokens x_{n-past_len} .. x_{n-1}. Returns a MaskPicture whose mask is
-    build_branch_pass's (1, 1, W, past_len + W) mask[0, 0], with its draft rows."""
+    sizes: B, C, F, the cached tokens and d1_from. No model: build_branch_pass only reads the
+    drafter's config (MASK id, d1_from). The cache holds past_len = sizes.past tokens
+    x_{n-past_len} .. x_{n-1}. Returns a MaskPicture whose mask is build_branch_pass's
+    (1, 1, W, past_len + W) mask[0, 0], with its draft rows."""
+    block_size, coverage, fanout = sizes.block_size, sizes.coverage, sizes.fanout
+    past_len = sizes.past
     if block_size < 1 or not 0 <= coverage <= block_size or fanout < 1 or past_len < 0:
         raise PicturesUnavailable(
             f"B = {block_size}, C = {coverage}, F = {fanout}, past = "
@@ -206,7 +220,7 @@ def branch_pass_data(
             names[first + f] = _candidate_name(i, f, fanout)
     budget = d3d.DecodeConfig(coverage=coverage, fanout=fanout, cover="first")
     covered, candidates = d3d.plan_branches(logits, draft, block_size, budget)
-    config = d3d.D3DConfig(block_size=block_size, mask_token_id=vocab, d1_from=d1_from)
+    config = d3d.D3DConfig(block_size=block_size, mask_token_id=vocab, d1_from=sizes.d1_from)
     drafter = types.SimpleNamespace(d3d_config=config)  # all build_branch_pass reads of a drafter
     ids, position_ids, mask, rows = d3d.build_branch_pass(
         drafter, torch.tensor([x_n]), draft, covered, candidates, past_len=past_len
@@ -236,7 +250,7 @@ def branch_pass_data(
         anchors=anchors,
         draft_rows=rows.tolist(),
         title=f"Asynchronous packed pass (Fig. 1c): B = {block_size}, "
-        f"C = {coverage}, F = {fanout}, d_1 from {d1_from!r}",
+        f"C = {coverage}, F = {fanout}, d_1 from {sizes.d1_from!r}",
     )
 
 
@@ -310,29 +324,12 @@ def _right_of_cells(ax, text: str, height: float, gap: float, fontsize: float) -
     )
 
 
-def mask_figure(picture: MaskPicture, relative: bool = False):
-    """The figure of a mask picture: one image cell per mask entry (figure.axes[0].images[0]
-    holds the mask as drawn), dark where the row may attend; positions relative to x_n
-    (n, n+1, ...) if `relative`."""
-    _need_matplotlib()
-    cells = torch.tensor(picture.mask, dtype=torch.float).numpy()
-    rows, cols = cells.shape
-    if max(rows, cols) > MAX_CELLS:
-        raise PicturesUnavailable(
-            f"a {rows} x {cols} mask is too large to read as a picture "
-            f"(at most {MAX_CELLS} rows and columns) — give a smaller B, "
-            "K, N, C or F"
-        )
-    past = len(picture.past_tokens)
-    cell, font = _cell_size(max(rows, cols))
-    longest = max(len(name) for _, _, name in picture.segments)
+def _notes(picture: MaskPicture) -> list[str]:
+    """The lines under a mask picture's title: how its rows, columns, dots, tags and arrows
+    read."""
     unit = "block" if picture.draft_rows is None else "segment"
-    tags_at = collections.defaultdict(list)  # column -> tags of the segments anchored there
-    for tag, anchor in zip(picture.tags, picture.anchors):
-        tags_at[past + anchor].append(tag)
-    tag_length = max(len(", ".join(tags)) for tags in tags_at.values())
     notes = ["rows and columns: token (position id); the columns are the same tokens"]
-    if past:
+    if picture.past_tokens:
         notes[0] += ", after the cached ones (left of the dashed line; the cache is seen by all)"
     notes.append(
         f"white dot, and the {unit}'s tag below its column: its anchor, the last causal "
@@ -350,13 +347,111 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
         notes.append(
             "a causal row x_j predicts x_{j+1} (L_AR); a MASK at position j predicts x_j (L_block)"
         )
+    return notes
+
+
+def _draw_cells(ax, cells, picture: MaskPicture, relative: bool, font: float) -> None:
+    """The mask as one image cell per entry, dark where the row may attend, each column and row
+    named by its token and position id, thin grey lines between the cells."""
+    rows, cols = cells.shape
+    past = len(picture.past_tokens)
     # the position id of every column: the cached tokens 0 .. past_len-1, then the packed
     # tokens' own positions
     column_positions = list(range(past)) + list(picture.positions)
-    column_names = [
+    names = [
         f"{_math(t)} ({_position(p, past, relative)})"
         for t, p in zip(picture.past_tokens + picture.tokens, column_positions)
     ]
+    colours = ListedColormap(["white", ON])  # 0: masked, 1: may attend
+    ax.imshow(cells, cmap=colours, vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+    # the rows are the packed tokens: the columns after the cached ones
+    ax.set_yticks(range(rows), names[past:], fontsize=font)
+    ax.set_xticks(range(cols), names, fontsize=font, rotation=90)
+    ax.xaxis.tick_top()
+    ax.tick_params(length=0, pad=2)
+    ax.set_xticks([c - 0.5 for c in range(1, cols)], minor=True)
+    ax.set_yticks([r - 0.5 for r in range(1, rows)], minor=True)
+    ax.grid(which="minor", color="0.75", linewidth=0.4)
+    ax.tick_params(which="minor", length=0)
+
+
+def _draw_segments(ax, picture: MaskPicture) -> None:
+    """On the cells: a black line around the causal stream and each block or segment, a dashed
+    one right of the cache, and a white dot in each segment row at its anchor's column."""
+    past = len(picture.past_tokens)
+    num_causal = picture.segments[0][0]
+    for b in [num_causal] + [stop for _, stop, _ in picture.segments[:-1]]:
+        ax.axhline(b - 0.5, color="black", linewidth=1.6)  # between stream and segments
+        ax.axvline(past + b - 0.5, color="black", linewidth=1.6)
+    if past:
+        ax.axvline(past - 0.5, color="black", linewidth=1.0, linestyle=(0, (3, 2)))
+    for (start, stop, _), anchor in zip(picture.segments, picture.anchors):
+        column = [past + anchor] * (stop - start)
+        ax.plot(column, range(start, stop), "o", color="white", markersize=2.6, markeredgewidth=0)
+
+
+def _draw_labels(ax, picture: MaskPicture, tags_at: dict, font: float, rotation: int) -> None:
+    """Around the cells: each segment's name right of it, the tags below each anchor column
+    (tags_at: column -> tags), and ◀ i right of each draft row."""
+    rows = len(picture.tokens)
+    for start, stop, name in picture.segments:
+        middle = 1 - ((start + stop) / 2) / rows
+        _right_of_cells(ax, _math_names(name), middle, 24, FONT)
+    for column, tags in tags_at.items():  # below each anchor column, read downwards
+        ax.annotate(
+            ", ".join(tags),
+            (column, rows - 0.5),
+            xytext=(0, -3),
+            textcoords="offset points",
+            ha="center",
+            va="top",
+            fontsize=font,
+            rotation=rotation,
+        )
+    for segment_rows in picture.draft_rows or []:
+        for i, r in enumerate(segment_rows):
+            _right_of_cells(ax, f"◀ {i + 1}", 1 - (r + 0.5) / rows, 2, font)
+
+
+def _draw_key(figure, title: str, notes: list[str], width: float, height: float) -> None:
+    """Above the cells, the title and the notes; at the bottom left, what the two greys mean."""
+    key = [
+        Patch(facecolor=ON, edgecolor="0.5", label="row may attend to column"),
+        Patch(facecolor="white", edgecolor="0.5", label="masked"),
+    ]
+    figure.legend(handles=key, loc="lower left", fontsize=FONT, frameon=False, ncols=2)
+    corner = 0.1 / width  # 0.1 inch from the left edge, as a fraction of the width
+    title = _math_names(title)
+    figure.text(
+        corner, 1 - 0.1 / height, title, ha="left", va="top", fontsize=FONT + 2.5, weight="bold"
+    )
+    text = "\n".join(_math_names(n) for n in notes)
+    figure.text(
+        corner, 1 - 0.38 / height, text, ha="left", va="top", fontsize=FONT, linespacing=1.5
+    )
+
+
+def mask_figure(picture: MaskPicture, relative: bool = False):
+    """The figure of a mask picture: one image cell per mask entry (figure.axes[0].images[0]
+    holds the mask as drawn), dark where the row may attend; positions relative to x_n
+    (n, n+1, ...) if `relative`."""
+    _need_matplotlib()
+    cells = torch.tensor(picture.mask, dtype=torch.float).numpy()
+    rows, cols = cells.shape
+    if max(rows, cols) > MAX_CELLS:
+        raise PicturesUnavailable(
+            f"a {rows} x {cols} mask is too large to read as a picture "
+            f"(at most {MAX_CELLS} rows and columns) — give a smaller B, "
+            "K, N, C or F"
+        )
+    past = len(picture.past_tokens)
+    cell, font = _cell_size(max(rows, cols))
+    longest = max(len(name) for _, _, name in picture.segments)
+    tags_at = collections.defaultdict(list)  # column -> tags of the segments anchored there
+    for tag, anchor in zip(picture.tags, picture.anchors):
+        tags_at[past + anchor].append(tag)
+    tag_length = max(len(", ".join(tags)) for tags in tags_at.values())
+    notes = _notes(picture)
     label_height = max(len(n) for n in picture.past_tokens + picture.tokens) + 5
     left = 1.3  # inches around the cells
     top = 0.55 + 0.17 * len(notes) + label_height * font * 0.6 / 72
@@ -367,103 +462,27 @@ def mask_figure(picture: MaskPicture, relative: bool = False):
     figure = _new_figure(width, height)
     box = (left / width, bottom / height, cols * cell / width, rows * cell / height)
     ax = figure.add_axes(box)
-    ax.imshow(
-        cells,
-        cmap=ListedColormap(["white", ON]),
-        vmin=0,
-        vmax=1,
-        aspect="auto",
-        interpolation="nearest",
-    )
-    # the rows are the packed tokens: the columns after the cached ones
-    ax.set_yticks(range(rows), column_names[past:], fontsize=font)
-    ax.set_xticks(range(cols), column_names, fontsize=font, rotation=90)
-    ax.xaxis.tick_top()
-    ax.tick_params(length=0, pad=2)
-    ax.set_xticks([c - 0.5 for c in range(1, cols)], minor=True)
-    ax.set_yticks([r - 0.5 for r in range(1, rows)], minor=True)
-    ax.grid(which="minor", color="0.75", linewidth=0.4)
-    ax.tick_params(which="minor", length=0)
-    num_causal = picture.segments[0][0]
-    for b in [num_causal] + [stop for _, stop, _ in picture.segments[:-1]]:
-        ax.axhline(b - 0.5, color="black", linewidth=1.6)  # between stream and segments
-        ax.axvline(past + b - 0.5, color="black", linewidth=1.6)
-    if past:
-        ax.axvline(past - 0.5, color="black", linewidth=1.0, linestyle=(0, (3, 2)))
-    for (start, stop, name), anchor in zip(picture.segments, picture.anchors):
-        middle = 1 - ((start + stop) / 2) / rows
-        _right_of_cells(ax, _math_names(name), middle, 24, FONT)
-        column = past + anchor
-        ax.plot(
-            [column] * (stop - start),
-            range(start, stop),
-            linestyle="none",
-            marker="o",
-            markersize=2.6,
-            color="white",
-            markeredgewidth=0,
-        )
-    for column, tags in tags_at.items():  # below each anchor column, read downwards
-        ax.annotate(
-            ", ".join(tags),
-            (column, rows - 0.5),
-            xytext=(0, -3),
-            textcoords="offset points",
-            ha="center",
-            va="top",
-            fontsize=font,
-            rotation=-90 if tag_length > 2 else 0,
-        )
-    for segment_rows in picture.draft_rows or []:
-        for i, r in enumerate(segment_rows):
-            _right_of_cells(ax, f"◀ {i + 1}", 1 - (r + 0.5) / rows, 2, font)
+    _draw_cells(ax, cells, picture, relative, font)
+    _draw_segments(ax, picture)
+    _draw_labels(ax, picture, tags_at, font, -90 if tag_length > 2 else 0)
     ax.set_xlim(-0.5, cols - 0.5)
     ax.set_ylim(rows - 0.5, -0.5)
-    key = [
-        Patch(facecolor=ON, edgecolor="0.5", label="row may attend to column"),
-        Patch(facecolor="white", edgecolor="0.5", label="masked"),
-    ]
-    figure.legend(
-        handles=key,
-        loc="lower left",
-        fontsize=FONT,
-        frameon=False,
-        ncols=2,
-        bbox_to_anchor=(0.0, 0.0),
-    )
-    figure.text(
-        0.1 / width,
-        1 - 0.1 / height,
-        _math_names(picture.title),
-        ha="left",
-        va="top",
-        fontsize=FONT + 2.5,
-        weight="bold",
-    )
-    figure.text(
-        0.1 / width,
-        1 - 0.38 / height,
-        "\n".join(_math_names(n) for n in notes),
-        ha="left",
-        va="top",
-        fontsize=FONT,
-        linespacing=1.5,
-    )
+    _draw_key(figure, picture.title, notes, width, height)
     return figure
 
 
-def draw_training_mask(path: str, *sizes, **settings) -> str:
-    """Draw training_mask_data(*sizes, **settings) (block_size, num_anchors, length, anchors)
-    as a PNG at path. Returns the path."""
+def draw_training_mask(path: str, *args, **settings) -> str:
+    """Draw training_mask_data(*args, **settings) (sizes, anchors) as a PNG at path. Returns the
+    path."""
     _need_matplotlib()
-    return _save(mask_figure(training_mask_data(*sizes, **settings)), path)
+    return _save(mask_figure(training_mask_data(*args, **settings)), path)
 
 
-def draw_branch_pass(path: str, *sizes, **settings) -> str:
-    """Draw branch_pass_data(*sizes, **settings) (block_size, coverage, fanout, past_len,
-    d1_from) as a PNG at path, positions relative to x_n. Returns the path."""
+def draw_branch_pass(path: str, sizes: MaskSizes = MaskSizes()) -> str:
+    """Draw branch_pass_data(sizes) as a PNG at path, positions relative to x_n. Returns the
+    path."""
     _need_matplotlib()
-    picture = branch_pass_data(*sizes, **settings)
+    picture = branch_pass_data(sizes)
     return _save(mask_figure(picture, relative=True), path)
 
 
@@ -489,32 +508,21 @@ def block_accuracy_data(block_acc) -> dict:
                 "fractions in [0, 1], one per block position"
             )
         percent[name] = [100.0 * v for v in values]
-    sizes = {len(v) for v in percent.values()}
-    if len(sizes) != 1:
-        lengths = sorted(sizes)
+    series_lengths = {len(v) for v in percent.values()}
+    if len(series_lengths) != 1:
+        lengths = sorted(series_lengths)
         raise PicturesUnavailable(f"series of lengths {lengths} — give every series B values")
-    return {"positions": list(range(1, sizes.pop() + 1)), "percent": percent}
+    return {"positions": list(range(1, series_lengths.pop() + 1)), "percent": percent}
 
 
-def _label_bars(ax, bars, texts=None) -> None:
-    """Each bar's value above it, on white so that a line behind it cannot hide it."""
-    ax.bar_label(
-        bars,
-        texts,
-        fontsize=7,
-        padding=1.5,
-        bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.4},
-    )
-
-
-def _style(index: int) -> dict:
-    """Bar fill of series `index`: a grey of the ramp and a hatch, both black-and-white safe."""
-    return {
-        "color": GREYS[index % len(GREYS)],
-        "hatch": HATCHES[index % len(HATCHES)],
-        "edgecolor": "black",
-        "linewidth": 0.6,
-    }
+def _bars(ax, x, heights, width: float, index: int, label: str = "", texts=None) -> None:
+    """Bars of series `index`, filled with a grey of the ramp and a hatch, both black-and-white
+    safe; each bar's value (or its text of `texts`) above it, on white so that a line behind it
+    cannot hide it."""
+    fill = {"color": GREYS[index % len(GREYS)], "hatch": HATCHES[index % len(HATCHES)]}
+    bars = ax.bar(x, heights, width, label=label, edgecolor="black", linewidth=0.6, **fill)
+    box = {"facecolor": "white", "edgecolor": "none", "pad": 0.4}
+    ax.bar_label(bars, texts, fontsize=7, padding=1.5, bbox=box)
 
 
 def draw_block_accuracy(path: str, block_acc, *, title: str | None = None) -> str:
@@ -534,8 +542,7 @@ def block_accuracy_figure(block_acc, *, title: str | None = None):
     width = 0.8 / len(series)
     for s, (name, values) in enumerate(series.items()):
         x = [p - 0.4 + width * (s + 0.5) for p in positions]
-        bars = ax.bar(x, values, width, label=_math_names(name), **_style(s))
-        _label_bars(ax, bars, [f"{v:.0f}" for v in values])
+        _bars(ax, x, values, width, s, _math_names(name), [f"{v:.0f}" for v in values])
     ax.set_xticks(positions)
     ax.set_ylim(0, 100)
     ax.set_xlabel("position i in the block ($d_i$, the guess at $x_{a+i}$)")
@@ -595,6 +602,39 @@ def draw_acceptance(
     return _save(acceptance_figure(stats, block_size, title=title), path)
 
 
+def _tau_bars(ax, data: dict) -> None:
+    """The τ histogram of acceptance_data's `data`: rounds per accept length, and the mean τ
+    over all rounds as a dashed line."""
+    rounds = sum(data["counts"])
+    _bars(ax, data["tau"], data["counts"], 0.7, 1)
+    mean = f"mean τ = {data['mean_tau']:.2f}\nover all {rounds} rounds"
+    ax.axvline(data["mean_tau"], color="black", linestyle=(0, (4, 2)), linewidth=1.0, label=mean)
+    ax.set_xticks(data["tau"])
+    ax.set_xlabel("τ: tokens committed in a round (accepted + 1)")
+    ax.set_title(f"Acceptance lengths ({rounds} rounds, B = {data['block_size']})", fontsize=10)
+
+
+def _outcome_bars(ax, data: dict) -> None:
+    """Hits and misses of acceptance_data's `data` side by side, per drafts accepted a = 0 ..
+    B, the hit rate in the title."""
+    x = data["outcomes"]
+    # hits left of each outcome, misses right of it
+    sides = [
+        (-0.19, "hits", "hit: prepared block", 0),
+        (0.19, "misses", "miss: fallback draft", 3),
+    ]
+    for shift, key, label, style in sides:
+        _bars(ax, [a + shift for a in x], data[key], 0.38, style, label)
+    ax.set_xticks(x)
+    ax.set_xlabel(
+        "drafts accepted a, by where the first rejection was\n"
+        "(a < B: $d_{a+1}$ rejected; B: every real token accepted)"
+    )
+    total = sum(data["hits"]) + sum(data["misses"])
+    rate = sum(data["hits"]) / total if total else math.nan
+    ax.set_title(f"Hits and misses per first rejection (hit rate {rate:.0%})", fontsize=10)
+
+
 def acceptance_figure(stats: dict, block_size: int | None = None, *, title: str | None = None):
     """The figure draw_acceptance writes: figure.axes[0].containers[0] holds the τ bars; for an
     async run figure.axes[1].containers[0] and [1] hold the hits and the misses."""
@@ -604,43 +644,12 @@ def acceptance_figure(stats: dict, block_size: int | None = None, *, title: str 
     size = data["block_size"] + 1
     figure = _new_figure(max(4.2, 1.4 + 0.42 * size) * panels, 3.6)
     axes = figure.subplots(1, panels, squeeze=False)[0]
-    ax = axes[0]
-    bars = ax.bar(data["tau"], data["counts"], 0.7, **_style(1))
-    _label_bars(ax, bars)
-    ax.axvline(
-        data["mean_tau"],
-        color="black",
-        linestyle=(0, (4, 2)),
-        linewidth=1.0,
-        label=f"mean τ = {data['mean_tau']:.2f}\nover all {sum(data['counts'])} rounds",
-    )
-    ax.set_xticks(data["tau"])
-    ax.set_xlabel("τ: tokens committed in a round (accepted + 1)")
-    ax.set_ylabel("rounds")
-    ax.set_title(f"Acceptance lengths ({sum(data['counts'])} rounds, B = {size - 1})", fontsize=10)
-    ax.legend(fontsize=8, frameon=False, loc="best")
+    _tau_bars(axes[0], data)
     if panels == 2:
-        ax = axes[1]
-        x = data["outcomes"]
-        # hits left of each outcome, misses right of it
-        sides = [
-            (-0.19, "hits", "hit: prepared block", 0),
-            (0.19, "misses", "miss: fallback draft", 3),
-        ]
-        for shift, key, label, style in sides:
-            bars = ax.bar([a + shift for a in x], data[key], 0.38, label=label, **_style(style))
-            _label_bars(ax, bars)
-        ax.set_xticks(x)
-        ax.set_xlabel(
-            "drafts accepted a, by where the first rejection was\n"
-            "(a < B: $d_{a+1}$ rejected; B: every real token accepted)"
-        )
-        ax.set_ylabel("rounds")
-        total = sum(data["hits"]) + sum(data["misses"])
-        rate = sum(data["hits"]) / total if total else math.nan
-        ax.set_title(f"Hits and misses per first rejection (hit rate {rate:.0%})", fontsize=10)
-        ax.legend(fontsize=8, frameon=False, loc="best")
+        _outcome_bars(axes[1], data)
     for ax in axes:
+        ax.set_ylabel("rounds")
+        ax.legend(fontsize=8, frameon=False, loc="best")
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         top = ax.get_ylim()[1]
         ax.set_ylim(0, top * 1.25 if top > 0 else 1)  # room for the legend above the bars
@@ -696,21 +705,12 @@ def pruning_curve_figure(rows, *, tau_floor: float | None = None, title: str | N
     layers = data["layers"]
     figure = _new_figure(max(4.8, 1.6 + 0.7 * len(layers)), 3.8)
     ax = figure.add_subplot()
-    ax.axhline(
-        data["tau0"],
-        color="0.5",
-        linewidth=0.8,
-        linestyle=(0, (1, 2)),
-        label=f"unpruned τ = {data['tau0']:.3f}",
-    )
+    unpruned = f"unpruned τ = {data['tau0']:.3f}"
+    ax.axhline(data["tau0"], color="0.5", linewidth=0.8, linestyle=(0, (1, 2)), label=unpruned)
     if tau_floor is not None:
-        ax.axhline(
-            tau_floor * data["tau0"],
-            color="0.3",
-            linewidth=0.8,
-            linestyle=(0, (6, 3)),
-            label=f"floor: {tau_floor} × unpruned τ",
-        )
+        floor = tau_floor * data["tau0"]  # the stopping rule
+        label = f"floor: {tau_floor} × unpruned τ"
+        ax.axhline(floor, color="0.3", linewidth=0.8, linestyle=(0, (6, 3)), label=label)
     ax.plot(
         layers,
         data["tau_before"],
@@ -725,16 +725,11 @@ def pruning_curve_figure(rows, *, tau_floor: float | None = None, title: str | N
     ax.plot(
         layers, data["tau_after"], color="black", marker="o", markersize=5, label="after recovery"
     )
+    undone = "undone: below the floor"
     for i in range(1, len(layers)):
         if not data["kept"][i]:
             ax.plot(
-                layers[i],
-                data["tau_after"][i],
-                marker="x",
-                color="black",
-                markersize=11,
-                linestyle="none",
-                label="undone: below the floor",
+                layers[i], data["tau_after"][i], "x", color="black", markersize=11, label=undone
             )
     ticks = [f"{layers[0]}\nunpruned"]
     ticks += [f"{n}\n−layer {r}" for n, r in zip(layers[1:], data["removed"][1:])]
@@ -763,24 +758,11 @@ def pruning_curve_figure(rows, *, tau_floor: float | None = None, title: str | N
 
 
 @dataclass(frozen=True)
-class MaskFlags:
+class MaskFlags(MaskSizes):
     """The flags of `python -m systems.pictures masks` (cli.add_settings): the sizes of the two
-    mask pictures and where they go. --length must also be >= K + 1 and --coverage <= B
+    mask pictures (MaskSizes) and where they go. --length must also be >= K + 1 and --coverage <= B
     (parse_args narrows their ranges once it has read K and B)."""
 
-    block_size: int = flag(4, "B: MASKs per block", Range(int, low=1))
-    num_anchors: int = flag(3, "K: blocks of the training mask", Range(int, low=1))
-    length: int | None = flag(
-        None, "N: clean tokens of the training mask (default: B + 2 K - 1)", Range(int)
-    )
-    coverage: int = flag(2, "C: positions with rejection branches, 0 .. B", Range(int, low=0))
-    fanout: int = flag(1, "F: candidate tokens per position, >= 1", Range(int, low=1))
-    past: int = flag(2, "cached tokens before x_n in the packed pass", Range(int, low=0))
-    d1_from: str = flag(
-        "causal",
-        "which rows draft d_1 of a branch's block",
-        Range(str, choices=("causal", "mask")),
-    )
     out: str = flag("runs/pictures", "folder for the PNGs")
     training_png: str | None = flag(
         None,
@@ -828,20 +810,13 @@ def main(argv=None) -> list[str]:
     if training is None:
         name = f"training_mask_B{args.block_size}_K{args.num_anchors}.png"
         training = os.path.join(args.out, name)
-    draw_training_mask(training, args.block_size, args.num_anchors, args.length)
+    draw_training_mask(training, args)
     print(training)
     branch = args.branch_png
     if branch is None:
         name = f"branch_pass_B{args.block_size}_C{args.coverage}_F{args.fanout}.png"
         branch = os.path.join(args.out, name)
-    draw_branch_pass(
-        branch,
-        args.block_size,
-        args.coverage,
-        args.fanout,
-        past_len=args.past,
-        d1_from=args.d1_from,
-    )
+    draw_branch_pass(branch, args)
     print(branch)
     return [training, branch]
 

@@ -41,6 +41,10 @@ def line(figure, label: str):
     return next(ln for ln in figure.axes[0].lines if ln.get_label().startswith(label))
 
 
+# the sizes of the README's two mask pictures
+README_SIZES = pictures.MaskSizes(block_size=4, num_anchors=3, coverage=2, fanout=1)
+
+
 # ---------------------------------------------------------------------------------------------
 # The mask pictures
 
@@ -49,7 +53,8 @@ def line(figure, label: str):
     "block_size,num_anchors,length", [(4, 3, None), (8, 3, None), (1, 1, 2), (5, 2, 4)]
 )
 def test_training_mask_picture_is_packed_attention_mask(block_size, num_anchors, length):
-    picture = pictures.training_mask_data(block_size, num_anchors, length)
+    sizes = pictures.MaskSizes(block_size=block_size, num_anchors=num_anchors, length=length)
+    picture = pictures.training_mask_data(sizes)
     length = length or pictures.default_length(block_size, num_anchors)
     anchors = torch.tensor(picture.anchors)
     mask, positions = d3d.packed_attention_mask(length, anchors, block_size)
@@ -67,7 +72,8 @@ def test_training_mask_picture_is_packed_attention_mask(block_size, num_anchors,
 
 @pytest.mark.parametrize("block_size,num_anchors", [(4, 3), (8, 2)])
 def test_training_mask_cells_drawn_are_the_mask(mpl, block_size, num_anchors):
-    picture = pictures.training_mask_data(block_size, num_anchors)
+    sizes = pictures.MaskSizes(block_size=block_size, num_anchors=num_anchors)
+    picture = pictures.training_mask_data(sizes)
     assert drawn_mask(picture) == picture.mask
 
 
@@ -76,7 +82,10 @@ def test_training_mask_cells_drawn_are_the_mask(mpl, block_size, num_anchors):
 )
 def test_branch_pass_picture_is_build_branch_pass_mask(tok, block_size, coverage, fanout, past_len):
     """Against a real drafter and random draft logits: the mask depends on B, C, F only."""
-    picture = pictures.branch_pass_data(block_size, coverage, fanout, past_len=past_len)
+    sizes = pictures.MaskSizes(
+        block_size=block_size, coverage=coverage, fanout=fanout, past=past_len
+    )
+    picture = pictures.branch_pass_data(sizes)
     drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=block_size)
     logits = torch.randn(block_size, 99, generator=torch.Generator().manual_seed(block_size))
     draft = logits.argmax(-1)
@@ -105,7 +114,7 @@ def test_branch_pass_picture_is_build_branch_pass_mask(tok, block_size, coverage
 
 
 def test_branch_pass_cells_drawn_are_build_branch_pass_mask(mpl):
-    picture = pictures.branch_pass_data(4, 2, 2)
+    picture = pictures.branch_pass_data(pictures.MaskSizes(block_size=4, coverage=2, fanout=2))
     assert drawn_mask(picture, relative=True) == picture.mask
 
 
@@ -117,11 +126,11 @@ def tick_texts(labels) -> list[str]:
 def test_mask_pictures_label_rows_and_columns_by_token_and_position(mpl):
     """Every column names its token and position, as the rows do: the blocks' MASK columns
     would otherwise all read "MASK"."""
-    training = pictures.mask_figure(pictures.training_mask_data(4, 3)).axes[0]
+    training = pictures.mask_figure(pictures.training_mask_data(README_SIZES)).axes[0]
     rows = tick_texts(training.get_yticklabels())
     assert rows[:2] == ["x_0 (0)", "x_1 (1)"] and rows[9:11] == ["MASK (1)", "MASK (2)"]
     assert tick_texts(training.get_xticklabels()) == rows  # the same tokens, in the same order
-    branch = pictures.mask_figure(pictures.branch_pass_data(4, 2, 1), relative=True).axes[0]
+    branch = pictures.mask_figure(pictures.branch_pass_data(README_SIZES), relative=True).axes[0]
     columns = tick_texts(branch.get_xticklabels())
     assert columns[:4] == ["x_n-2 (n-2)", "x_n-1 (n-1)", "x_n (n)", "d_1 (n+1)"]
     assert columns[2:] == tick_texts(branch.get_yticklabels())
@@ -133,8 +142,8 @@ def test_pngs_are_greyscale_and_small(mpl, tmp_path):
     from PIL import Image
 
     paths = [
-        pictures.draw_training_mask(str(tmp_path / "mask.png"), 4, 3),
-        pictures.draw_branch_pass(str(tmp_path / "branch.png"), 4, 2, 1),
+        pictures.draw_training_mask(str(tmp_path / "mask.png"), README_SIZES),
+        pictures.draw_branch_pass(str(tmp_path / "branch.png"), README_SIZES),
     ]
     for path in paths:
         with Image.open(path) as image:
@@ -239,11 +248,11 @@ def test_every_png_has_its_size_and_is_not_blank(mpl, tmp_path, async_stats, pru
     from matplotlib.image import imread
 
     drawn = {
-        pictures.draw_training_mask(str(tmp_path / "a" / "mask.png"), 4, 3): pictures.mask_figure(
-            pictures.training_mask_data(4, 3)
-        ),
-        pictures.draw_branch_pass(str(tmp_path / "branch.png"), 4, 2, 1): pictures.mask_figure(
-            pictures.branch_pass_data(4, 2, 1), relative=True
+        pictures.draw_training_mask(
+            str(tmp_path / "a" / "mask.png"), README_SIZES
+        ): pictures.mask_figure(pictures.training_mask_data(README_SIZES)),
+        pictures.draw_branch_pass(str(tmp_path / "branch.png"), README_SIZES): pictures.mask_figure(
+            pictures.branch_pass_data(README_SIZES), relative=True
         ),
         pictures.draw_block_accuracy(
             str(tmp_path / "acc.png"), [0.9, 0.6, 0.3, 0.1]
@@ -346,4 +355,4 @@ def test_without_matplotlib_every_picture_says_how_to_install_it(
     assert not list(tmp_path.iterdir())
     assert pictures.cli(["masks", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err == f"error: {pictures.MISSING}\n"
-    assert pictures.training_mask_data(4, 3).mask  # the data functions need no matplotlib
+    assert pictures.training_mask_data(README_SIZES).mask  # the data functions need no matplotlib
