@@ -625,6 +625,50 @@ def test_train_refuses_a_toy_whose_files_do_not_match_toy_json(monkeypatch, tmp_
         train.main(toy=str(folder), out=str(tmp_path / "drafter"), steps=1, device="cpu")
 
 
+def test_the_answering_flags_reach_the_target(setup, tmp_path, monkeypatch):
+    """train.py's flags of how the target answers (--prompt-field, --thinking,
+    --max-new-tokens, --gen-batch-size) are the ones load_answers hands to the target: the field
+    read, the chat template's thinking switch, the cap on an answer (in the cache's header too),
+    the prompts per generate call."""
+    _write_jsonl(tmp_path / "asked.jsonl", [{"asked": q} for q in QUESTIONS])
+    batches = []
+    real_load = answers.load_target
+
+    def load_target(*args, **kwargs):
+        target = real_load(*args, **kwargs)
+        real_generate = target.generate
+
+        def generate(*gen_args, **gen_kwargs):
+            batches.append(gen_kwargs["input_ids"].shape[0])
+            return real_generate(*gen_args, **gen_kwargs)
+
+        target.generate = generate
+        return target
+
+    monkeypatch.setattr(answers, "load_target", load_target)
+    thinking = []
+    tok = copy.deepcopy(setup["tok"])
+    real_template = tok.apply_chat_template
+
+    def apply_chat_template(*args, **kwargs):
+        thinking.append(kwargs.get("enable_thinking"))
+        return real_template(*args, **kwargs)
+
+    monkeypatch.setattr(tok, "apply_chat_template", apply_chat_template)
+    flags = dict(prompt_field="asked", thinking=True, max_new_tokens=3, gen_batch_size=5)
+    flags.update(num_prompts=None, num_val=4, val_fraction=0.25)
+    where = str(tmp_path / "asked.jsonl")
+    inputs = train_flags.Inputs(setup["target"], where, cache_dir=str(tmp_path / "cache"))
+    train_rows, val_rows = train_flags.load_answers(inputs, flags, tok)
+    assert len(train_rows) + len(val_rows) == len(QUESTIONS) and len(val_rows) == 3
+    assert all(0 < len(response) <= 3 for _, response in train_rows + val_rows)
+    assert thinking == [True] * len(QUESTIONS)
+    assert batches == [5, 5, 2]
+    (cache,) = (tmp_path / "cache").glob("answers-*.jsonl")
+    header = json.loads(cache.read_text().splitlines()[0])
+    assert header == answers.answers_header(setup["target"], tok, 3)
+
+
 def test_answers_that_do_not_match_the_prompts_are_refused(setup, tmp_path):
     """An answers file answers given prompt lines in given ids: other prompts, or one
     missing, are an error."""
