@@ -148,10 +148,24 @@ def acceptance_curve(taus: torch.Tensor, block_size: int) -> list[float]:
     return [(taus > i).float().mean().item() for i in range(1, block_size + 1)]
 
 
-def load_trained(drafter: str, device):
-    """A trained drafter folder with what it was trained on: (recipe, tokenizer, drafter,
-    train, val, pad_id); the answers come from the caches train.py wrote (train_args.json
-    names them)."""
+@dataclasses.dataclass
+class Trained:
+    """A drafter folder train.py wrote, loaded with what it was trained on (load_trained)."""
+
+    # its train_args.json, the target in it as found on this machine
+    recipe: dict
+    tokenizer: object
+    drafter: d3d.Drafter
+    # the target's answers it was trained and measured on: (prompt ids, response ids) each
+    train: list
+    val: list
+    # what pads a batch: the tokenizer's pad token, else EOS
+    pad_id: int
+
+
+def load_trained(drafter: str, device) -> Trained:
+    """A trained drafter folder with what it was trained on; the answers come from the caches
+    train.py wrote (train_args.json names them)."""
     cli.check_drafter_folder("--drafter", drafter)
     path = os.path.join(drafter, "train_args.json")
     if not os.path.isfile(path):
@@ -182,7 +196,7 @@ def load_trained(drafter: str, device):
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = tokenizer.eos_token_id
-    return recipe, tokenizer, model, train, val, pad_id
+    return Trained(recipe, tokenizer, model, train, val, pad_id)
 
 
 @dataclasses.dataclass
@@ -239,15 +253,19 @@ def eval_main(argv=None) -> dict:
     if args.plot is not None:
         train_flags.check_plotting()
     device = runtime.resolve_device(args.device)
-    recipe, _, drafter, _, val, pad_id = load_trained(args.drafter, device)
+    trained = load_trained(args.drafter, device)
+    recipe = trained.recipe
+    drafter = trained.drafter
     # the flags not given: as in training
     for name in ("num_val", "val_anchors"):
         if getattr(args, name) is None:
             setattr(args, name, recipe[name])
-    val = val[: args.num_val]
+    val = trained.val[: args.num_val]
     dtype = args.dtype or recipe.get("compute_dtype") or recipe.get("dtype")
     bf16 = runtime.resolve_dtype(dtype, device) == torch.bfloat16
-    held_out = HeldOut(pad_id, recipe["max_len"], args.val_anchors, bf16_autocast(device, bf16))
+    held_out = HeldOut(
+        trained.pad_id, recipe["max_len"], args.val_anchors, bf16_autocast(device, bf16)
+    )
     block_size = drafter.d3d_config.block_size
     taus, curves = taus_and_curves(drafter, val, held_out)
     result = {first: t.mean().item() for first, t in taus.items()}

@@ -157,8 +157,10 @@ def prune_main(**flags) -> dict:
     check_prune_args(vars(f))
     device = runtime.resolve_device(f.device)
     out, bf16, config = settings(f, device)
-    recipe, tokenizer, model, train, val, pad_id = evaluation.load_trained(f.drafter, device)
-    val_batches, train_batches = batches(train, val, f, pad_id, recipe["max_len"], device)
+    trained = evaluation.load_trained(f.drafter, device)
+    recipe = trained.recipe
+    model = trained.drafter
+    val_batches, train_batches = batches(trained, f, device)
     # the unpruned drafter for the final comparison waits in host memory: on the device it
     # would sit beside the teacher copy prune_drafter makes
     unpruned = runtime.host_copy(model) if f.compare_prompts else None
@@ -176,7 +178,7 @@ def prune_main(**flags) -> dict:
         "beta": config.beta,
         "lr": config.lr,
         "dtype": "bfloat16" if bf16 else "float32",
-        "num_val": min(f.num_val, len(val)),
+        "num_val": min(f.num_val, len(trained.val)),
         "val_anchors": config.val_anchors,
         "layer_ids": model.d3d_config.layer_ids,
         "checkpointing": config.checkpointing,
@@ -185,13 +187,15 @@ def prune_main(**flags) -> dict:
     }
     if f.compare_prompts:
         target = runtime.load_causal_lm(recipe["target"], torch.float32, device).eval()
-        prompts = [torch.tensor([p], device=device) for p, _ in val[: f.compare_prompts]]
-        eos = getattr(target.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
+        prompts = [torch.tensor([p], device=device) for p, _ in trained.val[: f.compare_prompts]]
+        eos = getattr(target.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = trained.tokenizer.eos_token_id
         drafters = {"unpruned": unpruned.to(device).eval(), "pruned": model.eval()}
         result["decode"] = compare_drafters(
             target, drafters, prompts, max_new_tokens=f.max_new_tokens, eos=eos
         )
-    save_pruned(model, tokenizer, recipe, f.drafter, out, result)
+    save_pruned(model, trained.tokenizer, recipe, f.drafter, out, result)
     print_done(model, result, config, f.plot, device, out)
     return result
 
@@ -217,13 +221,17 @@ def settings(f: argparse.Namespace, device) -> tuple[str, bool, d3d.PruneConfig]
     return out, bf16, config
 
 
-def batches(train, val, f, pad_id: int, max_len: int, device) -> tuple[list, list]:
+def batches(trained: evaluation.Trained, f, device) -> tuple[list, list]:
     """(validation batches of the first --num-val held-out answers, recovery batches of the
-    training answers in a seeded order), each (input_ids, loss_mask) on `device`."""
+    training answers in a seeded order), each (input_ids, loss_mask) on `device`, cut at the
+    --max-len the drafter was trained with."""
     size = f.batch_size
+    val = trained.val
+    train = trained.train
+    max_len = trained.recipe["max_len"]
 
     def batch(examples):
-        return tuple(t.to(device) for t in answers.collate(examples, pad_id, max_len))
+        return tuple(t.to(device) for t in answers.collate(examples, trained.pad_id, max_len))
 
     val_batches = [batch(val[s : s + size]) for s in range(0, min(f.num_val, len(val)), size)]
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(f.seed)).tolist()

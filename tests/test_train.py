@@ -529,10 +529,9 @@ def test_prune_in_bf16_reads_the_weights_recovery_changed(setup, tmp_path):
     it. Every later pass must read the new weights, not the bf16 copies autocast's cast
     cache keeps for the whole context."""
     _run(setup, tmp_path / "drafter", steps=2, drafter_layers="3")
-    _, _, drafter, _, val, pad_id = evaluation.load_trained(
-        str(tmp_path / "drafter"), torch.device("cpu")
-    )
-    batches = [answers.collate(val[:3], pad_id, 1024)]
+    trained = evaluation.load_trained(str(tmp_path / "drafter"), torch.device("cpu"))
+    drafter = trained.drafter
+    batches = [answers.collate(trained.val[:3], trained.pad_id, 1024)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         list(
             d3d.prune_drafter(
@@ -608,7 +607,7 @@ def test_every_toy_run_uses_the_shipped_toy_and_its_answers(monkeypatch, tmp_pat
     shipped = [json.loads(line) for line in open(answers_file)][1:9]
     # another folder, as after moving the clone: eval and prune still find the toy
     monkeypatch.chdir(tmp_path)
-    _, _, _, examples, _, _ = evaluation.load_trained(str(tmp_path / "lam0" / "drafter"), "cpu")
+    examples = evaluation.load_trained(str(tmp_path / "lam0" / "drafter"), "cpu").train
     assert examples == [(r["prompt"], r["response"]) for r in shipped]
 
 
