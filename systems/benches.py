@@ -80,8 +80,8 @@ def sampling_check(models, plan, run) -> dict:
         if p == 0:
             line += "   (the target's prefill token)"
         print(line)
-    mean_mode = figures._mean(x["tv_mode"] for x in positions)
-    mean_noise = figures._mean(x["tv_noise"] for x in positions)
+    mean_mode = figures.nanmean(x["tv_mode"] for x in positions)
+    mean_noise = figures.nanmean(x["tv_noise"] for x in positions)
     print(f"{'mean':>8}  {mean_mode:>16.3f}  {mean_noise:>24.3f}")
     return {
         "positions": positions,
@@ -149,9 +149,9 @@ def summarise_concurrent(records: list[dict], baseline: list[dict]) -> dict:
         "wall_s": sum(r["time_total"] for r in records),
         "num_rounds": sum(r["num_rounds"] for r in records),
         # over all rows' rounds
-        "tau": figures._mean(n for r in records for n in r["accept_lengths"]),
+        "tau": figures.nanmean(n for r in records for n in r["accept_lengths"]),
         "ms_per_round": ms,
-        "prefill_ms_per_batch": 1000 * figures._mean(r["time_prefill"] for r in records),
+        "prefill_ms_per_batch": 1000 * figures.nanmean(r["time_prefill"] for r in records),
     }
 
 
@@ -196,9 +196,7 @@ def concurrency_table(
             ms = o["ms_per_round"]
             phases = "".join(f"{ms[k]:>9.2f}" for k in ("round", "draft", "verify", "other"))
             prefill = o["prefill_ms_per_batch"]
-            tau = "-"
-            if not math.isnan(o["tau"]):
-                tau = f"{o['tau']:.2f}"
+            tau = figures.or_dash(o["tau"], ".2f")
             lines.append(f"{mode:<24}{c:>4}{o['num_rounds']:>8}{tau:>7}{phases}{prefill:>9.1f}")
     return "\n".join(lines)
 
@@ -218,15 +216,13 @@ def concurrency_bench(models, plan, run) -> dict:
         for c in levels:
             level = ["target"]
             level += [m for m in plan.modes if c == 1 or decoding.parse_mode(m)[0] != "async"]
-            records = level_records(models, prompts, c, level, run, mismatches, dataset=name)
+            records, found = level_records(models, prompts, c, level, run, name)
+            mismatches += found
             cells = {}
             for m in level:
                 cells[m] = summarise_concurrent(records[m], records["target"])
                 everything[c][m] += records[m]
-                where = (name, c, m)
-                cells[m]["mismatches"] = sum(
-                    (x["dataset"], x["concurrency"], x["mode"]) == where for x in mismatches
-                )
+                cells[m]["mismatches"] = sum(x["mode"] == m for x in found)
             results[name]["levels"][c] = cells
     overall = {}
     checked = 0
@@ -249,25 +245,34 @@ def concurrency_bench(models, plan, run) -> dict:
     }
 
 
-def level_records(models, prompts, c: int, level: list[str], run, mismatches, dataset) -> dict:
+def level_records(models, prompts, c: int, level: list[str], run, name) -> tuple[dict, list]:
     """{mode: one record per group} of one file's prompts in consecutive groups of c, after a
-    warm-up at that batch size; each row that leaves target-only's is added to `mismatches`."""
+    warm-up at that batch size, and each row that leaves target-only's (find_divergences)."""
     decode_group(models, prompts[:c], level, run, max_new_tokens=16)
     records = collections.defaultdict(list)
+    found = []
     groups = [prompts[i : i + c] for i in range(0, len(prompts), c)]
-    bar = tqdm(groups, desc=f"{dataset} c={c}", unit="batch", dynamic_ncols=True)
+    bar = tqdm(groups, desc=f"{name} c={c}", unit="batch", dynamic_ncols=True)
     for g, group in enumerate(bar):
-        for mode, r in decode_group(models, group, level, run).items():
+        decoded = decode_group(models, group, level, run)
+        for mode, r in decoded.items():
             records[mode].append(r)
-            references = records["target"][-1]["new_tokens"]
-            for row, (ref, new) in enumerate(zip(references, r["new_tokens"])):
-                where = dict(dataset=dataset, concurrency=c, mode=mode, prompt_index=g * c + row)
-                found = forensics.divergence(
-                    models.target, models.tokenizer, group[row], ref, new, run, **where
-                )
-                if found:
-                    mismatches.append(found)
-    return records
+        outputs = {m: r["new_tokens"] for m, r in decoded.items()}
+        found += find_divergences(models, group, outputs, run, g * c, dataset=name, concurrency=c)
+    return records, found
+
+
+def find_divergences(models, prompts, outputs: dict, run, first: int, **where) -> list[dict]:
+    """The outputs of some prompts ({mode: new tokens per prompt}) that leave target-only's of the
+    same prompts, each with where it does (forensics.divergence); prompts numbered from `first`."""
+    found = []
+    for mode, rows in outputs.items():
+        for row, (ids, reference, new) in enumerate(zip(prompts, outputs["target"], rows)):
+            at = dict(where, mode=mode, prompt_index=first + row)
+            x = forensics.divergence(models, ids, reference, new, run, **at)
+            if x:
+                found.append(x)
+    return found
 
 
 def report(text: str, mismatches: list[dict], checked: int, run, **against) -> dict:
@@ -329,41 +334,22 @@ def prefill_bench(models, plan, run) -> dict:
     prompts = long_prompts(docs, plan.num_docs, count, run.seed)
     device = models.target.device
     ids = [decoding.encode(models.tokenizer, p, plan.thinking, device) for p, _ in prompts]
-    rows = {"target, full prefill": None}
+    # each row: (its mode, its run); the baseline's run prefills the whole prompt
+    rows = {"target, full prefill": ("target", run)}
     for r in plan.keep_ratios:
-        rows[f"{r:.0%} + D3D ({plan.mode})"] = r
+        config = dataclasses.replace(run.config, keep_ratio=r)
+        rows[f"{r:.0%} + D3D ({plan.mode})"] = (plan.mode, dataclasses.replace(run, config=config))
     records = collections.defaultdict(list)
     caches = decoding.prepare(models, run, ids, ["target", plan.mode])
     # warm-up
     decoding.decode_prompt(models, ids[0], ["target"], run, caches, max_new_tokens=4)
     for x in tqdm(ids, desc="long prompts", unit="prompt", dynamic_ncols=True):
-        for name, ratio in rows.items():
-            row = dataclasses.replace(run, config=dataclasses.replace(run.config, keep_ratio=ratio))
-            row_mode = plan.mode
-            if ratio is None:
-                row_mode = "target"
-            decoded = decoding.decode_prompt(models, x, [row_mode], row, caches)
-            records[name].append(decoded[row_mode])
+        for name, (mode, row) in rows.items():
+            records[name].append(decoding.decode_prompt(models, x, [mode], row, caches)[mode])
     result = {}
     for name, recs in records.items():
         result[name] = prefill_cells(models.tokenizer, recs, records["target, full prefill"], ids)
-    header = (
-        f"{os.path.basename(path)}: {count} prompts of {plan.num_docs} problems "
-        f"(~{result[next(iter(result))]['prompt_tokens']:.0f} tokens), chunks of "
-        f"{run.config.chunk_size} tokens; τ = the mean of per-prompt means\n"
-        f"{'setting':<24}{'same':>7}{'number':>8}{'prefill':>9}"
-        f"{'TTFT ms':>9}{'TTFT':>8}{'decode':>8}{'E2E':>8}{'τ':>7}"
-    )
-    table_rows = []
-    for name, o in result.items():
-        table_rows.append(
-            f"{name:<24}{o['same_answer']:>7.0%}{o['same_number']:>8.0%}"
-            f"{o['prompt_tokens_prefilled']:>9.0f}"
-            f"{1000 * o['ttft_s']:>9.0f}{o['ttft_speedup']:>7.2f}×"
-            f"{o['decode_speedup']:>7.2f}×"
-            f"{o['e2e_speedup']:>7.2f}×{o['tau']:>7.2f}"
-        )
-    text = header + "\n" + "\n".join(table_rows)
+    text = prefill_table(result, path, plan, run.config.chunk_size)
     print("\n" + text)
     return {
         "prefill_bench": result,
@@ -376,6 +362,26 @@ def prefill_bench(models, plan, run) -> dict:
     }
 
 
+def prefill_table(result: dict, path: str, plan, chunk_size: int) -> str:
+    """The prefill bench's table: a row per setting (prefill_cells), under a line that says what
+    the long prompts were."""
+    lines = [
+        f"{os.path.basename(path)}: {plan.num_long_prompts} prompts of {plan.num_docs} problems "
+        f"(~{result[next(iter(result))]['prompt_tokens']:.0f} tokens), chunks of "
+        f"{chunk_size} tokens; τ = the mean of per-prompt means",
+        f"{'setting':<24}{'same':>7}{'number':>8}{'prefill':>9}"
+        f"{'TTFT ms':>9}{'TTFT':>8}{'decode':>8}{'E2E':>8}{'τ':>7}",
+    ]
+    for name, o in result.items():
+        lines.append(
+            f"{name:<24}{o['same_answer']:>7.0%}{o['same_number']:>8.0%}"
+            f"{o['prompt_tokens_prefilled']:>9.0f}{1000 * o['ttft_s']:>9.0f}"
+            f"{o['ttft_speedup']:>7.2f}×{o['decode_speedup']:>7.2f}×{o['e2e_speedup']:>7.2f}×"
+            f"{o['tau']:>7.2f}"
+        )
+    return "\n".join(lines)
+
+
 def prefill_cells(tok, records: list[dict], base: list[dict], ids: list[torch.Tensor]) -> dict:
     """One setting's row of the prefill bench: its records against the baseline's (target-only,
     full prefill) on the same long prompts."""
@@ -386,19 +392,19 @@ def prefill_cells(tok, records: list[dict], base: list[dict], ids: list[torch.Te
         theirs = last_number(tok.decode(b["new_tokens"]))
         same_number.append(float(ours == theirs))
     prefilled = [r.get("prompt_tokens_prefilled", x.shape[1]) for r, x in zip(records, ids)]
-    ttft = figures._mean(r["time_prefill"] for r in records)
+    ttft = figures.nanmean(r["time_prefill"] for r in records)
     decode_base = per_token(base, "decode_time", "decode_tokens")
     e2e_base = per_token(base, "time_total", "num_new_tokens")
     return {
-        "same_answer": figures._mean(float(r["new_tokens"] == b["new_tokens"]) for r, b in pairs),
-        "same_number": figures._mean(same_number),
+        "same_answer": figures.nanmean(float(r["new_tokens"] == b["new_tokens"]) for r, b in pairs),
+        "same_number": figures.nanmean(same_number),
         "ttft_s": ttft,
-        "ttft_speedup": figures._mean(b["time_prefill"] for b in base) / ttft,
+        "ttft_speedup": figures.nanmean(b["time_prefill"] for b in base) / ttft,
         "decode_speedup": decode_base / per_token(records, "decode_time", "decode_tokens"),
         "e2e_speedup": e2e_base / per_token(records, "time_total", "num_new_tokens"),
-        "prompt_tokens": figures._mean(x.shape[1] for x in ids),
-        "prompt_tokens_prefilled": figures._mean(prefilled),
-        "tau": figures._mean(r["tau"] for r in records),
+        "prompt_tokens": figures.nanmean(x.shape[1] for x in ids),
+        "prompt_tokens_prefilled": figures.nanmean(prefilled),
+        "tau": figures.nanmean(r["tau"] for r in records),
     }
 
 
@@ -412,7 +418,6 @@ def table1(models, plan, run) -> dict:
     forensics.classify_divergence (run.tie_tolerance: a fixed tolerance in logits instead of
     tie_tolerance's). With plan.trace, the first prompt of the first file decoded once more in
     the first mode named, its trace written (decoding.write_trace)."""
-    tok = models.tokenizer
     datasets = decoding.encode_files(models, plan)
     every_mode = ["target"] + plan.modes
     every_prompt = [x for _, _, ids in datasets.values() for x in ids]
@@ -430,13 +435,8 @@ def table1(models, plan, run) -> dict:
             decoded = decoding.decode_prompt(models, ids, every_mode, run, caches)
             for mode, r in decoded.items():
                 records[mode].append(r)
-                reference = records["target"][-1]["new_tokens"]
-                where = dict(dataset=name, prompt_index=i, mode=mode)
-                found = forensics.divergence(
-                    models.target, tok, ids, reference, r["new_tokens"], run, **where
-                )
-                if found:
-                    mismatches.append(found)
+            outputs = {m: [r["new_tokens"]] for m, r in decoded.items()}
+            mismatches += find_divergences(models, [ids], outputs, run, i, dataset=name)
         results[name] = {"path": path, "field": field, "num_prompts": len(prompts)}
         results[name] |= dataset_cells(records, mismatches, name)
         for m in records:
@@ -465,20 +465,13 @@ def dataset_cells(records: dict, mismatches: list[dict], name: str) -> dict:
 def table1_figures(models, results, everything, mismatches, modes, run) -> dict:
     """Table 1 printed, with the greedy check, and returned with its figures."""
     block_size = models.block_size(run.config)
-    overall = {}
-    for m in everything:
-        overall[m] = figures.summarise(everything[m], everything["target"])
+    overall = {m: figures.summarise(everything[m], everything["target"]) for m in everything}
     text = figures.table(results, overall, modes, block_size)
     checked = sum(len(everything[m]) for m in modes)
     tally = report(text, mismatches, checked, run)
-    mean = {}
-    for m in modes:
-        mean[m] = {}
-        for k in ("speedup", "tau"):
-            mean[m][k] = figures._mean(results[n]["modes"][m][k] for n in results)
     result = {
         "datasets": results,
-        "mean": mean,
+        "mean": {m: figures.mean_over_datasets(results, m) for m in modes},
         "overall": overall,
         "block_size": block_size,
         "table": text,
@@ -523,9 +516,7 @@ def print_summary(models, records: dict, plan, run) -> dict:
             tau = f"{s['tau']:.2f}"
         if run.config.temperature and m != "target":
             same = "sampled"
-        hit_rate = "-"
-        if "hit_rate" in s:
-            hit_rate = format(s["hit_rate"], ".0%")
+        hit_rate = figures.or_dash(s.get("hit_rate"), ".0%")
         print(f"{m:<8}{s['tokens_per_s']:8.0f}{s['speedup']:8.2f}×{tau:>6}{hit_rate:>10}   {same}")
     if "async" in modes:
         lanes = records["async"][0]["lanes"]

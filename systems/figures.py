@@ -22,7 +22,7 @@ TIME_KEYS = (
 # Aggregation and the Table 1 layout
 
 
-def _mean(values):
+def nanmean(values):
     """The mean of the values that are numbers (None and NaN left out); NaN if none is."""
     values = [v for v in values if v is not None and not math.isnan(v)]
     if not values:
@@ -43,9 +43,9 @@ def summarise(records: list[dict], baseline: list[dict]) -> dict:
     rounds = sum(r["num_rounds"] for r in records)
     out = {
         "speedup": s_per_token(baseline) / s_per_token(records),
-        "tau": _mean(r["tau"] for r in records),
+        "tau": nanmean(r["tau"] for r in records),
         "tokens_per_s": 1 / s_per_token(records),
-        "ttft_s": _mean(r["time_prefill"] for r in records),
+        "ttft_s": nanmean(r["time_prefill"] for r in records),
         "num_rounds": rounds,
         "num_new_tokens": sum(r["num_new_tokens"] for r in records),
         "histogram": dict(
@@ -70,12 +70,22 @@ def summarise(records: list[dict], baseline: list[dict]) -> dict:
     return out
 
 
+def or_dash(value, spec: str) -> str:
+    """A table's entry: `value` formatted by `spec`, "-" where there is none (None or NaN)."""
+    if value is None or math.isnan(value):
+        return "-"
+    return format(value, spec)
+
+
+def mean_over_datasets(results: dict, mode: str) -> dict:
+    """A mode's Avg. column of Table 1: its speedup and tau, each the mean over the datasets."""
+    cells = [results[n]["modes"][mode] for n in results]
+    return {k: nanmean(c[k] for c in cells) for k in ("speedup", "tau")}
+
+
 def _cell(c: dict) -> str:
     """One Table 1 cell: the speedup and tau ("-" where a mode has no rounds)."""
-    tau = "    -    "
-    if not math.isnan(c["tau"]):
-        tau = f"{c['tau']:5.2f}    "
-    return f"{c['speedup']:6.2f}× " + tau
+    return f"{c['speedup']:6.2f}× {or_dash(c['tau'], '5.2f'):>5}    "
 
 
 def _ratios(overall: dict, modes: list[str], baseline: str) -> str:
@@ -93,16 +103,18 @@ def table(results: dict, overall: dict, modes: list[str], block_size: int) -> st
     running verify and the packed pass side by side saved, measured, in ms per round (below
     zero where it cost time)."""
     names = list(results) + ["Avg."]
+    # target-only decoding, eager or compiled ("target+compiled")
+    targets = [m for m in ["target"] + modes if m.split("+")[0] == "target"]
     lines = [
         " " * 26 + "".join(f"{n[:17]:<18}" for n in names),
         f"{'Method':<26}" + "Speedup  τ       " * len(names),
     ]
     for mode in modes:
         cells = [results[n]["modes"][mode] for n in results]
-        cells.append({k: _mean(c[k] for c in cells) for k in ("speedup", "tau")})
+        cells.append(mean_over_datasets(results, mode))
         label = mode
         # plain generate and target-only draft nothing
-        if mode != "hf" and not mode.startswith("target"):
+        if mode != "hf" and mode not in targets:
             label = f"{mode} ({block_size})"
         lines.append(f"{label:<26}" + "".join(_cell(c) for c in cells))
     lines.append("τ: per dataset, the mean of per-prompt means; Avg.: the mean over the datasets")
@@ -120,7 +132,6 @@ def table(results: dict, overall: dict, modes: list[str], block_size: int) -> st
                 "against transformers generate (the faster baseline here): "
                 + _ratios(overall, others, "hf")
             )
-    targets = [m for m in ["target"] + modes if m.split("+")[0] == "target"]
     if len(targets) > 1:
         # target-only in more than one setting: the speedups against the fastest of them too
         fastest = max(targets, key=lambda m: overall[m]["tokens_per_s"])
@@ -147,20 +158,10 @@ def table(results: dict, overall: dict, modes: list[str], block_size: int) -> st
         o = overall[mode]
         ms = o["ms_per_round"]
         per_round = "-"
-        if mode.split("+")[0] != "target":
-            shown = []
-            for p in phases:
-                if p in ms:
-                    shown.append(f"{ms[p]:.2f}")
-                else:
-                    shown.append("-")
-            per_round = " / ".join(shown)
-        overlap = "-"
-        if "overlap_saved" in ms:
-            overlap = f"{ms['overlap_saved']:.2f}"
-        hit_rate = "-"
-        if "hit_rate" in o:
-            hit_rate = format(o["hit_rate"], ".0%")
+        if mode not in targets:
+            per_round = " / ".join(or_dash(ms.get(p), ".2f") for p in phases)
+        overlap = or_dash(ms.get("overlap_saved"), ".2f")
+        hit_rate = or_dash(o.get("hit_rate"), ".0%")
         lines.append(
             f"{mode:<22}{o['tokens_per_s']:8.1f}{1000 * o['ttft_s']:9.1f}"
             f"{hit_rate:>9}{overlap:>11}   " + per_round

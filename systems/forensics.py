@@ -49,18 +49,14 @@ def tie_tolerance(logits: torch.Tensor, dtype: torch.dtype) -> float:
 
 @torch.no_grad()
 def classify_divergence(
-    target,
-    ids: torch.Tensor,
-    reference: list[int],
-    other: list[int],
-    position: int,
-    tolerance: float | None = None,
+    target, ids: torch.Tensor, reference: list[int], other: list[int], tolerance=None
 ) -> dict:
-    """Class of a greedy output that leaves target-only's at new token `position`: one
-    teacher-forced target pass over prompt + the shared tokens gives the target's margin there,
-    logit(target-only token) - logit(other token). "near-tie" if |margin| <= tolerance
-    (tie_tolerance unless given), else "error"; an output that is a strict prefix of the other
-    (no token to compare) is an error."""
+    """Class of a greedy output that leaves target-only's (at new token `position`,
+    first_difference): one teacher-forced target pass over prompt + the shared tokens gives the
+    target's margin there, logit(target-only token) - logit(other token). "near-tie" if |margin|
+    <= tolerance (tie_tolerance unless given), else "error"; an output that is a strict prefix of
+    the other (no token to compare) is an error."""
+    position = first_difference(reference, other)
     if position >= min(len(reference), len(other)):
         return {
             "class": "error",
@@ -86,27 +82,25 @@ def classify_divergence(
     }
 
 
-def divergence(
-    target, tok, ids: torch.Tensor, reference: list[int], other: list[int], run, **where
-):
+def divergence(models, ids: torch.Tensor, reference: list[int], other: list[int], run, **where):
     """None if a greedy output equals target-only's, else where it leaves it (tokens shown) and
-    its class. run: the run's decoding.Run (its temperature, and tie_tolerance if given)."""
+    its class. models: the run's decoding.Models (its target and tokenizer); run: the run's
+    decoding.Run (its temperature, and tie_tolerance if given)."""
     pos = first_difference(reference, other)
     if run.config.temperature or pos is None:
         return None
     show = []
     for tokens in (reference, other):
         if pos < len(tokens):
-            show.append({"id": tokens[pos], "text": tok.decode(tokens[pos : pos + 1])})
+            show.append({"id": tokens[pos], "text": models.tokenizer.decode(tokens[pos : pos + 1])})
         else:
             show.append("end of output")
-    tolerance = run.tie_tolerance
     return {
         **where,
         "position": pos,
         "target_token": show[0],
         "mode_token": show[1],
-        **classify_divergence(target, ids, reference, other, pos, tolerance),
+        **classify_divergence(models.target, ids, reference, other, run.tie_tolerance),
     }
 
 

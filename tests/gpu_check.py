@@ -916,19 +916,12 @@ def check_against_eager(report: Report, setup, runs: dict, kind: str) -> None:
     target, _, prompts, eager, max_new = setup
     for label, decoded in runs.items():
         classes = []
-        for i, (tokens, _) in enumerate(decoded):
-            reference = eager[i][prompts[i].shape[1] :][:max_new]
-            first = next(
-                (j for j, (a, b) in enumerate(zip(reference, tokens)) if a != b),
-                None if len(tokens) == len(reference) else min(len(tokens), len(reference)),
-            )
-            classes.append(
-                "identical"
-                if first is None
-                else forensics.classify_divergence(target, prompts[i], reference, tokens, first)[
-                    "class"
-                ]
-            )
+        for prompt, full, (tokens, _) in zip(prompts, eager, decoded):
+            reference = full[prompt.shape[1] :][:max_new]
+            found = "identical"
+            if tokens != reference:
+                found = forensics.classify_divergence(target, prompt, reference, tokens)["class"]
+            classes.append(found)
         report.check(
             f"{kind} {label} equals eager target-only or differs at near-ties",
             "error" not in classes,
