@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 import d3d
 import runtime
 from runtime import Range
-from systems import answers, cli, evaluation, fast, memory, pictures, train_flags
+from systems import answers, cli, decoding, evaluation, fast, figures, memory, pictures, train_flags
 
 
 @dataclasses.dataclass
@@ -102,11 +102,9 @@ def check_prune_args(values: dict) -> None:
 @torch.no_grad()
 def compare_drafters(target, drafters: dict, prompts, *, max_new_tokens: int, eos) -> dict:
     """Decode the same prompts with each drafter (sync and async) and with the target alone,
-    in one run: tau and speedup (target-only time per token / speculative time per token,
-    prefill excluded) per drafter and mode."""
-    times = collections.defaultdict(float)
-    tokens = collections.defaultdict(int)
-    taus = collections.defaultdict(list)
+    in one run: tau and speedup (figures.summarise: target-only time per token / speculative
+    time per token, prefill excluded) per drafter and mode."""
+    records = collections.defaultdict(list)
     runs = [("target", None, "target")] + [
         (f"{name} {mode}", d, mode) for name, d in drafters.items() for mode in ("sync", "async")
     ]
@@ -114,18 +112,13 @@ def compare_drafters(target, drafters: dict, prompts, *, max_new_tokens: int, eo
     for ids in tqdm(prompts, desc="decode with each drafter", leave=False):
         for label, drafter, mode in runs:
             config = d3d.DecodeConfig(max_new_tokens=max_new_tokens, mode=mode, eos_token_id=eos)
-            _, stats = d3d.generate(target, drafter, ids, config)
-            times[label] += stats["time_total"] - stats["time_prefill"]
-            tokens[label] += stats["num_new_tokens"] - 1
-            taus[label].append(stats["tau"])
-    base = times["target"] / max(tokens["target"], 1)
-    return {
-        label: {
-            "speedup": base / (times[label] / max(tokens[label], 1)),
-            "tau": sum(taus[label]) / len(taus[label]),
-        }
-        for label, _, _ in runs[1:]
-    }
+            out, stats = d3d.generate(target, drafter, ids, config)
+            records[label].append(decoding.record(ids, out, stats))
+    compared = {}
+    for label, _, _ in runs[1:]:
+        figures_of = figures.summarise(records[label], records["target"])
+        compared[label] = {"speedup": figures_of["speedup"], "tau": figures_of["tau"]}
+    return compared
 
 
 def describe_iteration(row: dict, recovery_steps: int, tau_floor: float | None, tau0: float) -> str:
