@@ -11,7 +11,6 @@ accepted drafts d_1 .. d_a (which are x_{n+1} .. x_{n+a})."""
 
 from __future__ import annotations
 
-import sys
 import textwrap
 
 import d3d
@@ -132,15 +131,13 @@ def _pass_lines(info: d3d.RoundInfo, block_size: int) -> list[str]:
 
 def _outcome_lines(info: d3d.RoundInfo, decode) -> list[str]:
     """async: the prepared outcomes, the selected one starred; then the hit or the miss."""
-    shown = []
-    for segment, (i, t) in enumerate(info.outcomes):
-        mark = ""
-        if segment == info.segment:
-            mark = "*"
-        shown.append(_unit(f"({i}, {_show(t, decode)}){mark}"))
+    shown = [_unit(f"({i}, {_show(t, decode)})") for i, t in info.outcomes]
+    hit = info.segment is not None and info.segment >= 0
+    if hit:
+        shown[info.segment] += "*"
     outcome = f"({info.num_accepted + 1}, {_show(info.next_token, decode)})"
     lines = _wrap("prepared", "(i, t) = " + "  ".join(shown))
-    if info.segment is None or info.segment < 0:
+    if not hit:
         return lines + _wrap("miss", f"nothing prepared for {outcome}: the next round drafts anew")
     if info.segment == len(info.outcomes) - 1:
         used = "the full-acceptance block: its other B - 1 rows and a pad are the next draft"
@@ -189,14 +186,11 @@ class RoundPrinter:
 
     def __init__(self, decode=None, *, file=None, block_size: int | None = None):
         self.decode = decode
-        self.file = file
+        self.file = file  # None: sys.stdout, print's default
         self.block_size = block_size
         self.rounds = 0
 
     def __call__(self, info: d3d.RoundInfo) -> None:
-        file = self.file
-        if file is None:
-            file = sys.stdout
         block_size = self.block_size
         if block_size is None:
             block_size = len(info.draft)
@@ -204,12 +198,12 @@ class RoundPrinter:
             header = f"{info.mode} decoding, round by round"
             if info.mode != "target":
                 header += f" (B = {block_size})"
-            print(header, file=file)
-            print(LEGEND, file=file)
+            print(header, file=self.file)
+            print(LEGEND, file=self.file)
         self.rounds += 1
-        print("", file=file)
-        print(describe_round(info, block_size=block_size, decode=self.decode), file=file)
-        file.flush()
+        print("", file=self.file)
+        text = describe_round(info, block_size=block_size, decode=self.decode)
+        print(text, file=self.file, flush=True)
 
 
 class ColoredStream:
@@ -220,7 +214,7 @@ class ColoredStream:
 
     def __init__(self, decode=None, *, file=None, colour: bool = True):
         self.decode = decode
-        self.file = file
+        self.file = file  # None: sys.stdout, print's default
         self.colour = colour
         self.tokens: list[int] = []
         self.shown = ""  # the text of self.tokens, as written
@@ -237,14 +231,10 @@ class ColoredStream:
     def _write(self, tokens: list[int], origin: str) -> None:
         if not tokens:
             return
-        file = self.file
-        if file is None:
-            file = sys.stdout
         piece = self._piece(tokens)
         if self.colour:
             piece = COLOURS[origin] + piece + RESET
-        file.write(piece)
-        file.flush()
+        print(piece, end="", file=self.file, flush=True)
 
     def _piece(self, tokens: list[int]) -> str:
         """The text `tokens` add. The whole answer is decoded again, so that a character split

@@ -114,39 +114,33 @@ def hf_decode(models, ids: torch.Tensor, mode: str, config, max_new_tokens: int)
         kwargs["assistant_model"] = assistant
     elif mode == "hf-lookup":
         kwargs["prompt_lookup_num_tokens"] = block_size
-    # plain generate: one token per pass, no streamer in its loop
-    rounds = None
-    if mode != "hf":
-        rounds = _Rounds()
+    rounds = _Rounds()
     times = []
     for n in sorted({1, max(max_new_tokens, 1)}):
+        # plain generate: one token per pass, no streamer in its loop
         streamer = None
-        if n > 1:
+        if n > 1 and mode != "hf":
             streamer = rounds
         clock = runtime.Clock(ids.device)
         out = target.generate(ids, max_new_tokens=n, streamer=streamer, **kwargs)
         times.append(clock.now() - clock.start)
     new = out[0, ids.shape[1] :].tolist()[:max_new_tokens]
     # the streamer's puts: the prompt, the first pass, then the rounds after
-    accept = []
-    if rounds is not None:
-        accept = rounds.sizes[2:]
+    accept = rounds.sizes[2:]
     decode_time = times[-1] - times[0]
-    tau = math.nan
-    if accept:
-        tau = sum(accept) / len(accept)
+    decode_tokens = max(len(new) - 1, 0)
     tokens_per_s = math.nan
-    if len(new) > 1 and decode_time > 0:
-        tokens_per_s = (len(new) - 1) / decode_time
+    if decode_tokens > 0 and decode_time > 0:
+        tokens_per_s = decode_tokens / decode_time
     return {
         "new_tokens": new,
         "num_new_tokens": len(new),
         "accept_lengths": accept,
         "num_rounds": len(accept),
-        "tau": tau,
+        "tau": runtime.mean(accept),
         "time_prefill": times[0],
         "time_total": times[-1],
         "decode_time": decode_time,
-        "decode_tokens": max(len(new) - 1, 0),
+        "decode_tokens": decode_tokens,
         "tokens_per_s": tokens_per_s,
     }
