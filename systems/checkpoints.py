@@ -36,7 +36,6 @@ def resume(drafter, model, optimizer, scheduler, recipe: dict, s) -> tuple[int, 
     if s.fsdp:
         state = distributed.load_sharded_checkpoint(s.out, model, optimizer, check)
     else:
-        check_not_sharded(s.out)
         state, optimizer_state = distributed.load_checkpoint(s.out)
         if state:
             check(state)
@@ -57,18 +56,6 @@ def resume(drafter, model, optimizer, scheduler, recipe: dict, s) -> tuple[int, 
             saved_by = f" (saved by {state['world']} processes, resumed by {s.world})"
         print(f"[train] resumed from {path} at step {state['step']}{saved_by}")
     return state["step"], state.get("skipped", 0)
-
-
-def check_not_sharded(out: str) -> None:
-    """A run without --fsdp refuses a folder that holds only an --fsdp checkpoint."""
-    if os.path.exists(os.path.join(out, "checkpoint.pt")):
-        return
-    if os.path.isdir(os.path.join(out, distributed.SHARDED_CHECKPOINT)):
-        raise runtime.UserError(
-            f"{out} holds a checkpoint of an --fsdp run "
-            f"({distributed.SHARDED_CHECKPOINT}): resume it with --fsdp "
-            "(any number of processes), or start afresh with --no-resume"
-        )
 
 
 # What shapes a drafter and its data, kept in every checkpoint; the flag that sets each. Not in

@@ -178,6 +178,9 @@ def gather_drafter(model: torch.nn.Module, drafter: d3d.Drafter) -> d3d.Drafter 
 # ---------------------------------------------------------------------------------------------
 # Checkpoints
 
+# under --fsdp: a torch.distributed.checkpoint folder, one file per process
+SHARDED_CHECKPOINT = "checkpoint-fsdp"
+
 
 def save_checkpoint(out: str, step: int, training_state: dict, optimizer_state: dict) -> None:
     """A resumable checkpoint in pieces, each written beside its old version and renamed
@@ -212,41 +215,42 @@ def save_checkpoint(out: str, step: int, training_state: dict, optimizer_state: 
 
 def load_checkpoint(out: str) -> tuple[dict, dict | None]:
     """(training state, AdamW state dict or None) from save_checkpoint's pieces; ({}, None)
-    if there are none. Read into host memory: the model's and the optimizer's
-    load_state_dict copy each tensor to its parameter's device, and AdamW's step counts stay
-    on the CPU, where its (not capturable) update reads them."""
+    if there are none, and a refusal if `out` holds an --fsdp checkpoint instead. Read into
+    host memory: the model's and the optimizer's load_state_dict copy each tensor to its
+    parameter's device, and AdamW's step counts stay on the CPU, where its (not capturable)
+    update reads them."""
     path = os.path.join(out, "checkpoint.pt")
     if not os.path.exists(path):
+        if os.path.isdir(os.path.join(out, SHARDED_CHECKPOINT)):
+            raise runtime.UserError(
+                f"{out} holds a checkpoint of an --fsdp run ({SHARDED_CHECKPOINT}): resume "
+                "it with --fsdp (any number of processes), or start afresh with --no-resume"
+            )
         return {}, None
     saved = torch.load(path, map_location="cpu", weights_only=True)
     if "piece" not in saved:
         raise runtime.UserError(
             f"{path} is not a checkpoint of this train.py: move it away or rerun with --no-resume"
         )
-    state = saved["piece"]
-    step = saved["step"]
+    state = {**saved["piece"], "step": saved["step"]}
     moments = {}
     for key in state["moment_keys"]:
         piece_path = os.path.join(out, f"optimizer-{key}.pt")
         if not os.path.exists(piece_path):
             print(f"[train] {piece_path} is missing: resuming with fresh AdamW moments")
-            return {**state, "step": step}, None
+            return state, None
         piece = torch.load(piece_path, map_location="cpu", weights_only=True)
-        if piece["step"] != step:
+        if piece["step"] != state["step"]:
             print(
                 f"[train] AdamW {key} is from step {piece['step']}, the weights from step "
-                f"{step} (a save was cut short): resuming with it"
+                f"{state['step']} (a save was cut short): resuming with it"
             )
         moments[key] = piece["piece"]
     per_param = {
         index: {"step": count, **{key: moments[key][index] for key in moments}}
         for index, count in state["adam_steps"].items()
     }
-    return {**state, "step": step}, {"state": per_param, "param_groups": state["param_groups"]}
-
-
-# under --fsdp: a torch.distributed.checkpoint folder, one file per process
-SHARDED_CHECKPOINT = "checkpoint-fsdp"
+    return state, {"state": per_param, "param_groups": state["param_groups"]}
 
 
 def save_sharded_checkpoint(

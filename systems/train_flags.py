@@ -155,15 +155,16 @@ def check_inputs(args: argparse.Namespace) -> None:
         raise runtime.UserError("--drafter-layers is empty — give a count N or ids '0,5,29'")
     if args.plot is not None:
         check_plotting()
-    if args.target is None:
-        return
-    cli.check_model_folder("--target", args.target)
-    if args.prompts is None:
-        raise runtime.UserError("--target needs --prompts — give a JSON Lines file of prompts")
-    cli.read_jsonl("--prompts", args.prompts)
+    if args.target is not None:
+        cli.check_model_folder("--target", args.target)
+        if args.prompts is None:
+            raise runtime.UserError("--target needs --prompts — give a JSON Lines file of prompts")
+    # a prompts file given is read on a toy run, too
+    if args.prompts is not None:
+        cli.read_jsonl("--prompts", args.prompts)
     if args.val_prompts is not None:
         cli.read_jsonl("--val-prompts", args.val_prompts)
-    if args.drafter_init is not None:
+    if args.target is not None and args.drafter_init is not None:
         cli.check_model_folder("--drafter-init", args.drafter_init)
 
 
@@ -225,13 +226,9 @@ def inputs_of(args: argparse.Namespace, paths: dict | None, rank: int) -> Inputs
         if args.prompts is None:
             inputs.prompts = paths["train"]
             inputs.answers = paths["train_answers"]
-        else:
-            cli.read_jsonl("--prompts", args.prompts)
         if args.val_prompts is None:
             inputs.val_prompts = paths["test"]
             inputs.val_answers = paths["test_answers"]
-        else:
-            cli.read_jsonl("--val-prompts", args.val_prompts)
         if args.data_dir is None:
             args.data_dir = TOY_RUNS
         if inputs.layers is None:
@@ -263,6 +260,6 @@ def load_answers(inputs: Inputs, flags: dict, tokenizer, **where) -> tuple[list,
                 f"--val-fraction {flags['val_fraction']} of {len(train)} prompts holds out none "
                 "— give --val-prompts, a larger --val-fraction, or more --prompts"
             )
-        return train[: len(train) - num_val], train[len(train) - num_val :]
+        return train[:-num_val], train[-num_val:]
     val = load(prompts=inputs.val_prompts, num_prompts=flags["num_val"], answers=inputs.val_answers)
     return train, val
