@@ -169,7 +169,7 @@ def answer(models: Models, ids, mode: str, run: Run, caches, colour: bool) -> di
     """One prompt in the demo's mode: d3d.generate, its rounds streamed into the answer
     (explain.ColoredStream: accepted drafts green, the target's own tokens yellow), the
     answer printed. Returns the run's record of it (decoding.record)."""
-    config, kwargs = decoding.request(mode, models, run, caches, ids.device)
+    config, kwargs = decoding.request(mode, models, run, caches)
     # the answer streams as the rounds commit it, special tokens (EOS) left out
     text = functools.partial(models.tokenizer.decode, skip_special_tokens=True)
     stream = explain.ColoredStream(decode=text, colour=colour)
@@ -188,7 +188,7 @@ def explain_prompt(models: Models, plan: Plan, run: Run) -> dict:
     prompt = plan.prompts[0]
     mode = plan.mode
     ids = decoding.encode(tok, prompt, plan.thinking, models.target.device)
-    config, kwargs = decoding.request(mode, models, run, None, ids.device)
+    config, kwargs = decoding.request(mode, models, run)
     printer = explain.RoundPrinter(decode=tok.decode, block_size=models.block_size(config))
     # x_0 .. x_{p-1}: the prompt; x_p: the first token, the target's prefill's
     p = ids.shape[1]

@@ -110,8 +110,7 @@ def decode_group(
             r = decoding.decode_prompt(models, group[0], [spec], run, None, max_new_tokens)[spec]
             records[spec] = {**r, "new_tokens": [r["new_tokens"]]}
             continue
-        device = models.target.device
-        config, kwargs = decoding.request(spec, models, run, None, device, max_new_tokens)
+        config, kwargs = decoding.request(spec, models, run, None, max_new_tokens)
         # 1-D prompts of different lengths; the prompt is read whole
         batch = [ids[0] for ids in group]
         config = dataclasses.replace(config, keep_ratio=None)

@@ -287,16 +287,16 @@ def prepare(models: Models, run: Run, all_ids: list[torch.Tensor], modes: list[s
 # One prompt in every mode
 
 
-def request(
-    spec: str, models: Models, run: Run, caches: RunCaches | None, device, max_new_tokens=None
-) -> tuple[d3d.DecodeConfig, dict]:
-    """(d3d.generate's config, its keywords: a fresh seeded generator (the same draws in every
-    mode) and the run's caches) for one mode as --mode or --modes names it. caches: the run's
-    (prepare); None makes them per request. batched.generate takes the same."""
+def request(spec: str, models: Models, run: Run, caches=None, max_new_tokens=None):
+    """(d3d.generate's config, its keywords: a fresh seeded generator on the target's device
+    (the same draws in every mode) and the run's caches) for one mode as --mode or --modes names
+    it. caches: the run's RunCaches (prepare); None makes them per request. batched.generate
+    takes the same."""
     config, compiled = mode_config(spec, run)
     config = replace(config, eos_token_id=models.eos)
     if max_new_tokens is not None:
         config = replace(config, max_new_tokens=max_new_tokens)
+    device = models.target.device
     kwargs = {"generator": torch.Generator(device).manual_seed(run.seed)}
     if caches is not None and compiled:
         kwargs["caches"] = caches.compiled
@@ -340,7 +340,7 @@ def decode_prompt(
                 budget = run.config.max_new_tokens
             records[spec] = peers.hf_decode(models, ids, spec, run.config, budget)
             continue
-        config, kwargs = request(spec, models, run, caches, ids.device, max_new_tokens)
+        config, kwargs = request(spec, models, run, caches, max_new_tokens)
         use = drafter_for(config, models.drafter)
         out, stats = d3d.generate(models.target, use, ids, config, **kwargs)
         records[spec] = record(ids, out, stats)
