@@ -80,14 +80,6 @@ def _is_prompt(prompt) -> bool:
     return torch.is_tensor(prompt) and prompt.dim() == 1 and len(prompt) > 0
 
 
-def crop_cache(cache, length: int) -> None:
-    """Keep the first `length` positions of a DynamicCache (public API: crop with a negative
-    count)."""
-    excess = cache.get_seq_length() - length
-    if excess > 0:
-        cache.crop(-excess)
-
-
 class RaggedCache:
     """One DynamicCache for a ragged batch: every pass appends q columns to every row
     (left-padded), `valid` (b, C) marks a row's committed tokens. Holes (pads, rejected
@@ -113,18 +105,19 @@ class RaggedCache:
 
     def commit(self, new_valid):
         """Record the columns the last pass appended (new_valid (b, q): what each row keeps);
-        crop all-hole ones."""
+        crop all-hole ones, and the columns the cache holds past `valid` (a draft's MASKs)."""
         self.valid = torch.cat([self.valid, new_valid], 1)
         # a host int here: KVCache.check
-        if len(self.valid):
-            cached = self.cache.get_seq_length()
-            if cached < self.valid.shape[1]:
-                raise ignored_cache("a batch KV cache", f"{cached} columns", self.valid.shape[1])
+        cached = self.cache.get_seq_length()
+        if len(self.valid) and cached < self.valid.shape[1]:
+            raise ignored_cache("a batch KV cache", f"{cached} columns", self.valid.shape[1])
         used = self.valid.any(0).nonzero()
         length = 0
         if len(used):
             length = int(used[-1]) + 1
-        crop_cache(self.cache, length)
+        # keep the first `length` columns (public API: crop with a negative count)
+        if cached > length:
+            self.cache.crop(length - cached)
         self.valid = self.valid[:, :length]
 
     def keep_rows(self, rows: torch.Tensor):
@@ -144,11 +137,9 @@ def left_pad(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]
     return ids, torch.tensor(real, device=device)
 
 
-def target_pass(
-    target: nn.Module, ragged: RaggedCache, ids, new_valid, logits_to_keep=0
-) -> torch.Tensor:
-    """A causal target pass over a batch, ids (b, q) left-padded. Returns float logits
-    (b, kept, V)."""
+def target_pass(target, ragged: RaggedCache, ids, new_valid, logits_to_keep=0) -> torch.Tensor:
+    """A causal target pass over a batch, ids (b, q) left-padded (new_valid (b, q): not pads).
+    Returns float logits (b, kept, V)."""
     q = ids.shape[1]
     device = ids.device
     relative = torch.arange(q, device=device)[None]
@@ -165,11 +156,9 @@ def target_pass(
     return out.logits.float()
 
 
-def draft_batch(
-    drafter: Drafter, ragged: RaggedCache, new_tokens: list[list[int]], block_size: int
-):
-    """draft_block for a batch, left-padded so that every row's x_n is the last causal
-    column. Returns (b, B, V)."""
+def draft_batch(drafter: Drafter, ragged: RaggedCache, new_tokens, block_size: int):
+    """draft_block for a batch: new_tokens, each row's unread tokens (a list of lists of ints),
+    left-padded so that every row's x_n is the last causal column. Returns (b, B, V)."""
     device = ragged.valid.device
     ids, new_valid = left_pad(new_tokens, device)  # (b, m)
     b, m = ids.shape
@@ -185,7 +174,7 @@ def draft_batch(
     pass_ids = torch.cat([ids, masks], 1)  # (b, m + B)
     hidden = drafter.hidden_states(pass_ids, positions, mask, ragged.cache)
     logits = drafter.logits(hidden[:, rows])
-    crop_cache(ragged.cache, ragged.valid.shape[1] + m)
+    # the MASK columns go too: they lie past `valid`
     ragged.commit(new_valid)
     return logits
 
@@ -194,8 +183,7 @@ def target_step(target, cache: RaggedCache, outs, rows, new_tokens, sampler: Sam
     """One target pass over each row's new tokens (left-padded), and each row's next token
     committed: the prefill, or a round of target-only decoding. rows: indices into outs."""
     ids, new_valid = left_pad(new_tokens, cache.valid.device)
-    logits = target_pass(target, cache, ids, new_valid, logits_to_keep=1)
-    logits = logits[:, -1]  # (b, V)
+    logits = target_pass(target, cache, ids, new_valid, logits_to_keep=1)[:, -1]  # (b, V)
     cache.commit(new_valid)
     tokens = sampler.pick(logits)[0].tolist()
     for row, token in zip(rows, tokens):
@@ -231,7 +219,7 @@ def drop_finished(outs, active: list[int], caches, times) -> list[int]:
     return [active[i] for i in keep]
 
 
-def finish(outs, times, device) -> tuple[list[torch.Tensor], dict]:
+def finish(outs, times) -> tuple[list[torch.Tensor], dict]:
     """The outputs as 1-D tensors and the batch's stats (see generate)."""
     seconds = times["clock"].totals()
     total = seconds["total"]
@@ -251,13 +239,13 @@ def finish(outs, times, device) -> tuple[list[torch.Tensor], dict]:
         # throughput: new tokens of all rows / wall time
         "tokens_per_s": num_new / total,
     }
+    device = times["clock"].device
     return [torch.tensor(out.tokens, device=device) for out in outs], stats
 
 
 def decode_target(target, prompts, config: DecodeConfig, sampler: Sampler):
     """_decode_target for a batch: one target pass gives every unfinished row its next
     token."""
-    device = prompts[0].device
     outs, cache, times = prefill(target, prompts, config, sampler)
     active = drop_finished(outs, list(range(len(outs))), [cache], times)
     while active:
@@ -266,7 +254,7 @@ def decode_target(target, prompts, config: DecodeConfig, sampler: Sampler):
             target_step(target, cache, outs, active, last, sampler)
         times["rounds"] += 1
         active = drop_finished(outs, active, [cache], times)
-    return finish(outs, times, device)
+    return finish(outs, times)
 
 
 def decode_sync(target, drafter, prompts, config: DecodeConfig, sampler: Sampler):
@@ -291,22 +279,20 @@ def decode_sync(target, drafter, prompts, config: DecodeConfig, sampler: Sampler
             ids = torch.cat([last, draft], 1)  # (b, B+1)
             all_valid = torch.ones_like(ids, dtype=torch.bool)
             p_logits = target_pass(target, target_cache, ids, all_valid)  # (b, B+1, V)
+        q_rows = [None] * len(active)
+        if q_draft is not None:
+            q_rows = q_draft
+        verdicts = []
+        for p_row, draft_row, q_row in zip(p_logits, draft, q_rows):
+            verdicts.append(torch.stack(accept_draft(p_row, draft_row, q_row, sampler)))
+        accepted = torch.stack(verdicts)  # (b, 2): each row's verdict (a, t)
         # (b, B+1): x_n, d_1 .. d_a stay; the rejected tail is a hole
-        kept = torch.zeros_like(ids, dtype=torch.bool)
-        outcomes = []
-        for i in range(len(active)):
-            q_row = None
-            if q_draft is not None:
-                q_row = q_draft[i]
-            outcome = accept_draft(p_logits[i], draft[i], q_row, sampler)
-            outcomes.append(torch.stack(outcome))
-        accepted = torch.stack(outcomes)
+        kept = torch.arange(ids.shape[1], device=device) <= accepted[:, :1]
         # the round's one host read
         read = torch.cat([accepted, draft], 1).tolist()
-        for i, (row, (num_accepted, next_token, *tokens)) in enumerate(zip(active, read)):
+        for row, (num_accepted, next_token, *tokens) in zip(active, read):
             outs[row].commit_round(tokens[:num_accepted], next_token)
-            kept[i, : num_accepted + 1] = True
         target_cache.commit(kept)
         times["rounds"] += 1
         active = drop_finished(outs, active, caches, times)
-    return finish(outs, times, device)
+    return finish(outs, times)

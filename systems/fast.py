@@ -12,8 +12,8 @@ over all max_len slots of a cache. Prefills (any length) and the drafter's selec
 scoring stay eager. Each shape compiles once (about 5-20 s a shape on a CPU for a tiny model,
 longer for a deep one); `warm_up` does it before anything is timed.
 `compile_passes(caches, regional=True)` compiles one decoder layer per (layer class, shape)
-instead, reused by every layer of both models, the rest of each pass eager: compile time no
-longer grows with depth.
+instead, reused by every layer of both models, the rest of each pass eager: compile time does
+not grow with depth.
 """
 
 from __future__ import annotations
@@ -29,9 +29,7 @@ import d3d
 import runtime
 
 
-def compile_passes(
-    caches: runtime.Caches, mode: str | None = None, backend="inductor", regional: bool = False
-) -> None:
+def compile_passes(caches: runtime.Caches, mode=None, backend="inductor", regional=False) -> None:
     """Each cache's fixed-shape pass through torch.compile(fullgraph=True, dynamic=False): one
     graph per shape, and a graph break is an error, not a silent slow path. mode:
     "reduce-overhead" (CUDA graphs) on CUDA, inductor's default elsewhere; backend "eager"
@@ -42,7 +40,7 @@ def compile_passes(
     layer's call goes through one compiled function that takes the layer and its own cache
     layer as arguments (_OneLayer), so dynamo traces each (layer class, shape) once and every
     layer of both models reuses that code; embedding, mask, final norm and head stay eager
-    (compiled, they ran no faster on a CPU). Compile time no longer grows with depth, and
+    (compiled, they ran no faster on a CPU). Compile time does not grow with depth, and
     decoding runs about as fast as eager, slower than whole-model graphs (a guard check per
     layer call): RESULTS.md, "Compile time", and `decode.py --compile regional`. mode is passed
     as given (default: none, also on CUDA): per-layer CUDA graphs would be one recording per
@@ -52,10 +50,9 @@ def compile_passes(
     # one code object (KVCache.forward, or _layer_forward) serves both caches and every shape:
     # allow that many graphs
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    fixed_shape = functools.partial(torch.compile, fullgraph=True, dynamic=False, backend=backend)
     if regional:
-        layer_pass = torch.compile(
-            _layer_forward, fullgraph=True, dynamic=False, backend=backend, mode=mode
-        )
+        layer_pass = fixed_shape(_layer_forward, mode=mode)
     for cache in (caches.target, caches.drafter):
         if cache is None:
             continue
@@ -63,13 +60,11 @@ def compile_passes(
         if regional:
             cache.step = functools.partial(_regional_step, cache, layer_pass)
             continue
-        cuda = next(cache.model.parameters()).device.type == "cuda"
+        cuda = cache.device.type == "cuda"
         cache_mode = mode
         if cache_mode is None and cuda and backend == "inductor":
             cache_mode = "reduce-overhead"
-        compiled = torch.compile(
-            cache.forward, fullgraph=True, dynamic=False, backend=backend, mode=cache_mode
-        )
+        compiled = fixed_shape(cache.forward, mode=cache_mode)
         cache.step = compiled
         if cuda:
             # a CUDA graph's outputs live in its pool and the next replay overwrites them: hand
@@ -124,12 +119,10 @@ def _regional_step(cache, layer_pass, ids, positions, mask):
             del layer.forward
 
 
-def warm_up(
-    target, drafter, caches: runtime.Caches, prompt: torch.Tensor, modes, **settings
-) -> float:
-    """Decode `prompt` briefly in every mode of `modes` (with generate's `settings`), so that
-    each pass shape they use is compiled before anything is timed. Returns the seconds it took
-    (compile time, reported apart)."""
+def warm_up(target, drafter, caches: runtime.Caches, prompt, modes, **settings) -> float:
+    """Decode `prompt` (1, prompt_len) briefly in every mode of `modes` (with generate's
+    `settings`), so that each pass shape they use is compiled before anything is timed. Returns
+    the seconds it took (compile time, reported apart)."""
     start = time.perf_counter()
     block_size = settings.get("block_size")
     if not block_size:
@@ -139,9 +132,8 @@ def warm_up(
     # two rounds at least: a first draft, then a draft after a verification
     two_rounds = 2 * block_size + 3
     for mode in modes:
-        d3d.generate(
-            target, drafter, prompt, mode=mode, max_new_tokens=two_rounds, caches=caches, **settings
-        )
+        config = d3d.DecodeConfig(mode=mode, max_new_tokens=two_rounds, **settings)
+        d3d.generate(target, drafter, prompt, config, caches=caches)
     return time.perf_counter() - start
 
 
