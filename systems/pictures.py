@@ -226,7 +226,8 @@ def branch_pass_data(sizes: MaskSizes = MaskSizes()) -> MaskPicture:
         drafter, torch.tensor([x_n]), draft, covered, candidates, past_len=past_len
     )
     tokens = [names[token] for token in ids[0].tolist()]
-    num_causal, seg_len = 1 + block_size, 1 + block_size
+    num_causal = 1 + block_size  # x_n, d_1 .. d_B
+    seg_len = 1 + block_size  # a candidate t (or d_B), then B MASKs
     segments, anchors = [], []
     branches = [(i, f) for i in covered.tolist() for f in range(fanout)]
     for s, (i, f) in enumerate(branches):
@@ -630,8 +631,9 @@ def _outcome_bars(ax, data: dict) -> None:
         "drafts accepted a, by where the first rejection was\n"
         "(a < B: $d_{a+1}$ rejected; B: every real token accepted)"
     )
-    total = sum(data["hits"]) + sum(data["misses"])
-    rate = sum(data["hits"]) / total if total else math.nan
+    hits = sum(data["hits"])
+    total = hits + sum(data["misses"])
+    rate = hits / total if total else math.nan
     ax.set_title(f"Hits and misses per first rejection (hit rate {rate:.0%})", fontsize=10)
 
 
@@ -735,8 +737,9 @@ def pruning_curve_figure(rows, *, tau_floor: float | None = None, title: str | N
     ticks += [f"{n}\n−layer {r}" for n, r in zip(layers[1:], data["removed"][1:])]
     ax.set_xticks(layers, ticks, fontsize=8)
     ax.set_xlim(max(layers) + 0.5, min(layers) - 0.5)
-    low = min(data["tau_before"] + data["tau_after"] + [data["tau0"]])
-    high = max(data["tau_before"] + data["tau_after"] + [data["tau0"]])
+    taus = data["tau_before"] + data["tau_after"] + [data["tau0"]]  # the points, the unpruned τ
+    low = min(taus)
+    high = max(taus)
     span = max(high - low, 0.5)  # a flat curve still gets a readable axis
     ax.set_ylim(max(0.9, low - 0.15 * span), high + 0.25 * span)  # τ >= 1: never far below 1
     ax.set_xlabel(
@@ -805,7 +808,6 @@ def main(argv=None) -> list[str]:
     --training-png and --branch-png say), printing each path as it is written. Returns the
     paths."""
     args = parse_args(argv)
-    _need_matplotlib()
     training = args.training_png
     if training is None:
         name = f"training_mask_B{args.block_size}_K{args.num_anchors}.png"
