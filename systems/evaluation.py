@@ -55,11 +55,8 @@ def evaluate_tau(
     `sharded`: the FSDP root (train.py's TrainingLoss) around `drafter`; every pass goes
     through its forward, which gathers the weights, so every process must evaluate, on
     the same examples."""
-    generator = torch.Generator().manual_seed(held_out.seed)
     block_size = drafter.d3d_config.block_size
-    was_training = drafter.training
     taus = []
-    drafter.eval()
     # under FSDP every pass goes through the root's forward, which gathers the weights
     run = functools.partial(d3d.offline_tau, drafter)
     if sharded is not None:
@@ -67,7 +64,7 @@ def evaluate_tau(
     batches = held_out.batches(examples, drafter.device)
     total = math.ceil(len(examples) / held_out.batch_size)
     bar = tqdm(batches, total=total, desc=f"offline tau B={block_size}", leave=False)
-    with replaced_config(drafter, d1_from=d1_from or drafter.d3d_config.d1_from):
+    with measuring(drafter, held_out, d1_from=d1_from or drafter.d3d_config.d1_from) as generator:
         for input_ids, loss_mask in bar:
             with held_out.autocast():
                 tau = run(
@@ -76,7 +73,6 @@ def evaluate_tau(
             taus.append(tau)
     if sharded is not None:
         sharded.reshard()  # the root stays gathered after a forward that no backward follows
-    drafter.train(was_training)
     return torch.cat(taus) if per_block else torch.cat(taus).mean().item()
 
 
@@ -86,35 +82,35 @@ def block_accuracy(drafter, examples, held_out: HeldOut) -> list[float]:
     of blocks whose d_i, read where decoding reads it, is x_{a+i}. Each position on its own,
     unlike the acceptance curve. On the anchors evaluate_tau draws (the same seed and
     batches), so block_acc[0] is the share of blocks whose d_1 is accepted."""
-    generator = torch.Generator().manual_seed(held_out.seed)
     block_size = drafter.d3d_config.block_size
-    # the block loss's metrics alone: lambda = 0 skips L_AR's rows
-    block_only = d3d.Drafter(drafter.model, dataclasses.replace(drafter.d3d_config, ar_weight=0.0))
-    was_training = drafter.training
-    drafter.eval()
     right = torch.zeros(block_size, dtype=torch.float64)
     total = torch.zeros(block_size, dtype=torch.float64)
-    for input_ids, loss_mask in held_out.batches(examples, drafter.device):
-        at = d3d.sample_anchors(loss_mask, held_out.val_anchors, generator)
-        with held_out.autocast():
-            _, metrics = d3d.d3d_loss(block_only, input_ids, loss_mask, at=at)
-        counts = labelled_blocks(input_ids, loss_mask, at, block_size)
-        right += metrics["block_acc"].double().cpu() * counts
-        total += counts
-    drafter.train(was_training)
+    # the block loss's metrics alone: lambda = 0 skips L_AR's rows
+    with measuring(drafter, held_out, ar_weight=0.0) as generator:
+        for input_ids, loss_mask in held_out.batches(examples, drafter.device):
+            at = d3d.sample_anchors(loss_mask, held_out.val_anchors, generator)
+            with held_out.autocast():
+                _, metrics = d3d.d3d_loss(drafter, input_ids, loss_mask, at=at)
+            counts = labelled_blocks(input_ids, loss_mask, at, block_size)
+            right += metrics["block_acc"].double().cpu() * counts
+            total += counts
     return (right / total.clamp(min=1)).tolist()
 
 
 @contextlib.contextmanager
-def replaced_config(drafter, **fields):
-    """The drafter with fields of its D3DConfig replaced for the duration of a measurement (the
-    FSDP root reaches the same drafter object), as it was after."""
+def measuring(drafter, held_out: HeldOut, **fields):
+    """For the duration of a measurement: the drafter in eval mode with fields of its
+    D3DConfig replaced (the FSDP root reaches the same drafter object), and a generator seeded
+    with held_out.seed (the same anchors at every measurement); the drafter as it was after."""
     saved = drafter.d3d_config
+    was_training = drafter.training
     drafter.d3d_config = dataclasses.replace(saved, **fields)
+    drafter.eval()
     try:
-        yield drafter
+        yield torch.Generator().manual_seed(held_out.seed)
     finally:
         drafter.d3d_config = saved
+        drafter.train(was_training)
 
 
 def labelled_blocks(input_ids, loss_mask, at, block_size: int) -> torch.Tensor:
@@ -167,22 +163,17 @@ def load_trained(drafter: str, device) -> Trained:
     """A trained drafter folder with what it was trained on; the answers come from the caches
     train.py wrote (train_args.json names them)."""
     cli.check_drafter_folder("--drafter", drafter)
+    fix = "give a drafter folder that train.py wrote"
     path = os.path.join(drafter, "train_args.json")
     if not os.path.isfile(path):
-        raise runtime.UserError(
-            f"--drafter {drafter} has no train_args.json — give a drafter "
-            "folder that train.py wrote"
-        )
+        raise runtime.UserError(f"--drafter {drafter} has no train_args.json — {fix}")
     # how the drafter was trained: its target, prompts and answer caches
     recipe = cli.read_json("--drafter", path)
     needed = ("target", "prompts", *train_flags.ANSWERING, "num_prompts", "num_val")
     needed += ("max_len", "val_anchors")
     missing = [key for key in needed if key not in recipe]
     if missing:
-        raise runtime.UserError(
-            f"--drafter: {path} lacks {', '.join(missing)} — give a drafter "
-            "folder that train.py wrote"
-        )
+        raise runtime.UserError(f"--drafter: {path} lacks {', '.join(missing)} — {fix}")
     found = {}
     for key in train_flags.RECORDED:
         must_exist = key != "target" or not cli.looks_like_hub_name(recipe[key] or "")

@@ -100,10 +100,10 @@ def check_prune_args(values: dict) -> None:
 
 
 @torch.no_grad()
-def compare_drafters(target, drafters: dict, prompts, *, max_new_tokens: int, eos) -> dict:
-    """Decode the same prompts with each drafter (sync and async) and with the target alone,
-    in one run: tau and speedup (figures.summarise: target-only time per token / speculative
-    time per token, prefill excluded) per drafter and mode."""
+def compare_drafters(target, drafters: dict, prompts, config: d3d.DecodeConfig) -> dict:
+    """Decode the same prompts as `config` says with each drafter (sync and async) and with the
+    target alone, in one run: tau and speedup (figures.summarise: target-only time per token /
+    speculative time per token, prefill excluded) per drafter and mode."""
     records = collections.defaultdict(list)
     runs = [("target", None, "target")] + [
         (f"{name} {mode}", d, mode) for name, d in drafters.items() for mode in ("sync", "async")
@@ -111,8 +111,7 @@ def compare_drafters(target, drafters: dict, prompts, *, max_new_tokens: int, eo
     d3d.generate(target, None, prompts[0], max_new_tokens=4, mode="target")  # warm-up
     for ids in tqdm(prompts, desc="decode with each drafter", leave=False):
         for label, drafter, mode in runs:
-            config = d3d.DecodeConfig(max_new_tokens=max_new_tokens, mode=mode, eos_token_id=eos)
-            out, stats = d3d.generate(target, drafter, ids, config)
+            out, stats = d3d.generate(target, drafter, ids, config, mode=mode)
             records[label].append(decoding.record(ids, out, stats))
     compared = {}
     for label, _, _ in runs[1:]:
@@ -121,24 +120,24 @@ def compare_drafters(target, drafters: dict, prompts, *, max_new_tokens: int, eo
     return compared
 
 
-def describe_iteration(row: dict, recovery_steps: int, tau_floor: float | None, tau0: float) -> str:
+def describe_iteration(row: dict, config: d3d.PruneConfig, tau0: float) -> list[str]:
     """What a row of d3d.prune_drafter says, in a line or two."""
-    if row["removed_layer"] is None:
-        return f"unpruned: {row['layers']} layers, tau {row['tau_after_recovery']:.3f}"
     tau = row["tau_after_recovery"]
+    if row["removed_layer"] is None:
+        return [f"unpruned: {row['layers']} layers, tau {tau:.3f}"]
     line = f"removed layer {row['removed_layer']}: {row['layers']} left, "
     line += f"tau {row['tau_before_recovery']:.3f}"
-    if recovery_steps > 0:
+    if config.recovery_steps > 0:
         line += f" -> {tau:.3f} after recovery"
     line += f" ({row['seconds']:.0f} s, scoring {row['score_seconds']:.0f} s)"
     if row["recovery_skipped"]:
         line += (
-            f"; recovery skipped {row['recovery_skipped']} of {recovery_steps} steps: "
+            f"; recovery skipped {row['recovery_skipped']} of {config.recovery_steps} steps: "
             "gradient norm not finite"
         )
-    if not row["kept"]:
-        line += f"\ntau {tau:.3f} < {tau_floor} x {tau0:.3f}: removal undone, stopping"
-    return line
+    if row["kept"]:
+        return [line]
+    return [line, f"tau {tau:.3f} < {config.tau_floor} x {tau0:.3f}: removal undone, stopping"]
 
 
 def prune_main(**flags) -> dict:
@@ -185,9 +184,8 @@ def prune_main(**flags) -> dict:
         if eos is None:
             eos = trained.tokenizer.eos_token_id
         drafters = {"unpruned": unpruned.to(device).eval(), "pruned": model.eval()}
-        result["decode"] = compare_drafters(
-            target, drafters, prompts, max_new_tokens=f.max_new_tokens, eos=eos
-        )
+        decode_config = d3d.DecodeConfig(max_new_tokens=f.max_new_tokens, eos_token_id=eos)
+        result["decode"] = compare_drafters(target, drafters, prompts, decode_config)
     save_pruned(model, trained.tokenizer, recipe, f.drafter, out, result)
     print_done(model, result, config, f.plot, device, out)
     return result
@@ -275,8 +273,7 @@ def prune(model, val_batches, train_batches, config: d3d.PruneConfig, bf16: bool
         for row in rows:
             table.append(row)
             tau0 = table[0]["tau_after_recovery"]
-            told = describe_iteration(row, config.recovery_steps, config.tau_floor, tau0)
-            for line in told.split("\n"):
+            for line in describe_iteration(row, config, tau0):
                 tqdm.write(f"[prune] {line}")
     return table
 
@@ -308,9 +305,9 @@ def print_done(model, result: dict, config: d3d.PruneConfig, plot, device, out: 
         removed = row["removed_layer"]
         if removed is None:
             removed = "-"
+        tau = row["tau_after_recovery"]
         line = f"{removed:>8}{row['layers']:>8}{row['tau_before_recovery']:>12.3f}"
-        line += f"{row['tau_after_recovery']:>11.3f}"
-        line += f"{100 * row['tau_after_recovery'] / tau0:>10.1f}%"
+        line += f"{tau:>11.3f}{100 * tau / tau0:>10.1f}%"
         line += f"{row['score_seconds']:>11.0f}{row['seconds']:>9.0f}"
         if not row["kept"]:
             line += "  (undone: below the floor)"
