@@ -502,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    cli.add_groups(p, decode_flags.GROUPS, later=decode_flags.LATER, narrower=decode_flags.NARROWER)
+    cli.add_groups(p, decode_flags.GROUPS, later=decode_flags.LATER)
     return p
 
 

@@ -98,6 +98,11 @@ def _read_cache(paths: list[str], tokenizer) -> dict[int, tuple[list[int], list[
     return done
 
 
+def cache_files(cache: str) -> list[str]:
+    """An answers cache and its ranks' shares on disk (cache.rankR, written under DDP)."""
+    return [cache] + sorted(glob.glob(glob.escape(cache) + ".rank*"))
+
+
 class _Throughput:
     """A transformers streamer that shows the new tokens per second of the unfinished rows, at
     every step."""
@@ -154,17 +159,15 @@ def answer_prompts(
     """The target's greedy response (token ids, ending with EOS when it stopped) to each
     prompt. Every finished batch is appended to `cache` (under DDP each rank answers its
     share into cache.rankR), so a rerun resumes."""
-    parts = [cache] + sorted(glob.glob(glob.escape(cache) + ".rank*"))
-    done = _read_cache(parts, tokenizer)
+    done = _read_cache(cache_files(cache), tokenizer)
     missing = [i for i, p in enumerate(prompt_ids) if i not in done or done[i][0] != p]
     todo = missing[answering.rank :: answering.world]
     if todo:
         target = load_target(target_path, answering.device, answering.dtype)
         eos = target.generation_config.eos_token_id or tokenizer.eos_token_id
-        if isinstance(eos, (list, tuple)):
-            eos = set(eos)
-        else:
-            eos = {eos}
+        if not isinstance(eos, (list, tuple)):
+            eos = [eos]
+        eos = set(eos)
         pad = tokenizer.pad_token_id
         if pad is None:
             pad = min(eos)
@@ -215,8 +218,7 @@ def answer_prompts(
         del target
     if answering.world > 1:
         dist.barrier()  # every rank's share is on disk
-    parts = [cache] + sorted(glob.glob(glob.escape(cache) + ".rank*"))
-    done = _read_cache(parts, tokenizer)
+    done = _read_cache(cache_files(cache), tokenizer)
     return [done[i][1] for i in range(len(prompt_ids))]
 
 

@@ -79,20 +79,18 @@ def flag_fields(kind: type, skip=()) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(kind) if "help" in f.metadata and f.name not in skip]
 
 
-def add_settings(
-    parser, kind: type, title: str, *, skip=(), later=None, narrower=None, defaults=None
-):
+def add_settings(parser, kind: type, title: str, *, skip=(), later=None, defaults=None):
     """One argparse group of `title` with a flag for each field of `kind` (flag_fields): help
     and range from the field's metadata, the field's default ("(default: ...)" added to the help
     unless it is None or a bool, or the help says it in words). `later`: {field: words} for
-    defaults the run decides (the flag's default is None, the words go in the help). `narrower`:
-    {field: Range} where a driver takes less than the field (check_flags reads it too).
-    `defaults`: {field: value} where the driver's default is not the field's."""
+    defaults the run decides (the flag's default is None, the words go in the help).
+    `defaults`: {field: value} where the driver's default is not the field's. The field's range
+    gives the flag its type, choices and nargs; a driver's narrower bounds are check_flags's."""
     group = parser.add_argument_group(title)
     for f in flag_fields(kind, skip):
         options = dict(f.metadata.get(SPELLING, {}))
         name = options.pop("flag", flag_name(f.name))
-        allowed = (narrower or {}).get(f.name, f.metadata.get("range"))
+        allowed = f.metadata.get("range")
         default = (defaults or {}).get(f.name, f.default)
         help = f.metadata["help"]
         if later and f.name in later:
@@ -133,14 +131,15 @@ def group_kinds(groups: dict):
 
 def add_groups(parser, groups: dict, **options) -> None:
     """A driver's flags: one add_settings group per entry of `groups` (group_kinds); `options`:
-    add_settings's later, narrower and defaults."""
+    add_settings's later and defaults."""
     for title, (kind, skip) in zip(groups, group_kinds(groups)):
         add_settings(parser, kind, title, skip=skip, **options)
 
 
 def flag_ranges(groups: dict, narrower=None) -> tuple[dict, dict]:
     """(ranges, flags) of a driver's flags, as check_ranges takes them: {field: Range} and
-    {field: its flag} for every field whose flag is not --field-name."""
+    {field: its flag} for every field whose flag is not --field-name. `narrower`: {field: Range}
+    where a driver takes less than the field."""
     ranges = {}
     flags = {}
     for kind, skip in group_kinds(groups):
@@ -245,11 +244,10 @@ def check_safetensors(flag: str, path: str) -> None:
                 f"{flag}: {path} is not a safetensors file — restore or re-save it"
             ) from None
     ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
-    data_end = max(ends, default=0)
-    if 8 + header_len + data_end != size:
+    stated_size = 8 + header_len + max(ends, default=0)
+    if stated_size != size:
         raise UserError(
-            f"{flag}: {path} is cut short ({size} of {8 + header_len + data_end} "
-            "bytes) — restore or re-save it"
+            f"{flag}: {path} is cut short ({size} of {stated_size} bytes) — restore or re-save it"
         )
 
 
@@ -275,13 +273,14 @@ def check_model_folder(flag: str, path: str, what: str = "an HF model") -> str:
             "that save_pretrained wrote"
         )
     read_json(flag, os.path.join(path, "config.json"))
-    weights = [n for n in os.listdir(path) if n.endswith(".safetensors")]
-    if not weights and not any(n.endswith(".bin") for n in os.listdir(path)):
+    names = os.listdir(path)
+    weights = sorted(n for n in names if n.endswith(".safetensors"))
+    if not weights and not any(n.endswith(".bin") for n in names):
         raise UserError(
             f"{flag} {path} holds no weights (no .safetensors file) — give a folder "
             "that save_pretrained wrote"
         )
-    for name in sorted(weights):
+    for name in weights:
         check_safetensors(flag, os.path.join(path, name))
     return path
 

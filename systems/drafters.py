@@ -19,9 +19,9 @@ def select_layers(num_layers: int, spec) -> list[int] | None:
     kept) or explicit ids "0,14,29"."""
     if spec is None or spec == "":
         return None
-    if isinstance(spec, str) and "," in spec or isinstance(spec, (list, tuple)):
-        if isinstance(spec, str):
-            spec = spec.split(",")
+    if isinstance(spec, str) and "," in spec:
+        spec = spec.split(",")
+    if isinstance(spec, (list, tuple)):
         ids = [int(i) for i in spec]
         if any(not 0 <= i < num_layers for i in ids):
             raise runtime.UserError(

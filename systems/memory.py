@@ -35,9 +35,9 @@ def check_training_size(drafter, train, val, s) -> None:
     positions and the bytes of the longest packed sequence, cut at --max-len, one line if they
     do not fit. Under FSDP the positions alone: the bytes it counts are those of a whole
     drafter on one device."""
-    longest = max(len(prompt) + len(response) for prompt, response in train + val)
-    max_len = min(s.max_len, longest)
     if s.fsdp:
+        longest = max(len(prompt) + len(response) for prompt, response in train + val)
+        max_len = min(s.max_len, longest)
         block_size = drafter.d3d_config.block_size
         asked = f"training with --max-len {max_len} and --block-size {block_size}"
         lower = "--block-size or --max-len"

@@ -83,7 +83,7 @@ def parse_prune_args(argv=None) -> argparse.Namespace:
         description="Progressive layer pruning of a trained drafter "
         "with recovery distillation (paper Fig. 1b), on the answers it was trained with.",
     )
-    cli.add_groups(ap, GROUPS, narrower=NARROWER, defaults=DEFAULTS)
+    cli.add_groups(ap, GROUPS, defaults=DEFAULTS)
     return ap.parse_args(argv)
 
 
