@@ -118,7 +118,8 @@ def load(flags: decode_flags.ModelFlags, modes: list[str]) -> Models:
         where = f"{os.path.join(drafter, 'train_args.json')}: target"
         on_hub = cli.looks_like_hub_name(recorded)
         target = runtime.find_recorded(recorded, where, must_exist=not on_hub)
-    cli.check_model_folder("--target", target)
+        # a --target given: check_args checked it
+        cli.check_model_folder("--target", target)
     tok = runtime.load_tokenizer(target)
     if draft_model is not None:
         # before loading a large target for nothing
@@ -196,7 +197,7 @@ def explain_prompt(models: Models, plan: Plan, run: Run) -> dict:
     print(f"   prefilled into the KV caches; the target's prefill also gives x_{p}\n")
     drafter = decoding.drafter_for(config, models.drafter)
     out, stats = d3d.generate(models.target, drafter, ids, config, on_round=printer, **kwargs)
-    new_tokens = out[0, ids.shape[1] :].tolist()
+    new_tokens = out[0, p:].tolist()
     text = tok.decode(new_tokens, skip_special_tokens=True)
     print(
         f"\nx_{p} = {tok.decode(new_tokens[:1])!r} came from the target's prefill; "
@@ -297,8 +298,7 @@ def check_args(args: dict) -> None:
     # what --explain cannot go with: it describes one decode
     alone = ("bench_files", "prefill_bench_file", "sampling_check_samples", "concurrency")
     alone += ("trace", "plot")
-    spelt = decode_flags.FLAGS
-    given = [spelt.get(n, cli.flag_name(n)) for n in alone if args[n] is not None]
+    given = [decode_flags.FLAGS.get(n, cli.flag_name(n)) for n in alone if args[n] is not None]
     if args["explain"] and given:
         raise runtime.UserError(
             f"--explain describes one decode of the first prompt — drop {', '.join(given)}"
@@ -309,11 +309,10 @@ def check_args(args: dict) -> None:
             raise runtime.UserError(f"{flag} {path} is a folder — give a file name")
 
 
-def check_plan(args, plan: Plan) -> None:
+def check_plan(args, plan: Plan, device_type: str) -> None:
     """What the modes of a run cannot do (an unknown mode, a bad async:C,F, two compiled lanes
     on CUDA), then the first combination of flags it cannot make (refusals: each with its
     one-line error, in the order tried), said before the models load."""
-    device_type = torch.device(plan.device).type
     for m in dict.fromkeys([plan.mode, *plan.compare, *plan.modes]):
         spec, flags = decoding.parse_mode(m)
         if spec == "async":
@@ -324,8 +323,7 @@ def check_plan(args, plan: Plan) -> None:
     baselines = ", ".join(m for m in plan.modes if m in peers.BASELINES)
     speculative = ", ".join(m for m in d3d.MODES if m != "target")
     lossy = args.temperature or args.keep_ratio is not None
-    samples = args.sampling_check_samples
-    apart = args.prefill_bench_file or samples or args.concurrency
+    apart = args.prefill_bench_file or plan.samples or plan.levels
     refusals = [
         (
             mode in peers.BASELINES and not bench,
@@ -341,11 +339,11 @@ def check_plan(args, plan: Plan) -> None:
             f"--modes: name speculative modes ({speculative}); target-only always runs",
         ),
         (
-            args.concurrency is not None and not bench,
+            plan.levels is not None and not bench,
             f"--concurrency takes sizes >= 1 and goes with --bench, got {args.concurrency}",
         ),
         (
-            samples is not None and (not args.temperature or bench),
+            plan.samples is not None and (not args.temperature or bench),
             "--sampling-check N (N >= 2) samples answers: give it --temperature > 0, without "
             "--bench",
         ),
@@ -400,11 +398,10 @@ def plan_run(args) -> Plan:
         mode = mode or "sync"
         modes = [mode]
         bench_files = None
-    device = args.device
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     # a word that is no device: one line here; a device this machine lacks: load's check
-    device_type = runtime.parse_device(device).type
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device is not None:
+        device_type = runtime.parse_device(args.device).type
     # the demo without --mode: the rule's mode on this device, beside the other one and the
     # target (--explain: that mode alone)
     compare = []
@@ -423,11 +420,11 @@ def plan_run(args) -> Plan:
     if lanes is None and bench_files:
         # a benchmark names +2lanes itself; else the rule (runtime.py)
         lanes = 1
-    plan = Plan(mode, compare, modes, bench_files, lanes, device, demo, args.thinking, why=why)
+    plan = Plan(mode, compare, modes, bench_files, lanes, demo, args.thinking, why=why)
     plan.samples = args.sampling_check_samples
     plan.levels = args.concurrency
     plan.trace = args.trace
-    check_plan(args, plan)
+    check_plan(args, plan, device_type)
     if not bench_files and not prefill:
         plan.prompts = demo_prompts(args)
     plan.files = []
@@ -452,10 +449,11 @@ def main(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     plan = plan_run(args)
     torch.manual_seed(args.seed)
-    loaded_modes = plan.modes
-    if not plan.bench_files:
-        loaded_modes = [plan.mode, *plan.compare]
-    if not plan.bench_files and args.keep_ratio:
+    loaded_modes = [plan.mode, *plan.compare]
+    if plan.bench_files:
+        loaded_modes = plan.modes
+    elif args.keep_ratio:
+        # selective prefilling scores the prompt with the drafter, target-only decoding's too
         loaded_modes.append("sync")
     models = load(cli.settings_of(decode_flags.ModelFlags, vars(args)), loaded_modes)
     # the DecodeConfig every mode starts from: its flags, the lanes the plan chose

@@ -129,7 +129,6 @@ def train_drafter(drafter: d3d.Drafter, train, val, s: TrainSettings) -> dict:
     # bf16 autocast in training and evaluation alike; FSDP casts to bf16 itself
     # (distributed.shard_model)
     held_out = held_out_of(s, s.bf16 and not s.fsdp)
-    autocast = held_out.autocast
     model, frozen = wrap_for_training(drafter, s)
     optimizer = make_optimizer(drafter, frozen, s)
     scheduler = make_scheduler(optimizer, s)
@@ -147,7 +146,7 @@ def train_drafter(drafter: d3d.Drafter, train, val, s: TrainSettings) -> dict:
         for step in bar:
             step_start = time.perf_counter()
             stepped, loss, metrics, num_tokens = train_step(
-                model, optimizer, scheduler, batches, step, autocast
+                model, optimizer, scheduler, batches, step, held_out.autocast
             )
             tally.count(step, stepped, loss)
             tokens_per_s = num_tokens * s.world / (time.perf_counter() - step_start)
@@ -585,13 +584,12 @@ def describe_drafter(args, drafter: d3d.Drafter, init: str, num_train: int, num_
 
 def print_done(args, inputs, result: dict, other: str, num_val: int, peak, device):
     """The closing lines: tau both ways, time, memory, and where everything went."""
-    first = evaluation.OTHER_D1[other]
     memory_kind = "RSS"
     if device.type == "cuda":
         memory_kind = "GPU allocated"
     print(
         f"[done] offline tau (B={args.block_size}) on {num_val} held-out answers: "
-        f"{result['offline_tau']:.3f} (d_1 from {evaluation.D1_READ[first]}; "
+        f"{result['offline_tau']:.3f} (d_1 from {evaluation.D1_READ[args.d1_from]}; "
         f"{result[f'offline_tau_d1_from_{other}']:.3f} from {evaluation.D1_READ[other]}); "
         f"training {result['train_seconds']:.0f} s; peak memory {peak:.2f} GiB "
         f"({memory_kind})"

@@ -79,7 +79,6 @@ class Plan:
     bench_files: list[str] | None
     # async's lanes (None: runtime.async_lanes decides)
     lanes: int | None
-    device: str
     # no benchmark named: the demo (or --explain)
     demo: bool = True
     # Qwen3's chat template with thinking on (encode)
@@ -109,9 +108,9 @@ def parse_mode(spec: str) -> tuple[str, dict]:
     in '+compiled' (its passes compiled, beside the eager ones in the same run) and '+2lanes'
     (async: the packed pass in a second lane)."""
     spec, *setting = spec.split("+")
+    mode, _, budget = spec.partition(":")
     unknown = any(s not in ("compiled", "2lanes") for s in setting)
-    on_a_baseline = bool(setting) and spec.split(":")[0] in peers.BASELINES
-    if unknown or on_a_baseline:
+    if unknown or (setting and mode in peers.BASELINES):
         raise runtime.UserError(
             f"unknown setting in {'+'.join([spec, *setting])!r}: a D3D mode or target may end "
             "in +compiled and +2lanes (async), e.g. sync+compiled async+compiled+2lanes"
@@ -121,11 +120,9 @@ def parse_mode(spec: str) -> tuple[str, dict]:
         flags["compiled"] = True
     if "2lanes" in setting:
         flags["lanes"] = 2
-    mode, _, budget = spec.partition(":")
-    if mode in peers.BASELINES and not budget:
-        return mode, flags
-    if mode not in d3d.MODES or (budget and mode != "async"):
-        names = ", ".join(d3d.MODES + peers.BASELINES)
+    known = d3d.MODES + peers.BASELINES
+    if mode not in known or (budget and mode != "async"):
+        names = ", ".join(known)
         raise runtime.UserError(f"unknown mode {spec!r}: use one of {names} or async:C,F[,cover]")
     if not budget:
         return mode, flags
@@ -255,9 +252,8 @@ def prepare(models: Models, run: Run, all_ids: list[torch.Tensor], modes: list[s
         )
     if not max_len:
         max_len = need
-    d3d_modes = [m for m in modes if parse_mode(m)[0] not in ("target", *peers.BASELINES)]
     use_drafter = None
-    if d3d_modes:
+    if any(parse_mode(m)[0] not in ("target", *peers.BASELINES) for m in modes):
         use_drafter = models.drafter
     caches = RunCaches(eager=runtime.Caches.make(models.target, use_drafter, max_len))
     compiled = [m for m in modes if run.compile or parse_mode(m)[1].get("compiled")]
@@ -296,8 +292,7 @@ def request(spec: str, models: Models, run: Run, caches=None, max_new_tokens=Non
     config = replace(config, eos_token_id=models.eos)
     if max_new_tokens is not None:
         config = replace(config, max_new_tokens=max_new_tokens)
-    device = models.target.device
-    kwargs = {"generator": torch.Generator(device).manual_seed(run.seed)}
+    kwargs = {"generator": torch.Generator(models.target.device).manual_seed(run.seed)}
     if caches is not None and compiled:
         kwargs["caches"] = caches.compiled
     elif caches is not None:
@@ -334,13 +329,10 @@ def decode_prompt(
     baseline), the new tokens, decode_time and decode_tokens."""
     records = {}
     for spec in modes:
-        if parse_mode(spec)[0] in peers.BASELINES:
-            budget = max_new_tokens
-            if budget is None:
-                budget = run.config.max_new_tokens
-            records[spec] = peers.hf_decode(models, ids, spec, run.config, budget)
-            continue
         config, kwargs = request(spec, models, run, caches, max_new_tokens)
+        if parse_mode(spec)[0] in peers.BASELINES:
+            records[spec] = peers.hf_decode(models, ids, spec, config, config.max_new_tokens)
+            continue
         use = drafter_for(config, models.drafter)
         out, stats = d3d.generate(models.target, use, ids, config, **kwargs)
         records[spec] = record(ids, out, stats)
