@@ -252,8 +252,11 @@ def prepare(models: Models, run: Run, all_ids: list[torch.Tensor], modes: list[s
         )
     if not max_len:
         max_len = need
+    # the drafter's cache too where a mode drafts, or where selective prefilling scores the
+    # prompt with the drafter (drafter_for: target-only decoding with --keep-ratio as well)
     use_drafter = None
-    if any(parse_mode(m)[0] not in ("target", *peers.BASELINES) for m in modes):
+    drafts = any(parse_mode(m)[0] not in ("target", *peers.BASELINES) for m in modes)
+    if drafts or run.config.keep_ratio is not None:
         use_drafter = models.drafter
     caches = RunCaches(eager=runtime.Caches.make(models.target, use_drafter, max_len))
     compiled = [m for m in modes if run.compile or parse_mode(m)[1].get("compiled")]

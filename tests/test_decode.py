@@ -824,6 +824,16 @@ def test_keep_ratio_and_prefill_bench(setting, capsys):
     assert "TTFT" in capsys.readouterr().out
 
 
+def test_target_only_decoding_with_selective_prefilling_answers_as_generate_does(setting):
+    """--mode target --keep-ratio: the drafter scores the prompt's chunks, the target prefills
+    the kept ones and decodes alone; the run's caches hold the drafter's too (prepare)."""
+    prompt = "what is 12 + 7 * 3 - 5 * 4 + 1?"
+    flags = ["--mode", "target", "--keep-ratio", "0.5", "--chunk-size", "4"]
+    result = cli("--prompt", prompt, *flags, *models_args(setting))
+    ((answer, stats),) = reference(setting, [prompt], "target", keep_ratio=0.5, chunk_size=4)
+    assert result["answers"] == [answer] and stats["chunks_kept"] < stats["num_chunks"]
+
+
 def test_concurrency_bench_writes_table_2(setting, capsys):
     """--concurrency: the paper's Table 2 in miniature (throughput and speedup per concurrency,
     per dataset; where a round goes), async at concurrency 1 only; every greedy row checked
