@@ -118,7 +118,7 @@ def load(flags: decode_flags.ModelFlags, modes: list[str]) -> Models:
         where = f"{os.path.join(drafter, 'train_args.json')}: target"
         on_hub = cli.looks_like_hub_name(recorded)
         target = runtime.find_recorded(recorded, where, must_exist=not on_hub)
-        # a --target given: check_args checked it
+        # the recorded target's folder (a --target given, check_args checked)
         cli.check_model_folder("--target", target)
     tok = runtime.load_tokenizer(target)
     if draft_model is not None:

@@ -334,7 +334,7 @@ def decode_prompt(
     for spec in modes:
         config, kwargs = request(spec, models, run, caches, max_new_tokens)
         if parse_mode(spec)[0] in peers.BASELINES:
-            records[spec] = peers.hf_decode(models, ids, spec, config, config.max_new_tokens)
+            records[spec] = peers.hf_decode(models, ids, spec, config)
             continue
         use = drafter_for(config, models.drafter)
         out, stats = d3d.generate(models.target, use, ids, config, **kwargs)

@@ -74,7 +74,7 @@ def assistant_model(drafter: d3d.Drafter, vocab_size: int) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def hf_decode(models, ids: torch.Tensor, mode: str, config, max_new_tokens: int) -> dict:
+def hf_decode(models, ids: torch.Tensor, mode: str, config) -> dict:
     """One prompt with transformers' generate, greedy, batch 1: the record decode_prompt keeps
     for a mode.
 
@@ -91,8 +91,9 @@ def hf_decode(models, ids: torch.Tensor, mode: str, config, max_new_tokens: int)
     left out as D3D leaves out its prefill."""
     target = models.target
     eos = models.eos
-    # config: the run's DecodeConfig (its block_size)
+    # config: the mode's DecodeConfig (its block_size and max_new_tokens)
     block_size = models.block_size(config)
+    max_new_tokens = config.max_new_tokens
     pad = models.tokenizer.pad_token_id
     if pad is None:
         pad = eos[0]

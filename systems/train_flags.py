@@ -158,7 +158,8 @@ def check_inputs(args: argparse.Namespace) -> None:
     if args.target is not None:
         cli.check_model_folder("--target", args.target)
         if args.prompts is None:
-            raise runtime.UserError("--target needs --prompts — give a JSON Lines file of prompts")
+            fix = "give a JSON Lines file of prompts"
+            raise runtime.UserError(f"--target needs --prompts — {fix}")
     # a prompts file given is read on a toy run, too
     if args.prompts is not None:
         cli.read_jsonl("--prompts", args.prompts)
