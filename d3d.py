@@ -17,16 +17,41 @@ Paper -> this file, top to bottom:
                                                         Sampler (greedy, or a temperature and
                                                         a generator)
     target-only and synchronous decoding              _decode_target, _decode_sync
-    asynchronous decoding (Fig. 1c, Fig. 3): one      _decode_async: plan_branches,
-      packed pass drafts, during verification, for      build_branch_pass, select_segment,
-      each likely outcome                               _Overlap (a CUDA stream, or a CPU
-                                                        thread)
+    asynchronous decoding (Fig. 1c, Fig. 3): one      _decode_async, after the box of one round
+      packed pass drafts, during verification, for      at its section's start: plan_branches,
+      each likely outcome; a hit is the next draft      build_branch_pass, draft_branches,
+                                                        bonus_guess, select_segment,
+                                                        prepared_draft; _Overlap (a CUDA
+                                                        stream, or a CPU thread)
     layer pruning (Fig. 1b): score, remove,           prune_drafter (its settings: PruneConfig):
       recover, re-measure                               tau_without_each_layer,
                                                         least_costly_layer, remove_layer,
                                                         recover, validation_tau (offline_tau)
     selective prefilling (appendix, Fig. 5)           select_chunks
     the entry point                                   generate(mode="target" | "sync" | "async")
+
+Our readings, where the paper is silent (README.md, "Departures and readings"):
+    blocks are keyed on positions: MASK i of a block off position j predicts x_{j+i}, and
+      overlapping blocks never see each other or the future       packed_attention_mask
+    d_1 from the causal row just before the block's MASKs (the one LM head, as L_AR trains
+      it); d1_from="mask" reads MASK 1                             draft_rows
+    MASK: the first id the tokenizer does not use                 make_drafter
+    async branches: C positions i x F runner-up tokens t, each a segment [t, B MASKs] off
+      d_{i-1}, and one full-acceptance segment [d_B, B MASKs] off d_{B-1}; C = 0.75 B,
+      F = 2 (the paper's 12 and 2 at B = 16)                      plan_branches, default_budget
+    cover="likely" ranks position i by the chance that d_i is the first rejection, at
+      temperature 1 when greedy                                   first_rejection_chance
+    after a full-acceptance hit the draft has B - 1 real tokens and a pad, never accepted
+                                                                  prepared_draft
+    fixed shapes: the sync draft pass reads the unread committed tokens padded to B + 1; the
+      async drafter reads x_n again in every packed pass           draft_block, _decode_async
+    the loss projects only labelled rows to the vocabulary, a few at a time
+                                                                  cross_entropy
+    pruning recovers toward (1 - beta) softmax(unpruned) + beta onehot(label), beta = 0.5
+                                                                  adjusted_teacher
+    ties in pruning go to the smallest change in block loss      least_costly_layer
+    selective prefill scores a chunk by the attention the last 32 prompt tokens give it; the
+      first and last chunks stay                                  select_chunks
 
 The symbols -> the code's names. Each letter means one thing in this file. B, K, C, F, lambda
 and tau are the paper's; the others are this file's notation.
@@ -44,8 +69,8 @@ and tau are the paper's; the others are this file's notation.
     beta        beta: recovery's pull toward the label (our reading; adjusted_teacher)
     tau         tau: tokens committed per round (a + 1), mean over rounds
     x_0 .. x_n  out.tokens: the prompt, then the tokens committed so far; x_n is the last
-    d_1 .. d_B  draft: one block's drafted tokens (d_1 read where d1_from says: draft_rows)
-    R           num_real: a draft's real tokens (B, or B - 1 and a pad; see the async section)
+    d_1 .. d_B  draft: one block's drafted tokens (where each is read: draft_rows)
+    R           num_real: a draft's real tokens (B; B - 1 and a pad: prepared_draft)
     a           num_accepted: the accepted prefix d_1 .. d_a
     t           a token the target says after an accepted prefix: verification's next_token
                 (after d_a: its correction of d_{a+1}, or the bonus token if a = R), or one
@@ -55,6 +80,7 @@ and tau are the paper's; the others are this file's notation.
                 round's own outcome is (a + 1, next_token)
     C, F        coverage, fanout: how many block positions i get rejection branches (the
                 covered positions); candidate tokens t per covered position
+    S           segments of the async packed pass: C x F branches and full acceptance
     g           the full-acceptance segment's guess of the bonus token (bonus_guess)
     rho_i       the chance that d_i is the first rejection (plan_branches, cover="likely")
     p, q        p_target, q_draft: the target's and the drafter's token probabilities
@@ -62,28 +88,32 @@ and tau are the paper's; the others are this file's notation.
     m           a MASK token, in the mask diagrams (where # marks "may attend")
 
 What the loops take from runtime.py, in brief, so that this file reads alone:
-    KVCache(model, max_len)   fixed-size KV cache: .run(ids (1, W), positions, mask
-                              (1, 1, W, length + W)) writes W tokens after .length (a host
-                              int) -> drafter hidden states (W, H) or target float logits
-                              (W, V); .rewind(length) keeps the sequence's first `length`
-                              tokens; .reset(skipped) empties it for a request whose first
-                              `skipped` prompt tokens it will not hold (positions count them)
+    KVCache(model, max_len)   fixed-size KV cache, its length a host int (.length): .run(ids
+                              (1, W), positions, mask (1, 1, W, length + W)) writes W tokens
+                              after what it holds -> drafter hidden states (W, H) or target
+                              float logits (W, V); .rewind(length) keeps the sequence's first
+                              `length` tokens (the next pass writes over the rest);
+                              .reset(skipped) empties it for a request whose first `skipped`
+                              prompt tokens it will not hold (positions count them)
     Caches                    .target, .drafter: the two KVCaches, made by Caches.make(target,
                               drafter, max_len); generate can reuse them across requests;
-                              .compiled: whether their passes are torch.compile'd
+                              .compiled: whether their passes are torch.compile'd; .timed(clock):
+                              each fixed-shape pass inside is timed under its phase
     causal_pass(cache, ids)   a causal pass over ids (1, W) after what the cache holds;
                               prefill(cache, ids, positions): the same for a prompt of any
                               length, eagerly; attention_pass: the same, and it returns each
                               layer's attention weights (heads, W, cache length)
-    read_round(values, *caches)  the round's one host read: every value flattened into one
-                              list of ints (and each cache's own length checked against
-                              .length: a model that ignored its cache fails)
-    Output(prompt, budget, eos)  .tokens: prompt + committed, ints; .commit(tokens) cuts at EOS
-                              (kept) or budget, raises if nothing is committed;
-                              .commit_round(accepted, next) commits both, records tau; .done
-    Clock(device)             `with clock.span(key):` (or clock.run(key, fn), no autograd) adds
-                              the time inside to stats' time_<key>; CUDA events, read after
-                              the decode: no mid-round wait
+    read_round(values, *caches)  the round's one host read: each tensor back as tolist() gives
+                              it (0-d: an int; 1-d: a list), all in one transfer, which also
+                              checks each cache's own length against .length (a model that
+                              ignored its cache fails here)
+    Output(prompt, budget, eos)  .tokens: prompt + committed, ints; .commit(tokens) appends them
+                              cut after the first EOS (kept) or at the budget, and raises if
+                              nothing is committed; .commit_round(accepted, next) commits both
+                              and records tau; .done: the budget is reached or an EOS committed
+    Clock(device, phases)     times a decode: `with clock.span(key):` adds the time inside to
+                              stats' time_<key>; pass_phases names each fixed-shape pass by its
+                              width; CUDA events, read after the decode: no mid-round wait
     check_request, cache_len, async_lanes  generate's input checks (-> B); KV slots a request
                               needs; default lanes
     setting, check_settings, with_settings  a config field with its help and Range; every
@@ -98,6 +128,8 @@ What the loops take from runtime.py, in brief, so that this file reads alone:
                               finite), zero the gradients
     host_copy, load_causal_lm, tokenizer_fingerprint  a deep copy in host memory; an HF causal
                               LM; a tokenizer's hash
+And from systems/rounds.py: Watch, generate's watchers of the rounds (on_round, a streamer,
+async's hit/miss tally), fed by one call a round, after the round's commit and rewinds.
 
 Shapes: b batch, N causal (clean) tokens, K anchors (blocks), B block size, H hidden size,
 V vocabulary, M the segments' tokens and W = N + M the tokens of a pass, S segments of the async
@@ -109,8 +141,9 @@ token of its block it is (d_i sits at position n + i). A row is always a pass's 
 drafted d_i's logits are draft_logits[i - 1], and verification's row i is p_logits[i].
 Words, each in one sense: "mask", an attention mask (bool, True = may attend); "MASK", the
 drafter's mask token (mask_token_id); loss_mask, True on the tokens that carry loss (response
-tokens); "segment", a stretch of a packed pass that hangs off one point of its causal stream
-(in training a block; in the async pass a first token and a block); "outcome", a pair (i, t).
+tokens); "segment", a stretch of a packed pass that hangs off one row of its causal stream, its
+"root" (in training a block, whose root is its anchor j_k; in the async pass a first token and
+a block, off d_{i-1}); "outcome", a pair (i, t); "layer", a decoder layer, counted from 0.
 "Our reading" marks a choice this implementation makes where the paper is silent (README.md,
 "Departures and readings"); "the paper" is always arXiv 2611.06425.
 """
@@ -119,6 +152,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import math
 import os
@@ -148,12 +182,14 @@ from runtime import (
     in_logit_chunks,
     keep_layers,
     load_causal_lm,
+    pass_phases,
     prefill,
     read_round,
     setting,
     tokenizer_fingerprint,
     with_settings,
 )
+from systems.rounds import Watch
 
 MASK_TOKEN = "<|MASK|>"
 CONFIG_NAME = "d3d_config.json"
@@ -414,7 +450,7 @@ def make_drafter(
 # Packed attention: one causal stream, blocks hanging off points of it (Fig. 1a)
 
 
-def packed_attention_mask(num_causal: int, anchors, block_size: int, *, prefix_len=0, past_len=0):
+def packed_attention_mask(num_causal: int, roots, block_size: int, *, prefix_len=0, past_len=0):
     """Mask and position ids of a packed sequence [causal stream | segment 1 | segment 2 | ...].
 
     Two of the three coordinates (module docstring) matter here: a token's *row*, its place in
@@ -423,11 +459,12 @@ def packed_attention_mask(num_causal: int, anchors, block_size: int, *, prefix_l
     after `past_len` cached tokens that every token sees.
     A segment is `prefix_len` prefix tokens (0 in training and draft_block; 1 in the async
     pass) and then a block of `block_size` MASKs. Each segment *hangs off* one causal token,
-    its anchor: anchors[..., s] is the row of segment s's anchor, at position j = past_len +
-    that row, and the segment's tokens sit at positions j + 1, j + 2, ....
+    its root: roots[..., s] is the row of segment s's root (in training, block k's anchor
+    j_k), at position j = past_len + that row, and the segment's tokens sit at positions
+    j + 1, j + 2, ....
 
     Who sees whom: a causal token sees the causal tokens of lower or equal row. A segment token
-    sees the causal tokens up to its anchor (so, by position, nothing after j: two segments
+    sees the causal tokens up to its root (so, by position, nothing after j: two segments
     whose position spans overlap still cannot read each other's future) and no other segment.
     Inside its segment, a prefix token sees the prefix up to itself; a MASK sees it all.
 
@@ -445,16 +482,15 @@ def packed_attention_mask(num_causal: int, anchors, block_size: int, *, prefix_l
         m   (pos 4)  #   #   #   #       |     | # #      block off x_3: the tokens at 4, 5
         m   (pos 5)  #   #   #   #       |     | # #
 
-    In training each MASK row predicts its own token (L_block). Decoding, under the default
-    d1_from="causal", reads the first token of the block off x_1 (position 2) from x_1's row
-    instead, and the rest from MASK 2 on (draft_rows).
+    In training each MASK row predicts its own token (L_block); where decoding reads a block's
+    tokens: draft_rows.
 
-    anchors: (S,) or (b, S) long, rows of the causal stream. Returns mask (b, 1, W, past_len +
+    roots: (S,) or (b, S) long, rows of the causal stream. Returns mask (b, 1, W, past_len +
     W) bool and position_ids (b, W) long, W = num_causal + S * (prefix_len + block_size)."""
-    if anchors.dim() == 1:
-        anchors = anchors[None]
-    device = anchors.device
-    b, num_segments = anchors.shape
+    if roots.dim() == 1:
+        roots = roots[None]
+    device = roots.device
+    b, num_segments = roots.shape
     # every segment has the same shape: sizes are host ints, nothing is read back
     seg_len = prefix_len + block_size
     token = torch.arange(num_segments * seg_len, device=device)
@@ -462,13 +498,13 @@ def packed_attention_mask(num_causal: int, anchors, block_size: int, *, prefix_l
     place_in_seg = token % seg_len  # (M,) its place inside the segment
     is_prefix = place_in_seg < prefix_len  # (M,)
     causal_row = torch.arange(num_causal, device=device)
-    # (b, M) the row of the anchor each segment token hangs off
-    seg_anchor = anchors[:, seg_of]
+    # (b, M) the row of the root each segment token hangs off
+    seg_root = roots[:, seg_of]
     # causal tokens see the causal stream up to themselves (b, N, N), and no segment (b, N, M)
     cc = (causal_row[None, :] <= causal_row[:, None]).expand(b, -1, -1)
     cs = torch.zeros(b, num_causal, len(seg_of), dtype=torch.bool, device=device)
-    # segment tokens see the causal stream up to the anchor (b, M, N)
-    sc = causal_row[None, None, :] <= seg_anchor[:, :, None]
+    # segment tokens see the causal stream up to the root (b, M, N)
+    sc = causal_row[None, None, :] <= seg_root[:, :, None]
     # and their own segment (M, M): prefix tokens causally, MASKs the whole segment
     same = seg_of[:, None] == seg_of[None, :]
     ss = same & ((place_in_seg[None, :] <= place_in_seg[:, None]) | ~is_prefix[:, None])
@@ -478,7 +514,7 @@ def packed_attention_mask(num_causal: int, anchors, block_size: int, *, prefix_l
     past = torch.ones(b, mask.shape[1], past_len, dtype=torch.bool, device=device)
     mask = torch.cat([past, mask], 2)
     causal_positions = causal_row.expand(b, -1)
-    segment_positions = seg_anchor + 1 + place_in_seg
+    segment_positions = seg_root + 1 + place_in_seg
     positions = torch.cat([causal_positions, segment_positions], 1) + past_len  # (b, W)
     return mask[:, None], positions
 
@@ -534,9 +570,8 @@ def draft_rows(
     one LM head applied there predicts the next token, as L_AR trains it on the causal stream.
     That token is the anchor x_{j_k} in validation (and in training's block_acc; the loss
     itself reads every MASK), x_n in draft_block, and a segment's first token (t or d_R) in
-    build_branch_pass. A full-acceptance hit's next draft is its block shifted by one (its
-    first token was the bonus guess): that draft's d_1 is the block's MASK 2 (_next_draft).
-    prefix_row, first_mask_row: rows (...), broadcast together."""
+    build_branch_pass. (After a full-acceptance hit the next draft is that block without its
+    first row: prepared_draft.) prefix_row, first_mask_row: rows (...), broadcast together."""
     prefix_row, first_mask_row = torch.broadcast_tensors(prefix_row, first_mask_row)
     rows = first_mask_row[..., None] + torch.arange(block_size, device=first_mask_row.device)
     if d1_from == "causal":
@@ -599,9 +634,8 @@ def d3d_loss(drafter: Drafter, input_ids, loss_mask, *, generator=None, at=None)
     K drawn here with `generator`).
 
     Returns (loss, {loss_block, loss_ar, block_acc}). block_acc (B,): per block position i, the
-    share of counted blocks whose d_i, read where decoding reads it (draft_rows), is x_{j_k+i}.
-    So block_acc[0] is the accuracy of d_1 from the config's d1_from: under "causal" the
-    anchor's row of the causal stream, under "mask" MASK 1; block_acc[1:] are MASK 2 .. B's."""
+    share of counted blocks whose d_i, read where decoding reads it (draft_rows), is x_{j_k+i}:
+    block_acc[0] is d_1's, from the row the config's d1_from names."""
     cfg = drafter.d3d_config
     block_size = cfg.block_size
     if at is None:
@@ -672,23 +706,19 @@ def offline_tau(drafter: Drafter, input_ids, loss_mask, *, val_anchors=32, gener
 # --------------------------------------------------------------------------------------------------
 # Drafting, verification and acceptance
 #
-# Two rules shape the decoding loops, so that compiled passes (CUDA graphs on a GPU) replay and
-# the host never waits mid-round. The code tags where it keeps them: [shape n], [one read].
-# Fixed shapes: a decoding pass has one of five shapes (W tokens):
-#   1  target   1              a target-only step
-#   2  target   B + 1          verify [x_n, d_1 .. d_B]; after a full-acceptance hit the next
-#                              draft has B - 1 real tokens and a pad (async section), so one
-#                              shape serves both
-#   3  drafter  B + 1 + B      sync draft: the unread committed tokens (1 .. B + 1) padded to
-#                              B + 1, then B MASKs
-#   4  drafter  1 + B          async fallback draft: x_n and B MASKs
-#   5  drafter  1 + B          async packed pass: x_n, d_1 .. d_B, then S = C x F + 1 segments
-#                + S (1 + B)   [token, B MASKs]; the drafter's cache holds x_0 .. x_{n-1}
-#                              (a fallback draft rewinds it there), so x_n is always read here
-# One host read [one read]: a round's outcome (accepted, next token, selected segment, draft)
-# comes back in one read_round. All before it (plan, build, verify, accept, select the segment)
-# is queued without waiting. One exception: sampling with a generator on another device than
-# the model's copies the probabilities to it (reproducible, at the cost of a wait).
+# Two habits keep the host ahead of the device, so that a GPU is never idle mid-round:
+# - A round reads the device once: read_round brings back its outcome (a, t, the draft, and in
+#   async the plan) in one transfer. Everything before it is queued without waiting, and what
+#   comes after it decides on host values. (Sampling with a generator on another device than the
+#   model copies the probabilities to it: reproducible, at the cost of a wait.)
+# - Every pass has one of a few fixed shapes, so a compiled pass (a CUDA graph on a GPU,
+#   systems/fast.py) replays each round. W tokens a pass:
+#     target    1                  a target-only step
+#     target    B + 1              verify [x_n, d_1 .. d_B]
+#     drafter   B + 1 + B          sync draft: the unread committed tokens padded to B + 1, B MASKs
+#     drafter   1 + B              async fallback draft: x_n and B MASKs
+#     drafter   1 + B + S (1 + B)  async packed pass: x_n, d_1 .. d_B, S = C x F + 1 segments
+#   A draft made after a full-acceptance hit keeps the B + 1 shape with a pad (prepared_draft).
 
 
 @dataclass
@@ -762,7 +792,6 @@ def verify_block(cache: KVCache, last_token: torch.Tensor, draft: torch.Tensor):
     """One target pass on [x_n, d_1 .. d_B] (the cache holds x_0 .. x_{n-1}). Returns p_logits
     (B+1, V): its row i is the target's prediction of the token after x_n, d_1 .. d_i (row 0:
     after x_n alone, i.e. of position n + 1)."""
-    # [shape 2]: the draft is always (B,)
     return causal_pass(cache, torch.cat([last_token.view(1), draft])[None])
 
 
@@ -811,13 +840,17 @@ def accept_draft(p_logits, draft, q_draft, sampler: Sampler, num_real: int | Non
 
 # --------------------------------------------------------------------------------------------------
 # Decoding loops: target-only (the reference) and synchronous speculative decoding
+#
+# Each loop is the method alone. Around it, generate times every pass (each KVCache times its
+# own fixed-shape passes: runtime.Clock) and hands each round's values to one `watch` call
+# (systems/rounds.py), which feeds on_round (a RoundInfo), a streamer and async's hit/miss tally.
 
 
 @dataclass
 class RoundInfo:
     """What one decoding round did, as plain Python values (ints and lists of ints), for
-    generate(on_round=...): called once per round, after the round's one host read, its commit
-    and its caches' rewinds. Without on_round the loops read and compute nothing of it."""
+    generate(on_round=...): made after the round's one host read, its commit and its caches'
+    rewinds, and only when on_round is given."""
 
     # "target", "sync" or "async"
     mode: str
@@ -827,8 +860,8 @@ class RoundInfo:
     n: int
     # the token x_n itself: the last committed, just before d_1 (round 0: the prefill's token)
     x_n: int
-    # d_1 .. d_B as verified ([] in target mode); the last is a pad after a full-acceptance hit
-    # (then num_real = B - 1)
+    # d_1 .. d_B as verified ([] in target mode); after a full-acceptance hit the last is a pad
+    # (prepared_draft)
     draft: list[int]
     # R: the draft's real tokens (B, or B - 1 after a full-acceptance hit; 0 in target mode)
     num_real: int
@@ -836,7 +869,7 @@ class RoundInfo:
     # segment of the previous round's packed pass), "full acceptance" (the previous round's
     # full-acceptance segment), "" in target mode
     drafted_by: str
-    # where a block's d_1 is read: "causal" (the row just before its MASKs) or "mask" (MASK 1)
+    # where a block's d_1 is read (draft_rows): "causal" or "mask"
     d1_from: str
     # a: the accepted prefix d_1 .. d_a
     num_accepted: int
@@ -855,89 +888,6 @@ class RoundInfo:
     # async only: the index in outcomes that this round's outcome selected (a hit: that
     # segment's block is the next round's draft); -1 on a miss (the next round drafts anew)
     segment: int | None = None
-
-
-class _RoundReport:
-    """Reports each round to generate's watchers: on_round gets a RoundInfo, built from values
-    the round already read; a transformers streamer gets the round's committed tokens (put,
-    (1, n) on the CPU). It carries what a round needs from the one before: the output's length
-    and the caches' lengths at the round's start, and which pass drafted the round's draft.
-    Without watchers it does nothing."""
-
-    def __init__(self, on_round, streamer, mode: str, caches: Caches, drafter):
-        self.on_round = on_round
-        self.streamer = streamer
-        self.mode = mode
-        self.caches = caches
-        self.index = 0
-        self.size = 0
-        self.lengths = (0, 0)
-        self.d1_from = ""
-        self.drafted_by = ""
-        if mode != "target":
-            self.d1_from = drafter.d3d_config.d1_from
-            self.drafted_by = "draft pass"
-
-    @property
-    def wants_outcomes(self) -> bool:
-        """Whether the async round should read its plan for on_round."""
-        return self.on_round is not None
-
-    def start(self, out: Output) -> None:
-        """After the prefill: the prompt and the prefill's token go to the streamer."""
-        if self.streamer is not None:
-            self.streamer.put(torch.tensor([out.tokens[: out.prompt_len]]))
-            if len(out.tokens) > out.prompt_len:
-                self.streamer.put(torch.tensor([out.tokens[out.prompt_len :]]))
-        self.size = len(out.tokens)
-        self.lengths = self._cache_lengths()
-
-    def end(self) -> None:
-        if self.streamer is not None:
-            self.streamer.end()
-
-    def _cache_lengths(self) -> tuple[int, int]:
-        drafter_length = 0
-        if self.mode != "target":
-            drafter_length = self.caches.drafter.length
-        return self.caches.target.length, drafter_length
-
-    def __call__(self, out: Output, draft, num_real, verdict, plan=None) -> None:
-        """One round: `draft` (d_1 .. d_B as ints) with R = num_real real tokens, `verdict`
-        (a, t) = (num_accepted, next_token) as ints; async: `plan`, (outcomes, segment)
-        (_outcomes; the selected segment)."""
-        committed = out.tokens[self.size :]
-        if self.streamer is not None:
-            self.streamer.put(torch.tensor([committed]))
-        if self.on_round is not None:
-            self.on_round(self._info(out, draft, num_real, verdict, plan))
-        self.index += 1
-        self.size = len(out.tokens)
-        self.lengths = self._cache_lengths()
-        if plan is not None and self.on_round is not None:
-            outcomes, segment = plan
-            self.drafted_by = _drafted_by(segment, len(outcomes))
-
-    def _info(self, out: Output, draft, num_real, verdict, plan) -> RoundInfo:
-        end = self._cache_lengths()
-        outcomes, segment = plan or (None, None)
-        return RoundInfo(
-            mode=self.mode,
-            index=self.index,
-            n=self.size - 1,
-            x_n=out.tokens[self.size - 1],
-            draft=list(draft),
-            num_real=num_real,
-            drafted_by=self.drafted_by,
-            d1_from=self.d1_from,
-            num_accepted=verdict[0],
-            next_token=verdict[1],
-            committed=out.tokens[self.size :],
-            target_cache=(self.lengths[0], end[0]),
-            drafter_cache=(self.lengths[1], end[1]),
-            outcomes=outcomes,
-            segment=segment,
-        )
 
 
 def _prefill(caches: Caches, input_ids, selection, out: Output, clock: Clock, sampler) -> None:
@@ -962,54 +912,71 @@ def _prefill(caches: Caches, input_ids, selection, out: Output, clock: Clock, sa
             prefill(caches.drafter, input_ids)
 
 
-def _decode_target(out: Output, caches: Caches, sampler: Sampler, report) -> None:
+def _decode_target(out: Output, caches: Caches, sampler: Sampler, watch) -> None:
     """Plain autoregressive decoding with the target alone: the reference output and the speedup
-    baseline. `report`: a _RoundReport."""
-    token = torch.tensor([out.tokens[-1:]], device=caches.target.device)  # (1, 1)
+    baseline. watch: the round's watchers."""
+    x_n = torch.tensor([out.tokens[-1:]], device=caches.target.device)  # (1, 1)
     while not out.done:
-        logits = causal_pass(caches.target, token)[-1]  # [shape 1]
-        token = sampler.pick(logits)[0].view(1, 1)
-        (next_token,) = read_round([token], caches.target)  # [one read]
+        logits = causal_pass(caches.target, x_n)[-1]
+        next_token = sampler.pick(logits)[0]
+        x_n = next_token.view(1, 1)
+        (next_token,) = read_round([next_token], caches.target)
         out.commit([next_token])
-        report(out, [], 0, (0, next_token))
+        watch(out, [], 0, (0, next_token))
 
 
-def _decode_sync(drafter, out: Output, caches: Caches, clock: Clock, config, *, sampler, report):
-    """Draft a block, verify it, commit, repeat. At the top of a round (committed x_0 .. x_n):
-    the target's cache holds x_0 .. x_{n-1} (x_n goes with the draft); the drafter's holds
-    x_0 .. x_{j-1}, n - B <= j <= n (it reads x_j .. x_n, padded to B + 1 tokens, in its next
-    pass: j = n - a after a round that accepted a). config: the DecodeConfig, its B resolved;
-    `report`: a _RoundReport."""
+def _decode_sync(drafter, out: Output, caches: Caches, config, *, sampler, watch) -> None:
+    """Draft a block, verify it, accept, commit; repeat until out.done (Sec. 3). At a round's
+    start, with x_0 .. x_n committed, the target's cache holds x_0 .. x_{n-1} (x_n goes first
+    into the verification) and the drafter's the committed tokens it has read. config: the
+    DecodeConfig, its B resolved; watch: the round's watchers."""
     tc = caches.target
     dc = caches.drafter
     block_size = config.block_size
     while not out.done:
-        with clock.span("draft"):
-            new_tokens = torch.tensor([out.tokens[dc.length :]], device=dc.device)
-            # [shape 3]
-            draft_logits = draft_block(drafter, dc, new_tokens, block_size, width=block_size + 1)
-            draft, q_draft = sampler.pick(draft_logits)
-        with clock.span("verify"):
-            p_logits = verify_block(tc, new_tokens[0, -1], draft)
-            num_accepted, next_token = accept_draft(p_logits, draft, q_draft, sampler)
-        # [one read]
-        num_accepted, next_token, *tokens = read_round([num_accepted, next_token, draft], tc, dc)
-        out.commit_round(tokens[:num_accepted], next_token)
-        # keep x_0 .. x_n, d_1 .. d_a (n as at the round's start): t is not read yet
+        # draft: the drafter reads the committed tokens it has not read (x_{n-a} .. x_n after a
+        # round that accepted a) and drafts B after x_n; its cache keeps what it read
+        new_tokens = torch.tensor([out.tokens[dc.length :]], device=dc.device)
+        draft_logits = draft_block(drafter, dc, new_tokens, block_size, width=block_size + 1)
+        draft, q_draft = sampler.pick(draft_logits)
+        p_logits = verify_block(tc, new_tokens[0, -1], draft)
+        num_accepted, next_token = accept_draft(p_logits, draft, q_draft, sampler)
+        # the round's one host read
+        num_accepted, next_token, draft = read_round([num_accepted, next_token, draft], tc, dc)
+        # d_1 .. d_a, t join the output (cut at EOS or the budget, which end the decode)
+        out.commit_round(draft[:num_accepted], next_token)
+        # the target keeps x_0 .. x_n, d_1 .. d_a: t, the new x_n, goes into the next verify
         tc.rewind(len(out.tokens) - 1)
-        report(out, tokens, block_size, (num_accepted, next_token))
+        watch(out, draft, block_size, (num_accepted, next_token))
 
 
 # --------------------------------------------------------------------------------------------------
 # Asynchronous speculative decoding (Fig. 1c, Fig. 3)
 #
-# Hit and miss. The packed pass prepares one segment per planned outcome (i, t) of the
-# verification: a branch per covered block position i and candidate token t ("d_i rejected, the
-# target said t"), and one full-acceptance segment (R + 1, g). The round's outcome is (a + 1, t)
-# with a = num_accepted and t = next_token; it is a hit when a segment was prepared for it: the
-# branch (a + 1, t), or, if a = R, the full-acceptance segment whose bonus guess g is t
-# (select_segment). That segment's block is the next round's draft, with no drafting on the
-# critical path. Otherwise it is a miss, and the next round starts with a fallback draft.
+# One async round, plainly. x_0 .. x_n are committed and d_1 .. d_B is the draft to verify.
+#
+#   while not done:
+#     if no block was prepared for this round (round 0, or a miss):
+#       d_1 .. d_B = the drafter's block after x_n                    draft_block
+#     plan the outcomes (i, t) to prepare: C positions i x F tokens t  plan_branches
+#     build one packed pass: [x_n, d_1 .. d_B], then per outcome a    build_branch_pass
+#       segment [t, B MASKs] off d_{i-1}, then [d_B, B MASKs] off
+#       d_{B-1} for full acceptance
+#     at once (_Overlap.both):
+#       the target verifies [x_n, d_1 .. d_B]                         verify_block
+#       the drafter runs the packed pass                              draft_branches
+#     a, t = the accepted count and the target's own next token       accept_draft
+#     g = full acceptance's guess of the bonus token                  bonus_guess
+#     read a, t, the draft, the plan and g from the device, at once   read_round
+#     commit d_1 .. d_a, t; both caches keep x_0 .. x_n, d_1 .. d_a   commit_round, rewind
+#     if (a + 1, t) was planned, a branch:                            select_segment
+#       the next d_1 .. d_B = that branch's block                     prepared_draft
+#     elif a = B and g = t, full acceptance:                          select_segment
+#       the next d_1 .. d_B = full acceptance's block after g         prepared_draft
+#
+# _decode_async is this loop, line for line (select_segment makes the last if/elif choice). The
+# code differs from the box in one way: the block full acceptance prepares has one row fewer,
+# B - 1, and a pad (prepared_draft).
 #
 # What each KV cache holds across one round (committed x_0 .. x_n at the start; R = num_real,
 # a = num_accepted, t = next_token; "+" = written after what the cache held):
@@ -1029,16 +996,6 @@ def _decode_sync(drafter, out: Output, caches: Caches, clock: Clock, config, *, 
 # The two rewinds give the same length, n + 1 + a, unless the commit was cut at EOS or the
 # budget: then the decode is over. The drafter's rewind drops the rejected drafts d_{a+1} .. d_B
 # and every segment; the accepted d_1 .. d_a keep the KV the packed pass gave them.
-#
-# The pad after a full-acceptance hit. The full-acceptance segment hangs off d_{R-1}: its first
-# token is d_R (position n + R), its first draft row guesses the bonus token x_{n+R+1}, and its
-# other B - 1 rows draft x_{n+R+2} .. x_{n+R+B}. A hit means the guess was t, now committed as
-# x_{n'}; so those B - 1 rows are the next draft, R' = B - 1 real tokens, and a pad (zero
-# logits, never accepted: accept_draft's num_real) keeps the draft B long [shape 2, 5]. If the
-# next round accepts all B - 1, its bonus token is the target's prediction for the pad's
-# position, from verification row B - 1 (after d_{B-1}); the pad itself is never compared. The
-# pad's own logits say nothing: plan_branches covers the pad's position only where C exceeds
-# the R real positions (C = B), and then its candidates are arbitrary tokens.
 
 
 def default_budget(block_size: int) -> tuple[int, int]:
@@ -1065,7 +1022,8 @@ def first_rejection_chance(draft_logits, draft, num_real: int, temperature: floa
     """rho_i = q(d_1) ... q(d_{i-1}) * (1 - q(d_i)) for i = 1 .. B (B,): the chance that d_i is
     the first rejection (as in D2SD), with q the drafter's probabilities at the scoring
     temperature (our reading: 1 when decoding greedily, where no temperature is given, else the
-    sampling temperature). A pad (i > R = num_real) is never rejected: rho_i = -inf."""
+    sampling temperature). A pad (i > R = num_real: prepared_draft) is never rejected: rho_i =
+    -inf."""
     scoring_temperature = temperature
     if temperature == 0:
         scoring_temperature = 1.0
@@ -1084,7 +1042,7 @@ def plan_branches(draft_logits, draft, num_real: int, config):
     (the drafter's F likeliest tokens at i, except d_i itself), for a draft (B,) of R =
     num_real real tokens. config: a DecodeConfig (its coverage C, fanout F, cover and
     temperature; branch_budget). cover="first": i = 1 .. C; "likely": the C largest rho_i
-    (first_rejection_chance). Either way the pad (i = B when R = B - 1) is covered only where C
+    (first_rejection_chance). Either way a pad (prepared_draft) is covered only where C
     exceeds the R real positions. Returns covered (C,), the i ascending (d_i's logits are
     draft_logits[i - 1]), and candidates (C, F), left on the device (no wait)."""
     block_size, vocab = draft_logits.shape
@@ -1114,12 +1072,9 @@ def build_branch_pass(
     (the accepted drafts get their KV here): row i holds d_i (row 0: x_n). Then C x F
     segments [t, MASK x B] off d_{i-1}, t at position n + i: "d_i rejected, the target said
     t". Last, the full-acceptance segment [d_R, MASK x B] off d_{R-1} (R = `num_real`, the
-    draft's real tokens; default B): it drafts the bonus token x_{n+R+1} and the B - 1 tokens
-    after it.
-
-    A segment's d_1 is read where draft_block reads it (draft_rows): under d1_from="causal" at
-    the row of the segment's first token (t, or d_R), the token just before its MASKs; under
-    "mask" at MASK 1.
+    draft's real tokens, default B: prepared_draft): it drafts the bonus token x_{n+R+1} and
+    the B - 1 tokens after it. The causal row a segment hangs off is its root (the mask's
+    `roots`). Each segment's block is read at its rows (draft_rows).
     Example with B = R = 3, C = 2, F = 1; the cache is visible to all (# = may attend, m = a
     MASK token):
 
@@ -1142,11 +1097,9 @@ def build_branch_pass(
         m   (n+6)    #   #   #       |          |          | #   # # #
 
         x_n .. d_3   the causal stream: x_n, then the draft
-        t1 m m m     branch (1, t1): d_1 rejected, the target said t1; drafts x_{n+2} (row t1,
-                     or MASK 1) .. x_{n+4}
+        t1 m m m     branch (1, t1): d_1 rejected, the target said t1; drafts x_{n+2} .. x_{n+4}
         t2 m m m     branch (2, t2): d_1 accepted, d_2 rejected; drafts x_{n+3} .. x_{n+5}
-        d_3 m m m    full acceptance, off d_2: drafts the bonus x_{n+4} (row d_3, or MASK 1),
-                     then x_{n+5}, x_{n+6}
+        d_3 m m m    full acceptance, off d_2: drafts the bonus x_{n+4}, then x_{n+5}, x_{n+6}
         (no branch at i = 3: C = 2 covers i = 1, 2)
 
     Built without waiting for the device; its shape depends on B, C and F only. Returns input
@@ -1156,66 +1109,94 @@ def build_branch_pass(
     fanout = candidates.shape[1]
     if num_real is None:
         num_real = block_size
-    # the row each segment hangs off: i - 1 (d_{i-1}) for a branch at i, R - 1 (d_{R-1}) last
-    branch_anchors = covered[:, None].expand(-1, fanout).flatten()
-    full_anchor = covered.new_full((1,), num_real)
-    anchors = torch.cat([branch_anchors, full_anchor]) - 1
-    # [shape 5]: S = C x F + 1 segments whatever the draft
+    # the root of each segment: row i - 1 (d_{i-1}) for a branch at i, row R - 1 (d_{R-1}) last
+    branch_roots = covered[:, None].expand(-1, fanout).flatten()
+    full_root = covered.new_full((1,), num_real)
+    roots = torch.cat([branch_roots, full_root]) - 1
+    # S = C x F + 1 segments whatever the draft
     mask_token_id = drafter.d3d_config.mask_token_id
-    segment_shape = (len(anchors), 1 + block_size)
+    segment_shape = (len(roots), 1 + block_size)
     segments = torch.full(segment_shape, mask_token_id, device=draft.device)
     segments[:, 0] = torch.cat([candidates.flatten(), draft[num_real - 1 : num_real]])
     num_causal = 1 + block_size
     ids = torch.cat([last_token, draft, segments.flatten()])[None]
     mask, position_ids = packed_attention_mask(
-        num_causal, anchors, block_size, prefix_len=1, past_len=past_len
+        num_causal, roots, block_size, prefix_len=1, past_len=past_len
     )
-    segment_starts = (1 + block_size) * torch.arange(len(anchors), device=draft.device)
+    segment_starts = (1 + block_size) * torch.arange(len(roots), device=draft.device)
     first_mask_rows = num_causal + 1 + segment_starts
-    # each segment's first token (t or d_R): its row gives the block's d_1 under "causal"
+    # each segment's first token (t or d_R) sits just before its MASKs
     prefix_rows = first_mask_rows - 1
     rows = draft_rows(prefix_rows, first_mask_rows, block_size, drafter.d3d_config.d1_from)
     return ids, position_ids, mask, rows
 
 
+def draft_branches(cache: KVCache, packed) -> torch.Tensor:
+    """The packed pass: the drafter runs build_branch_pass's input after what its cache holds
+    (x_0 .. x_{n-1}). Returns the hidden states at each segment's draft rows (S, B, H)."""
+    ids, position_ids, mask, rows = packed
+    return cache.run(ids, position_ids, mask)[rows]
+
+
 def bonus_guess(drafter: Drafter, draft_hidden, sampler: Sampler):
     """g: the full-acceptance segment's guess of the bonus token (a 0-d device tensor), from its
-    block's d_1 row: under d1_from="causal" the LM head at d_R's row (the segment's first
-    token), under "mask" at MASK 1. draft_hidden: (S, B, H), the hidden states at each
-    segment's draft rows (build_branch_pass's rows). At B = 1 the guess is -1, never a token:
-    the segment has no row after it to be the next draft."""
+    block's first draft row (draft_rows). draft_hidden: (S, B, H), draft_branches's. At B = 1
+    the guess is -1, never a token: the segment has no row after it to be the next draft."""
     guess = sampler.pick(drafter.logits(draft_hidden[-1, 0]))[0]
     if draft_hidden.shape[1] == 1:
         return torch.full_like(guess, -1)
     return guess
 
 
-def select_segment(num_accepted, next_token, num_real: int, covered, candidates, guess):
-    """The prepared segment that the verification's outcome (a + 1, t) selects (a =
-    num_accepted, t = next_token, for a draft of R = num_real real tokens), as a 0-d device
-    tensor; -1 on a miss (no segment was prepared for it). Segments: the branches (i, t) of
-    covered (C,) and candidates (C, F) in candidates.flatten() order, then full acceptance.
-    The branch prepared for (a + 1, t) if there is one; else the full-acceptance segment if
-    a = R and its guess g of the bonus token (bonus_guess) is t. A branch comes first also
-    when both match: that happens only where C covers the pad (C = B after a full-acceptance
-    hit), and the branch's block then has B real tokens where full acceptance's has B - 1.
-    Computed on the device, so the round keeps its one host read."""
-    at_position = covered[:, None] == num_accepted + 1
-    branch = (at_position & (candidates == next_token)).flatten()  # (C*F,)
-    full_match = (num_accepted == num_real) & (guess == next_token)
-    matches = torch.cat([branch, full_match[None]])
-    # the index of the first match; S if none
-    first = (matches.long().cumsum(0) == 0).sum()
-    return torch.where(first < len(matches), first, -1)
+def select_segment(num_accepted, next_token, num_real, covered, candidates, guess) -> int:
+    """The prepared segment that the round's outcome (a + 1, t) selects: its index among the
+    packed pass's segments, or -1 on a miss (nothing was prepared for it). Host values, read
+    with the outcome: a = num_accepted, t = next_token, R = num_real; covered, the C positions
+    i, and candidates, C lists of F tokens t (plan_branches); guess, g (bonus_guess).
+    The segments: branch (i, t) for each covered i and each of its candidates t, in that
+    order, then full acceptance. The branch prepared for (a + 1, t) if there is one; else full
+    acceptance if a = R and g = t. Both match only where C covers a pad: the branch wins, its
+    block has B real tokens where full acceptance's has B - 1 (prepared_draft)."""
+    fanout = 0
+    if candidates:
+        fanout = len(candidates[0])
+    for place, position in enumerate(covered):
+        if position == num_accepted + 1 and next_token in candidates[place]:
+            return place * fanout + candidates[place].index(next_token)
+    if num_accepted == num_real and guess == next_token:
+        return len(covered) * fanout
+    return -1
+
+
+def prepared_draft(drafter: Drafter, draft_hidden, segment: int):
+    """A hit's next draft, from the selected segment's block: (logits (B, V), R), R = num_real,
+    the draft's real tokens. draft_hidden (S, B, H): draft_branches's.
+
+    A branch (i, t): its whole block, R = B.
+    Full acceptance, and the pad. Its segment [d_R, B MASKs] hangs off d_{R-1}; the block's
+    first row guessed the bonus token g, and the hit says that the target committed it as t
+    (the new x_n). So only its other B - 1 rows draft tokens to verify: R = B - 1. A pad (zero
+    logits) makes the draft B long again, so that verification and the next packed pass keep
+    their shapes and a compiled pass replays. The pad is never accepted (accept_draft's
+    num_real); if the target accepts all R, its bonus token is its own prediction at the pad's
+    row, after d_R. The next plan covers the pad's position only where C exceeds the R real
+    positions (C = B), with arbitrary candidates: the pad's logits say nothing."""
+    num_segments, block_size = draft_hidden.shape[:2]
+    if segment < num_segments - 1:
+        return drafter.logits(draft_hidden[segment]), block_size
+    logits = drafter.logits(draft_hidden[segment, 1:])
+    return nn.functional.pad(logits, (0, 0, 0, 1)), block_size - 1
 
 
 class _Overlap:
-    """Runs verification and the packed pass side by side (lanes=2): on CUDA in two streams
+    """Runs verification and the packed pass side by side (lanes = 2): on CUDA in two streams
     (verify's has the higher priority), on a CPU the packed pass in a worker thread (the two
-    share the cores: each gets half of torch's threads); lanes=1: one after the other. The
-    clock times each pass, and both together ("both")."""
+    share the cores: each gets half of torch's threads); lanes = 1: one after the other. The
+    clock times the two together ("both"; each pass is timed by its cache). A context manager:
+    the worker thread ends, and the threads come back, on leaving it."""
 
-    def __init__(self, device: torch.device, lanes: int):
+    def __init__(self, device: torch.device, lanes: int, clock: Clock):
+        self.clock = clock
         self.streams = device.type == "cuda" and lanes > 1
         self.pool = None
         if self.streams:
@@ -1228,22 +1209,26 @@ class _Overlap:
             self.threads = torch.get_num_threads()
             torch.set_num_threads(max(1, self.threads // 2))
 
-    def close(self):
+    def __enter__(self) -> "_Overlap":
+        return self
+
+    def __exit__(self, *exc) -> None:
         if self.pool is not None:
             self.pool.shutdown()
             torch.set_num_threads(self.threads)
 
-    def both(self, verify, packed, clock: Clock):
-        with clock.span("both"):
+    def both(self, verify, packed):
+        """verify() and packed() side by side; returns both results."""
+        with self.clock.span("both"):
             if not self.streams:
-                return self._without_streams(verify, packed, clock)
+                return self._without_streams(verify, packed)
             # both read what the main stream made: the draft, the packed pass's input
             self.verify_stream.wait_stream(self.main)
             self.draft_stream.wait_stream(self.main)
             with torch.cuda.stream(self.verify_stream):
-                p_logits = clock.run("verify", verify)
+                p_logits = verify()
             with torch.cuda.stream(self.draft_stream):
-                draft_hidden = clock.run("packed_draft", packed)
+                draft_hidden = packed()
             for stream, result in (
                 (self.verify_stream, p_logits),
                 (self.draft_stream, draft_hidden),
@@ -1254,87 +1239,14 @@ class _Overlap:
                 result.record_stream(self.main)
             return p_logits, draft_hidden
 
-    def _without_streams(self, verify, packed, clock: Clock):
+    def _without_streams(self, verify, packed):
         """A worker thread (kernels release the GIL), or one pass after the other."""
         if self.pool is None:
-            p_logits = clock.run("verify", verify)
-            return p_logits, clock.run("packed_draft", packed)
-        future = self.pool.submit(clock.run, "packed_draft", packed)
-        p_logits = clock.run("verify", verify)
+            return verify(), packed()
+        # the caller's no_grad does not reach into the worker thread
+        future = self.pool.submit(torch.no_grad()(packed))
+        p_logits = verify()
         return p_logits, future.result()
-
-
-def _drafted_by(segment: int, num_segments: int) -> str:
-    """Which pass drafts the round after an async round whose outcome selected `segment`."""
-    if segment < 0:
-        return "draft pass"
-    if segment == num_segments - 1:
-        return "full acceptance"
-    return "branch"
-
-
-def _outcomes(planned: list[int], shape, num_real: int):
-    """The outcomes the packed pass's segments were prepared for, as (i, t) pairs, from the
-    values read [covered (C), candidates (C x F), guess] (`shape`: candidates' (C, F)): each
-    planned rejection, then full acceptance (R + 1, g). None when nothing was read (no
-    on_round)."""
-    if not planned:
-        return None
-    coverage, fanout = shape
-    covered = planned[:coverage]
-    candidates = planned[coverage : coverage + coverage * fanout]
-    outcomes = []
-    for place, token in enumerate(candidates):
-        outcomes.append((covered[place // fanout], token))
-    outcomes.append((num_real + 1, planned[-1]))
-    return outcomes
-
-
-def _next_draft(drafter: Drafter, draft_hidden, segment: int):
-    """A hit's next draft, from the selected segment's block: (logits (B, V), R). A branch's
-    block is all of it, R = B. The full-acceptance segment's d_1 row guessed t, so its other
-    rows (MASK 2 .. B) and a pad, R = B - 1 ("The pad after a full-acceptance hit", at this
-    section's start)."""
-    num_segments, block_size = draft_hidden.shape[:2]
-    if segment < num_segments - 1:
-        return drafter.logits(draft_hidden[segment]), block_size
-    logits = drafter.logits(draft_hidden[segment, 1:])
-    return nn.functional.pad(logits, (0, 0, 0, 1)), block_size - 1
-
-
-class _Tally:
-    """Async's hits and misses per first rejected position (index i - 1: d_i rejected; index B:
-    full acceptance), and the padded drafts (B - 1 tokens and a pad) accepted whole."""
-
-    def __init__(self, config):
-        self.config = config
-        self.hits = [0] * (config.block_size + 1)
-        self.misses = [0] * (config.block_size + 1)
-        self.pad_full = 0
-
-    def add(self, num_accepted: int, num_real: int, segment: int) -> None:
-        block_size = self.config.block_size
-        # d_{a+1} rejected: index a
-        index = num_accepted
-        if num_accepted == num_real:
-            index = block_size  # full acceptance
-        if segment >= 0:
-            self.hits[index] += 1
-        else:
-            self.misses[index] += 1
-        if num_real < block_size and num_accepted == num_real:
-            self.pad_full += 1
-
-    def stats(self) -> dict:
-        return {
-            "hits_per_position": self.hits,
-            "misses_per_position": self.misses,
-            "pad_full_acceptances": self.pad_full,
-            "coverage": self.config.coverage,
-            "fanout": self.config.fanout,
-            "cover": self.config.cover,
-            "lanes": self.config.lanes,
-        }
 
 
 # >>> worked async trace (python tests/worked_trace.py --write regenerates it)
@@ -1419,80 +1331,55 @@ class _Tally:
 # <<< worked async trace
 
 
-def _decode_async(drafter, out: Output, caches: Caches, clock: Clock, config, *, sampler, report):
-    """While the target verifies [x_n, d_1 .. d_B], one packed drafter pass prepares the next
-    draft for the likely outcomes. Each round: (1) plan and build the packed pass; (2) verify
-    while it runs; (3) commit the accepted prefix and the target's token t; on a hit the
-    selected segment's block is the next draft, on a miss the drafter drafts it anew (the
-    fallback draft). "What each KV cache holds" at this section's start follows one round; the
-    worked trace above shows four. config: the DecodeConfig, its B, C, F and lanes resolved;
-    `report`: a _RoundReport.
-
-    Returns the tally's stats: hits and misses per first rejected position (index i - 1: d_i
-    rejected; B: full acceptance), pad_full_acceptances (the rounds that accepted a padded
-    draft whole), and coverage, fanout, cover, lanes."""
+def _decode_async(drafter, out: Output, caches: Caches, config, *, sampler, watch, overlap):
+    """The async round of this section's box, in a loop until out.done: while the target
+    verifies the draft, one packed drafter pass prepares the next draft for the likely outcomes
+    of that verification. The table under the box follows the caches through one round; the
+    worked trace above shows four rounds. config: the DecodeConfig, its B, C, F resolved;
+    watch: the round's watchers; overlap: an _Overlap, the lanes the two passes run in."""
     tc = caches.target
     dc = caches.drafter
     block_size = config.block_size
-    tally = _Tally(config)
-    overlap = _Overlap(dc.device, config.lanes)
-    # the next draft's logits (None: not prepared, a fallback draft makes it) and R
+    # x_n (1,) on the device: the prefill's token, then each round's t
+    x_n = torch.tensor(out.tokens[-1:], device=dc.device)
+    # the draft's logits, when the round before prepared them, and R, its real tokens
     draft_logits = None
     num_real = block_size
-    # x_n (1,) on the device: the prefill's token now, each round's next_token after it
-    x_n = torch.tensor(out.tokens[-1:], device=dc.device)
-    try:
-        while not out.done:
-            n = len(out.tokens) - 1
-            if draft_logits is None:
-                # a fallback draft (a miss, or the first round): its pass reads x_n
-                with clock.span("fallback_draft"):
-                    draft_logits = draft_block(drafter, dc, x_n[None], block_size)  # [shape 4]
-                    num_real = block_size
-                    # drop x_n's KV: the packed pass's causal stream starts with x_n [shape 5]
-                    dc.rewind(n)
-            # (1) plan and build, on the device
-            # (B,), with a pad after a full-acceptance hit (num_real = B - 1)
-            draft, q_draft = sampler.pick(draft_logits)
-            plan = plan_branches(draft_logits, draft, num_real, config)
-            *packed_inputs, segment_rows = build_branch_pass(
-                drafter, x_n, draft, *plan, num_real, past_len=dc.length
-            )
-
-            # (2) verify while the packed pass prepares the next draft
-            def verify():
-                return verify_block(tc, x_n, draft)
-
-            def packed():
-                return dc.run(*packed_inputs)[segment_rows]  # (S, B, H)
-
-            p_logits, draft_hidden = overlap.both(verify, packed, clock)
-            num_accepted, next_token = accept_draft(p_logits, draft, q_draft, sampler, num_real)
-            guess = bonus_guess(drafter, draft_hidden, sampler)
-            segment = select_segment(num_accepted, next_token, num_real, *plan, guess)
-            # the next round's x_n, kept on the device: no copy from the host
-            x_n = next_token.view(1)
-            # on_round's values ride on the same read
-            shown = [*plan, guess] if report.wants_outcomes else []
-            # [one read]
-            num_accepted, next_token, segment, *read = read_round(
-                [num_accepted, next_token, segment, draft, *shown], tc, dc
-            )
-            tokens = read[:block_size]
-            # (3) commit; rewind both caches to n + 1 + a ("What each KV cache holds")
-            out.commit_round(tokens[:num_accepted], next_token)
-            tc.rewind(len(out.tokens) - 1)
-            dc.rewind(n + 1 + num_accepted)
-            tally.add(num_accepted, num_real, segment)
-            outcomes = _outcomes(read[block_size:], plan[1].shape, num_real)
-            report(out, tokens, num_real, (num_accepted, next_token), (outcomes, segment))
-            # a hit: the selected segment's block is the next draft
-            draft_logits = None
-            if segment >= 0 and not out.done:
-                draft_logits, num_real = _next_draft(drafter, draft_hidden, segment)
-    finally:
-        overlap.close()
-    return tally.stats()
+    while not out.done:
+        n = len(out.tokens) - 1
+        if draft_logits is None:
+            # round 0, or a miss: the fallback draft; its KV of x_n goes again, since the
+            # packed pass reads x_n first
+            draft_logits = draft_block(drafter, dc, x_n[None], block_size)
+            num_real = block_size
+            dc.rewind(n)
+        draft, q_draft = sampler.pick(draft_logits)
+        covered, candidates = plan_branches(draft_logits, draft, num_real, config)
+        packed = build_branch_pass(
+            drafter, x_n, draft, covered, candidates, num_real, past_len=dc.length
+        )
+        p_logits, draft_hidden = overlap.both(
+            functools.partial(verify_block, tc, x_n, draft),
+            functools.partial(draft_branches, dc, packed),
+        )
+        num_accepted, next_token = accept_draft(p_logits, draft, q_draft, sampler, num_real)
+        guess = bonus_guess(drafter, draft_hidden, sampler)
+        # the next round's x_n, kept on the device: no copy from the host
+        x_n = next_token.view(1)
+        plan = [covered, candidates, guess]
+        num_accepted, next_token, draft, *plan = read_round(
+            [num_accepted, next_token, draft, *plan], tc, dc
+        )
+        # d_1 .. d_a, t join the output (cut at EOS or the budget, which end the decode); both
+        # caches keep x_0 .. x_n, d_1 .. d_a
+        out.commit_round(draft[:num_accepted], next_token)
+        tc.rewind(len(out.tokens) - 1)
+        dc.rewind(n + 1 + num_accepted)
+        segment = select_segment(num_accepted, next_token, num_real, *plan)
+        watch(out, draft, num_real, (num_accepted, next_token), plan, segment)
+        draft_logits = None
+        if segment >= 0 and not out.done:
+            draft_logits, num_real = prepared_draft(drafter, draft_hidden, segment)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1628,15 +1515,20 @@ def _only_layers(drafter: Drafter, layer_ids: list[int]):
 
 @torch.no_grad()
 def tau_without_each_layer(drafter: Drafter, batches, *, val_anchors: int = 32, seed: int = 0):
-    """{i: offline tau of the drafter without decoder layer i}, each from validation_tau on the
-    same anchors. systems/fast.py's tau_without_each_layer gives the same numbers from one
+    """{layer: offline tau of the drafter without that decoder layer}, each from validation_tau
+    on the same anchors. systems/fast.py's tau_without_each_layer gives the same numbers from one
     recorded pass per batch, at a fraction of the cost."""
     scores = {}
     num_layers = len(drafter.model.get_decoder().layers)
-    for i in tqdm(range(num_layers), desc="score layers", leave=False):
-        with _only_layers(drafter, [j for j in range(num_layers) if j != i]):
-            scores[i] = validation_tau(drafter, batches, val_anchors=val_anchors, seed=seed)[0]
+    for layer in tqdm(range(num_layers), desc="score layers", leave=False):
+        with _only_layers(drafter, _all_but(num_layers, layer)):
+            scores[layer] = validation_tau(drafter, batches, val_anchors=val_anchors, seed=seed)[0]
     return scores
+
+
+def _all_but(num_layers: int, layer: int) -> list[int]:
+    """Every decoder layer of `num_layers` but `layer`."""
+    return [other for other in range(num_layers) if other != layer]
 
 
 def _original_ids(drafter: Drafter) -> list[int]:
@@ -1648,8 +1540,8 @@ def remove_layer(drafter: Drafter, index: int) -> None:
     """Remove decoder layer `index` (its index among the current layers) for good, in place;
     d3d_config.layer_ids keeps the original indices."""
     original = _original_ids(drafter)
-    keep_layers(drafter.model, [i for i in range(len(original)) if i != index])
-    drafter.d3d_config.layer_ids = [layer for i, layer in enumerate(original) if i != index]
+    keep_layers(drafter.model, _all_but(len(original), index))
+    drafter.d3d_config.layer_ids = [original[kept] for kept in _all_but(len(original), index)]
 
 
 def least_costly_layer(drafter: Drafter, scores: dict, val_batches, *, val_anchors=32, seed=0):
@@ -1658,15 +1550,15 @@ def least_costly_layer(drafter: Drafter, scores: dict, val_batches, *, val_ancho
     records report). `scores`: tau without each layer, by the same current index. Ties, common
     for weak drafters, go to the smallest change in block loss (our reading: the paper is
     silent)."""
-    tied = [i for i in scores if scores[i] == max(scores.values())]
+    tied = [layer for layer in scores if scores[layer] == max(scores.values())]
     if len(tied) == 1:
         return tied[0]
     num_layers = len(drafter.model.get_decoder().layers)
     measure = dict(val_anchors=val_anchors, seed=seed)
     _, base_loss = validation_tau(drafter, val_batches, **measure)
 
-    def loss_change(index):
-        with _only_layers(drafter, [i for i in range(num_layers) if i != index]):
+    def loss_change(layer):
+        with _only_layers(drafter, _all_but(num_layers, layer)):
             return abs(validation_tau(drafter, val_batches, **measure)[1] - base_loss)
 
     return min(tied, key=loss_change)
@@ -1770,7 +1662,7 @@ def prune_drafter(
             if not kept:  # below the floor: undo this removal and stop
                 _undo_removal(drafter, snapshot, teacher.device)
             # tau without each layer, by the layer's original index
-            layer_taus = {original[i]: round(tau, 4) for i, tau in scores.items()}
+            layer_taus = {original[layer]: round(tau, 4) for layer, tau in scores.items()}
             yield {
                 "iteration": iteration,
                 "removed_layer": original[best],
@@ -1908,7 +1800,8 @@ def generate(
     # every setting resolved: the loops read B, C, F and the lanes from here
     config = replace(config, block_size=block_size, coverage=coverage, fanout=fanout, lanes=lanes)
     out = Output(input_ids[0].tolist(), config.max_new_tokens, config.eos_token_id)
-    clock = Clock(input_ids.device)
+    # each fixed-shape pass is timed under its phase, by the cache that runs it (runtime.py)
+    clock = Clock(input_ids.device, pass_phases(config.mode, sizing_block, coverage, fanout))
     sampler = Sampler(config.temperature, generator)
     # selective prefill: what the target prefills; the drafter's cache holds the full prompt
     selection = None
@@ -1917,16 +1810,20 @@ def generate(
         with clock.span("scoring"):
             selection = select_chunks(drafter, input_ids, cache=caches.drafter, **keep)
     _prefill(caches, input_ids, selection, out, clock, sampler)
-    report = _RoundReport(on_round, streamer, config.mode, caches, drafter)
-    report.start(out)
-    stats = {}
-    if config.mode == "target":
-        _decode_target(out, caches, sampler, report)
-    elif config.mode == "sync":
-        _decode_sync(drafter, out, caches, clock, config, sampler=sampler, report=report)
-    else:
-        stats = _decode_async(drafter, out, caches, clock, config, sampler=sampler, report=report)
-    report.end()
+    # on_round, the streamer and async's tally, fed once a round (systems/rounds.py)
+    watch = Watch(config, caches, RoundInfo, drafter, on_round, streamer)
+    watch.start(out)
+    with caches.timed(clock):
+        if config.mode == "target":
+            _decode_target(out, caches, sampler, watch)
+        elif config.mode == "sync":
+            _decode_sync(drafter, out, caches, config, sampler=sampler, watch=watch)
+        else:
+            with _Overlap(caches.drafter.device, config.lanes, clock) as overlap:
+                loop = dict(sampler=sampler, watch=watch, overlap=overlap)
+                _decode_async(drafter, out, caches, config, **loop)
+    watch.end()
+    stats = watch.stats()
     stats.update(out.stats(clock.totals(), config.mode, selection))
     if config.trace:
         stats["trace"] = clock.trace()

@@ -193,7 +193,8 @@ class KVCache:
     The length is kept on the host: the StaticCache's own is a device tensor, and reading it
     would wait for the device. `skipped`: prompt tokens selective prefill left out of the
     target's cache, so positions run that far ahead of the slots. `step` runs the fixed-shape
-    passes: the fast path (fast.py) swaps in a compiled one and sets `compiled`."""
+    passes: the fast path (fast.py) swaps in a compiled one and sets `compiled`. `clock`: a
+    Clock that times each fixed-shape pass under its phase (Caches.timed), or None."""
 
     def __init__(self, model: nn.Module, max_len: int):
         from transformers import StaticCache
@@ -212,6 +213,7 @@ class KVCache:
         self.hf = StaticCache(config=config, max_cache_len=max_len)
         self.step = self.forward
         self.compiled = False
+        self.clock = None
 
     def forward(self, ids, positions, mask) -> torch.Tensor:
         """ids, positions (1, q); mask (1, 1, q, max_len) bool over the cache's slots.
@@ -238,14 +240,17 @@ class KVCache:
                 f"KV cache full: {self.length} + {q} tokens > max_len {self.max_len}; "
                 "make the cache larger (generate's caches=, decode.py --max-len)"
             )
+        step = self.forward
+        span = contextlib.nullcontext()
         if fixed:
             step = self.step
-        else:
-            step = self.forward
+        if fixed and self.clock is not None:
+            span = self.clock.pass_span(self.drafter, q)
         try:
-            mask = F.pad(mask, (0, self.max_len - self.length - q))
-            self.length += q
-            return step(ids, positions, mask)
+            with span:
+                mask = F.pad(mask, (0, self.max_len - self.length - q))
+                self.length += q
+                return step(ids, positions, mask)
         except RuntimeError as error:
             if out_of_memory(error):
                 raise self.too_large(q, error) from None
@@ -334,6 +339,19 @@ class Caches:
             drafter_cache = KVCache(drafter, max_len)
         return cls(target_cache, drafter_cache)
 
+    @contextlib.contextmanager
+    def timed(self, clock: "Clock"):
+        """Inside, each cache's fixed-shape passes are timed by `clock` (KVCache.clock)."""
+        for cache in (self.target, self.drafter):
+            if cache is not None:
+                cache.clock = clock
+        try:
+            yield
+        finally:
+            for cache in (self.target, self.drafter):
+                if cache is not None:
+                    cache.clock = None
+
     @property
     def compiled(self) -> bool:
         """Whether either model's fixed-shape passes are compiled (fast.compile_passes)."""
@@ -363,17 +381,41 @@ class Caches:
         return self
 
 
+def sync_draft_width(block_size: int) -> int:
+    """Tokens of sync's draft pass: the unread committed tokens padded to B + 1, then B MASKs."""
+    return 2 * block_size + 1
+
+
+def packed_width(block_size: int, coverage: int, fanout: int) -> int:
+    """Tokens of async's packed pass: x_n, d_1 .. d_B, then S = C F + 1 segments [token, B
+    MASKs] (C at most B)."""
+    segments = min(coverage, block_size) * fanout + 1
+    return 1 + block_size + segments * (1 + block_size)
+
+
 def cache_len(
     prompt_len: int, max_new_tokens: int, block_size: int = 1, coverage: int = 0, fanout: int = 0
 ) -> int:
     """Slots a request needs: its tokens plus the widest pass written past them (async:
     the packed pass)."""
-    # sync's draft pass: the unread committed tokens padded to B + 1, then B MASKs
-    sync_draft = 2 * block_size + 1
-    # async's packed pass: x_n, d_1 .. d_B, then S = C F + 1 segments [token, B MASKs]
-    segments = min(coverage, block_size) * fanout + 1
-    packed_pass = 1 + block_size + segments * (1 + block_size)
-    return prompt_len + max_new_tokens + max(sync_draft, packed_pass)
+    widest = max(sync_draft_width(block_size), packed_width(block_size, coverage, fanout))
+    return prompt_len + max_new_tokens + widest
+
+
+def pass_phases(mode: str, block_size: int, coverage: int, fanout: int) -> dict:
+    """{(the drafter's cache?, tokens of the pass): phase} of a decode's fixed-shape passes:
+    what the Clock names each pass that a KVCache runs. Each kind of pass has its own width,
+    so its width names it; the target-only loop's one-token passes and the prefills are not
+    timed one by one."""
+    phases = {}
+    if mode == "sync":
+        phases[(False, block_size + 1)] = "verify"
+        phases[(True, sync_draft_width(block_size))] = "draft"
+    if mode == "async":
+        phases[(False, block_size + 1)] = "verify"
+        phases[(True, 1 + block_size)] = "fallback_draft"
+        phases[(True, packed_width(block_size, coverage, fanout))] = "packed_draft"
+    return phases
 
 
 # what torch says when an allocation fails: CUDA's OutOfMemoryError, the CPU allocator's
@@ -404,17 +446,37 @@ def ignored_cache(cache: str, holds: str, written: int) -> RuntimeError:
     )
 
 
-def read_round(values: list[torch.Tensor], *caches: KVCache) -> list[int]:
-    """The round's one host read: `values` (0-d or 1-d integer tensors), flattened into
-    one list, and each cache's own length, checked against the host's (KVCache.check)."""
+def read_round(values: list[torch.Tensor], *caches: KVCache) -> list:
+    """The round's one host read: every tensor of `values` (integers, on one device) comes
+    back as tolist() gives it (a 0-d tensor as an int, a 1-d one as a list, ...), in one
+    transfer that also reads each cache's own length and checks it against the host's
+    (KVCache.check)."""
     device = values[0].device
-    flat = [v.view(-1) for v in values]
+    flat = [v.reshape(-1) for v in values]
     lengths = [c.written(device) for c in caches]
     read = torch.cat(flat + lengths).tolist()
-    n = len(read) - 2 * len(caches)
-    for i, cache in enumerate(caches):
-        cache.check(read[n + 2 * i : n + 2 * i + 2])
-    return read[:n]
+    start = 0
+    shaped = []
+    for value, numbers in zip(values, flat):
+        piece = read[start : start + len(numbers)]
+        start += len(numbers)
+        shaped.append(_unflatten(piece, list(value.shape)))
+    for cache, written in zip(caches, lengths):
+        cache.check(read[start : start + len(written)])
+        start += len(written)
+    return shaped
+
+
+def _unflatten(numbers: list, shape: list[int]):
+    """A flat list back in `shape`, as tolist() nests it (shape [] gives the number)."""
+    if not shape:
+        return numbers[0]
+    if len(shape) == 1:
+        return numbers
+    if shape[0] == 0:
+        return []
+    size = len(numbers) // shape[0]
+    return [_unflatten(numbers[r * size : (r + 1) * size], shape[1:]) for r in range(shape[0])]
 
 
 def causal_mask(q: int, past_len: int, device) -> torch.Tensor:
@@ -484,14 +546,17 @@ def attention_pass(cache: KVCache, ids: torch.Tensor) -> list[torch.Tensor]:
 
 class Clock:
     """Where a decode's time goes, kept out of the loops' way: `with clock.span(key):` adds
-    the time inside to `key`. On CUDA a span is two events on the current stream, read once
-    the decode is over (timing never makes the host wait mid-round), and the host time spent
-    queuing the work is kept too (key + "_launch"); elsewhere, the host clock. Each span
-    remembers its lane (the CUDA stream, or the host thread, it ran on): `trace` draws the
-    lanes as tracks."""
+    the time inside to `key`, and a KVCache it times (Caches.timed) adds each fixed-shape pass
+    to its phase (`phases`: pass_phases), so the loops hold no timing lines. On CUDA a span is
+    two events on the current stream (a pass's own stream), read once the decode is over
+    (timing never makes the host wait mid-round), and the host time spent queuing the work is
+    kept too (key + "_launch"); elsewhere, the host clock. Each span remembers its lane (the
+    CUDA stream, or the host thread, it ran on): `trace` draws the lanes as tracks."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, phases: dict | None = None):
         self.device = device
+        # {(a drafter's cache?, tokens of the pass): phase}
+        self.phases = phases or {}
         self.cuda = device.type == "cuda"
         self.spans = []  # (key, start, end, lane)
         self.host = {}  # CUDA: seconds the host spent queuing each key's work
@@ -530,11 +595,13 @@ class Clock:
             launch = key + "_launch"
             self.host[launch] = self.host.get(launch, 0.0) + queued
 
-    @torch.no_grad()  # also in a worker thread, where the caller's no_grad does not reach
-    def run(self, key: str, fn):
-        """fn() inside span(key), without autograd."""
-        with self.span(key):
-            return fn()
+    def pass_span(self, drafter: bool, width: int):
+        """The span of one fixed-shape pass of `width` tokens, named by its phase; a pass of
+        no phase is not timed."""
+        phase = self.phases.get((drafter, width))
+        if phase is None:
+            return contextlib.nullcontext()
+        return self.span(phase)
 
     def _seconds(self, start, end) -> float:
         if self.cuda:

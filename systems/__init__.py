@@ -2,13 +2,16 @@
 
 The modules form layers, each importing only from those below it:
 
-    runtime  <-  d3d  <-  systems/  <-  toy  <-  train.py, decode.py, lab.py
+    runtime  <-  systems/rounds.py  <-  d3d  <-  systems/  <-  toy  <-  the drivers
 
     runtime.py   what the method runs on: fixed-size KV caches, the round's one host read,
                  the clock, the committed tokens and a decode's stats, input checks, loading
     d3d.py       the method: drafter and mask, loss, drafting and verification, the sync and
                  async decoders, pruning, selective prefill
-    systems/     this package: each module imports only from runtime, d3d and the modules here
+    rounds.py    the watchers of a decode's rounds, fed by one call a round; below d3d, which
+                 makes them: it imports only runtime
+    systems/     the rest of this package: each module imports only from runtime, d3d and the
+                 modules here
     toy.py       the toy target the repository ships (toy-target/): its task, build and checks
     drivers      train.py, decode.py and lab.py; they never import each other
 
@@ -19,6 +22,8 @@ Beside the method:
                     scorer from one pass
     batched.py      concurrent requests as one ragged batch (the paper's Table 2):
                     batched.generate
+    rounds.py       the watchers of a decode's rounds (above): d3d.generate's on_round and
+                    streamer, and async's tally of hits and misses
     explain.py      decoding rounds told in words, from d3d.generate(on_round=...):
                     describe_round, RoundPrinter, ColoredStream
 Both drivers':

@@ -7,7 +7,7 @@ from one recorded pass per batch.
     fast.compile_passes(caches)  # the one line
     d3d.generate(target, drafter, ids, max_new_tokens=128, caches=caches)
 
-The passes have the five fixed shapes of d3d.py's table (its asynchronous-decoding section),
+The passes have the five fixed shapes of d3d.py's table (its drafting section's opening),
 over all max_len slots of a cache. Prefills (any length) and the drafter's selective-prefill
 scoring stay eager. Each shape compiles once (about 5-20 s a shape on a CPU for a tiny model,
 longer for a deep one); `warm_up` does it before anything is timed.

@@ -42,7 +42,7 @@ def test_two_cpu_lanes_run_both_passes_at_once(lanes):
     import threading
 
     barrier = threading.Barrier(2, timeout=5 if lanes == 2 else 0.5)
-    overlap = d3d._Overlap(torch.device("cpu"), lanes)
+    clock = runtime.Clock(torch.device("cpu"))
 
     def meet(value):
         def wait_then_give():
@@ -51,32 +51,37 @@ def test_two_cpu_lanes_run_both_passes_at_once(lanes):
 
         return wait_then_give
 
-    try:
+    with d3d._Overlap(torch.device("cpu"), lanes, clock) as overlap:
         if lanes == 2:
-            verified, packed = overlap.both(meet(1), meet(2), runtime.Clock(torch.device("cpu")))
+            verified, packed = overlap.both(meet(1), meet(2))
             assert (verified.item(), packed.item()) == (1, 2)
         else:
             with pytest.raises(threading.BrokenBarrierError):
-                overlap.both(meet(1), meet(2), runtime.Clock(torch.device("cpu")))
-    finally:
-        overlap.close()
+                overlap.both(meet(1), meet(2))
 
 
 @pytest.mark.parametrize("lanes", [1, 2])
 def test_the_packed_pass_builds_no_autograd_graph_in_either_lane(lanes):
     """The decode runs under no_grad, which a worker thread does not inherit: the packed pass must
     not record a graph (its outputs and the drafter's cache would hold one, round after round)."""
+    import threading
+
     weight, clock = torch.ones(3, requires_grad=True), runtime.Clock(torch.device("cpu"))
-    overlap = d3d._Overlap(torch.device("cpu"), lanes)
-    try:
+    threads = {}
+
+    def run(key, factor):
+        def times_weight():
+            threads[key] = threading.current_thread().name
+            return weight * factor
+
+        return times_weight
+
+    with d3d._Overlap(torch.device("cpu"), lanes, clock) as overlap:
         with torch.no_grad():
-            verified, packed = overlap.both(lambda: weight * 2, lambda: weight * 3, clock)
-    finally:
-        overlap.close()
+            verified, packed = overlap.both(run("verify", 2), run("packed", 3))
     assert not verified.requires_grad and not packed.requires_grad
-    threads = {key: thread for key, _, _, thread in clock.spans}
     # two lanes: the worker ran it
-    assert (threads["packed_draft"] != threads["verify"]) == (lanes == 2)
+    assert (threads["packed"] != threads["verify"]) == (lanes == 2)
 
 
 def test_the_lanes_rule_refuses_two_compiled_lanes_on_cuda():

@@ -9,18 +9,16 @@ RIGHT = False
 FAILS = ("test_sync_equals_target_greedy",)  # tests that must fail (others may too)
 
 
-def _decode_sync(drafter, out, caches, clock, config, *, sampler, report):
+def _decode_sync(drafter, out, caches, config, *, sampler, watch):
     tc, dc = caches.target, caches.drafter
     block_size = config.block_size
     while not out.done:
-        with clock.span("draft"):
-            new_tokens = torch.tensor([out.tokens[dc.length :]], device=dc.device)
-            draft_logits = draft_block(drafter, dc, new_tokens, block_size, width=block_size + 1)
-            draft, q_draft = sampler.pick(draft_logits)
-        with clock.span("verify"):
-            p_logits = verify_block(tc, new_tokens[0, -1], draft)
-            num_accepted, next_token = accept_draft(p_logits, draft, q_draft, sampler)
-        num_accepted, next_token, *tokens = read_round([num_accepted, next_token, draft], tc, dc)
+        new_tokens = torch.tensor([out.tokens[dc.length :]], device=dc.device)
+        draft_logits = draft_block(drafter, dc, new_tokens, block_size, width=block_size + 1)
+        draft, q_draft = sampler.pick(draft_logits)
+        p_logits = verify_block(tc, new_tokens[0, -1], draft)
+        num_accepted, next_token = accept_draft(p_logits, draft, q_draft, sampler)
+        num_accepted, next_token, tokens = read_round([num_accepted, next_token, draft], tc, dc)
         out.commit_round(tokens[:num_accepted], next_token)
         tc.rewind(len(out.tokens) - 2)  # the bug: one short
-        report(out, tokens, block_size, (num_accepted, next_token))
+        watch(out, tokens, block_size, (num_accepted, next_token))

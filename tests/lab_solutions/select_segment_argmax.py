@@ -1,6 +1,6 @@
-"""select_segment, right, written another way: the outcome's segment index is computed from
-the flat index of the branch (i, t) as a weight: every segment gets a score, 0 where it does
-not match and S - index where it does, and the largest score names the first match.
+"""select_segment, right, written another way: every prepared outcome (i, t) is listed in the
+order of the segments, full acceptance last as (R + 1, g), and the outcome (a + 1, t) is looked
+up in that list; its first place is the segment.
 """
 
 EXERCISE = "select_segment"
@@ -9,12 +9,12 @@ FAILS = ()  # tests that must fail: none
 
 
 def select_segment(num_accepted, next_token, num_real, covered, candidates, guess):
-    is_position = (covered == num_accepted + 1)[:, None]  # (C, 1)
-    branch = (is_position & (candidates == next_token)).reshape(-1)  # (C*F,)
-    full = ((num_accepted == num_real) & (guess == next_token)).reshape(1)
-    matches = torch.cat([branch, full])  # (S,)
-    num_segments = matches.shape[0]
-    order = torch.arange(num_segments, 0, -1, device=matches.device)  # S .. 1
-    score = matches.long() * order
-    best = score.argmax()
-    return torch.where(score.max() > 0, best, torch.full_like(best, -1))
+    outcomes = []
+    for position, tokens in zip(covered, candidates):
+        outcomes += [(position, token) for token in tokens]
+    full_acceptance = (num_real + 1, guess)
+    outcomes.append(full_acceptance)
+    outcome = (num_accepted + 1, next_token)
+    if outcome not in outcomes:
+        return -1
+    return outcomes.index(outcome)

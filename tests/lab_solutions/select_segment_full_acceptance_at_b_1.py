@@ -13,10 +13,11 @@ FAILS = (  # tests that must fail (others may too)
 
 
 def select_segment(num_accepted, next_token, num_real, covered, candidates, guess):
-    at_position = covered[:, None] == num_accepted + 1
-    branch = (at_position & (candidates == next_token)).flatten()
-    guessed = (guess == next_token) | (guess < 0)  # the bug: -1 matches every t
-    full_match = (num_accepted == num_real) & guessed
-    matches = torch.cat([branch, full_match[None]])
-    first = (matches.long().cumsum(0) == 0).sum()
-    return torch.where(first < len(matches), first, -1)
+    fanout = len(candidates[0]) if candidates else 0
+    for place, position in enumerate(covered):
+        if position == num_accepted + 1 and next_token in candidates[place]:
+            return place * fanout + candidates[place].index(next_token)
+    guessed = guess == next_token or guess < 0  # the bug: -1 matches every t
+    if num_accepted == num_real and guessed:
+        return len(covered) * fanout
+    return -1

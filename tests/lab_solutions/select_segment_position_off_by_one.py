@@ -12,9 +12,10 @@ FAILS = (  # tests that must fail (others may too)
 
 
 def select_segment(num_accepted, next_token, num_real, covered, candidates, guess):
-    at_position = covered[:, None] == num_accepted  # the bug: i = a
-    branch = (at_position & (candidates == next_token)).flatten()
-    full_match = (num_accepted == num_real) & (guess == next_token)
-    matches = torch.cat([branch, full_match[None]])
-    first = (matches.long().cumsum(0) == 0).sum()
-    return torch.where(first < len(matches), first, -1)
+    fanout = len(candidates[0]) if candidates else 0
+    for place, position in enumerate(covered):
+        if position == num_accepted and next_token in candidates[place]:  # the bug: i = a
+            return place * fanout + candidates[place].index(next_token)
+    if num_accepted == num_real and guess == next_token:
+        return len(covered) * fanout
+    return -1
