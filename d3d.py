@@ -91,10 +91,14 @@ What the loops take from runtime.py, in brief, so that this file reads alone:
     KVCache(model, max_len)   fixed-size KV cache, its length a host int (.length): .run(ids
                               (1, W), positions, mask (1, 1, W, length + W)) writes W tokens
                               after what it holds -> drafter hidden states (W, H) or target
-                              float logits (W, V); .rewind(length) keeps the sequence's first
-                              `length` tokens (the next pass writes over the rest);
-                              .reset(skipped) empties it for a request whose first `skipped`
-                              prompt tokens it will not hold (positions count them)
+                              float logits (W, V); it pads the mask with False to all max_len
+                              slots, so a pass of W tokens has one shape every round and no
+                              query sees a slot past its own pass (stale KV there is never
+                              read). .rewind(length) keeps the sequence's first `length`
+                              tokens (the next pass writes over the rest); .reset(skipped)
+                              empties it for a request of which `skipped` prompt tokens stay
+                              out of the cache (selective prefill): lengths given to rewind
+                              and positions still count them
     Caches                    .target, .drafter: the two KVCaches, made by Caches.make(target,
                               drafter, max_len); generate can reuse them across requests;
                               .compiled: whether their passes are torch.compile'd; .timed(clock):
@@ -105,7 +109,8 @@ What the loops take from runtime.py, in brief, so that this file reads alone:
                               layer's attention weights (heads, W, cache length)
     read_round(values, *caches)  the round's one host read: each tensor back as tolist() gives
                               it (0-d: an int; 1-d: a list), all in one transfer, which also
-                              checks each cache's own length against .length (a model that
+                              brings each cache's own count of tokens written (the HF cache's,
+                              on the device) and checks it against .length (a model that
                               ignored its cache fails here)
     Output(prompt, budget, eos)  .tokens: prompt + committed, ints; .commit(tokens) appends them
                               cut after the first EOS (kept) or at the budget, and raises if
@@ -129,7 +134,10 @@ What the loops take from runtime.py, in brief, so that this file reads alone:
     host_copy, load_causal_lm, tokenizer_fingerprint  a deep copy in host memory; an HF causal
                               LM; a tokenizer's hash
 And from systems/rounds.py: Watch, generate's watchers of the rounds (on_round, a streamer,
-async's hit/miss tally), fed by one call a round, after the round's commit and rewinds.
+async's hit/miss tally). A loop calls it once a round, after the commit and the rewinds:
+watch(out, draft, R, (a, t)), and in async also the plan (covered, candidates, g) and the
+selected segment. It remembers the output's and the caches' lengths from the round before, so
+it knows n, x_n, what the round committed and which pass drafted its draft.
 
 Shapes: b batch, N causal (clean) tokens, K anchors (blocks), B block size, H hidden size,
 V vocabulary, M the segments' tokens and W = N + M the tokens of a pass, S segments of the async
@@ -341,7 +349,8 @@ class Drafter(nn.Module):
 
     def hidden_states(self, ids, positions, mask, cache=None) -> torch.Tensor:
         """Last hidden states (b, W, H) of ids (b, W) at positions (b, W); mask: bool (b, 1, W,
-        past + W), True = may attend; cache: an HF cache holding the past (KVCache.hf)."""
+        past + W), True = may attend; cache: an HF cache holding the past (KVCache.hf; `cache=`
+        is transformers 5's name for past_key_values)."""
         out = self.model.get_decoder()(
             input_ids=ids,
             position_ids=positions,
@@ -483,7 +492,9 @@ def packed_attention_mask(num_causal: int, roots, block_size: int, *, prefix_len
         m   (pos 5)  #   #   #   #       |     | # #
 
     In training each MASK row predicts its own token (L_block); where decoding reads a block's
-    tokens: draft_rows.
+    tokens: draft_rows. Positions may repeat (a block's tokens sit at the positions of causal
+    tokens after its root): the mask, not the positions, keeps them apart. With a prefix
+    (prefix_len = 1), build_branch_pass draws the picture.
 
     roots: (S,) or (b, S) long, rows of the causal stream. Returns mask (b, 1, W, past_len +
     W) bool and position_ids (b, W) long, W = num_causal + S * (prefix_len + block_size)."""
@@ -568,10 +579,12 @@ def draft_rows(
     d1_from="mask", at MASK 1 (row first_mask_row); under d1_from="causal" (our reading: the
     paper is silent), at `prefix_row`, the row of the token just before the block's MASKs: the
     one LM head applied there predicts the next token, as L_AR trains it on the causal stream.
-    That token is the anchor x_{j_k} in validation (and in training's block_acc; the loss
-    itself reads every MASK), x_n in draft_block, and a segment's first token (t or d_R) in
-    build_branch_pass. (After a full-acceptance hit the next draft is that block without its
-    first row: prepared_draft.) prefix_row, first_mask_row: rows (...), broadcast together."""
+    That token is the anchor x_{j_k} in validation (and in training's block_acc), x_n in
+    draft_block, and a segment's first token (t or d_R) in build_branch_pass. Under "causal"
+    MASK 1 still trains (L_block reads every MASK) but no pass reads it. One exception: after
+    a full-acceptance hit the next draft is a block without its first row, so its d_1 comes
+    from MASK 2 (prepared_draft). prefix_row, first_mask_row: rows (...), broadcast
+    together."""
     prefix_row, first_mask_row = torch.broadcast_tensors(prefix_row, first_mask_row)
     rows = first_mask_row[..., None] + torch.arange(block_size, device=first_mask_row.device)
     if d1_from == "causal":
@@ -958,6 +971,7 @@ def _decode_sync(drafter, out: Output, caches: Caches, config, *, sampler, watch
 #   while not done:
 #     if no block was prepared for this round (round 0, or a miss):
 #       d_1 .. d_B = the drafter's block after x_n                    draft_block
+#       (its KV of x_n is dropped again: the packed pass reads x_n)  rewind
 #     plan the outcomes (i, t) to prepare: C positions i x F tokens t  plan_branches
 #     build one packed pass: [x_n, d_1 .. d_B], then per outcome a    build_branch_pass
 #       segment [t, B MASKs] off d_{i-1}, then [d_B, B MASKs] off
@@ -974,9 +988,9 @@ def _decode_sync(drafter, out: Output, caches: Caches, config, *, sampler, watch
 #     elif a = B and g = t, full acceptance:                          select_segment
 #       the next d_1 .. d_B = full acceptance's block after g         prepared_draft
 #
-# _decode_async is this loop, line for line (select_segment makes the last if/elif choice). The
-# code differs from the box in one way: the block full acceptance prepares has one row fewer,
-# B - 1, and a pad (prepared_draft).
+# _decode_async is this loop, line for line (select_segment makes the last if/elif choice; a
+# decode that is over prepares nothing). The code differs from the box in one way: the block
+# full acceptance prepares has one row fewer, B - 1, and a pad (prepared_draft).
 #
 # What each KV cache holds across one round (committed x_0 .. x_n at the start; R = num_real,
 # a = num_accepted, t = next_token; "+" = written after what the cache held):
@@ -1073,8 +1087,11 @@ def build_branch_pass(
     segments [t, MASK x B] off d_{i-1}, t at position n + i: "d_i rejected, the target said
     t". Last, the full-acceptance segment [d_R, MASK x B] off d_{R-1} (R = `num_real`, the
     draft's real tokens, default B: prepared_draft): it drafts the bonus token x_{n+R+1} and
-    the B - 1 tokens after it. The causal row a segment hangs off is its root (the mask's
-    `roots`). Each segment's block is read at its rows (draft_rows).
+    the B - 1 tokens after it. It repeats d_R as its first token, rather than hanging B MASKs
+    off d_R, so that every segment has one shape, [token, B MASKs], and under
+    d1_from="causal" its first row guesses the bonus token as the LM head at x_n guesses d_1.
+    The causal row a segment hangs off is its root (the mask's `roots`). Each segment's block
+    is read at its rows (draft_rows).
     Example with B = R = 3, C = 2, F = 1; the cache is visible to all (# = may attend, m = a
     MASK token):
 
@@ -1140,8 +1157,10 @@ def draft_branches(cache: KVCache, packed) -> torch.Tensor:
 
 def bonus_guess(drafter: Drafter, draft_hidden, sampler: Sampler):
     """g: the full-acceptance segment's guess of the bonus token (a 0-d device tensor), from its
-    block's first draft row (draft_rows). draft_hidden: (S, B, H), draft_branches's. At B = 1
-    the guess is -1, never a token: the segment has no row after it to be the next draft."""
+    block's first draft row (draft_rows), picked as every draft token is: greedily, or drawn at
+    the sampling temperature (then a hit needs the target's bonus token to equal this draw).
+    draft_hidden: (S, B, H), draft_branches's. At B = 1 the guess is -1, never a token: the
+    segment has no row after it to be the next draft."""
     guess = sampler.pick(drafter.logits(draft_hidden[-1, 0]))[0]
     if draft_hidden.shape[1] == 1:
         return torch.full_like(guess, -1)
@@ -1175,12 +1194,17 @@ def prepared_draft(drafter: Drafter, draft_hidden, segment: int):
     A branch (i, t): its whole block, R = B.
     Full acceptance, and the pad. Its segment [d_R, B MASKs] hangs off d_{R-1}; the block's
     first row guessed the bonus token g, and the hit says that the target committed it as t
-    (the new x_n). So only its other B - 1 rows draft tokens to verify: R = B - 1. A pad (zero
-    logits) makes the draft B long again, so that verification and the next packed pass keep
-    their shapes and a compiled pass replays. The pad is never accepted (accept_draft's
-    num_real); if the target accepts all R, its bonus token is its own prediction at the pad's
-    row, after d_R. The next plan covers the pad's position only where C exceeds the R real
-    positions (C = B), with arbitrary candidates: the pad's logits say nothing."""
+    (the new x_n). So only its other B - 1 rows draft tokens to verify, from MASK 2 .. B (the
+    one draft whose d_1 is read at a MASK under d1_from="causal"): R = B - 1. A block of B + 1
+    MASKs would give B, but every segment has one shape. A pad (a row of zero logits: token
+    0 when greedy, a uniform draw when sampling) makes the draft B long again, so that
+    verification and the next packed pass keep their shapes and a compiled pass replays. The
+    pad is never accepted (accept_draft's num_real). If the target accepts all R, its bonus
+    token is its prediction p_logits[R], made at d_R's row for the pad's position. No segment
+    of the next packed pass hangs off the pad. Its position gets a branch only where C
+    exceeds the R real positions (C = B), with arbitrary candidates: the pad's logits say
+    nothing; and if that branch and full acceptance both match, the branch wins
+    (select_segment)."""
     num_segments, block_size = draft_hidden.shape[:2]
     if segment < num_segments - 1:
         return drafter.logits(draft_hidden[segment]), block_size
@@ -1384,6 +1408,11 @@ def _decode_async(drafter, out: Output, caches: Caches, config, *, sampler, watc
 
 # --------------------------------------------------------------------------------------------------
 # Progressive layer pruning with recovery distillation (Fig. 1b)
+#
+# A decoder layer has two indices here. Its current index, 0 .. layers - 1 of the drafter as it
+# is now, is what scoring, least_costly_layer and remove_layer use. Its original index, its
+# place in the checkpoint the drafter was made from, is what D3DConfig.layer_ids keeps and what
+# prune_drafter's records report (_original_ids maps one to the other).
 
 
 @dataclass
@@ -1573,6 +1602,7 @@ def recover(drafter: Drafter, teacher: Drafter, train_batches, config, generator
         return 0
     drafter.train()
     if config.checkpointing:
+        # transformers 5's gradient checkpointing
         drafter.model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False}
         )
