@@ -106,15 +106,17 @@ def paths(tmp_path_factory) -> dict:
 
 
 @pytest.fixture
-def no_model_loads(monkeypatch):
-    """Any model that loads fails the test: a refusal comes before."""
+def nothing_loads(monkeypatch):
+    """Any model that loads, and any picture drawn, fails the test: a refusal comes before
+    (and a command that fails to refuse writes nothing)."""
 
     def load(*args, **kwargs):
-        raise AssertionError("a model loaded before the refusal")
+        raise AssertionError("a model loaded or a picture was drawn before the refusal")
 
     monkeypatch.setattr(runtime, "load_causal_lm", load)
     monkeypatch.setattr(d3d.Drafter, "from_pretrained", load)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load)
+    monkeypatch.setattr(pictures, "_save", load)
 
 
 def snapshot(path: str) -> dict:
@@ -234,9 +236,9 @@ TOY_CASES = [
 
 
 @pytest.fixture
-def commands(paths, tmp_path, monkeypatch, no_model_loads):
-    """`paths`, with the commands run in an empty folder (their default outputs absent) and no
-    model allowed to load."""
+def commands(paths, tmp_path, monkeypatch, nothing_loads):
+    """`paths`, with the commands run in an empty folder (their default outputs absent), no
+    model allowed to load and no picture to be drawn."""
     monkeypatch.chdir(tmp_path)
     return paths
 
