@@ -556,6 +556,8 @@ def picture_mark(path: str) -> str | None:
 def pictures_mark(folder: str) -> str | None:
     """`python -m systems.pictures`'s --out: pictures this project drew, and nothing else."""
     names = sorted(os.listdir(folder))
+    if not names:
+        return None
     for name in names:
         path = os.path.join(folder, name)
         if not os.path.isfile(path) or picture_mark(path) is None:
