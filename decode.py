@@ -109,17 +109,18 @@ def load(flags: decode_flags.ModelFlags, modes: list[str]) -> Models:
         # trained in fp32 (the toy always is): decode in it too
         dtype = "float32"
     dtype = runtime.resolve_dtype(dtype, device)
-    draft_model = None
-    if need_drafter:
-        draft_model = d3d.Drafter.from_pretrained(drafter, dtype, device, flags.attn).eval()
     if target is None:
         # the target the drafter was trained for
         recorded = recipe.get("target", toy.SHIPPED)
         where = f"{os.path.join(drafter, 'train_args.json')}: target"
         on_hub = cli.looks_like_hub_name(recorded)
         target = runtime.find_recorded(recorded, where, must_exist=not on_hub)
-        # the recorded target's folder (a --target given, check_args checked)
+        # the recorded target's folder, a toy's against its toy.json (a --target given,
+        # check_args checked), before either model loads
         cli.check_model_folder("--target", target)
+    draft_model = None
+    if need_drafter:
+        draft_model = d3d.Drafter.from_pretrained(drafter, dtype, device, flags.attn).eval()
     tok = runtime.load_tokenizer(target)
     if draft_model is not None:
         # before loading a large target for nothing
@@ -283,7 +284,8 @@ def demo(args, models: Models, plan: Plan, run: Run) -> dict:
 
 
 def check_args(args: dict) -> None:
-    """Every flag in its range and every file it reads there, before anything loads."""
+    """Every flag in its range, every file it reads there and every file it writes free to
+    write (cli.check_output), before anything loads."""
     cli.check_flags(args, decode_flags.GROUPS, decode_flags.NARROWER)
     if args["target"] is not None:
         cli.check_model_folder("--target", args["target"])
@@ -303,10 +305,12 @@ def check_args(args: dict) -> None:
         raise runtime.UserError(
             f"--explain describes one decode of the first prompt — drop {', '.join(given)}"
         )
-    for flag in ("--out", "--trace", "--plot"):
-        path = args[flag[2:]]
-        if path is not None and os.path.isdir(path):
-            raise runtime.UserError(f"{flag} {path} is a folder — give a file name")
+    # what the run writes: a benchmark's figures (--out), a trace, a picture
+    force = args["force"]
+    if args["bench_files"] or args["prefill_bench_file"] or args["sampling_check_samples"]:
+        cli.check_output("--out", args["out"], cli.BENCHMARK, force)
+    cli.check_output("--trace", args["trace"], cli.TRACE, force)
+    cli.check_output("--plot", args["plot"], cli.PICTURE, force)
 
 
 def check_plan(args, plan: Plan, device_type: str) -> None:

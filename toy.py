@@ -51,7 +51,6 @@ default.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -64,7 +63,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 
 import runtime
-from systems import batched
+from systems import batched, cli
 
 # --------------------------------------------------------------------------------------------- task
 
@@ -462,17 +461,12 @@ WARMUP = 30  # steps of linear warmup
 DECAY_SHARE = 0.3  # the last share of the steps, a linear decay to 10 % of LR
 POOL_BATCHES = 8  # batches drawn at once and sorted by length (little padding)
 # in every toy folder: how it was built, how well it answers, and the fingerprints of its
-# files
-RECIPE = "toy.json"
+# files; systems/cli.py checks every folder that holds one against it (cli.check_toy)
+RECIPE = cli.TOY_RECIPE
 # the toy in the repository
-SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy-target")
+SHIPPED = cli.TOY_TARGET
 DEFAULT_OUT = "runs/toy-target"  # where `python toy.py` builds one
-DATA_FILES = {
-    "train": "prompts-train.jsonl",
-    "test": "prompts-test.jsonl",
-    "train_answers": "answers-train.jsonl",
-    "test_answers": "answers-test.jsonl",
-}
+DATA_FILES = cli.TOY_FILES
 FLOAT_ORDER_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 
 
@@ -484,26 +478,6 @@ def toy_paths(folder: str) -> dict:
     for key, name in DATA_FILES.items():
         paths[key] = os.path.join(folder, name)
     return paths
-
-
-def sha256_file(path: str) -> str:
-    """The file's sha256, read 1 MiB at a time."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def fingerprint(folder: str, tok=None) -> dict:
-    """What identifies a toy target: the sha256 of its weights file and its tokenizer's
-    fingerprint."""
-    if tok is None:
-        tok = transformers.AutoTokenizer.from_pretrained(folder)
-    return {
-        "weights_sha256": sha256_file(os.path.join(folder, "model.safetensors")),
-        "tokenizer": runtime.tokenizer_fingerprint(tok),
-    }
 
 
 def read_recipe(folder: str) -> dict:
@@ -526,38 +500,13 @@ def read_recipe(folder: str) -> dict:
 
 def open_toy(folder: str = SHIPPED) -> dict:
     """The paths of a finished toy folder (see `toy_paths`), after checking every file
-    against its toy.json: the weights and tokenizer against the recorded fingerprint, the
-    prompt and answer files against their sha256. A file that does not match is an error,
-    never a silently different toy."""
+    against its toy.json (cli.check_toy): the weights and tokenizer against the recorded
+    fingerprint, the prompt and answer files against their sha256. A file that does not
+    match is an error, never a silently different toy."""
     folder = os.path.abspath(folder)
     recipe = read_recipe(folder)
-    paths = toy_paths(folder)
-    if "files" not in recipe:
-        raise runtime.UserError(
-            f"{folder} is an unfinished toy ({RECIPE} records no files): rerun "
-            f"`python toy.py --out {folder}` to finish it"
-        )
-    if folder == SHIPPED:
-        restore = "`git checkout -- toy-target` restores it"
-    else:
-        restore = f"`python toy.py --out {folder}` rebuilds it after you delete the folder"
-    for key, name in DATA_FILES.items():
-        if not os.path.isfile(paths[key]):
-            raise runtime.UserError(f"{paths[key]} is missing from the toy; {restore}")
-        if sha256_file(paths[key]) != recipe["files"][name]:
-            raise runtime.UserError(
-                f"{paths[key]} does not match {os.path.join(folder, RECIPE)} (its sha256 "
-                "differs): the toy's prompts and the target's answers to them belong "
-                f"together; {restore}"
-            )
-    found = fingerprint(folder)
-    for key, what in (("weights_sha256", "weights"), ("tokenizer", "tokenizer")):
-        if found[key] != recipe["fingerprint"][key]:
-            raise runtime.UserError(
-                f"the toy target's {what} in {folder} do not match {RECIPE}'s fingerprint "
-                f"({found[key][:16]} != {recipe['fingerprint'][key][:16]}); {restore}"
-            )
-    return paths
+    cli.check_toy("--toy", folder, recipe)
+    return toy_paths(folder)
 
 
 def build_toy(
@@ -680,7 +629,7 @@ def finish_toy(folder: str, recipe: dict, device: str = "cpu") -> dict:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model = model.to(device).eval()
     recipe = dict(recipe)
-    recipe["fingerprint"] = fingerprint(folder, tok)
+    recipe["fingerprint"] = cli.fingerprint(folder, tok)
     recipe["max_new_tokens"] = MAX_NEW_TOKENS
     weights = recipe["fingerprint"]["weights_sha256"]
     header = {
@@ -711,7 +660,7 @@ def finish_toy(folder: str, recipe: dict, device: str = "cpu") -> dict:
     recipe["answer_seconds"] = round(time.monotonic() - t0)
     recipe["files"] = {}
     for name in DATA_FILES.values():
-        recipe["files"][name] = sha256_file(os.path.join(folder, name))
+        recipe["files"][name] = cli.sha256_file(os.path.join(folder, name))
     _write_json(os.path.join(folder, RECIPE), recipe)
     print(f"[toy] finished {folder} ({RECIPE}: recipe, accuracy, fingerprints)")
     return recipe

@@ -90,6 +90,13 @@ class TrainSettings:
     resume: bool = cli.flag(
         True, "ignore out/checkpoint.pt", Range(bool), flag="--no-resume", action="store_false"
     )
+    force: bool = cli.flag(
+        False,
+        "write --out and --plot over what train.py did not write there (a model, another "
+        "command's run, other files); the repository's toy-target/ never (default: refuse, "
+        "before anything loads)",
+        Range(bool),
+    )
     fsdp: bool = cli.flag(
         False,
         "shard fp32 weights, gradients and AdamW moments over the processes "
@@ -424,10 +431,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Every flag in its range and every file it names readable, before anything loads: a
-    bad value raises runtime.UserError (one line), never a traceback halfway through a run."""
+    """Every flag in its range, every file it names readable and every path it writes free to
+    write (cli.check_output), before anything loads: a bad value raises runtime.UserError (one
+    line), never a traceback halfway through a run."""
     cli.check_flags(vars(args), GROUPS)
     train_flags.check_inputs(args)
+    # what the run writes: a training run's folder, a picture, answer caches
+    cli.check_output("--out", args.out, cli.TRAINING_RUN, args.force)
+    cli.check_output("--plot", args.plot, cli.PICTURE, args.force)
+    cli.check_not_toy_target("--data-dir", args.data_dir)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,8 +28,9 @@ Beside the method:
                     describe_round, RoundPrinter, ColoredStream
 Both drivers':
     cli.py          the flags made from the settings' dataclasses (add_settings), every flag
-                    checked against its range, every file a flag names; one error line, exit
-                    status 2
+                    checked against its range, every file a flag names (a toy target against
+                    its toy.json), every path a command writes (check_output: the one rule of
+                    what it may write over); one error line, exit status 2
     pictures.py     the paper's pictures drawn by the code (optional: matplotlib,
                     requirements-plots.txt)
 train.py's machinery:

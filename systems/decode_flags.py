@@ -167,7 +167,8 @@ class PrefillFlags:
 
 @dataclasses.dataclass
 class OutputFlags:
-    """What the demo shows besides its answers."""
+    """What the demo shows besides its answers, and whether a run writes over files it did not
+    write."""
 
     explain: bool = cli.flag(
         False,
@@ -186,6 +187,12 @@ class OutputFlags:
     )
     no_color: bool = cli.flag(
         False, "plain answers (default: ANSI colours on a terminal)", Range(bool)
+    )
+    force: bool = cli.flag(
+        False,
+        "write --out, --trace and --plot over files decode.py did not write (default: refuse, "
+        "before anything loads); never into the repository's toy-target/",
+        Range(bool),
     )
 
 

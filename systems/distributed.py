@@ -34,6 +34,11 @@ from transformers import AutoModelForCausalLM
 import d3d
 import runtime
 
+# the checkpoint's names in train.py's --out, by which cli.py knows a run: checkpoint.pt (with
+# one file per AdamW moment), or under --fsdp a torch.distributed.checkpoint folder, one file
+# per process
+from systems.cli import CHECKPOINT, SHARDED_CHECKPOINT  # noqa: F401
+
 # ---------------------------------------------------------------------------------------------
 # Process group
 
@@ -178,9 +183,6 @@ def gather_drafter(model: torch.nn.Module, drafter: d3d.Drafter) -> d3d.Drafter 
 # ---------------------------------------------------------------------------------------------
 # Checkpoints
 
-# under --fsdp: a torch.distributed.checkpoint folder, one file per process
-SHARDED_CHECKPOINT = "checkpoint-fsdp"
-
 
 def save_checkpoint(out: str, step: int, training_state: dict, optimizer_state: dict) -> None:
     """A resumable checkpoint in pieces, each written beside its old version and renamed
@@ -199,7 +201,7 @@ def save_checkpoint(out: str, step: int, training_state: dict, optimizer_state: 
             moments[key][index] = value
     steps = moments.pop("step", {})  # small: kept with the weights
     pieces = {
-        "checkpoint.pt": {
+        CHECKPOINT: {
             **training_state,
             "param_groups": optimizer_state["param_groups"],
             "adam_steps": steps,
@@ -219,7 +221,7 @@ def load_checkpoint(out: str) -> tuple[dict, dict | None]:
     host memory: the model's and the optimizer's load_state_dict copy each tensor to its
     parameter's device, and AdamW's step counts stay on the CPU, where its (not capturable)
     update reads them."""
-    path = os.path.join(out, "checkpoint.pt")
+    path = os.path.join(out, CHECKPOINT)
     if not os.path.exists(path):
         if os.path.isdir(os.path.join(out, SHARDED_CHECKPOINT)):
             raise runtime.UserError(
@@ -298,7 +300,7 @@ def load_sharded_checkpoint(out: str, model: torch.nn.Module, optimizer, check=N
     if not os.path.exists(os.path.join(path, "train_state.pt")) and os.path.exists(path + ".old"):
         path += ".old"
     if not os.path.exists(os.path.join(path, "train_state.pt")):
-        if os.path.exists(os.path.join(out, "checkpoint.pt")):
+        if os.path.exists(os.path.join(out, CHECKPOINT)):
             raise runtime.UserError(
                 f"{out} holds a checkpoint of a run without --fsdp (checkpoint.pt): resume it "
                 "without --fsdp, or start afresh with --no-resume"

@@ -178,6 +178,9 @@ def load_trained(drafter: str, device) -> Trained:
     for key in train_flags.RECORDED:
         must_exist = key != "target" or not cli.looks_like_hub_name(recipe[key] or "")
         found[key] = runtime.find_recorded(recipe.get(key), f"{path}: {key}", must_exist)
+    if cli.is_toy(found["target"]):
+        # the toy target it was trained for, and its answers: as its toy.json records them
+        cli.check_toy(f"{path}: target", found["target"])
     cache_dir = recipe.get("data_dir") or os.path.dirname(os.path.abspath(drafter))
     inputs = train_flags.Inputs(**found, cache_dir=cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(drafter)
@@ -220,6 +223,12 @@ class EvalFlags:
         "head and from MASK 1; needs matplotlib (requirements-plots.txt)",
         metavar="PATH.png",
     )
+    force: bool = cli.flag(
+        False,
+        "write --plot over a file that is no picture this project drew (default: refuse, "
+        "before anything loads); never into the repository's toy-target/",
+        Range(bool),
+    )
 
 
 EVAL_GROUPS = {"the trained drafter": TrainedDrafter, "measurement": EvalFlags}
@@ -243,6 +252,7 @@ def eval_main(argv=None) -> dict:
     cli.check_flags(vars(args), EVAL_GROUPS)
     if args.plot is not None:
         train_flags.check_plotting()
+    cli.check_output("--plot", args.plot, cli.PICTURE, args.force)
     device = runtime.resolve_device(args.device)
     trained = load_trained(args.drafter, device)
     recipe = trained.recipe

@@ -42,7 +42,17 @@ import runtime
 from runtime import Range, setting
 
 # by name: `cli` here is this module's own command (pictures.cli)
-from systems.cli import Parser, add_groups, check_flags, flag, settings_of
+from systems.cli import (
+    MASK_PICTURES,
+    PICTURE,
+    PICTURE_MARK,
+    Parser,
+    add_groups,
+    check_flags,
+    check_output,
+    flag,
+    settings_of,
+)
 
 try:
     import matplotlib
@@ -52,6 +62,7 @@ try:
     from matplotlib.patches import Patch
     from matplotlib.ticker import MaxNLocator
     from PIL import Image  # matplotlib's own dependency
+    from PIL.PngImagePlugin import PngInfo
 except ImportError:
     matplotlib = None
 
@@ -287,7 +298,9 @@ def _save(figure, path: str) -> str:
     """Write the figure as a greyscale PNG at path (its folder made) and return the path.
 
     Every picture is drawn in greys, so one grey channel loses nothing: the file is a third of
-    an RGBA one, and what is saved is what a black-and-white print shows."""
+    an RGBA one, and what is saved is what a black-and-white print shows. Its text names this
+    module (cli.PICTURE_MARK): a command writes over a picture it drew, and over no other file
+    without --force (cli.check_output)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     figure.set_facecolor("white")
@@ -295,7 +308,9 @@ def _save(figure, path: str) -> str:
     rgba = Image.frombuffer(
         "RGBA", figure.canvas.get_width_height(), figure.canvas.buffer_rgba(), "raw", "RGBA", 0, 1
     )
-    rgba.convert("L").save(path, format="png", optimize=True)
+    text = PngInfo()
+    text.add_text(*PICTURE_MARK)
+    rgba.convert("L").save(path, format="png", optimize=True, pnginfo=text)
     return path
 
 
@@ -777,6 +792,12 @@ class MaskFlags(MaskSizes):
         "where the packed pass's mask goes (default: OUT/branch_pass_B<B>_C<C>_F<F>.png)",
         metavar="PATH.png",
     )
+    force: bool = flag(
+        False,
+        "write over a folder or file that holds what this command did not draw (default: "
+        "refuse); never into the repository's toy-target/",
+        Range(bool),
+    )
 
 
 def parse_args(argv=None) -> MaskFlags:
@@ -806,15 +827,21 @@ def parse_args(argv=None) -> MaskFlags:
 def main(argv=None) -> list[str]:
     """`python -m systems.pictures masks ...`: write both mask pictures (into --out, or where
     --training-png and --branch-png say), printing each path as it is written. Returns the
-    paths."""
+    paths. Every path is checked before the first is drawn (cli.check_output): --out must be
+    absent, empty or hold only pictures this project drew, each PNG flag absent or such a
+    picture, unless --force."""
     args = parse_args(argv)
     training = args.training_png
+    branch = args.branch_png
+    if training is None or branch is None:
+        check_output("--out", args.out, MASK_PICTURES, args.force)
+    check_output("--training-png", training, PICTURE, args.force)
+    check_output("--branch-png", branch, PICTURE, args.force)
     if training is None:
         name = f"training_mask_B{args.block_size}_K{args.num_anchors}.png"
         training = os.path.join(args.out, name)
     draw_training_mask(training, args)
     print(training)
-    branch = args.branch_png
     if branch is None:
         name = f"branch_pass_B{args.block_size}_C{args.coverage}_F{args.fanout}.png"
         branch = os.path.join(args.out, name)

@@ -55,6 +55,13 @@ class PruneFlags:
         "matplotlib (requirements-plots.txt)",
         metavar="PATH.png",
     )
+    force: bool = cli.flag(
+        False,
+        "write --out and --plot over what train.py prune did not write there (a model, a "
+        "training run, other files); the repository's toy-target/ never (default: refuse, "
+        "before anything loads)",
+        Range(bool),
+    )
 
 
 # d3d.PruneConfig's field that is no flag: --gradient-checkpointing decides it by the device
@@ -88,7 +95,8 @@ def parse_prune_args(argv=None) -> argparse.Namespace:
 
 
 def check_prune_args(values: dict) -> None:
-    """Every flag of `train.py prune` in its range, and a stopping rule, before anything loads."""
+    """Every flag of `train.py prune` in its range, a stopping rule, the drafter's folder, and
+    the paths it writes free to write (cli.check_output), before anything loads."""
     cli.check_flags(values, GROUPS, NARROWER)
     if values.get("min_layers") is None and values.get("tau_floor") is None:
         raise runtime.UserError(
@@ -97,6 +105,21 @@ def check_prune_args(values: dict) -> None:
     if values.get("plot") is not None:
         train_flags.check_plotting()
     cli.check_drafter_folder("--drafter", values["drafter"])
+    # what the run writes: a pruned drafter's folder, a picture
+    force = values["force"]
+    cli.check_output("--out", pruned_folder(values), cli.PRUNED_DRAFTER, force)
+    cli.check_output("--plot", values["plot"], cli.PICTURE, force)
+
+
+def pruned_folder(values: dict) -> str:
+    """Where the pruned drafter goes: --out, by default DRAFTER-pruned; never the drafter being
+    pruned."""
+    out = values["out"]
+    if out is None:
+        out = values["drafter"].rstrip("/") + "-pruned"
+    if os.path.realpath(out) == os.path.realpath(values["drafter"]):
+        raise runtime.UserError(f"--out {out} is the drafter being pruned — give another folder")
+    return out
 
 
 @torch.no_grad()
@@ -194,11 +217,7 @@ def prune_main(**flags) -> dict:
 def settings(f: argparse.Namespace, device) -> tuple[str, bool, d3d.PruneConfig]:
     """(the pruned folder, whether to compute in bf16, the PruneConfig) of the flags on
     `device`: the defaults that depend on it filled in."""
-    out = f.out
-    if out is None:
-        out = f.drafter.rstrip("/") + "-pruned"
-    if os.path.realpath(out) == os.path.realpath(f.drafter):
-        raise runtime.UserError(f"--out {out} is the drafter being pruned — give another folder")
+    out = pruned_folder(vars(f))
     # a GPU prunes in bf16 autocast like training; a CPU keeps exact fp32 (bf16 is slow on most)
     dtype = f.dtype
     if dtype is None:
