@@ -834,47 +834,91 @@ def test_a_cache_rewinds_only_to_what_it_holds(target):
 
 # --------------------------------------------------------------------------------------------------
 # Sampling is lossless: the target's law, whatever the drafter proposes
+#
+# At every temperature T, not only at 1: accept_draft takes p and q both at T (p = softmax(p_logits
+# / T); q is the law the draft was drawn from), so each test runs at each of TEMPERATURES and tells
+# the target's law at T from its law at wrong_temperature(T).
+
+# sampling temperatures of the lossless tests: below 1, 1, above 1
+TEMPERATURES = (0.6, 1.0, 1.6)
+
+
+def wrong_temperature(temperature: float) -> float:
+    """The temperature of a wrong law that a sampling test at `temperature` must reject (its
+    power): 1, the law a rule that takes p at T = 1 gives; at T = 1 itself, 1.6."""
+    if temperature == 1:
+        return 1.6
+    return 1.0
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected=5.0) -> float:
-    """Goodness of fit of observed counts to exact probabilities; cells with small expected counts
-    are pooled."""
-    n = counts.sum()
-    expected = probs * n
-    small = expected < min_expected
-    obs = torch.cat([counts[~small], counts[small].sum()[None]])
-    exp = torch.cat([expected[~small], expected[small].sum()[None]])
-    keep = exp > 0
-    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2.0))
+    """Goodness of fit of observed counts to exact probabilities: counts (V,) against probs (V,),
+    or each row of counts (R, V) against its own row of probs (R, V), as a Markov chain's
+    transitions (the rows' statistics and degrees of freedom add up). In a row, cells with small
+    expected counts are pooled; a count where the law gives probability 0 fails outright."""
+    assert counts.shape == probs.shape, f"counts {tuple(counts.shape)}, probs {tuple(probs.shape)}"
+    counts = counts.reshape(-1, counts.shape[-1])
+    probs = probs.reshape(-1, probs.shape[-1])
+    stat, dof = 0.0, 0
+    for row_counts, row_probs in zip(counts, probs):
+        n = row_counts.sum()
+        if n == 0:
+            continue
+        if row_counts[row_probs == 0].sum() > 0:
+            return 0.0
+        expected = row_probs * n
+        small = expected < min_expected
+        obs = torch.cat([row_counts[~small], row_counts[small].sum()[None]])
+        exp = torch.cat([expected[~small], expected[small].sum()[None]])
+        keep = exp > 0
+        stat += float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+        dof += int(keep.sum()) - 1
+    assert dof > 0, "too few counts for a chi-square test"
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
 
 
-def test_accept_rule_is_lossless():
-    """accept_draft alone, on fixed distributions (rows that do not depend on the prefix): the first
-    emitted token follows p_target[0] exactly, and after an accepted d_1 the second follows
-    p_target[1], whatever q_draft is. Chi-square tests at alpha = 1e-3: a correct rule fails with
-    probability 0.1 % per test; the seeds are fixed, so the outcome is repeatable."""
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_accept_rule_is_lossless(temperature):
+    """accept_draft alone, at temperature T, on fixed distributions (rows that do not depend on
+    the prefix), p = softmax(p_logits / T) and a q far from p: the first emitted token follows
+    p[0], and after an accepted d_1 the second follows p[1], whatever q is. Every other draft is
+    padded (R = 1 real token and a pad whose q row is uniform, as after a full-acceptance hit):
+    there the token after an accepted d_1 is the bonus, and it follows p[1] too, not the residual
+    max(p[1] - q_pad, 0). Chi-square tests at alpha = 1e-3: a correct rule fails with probability
+    0.1 % per test; the seeds are fixed, so the outcome is repeatable."""
     g = torch.Generator().manual_seed(0)
-    vocab, block_size, n = 6, 2, 6000
+    vocab, block_size, n = 6, 2, 3000
     p_logits = torch.randn(block_size + 1, vocab, generator=g) * 1.5
     q_draft = torch.softmax(torch.randn(block_size, vocab, generator=g) * 1.5, -1)
-    p_target = torch.softmax(p_logits, -1)
-    first, second = torch.zeros(vocab), torch.zeros(vocab)
+    # d_2 is a pad: drawn from its uniform row, never accepted
+    q_padded = torch.cat([q_draft[:1], torch.full((1, vocab), 1 / vocab)])
+    sampler = d3d.Sampler(temperature, g)
+    first, second, bonus = torch.zeros(vocab), torch.zeros(vocab), torch.zeros(vocab)
     rejected_first = 0
-    for _ in range(n):
-        draft = torch.multinomial(q_draft, 1, generator=g)[:, 0]
-        num_accepted, next_token = d3d.accept_draft(p_logits, draft, q_draft, d3d.Sampler(1.0, g))
-        emitted = draft[:num_accepted].tolist() + [next_token]
+    for i in range(n):
+        q, num_real, after_d1 = q_draft, block_size, second
+        # every other draft is padded: R = 1, and the token after an accepted d_1 is the bonus
+        if i % 2 == 1:
+            q, num_real, after_d1 = q_padded, 1, bonus
+        draft = torch.multinomial(q, 1, generator=g)[:, 0]
+        num_accepted, next_token = d3d.accept_draft(p_logits, draft, q, sampler, num_real)
+        emitted = draft[:num_accepted].tolist() + [int(next_token)]
         first[emitted[0]] += 1
         rejected_first += num_accepted == 0
         if num_accepted >= 1:
-            second[emitted[1]] += 1
-    assert 0.1 * n < rejected_first < 0.9 * n  # both acceptance and residual draws happen
+            after_d1[emitted[1]] += 1
+    # both acceptance and residual draws happen, and padded drafts accepted whole
+    assert 0.1 * n < rejected_first < 0.9 * n and bonus.sum() > 0.05 * n
+    p_target = torch.softmax(p_logits / temperature, -1)
     assert chi_square_p_value(first, p_target[0]) > 1e-3
     assert chi_square_p_value(second, p_target[1]) > 1e-3
-    # the test has power: the drafter's law is rejected
+    assert chi_square_p_value(bonus, p_target[1]) > 1e-3, "the bonus token after a padded draft"
+    # the test has power: the same counts reject the drafter's law and the target's at another
+    # temperature
     assert chi_square_p_value(first, q_draft[0]) < 1e-3
+    wrong = torch.softmax(p_logits / wrong_temperature(temperature), -1)
+    for counts, row in ((first, 0), (second, 1), (bonus, 1)):
+        assert chi_square_p_value(counts, wrong[row]) < 1e-3
 
 
 def exact_law(target, prompt: list[int], temperature: float) -> torch.Tensor:
@@ -903,7 +947,8 @@ def test_sampling_matches_target_distribution(mode, block_size, d1_from):
     they include drafts taken from branch hits. Chi-square test at alpha = 1e-3 (false-failure rate
     0.1 %; the seeds are fixed, so the run repeats). A drafter unlike the target makes acceptance,
     rejection (residual draws), hits and misses all happen. Power: the same counts reject a law 0.13
-    away in total variation."""
+    away in total variation. At T = 1 alone (600 decodes a case): the tests on a Markov chain below
+    run each of TEMPERATURES, on each acceptance path."""
     vocab, temperature, num_samples = 8, 1.0, 600
     tok = make_tokenizer(vocab)
     target = tiny_qwen3(seed=21, vocab_size=16, init=0.6)
@@ -944,29 +989,179 @@ def test_sampling_matches_target_distribution(mode, block_size, d1_from):
     assert chi_square_p_value(counts.flatten(), hotter.flatten()) < 1e-3
 
 
-def prefix_free_target(logits: torch.Tensor) -> torch.nn.Module:
-    """A tiny Qwen3 whose next-token law is softmax(logits) after any prefix: all embedding rows
-    are equal (every position computes the same hidden state h), and the output layer maps h to
-    `logits`."""
-    model = tiny_qwen3(seed=4, vocab_size=len(logits), layers=1)
+def markov_model(logits: torch.Tensor) -> torch.nn.Module:
+    """A tiny Qwen3 whose next-token law after any prefix depends on its last token x alone:
+    softmax(logits[x]) (logits (V, V), V <= 32), a Markov chain. Attention and MLP add nothing
+    (their output layers are zero), so the last hidden state is x's embedding, a one-hot row
+    scaled to RMS 1 (the final norm keeps it), and the output layer maps it to logits[x]."""
+    vocab = len(logits)
+    model = tiny_qwen3(seed=4, vocab_size=vocab, layers=1)
+    hidden = model.config.hidden_size
+    one_hot = torch.eye(vocab, hidden)
     with torch.no_grad():
-        embeddings = model.model.embed_tokens.weight
-        embeddings.copy_(embeddings[:1].expand_as(embeddings))
-        hidden = model.model(input_ids=torch.tensor([[0]])).last_hidden_state[0, 0]
-        model.lm_head.weight.copy_(torch.outer(logits, hidden) / hidden.dot(hidden))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.copy_(one_hot * hidden**0.5)
+        model.lm_head.weight.copy_(logits.T @ one_hot / hidden**0.5)
     return model
 
 
-def test_sampling_after_full_acceptance_hits_draws_the_bonus_from_the_target():
+def prefix_free_target(logits: torch.Tensor) -> torch.nn.Module:
+    """A tiny Qwen3 whose next-token law is softmax(logits) after any prefix: a markov_model
+    whose rows are all `logits`."""
+    return markov_model(logits.expand(len(logits), -1))
+
+
+# A Markov chain on 4 text tokens (row x: the logits of the token after x); id 4 is the drafters'
+# MASK, which the target never produces
+CHAIN = torch.tensor(
+    [
+        [1.5, 0.45, 0.75, -0.75],
+        [0.0, 1.5, 1.2, -0.9],
+        [0.9, 0.45, 0.3, -1.2],
+        [1.5, -0.9, 0.6, 0.6],
+    ]
+)
+
+
+def chain_logits(rows: torch.Tensor, mask_row: torch.Tensor) -> torch.Tensor:
+    """Logits (V + 1, V + 1) of a markov_model over CHAIN's V text tokens and MASK (id V): row x
+    < V is rows[x]; the row after MASK (a drafter's block rows) is mask_row; MASK itself is never
+    produced."""
+    vocab = len(rows)
+    logits = torch.full((vocab + 1, vocab + 1), -30.0)
+    logits[:vocab, :vocab] = rows
+    logits[vocab, :vocab] = mask_row
+    return logits
+
+
+def chain_law(temperature: float) -> torch.Tensor:
+    """The target's exact transition law at a temperature, (V + 1, V + 1)."""
+    return torch.softmax(chain_logits(CHAIN, torch.zeros(len(CHAIN))) / temperature, -1)
+
+
+def chain_drafter(rows: torch.Tensor, mask_row: torch.Tensor) -> d3d.Drafter:
+    """A drafter of CHAIN at B = 2 whose causal rows (d_1, and the bonus guess) are `rows` and
+    whose MASK rows (d_2) are mask_row, whatever the prefix."""
+    tokenizer = make_tokenizer(len(CHAIN))
+    model = markov_model(chain_logits(rows, mask_row))
+    return d3d.make_drafter(model, tokenizer=tokenizer, block_size=2)
+
+
+def add_transitions(counts: torch.Tensor, tokens: list[int]) -> None:
+    """counts[x, y] += 1 for each token y and the token x before it."""
+    for x, y in zip(tokens, tokens[1:]):
+        counts[x, y] += 1
+
+
+def sample_chain(drafter, mode: str, temperature: float, on_round=None):
+    """Four decodes of 400 new tokens after the prompt [0] (one seeded generator, one pair of
+    caches): the transition counts (V + 1, V + 1) of their tokens, and their stats."""
+    target = markov_model(chain_logits(CHAIN, torch.zeros(len(CHAIN))))
+    new_tokens = 400
+    coverage, fanout = d3d.default_budget(2)
+    slots = runtime.cache_len(1, new_tokens, 2, coverage, fanout)
+    caches = runtime.Caches.make(target, drafter, slots)
+    generator = torch.Generator().manual_seed(1)
+    counts = torch.zeros(len(CHAIN) + 1, len(CHAIN) + 1)
+    runs = []
+    for _ in range(4):
+        out, stats = d3d.generate(
+            target,
+            drafter,
+            torch.tensor([[0]]),
+            max_new_tokens=new_tokens,
+            mode=mode,
+            temperature=temperature,
+            generator=generator,
+            caches=caches,
+            on_round=on_round,
+        )
+        add_transitions(counts, out[0].tolist())
+        runs.append(stats)
+    return counts, runs
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_sync_sampling_follows_the_target_at_each_temperature(temperature):
+    """Sync decoding of a Markov chain (the target's law depends on the token before alone) with
+    a drafter far from it: its d_1 row is the target's shifted by one token, and its d_2 is token
+    2 most of the time, whatever the prefix. Rejections and residual draws happen in most rounds,
+    drafts accepted whole in over 5 %. The 1,600 transitions (x, y) follow the target's law at T
+    (chi-square at alpha = 1e-3 over the rows x, fixed seeds) and reject its law at
+    wrong_temperature(T)."""
+    drafter = chain_drafter(CHAIN.roll(1, 1), torch.tensor([-2.0, -2.0, 2.0, -2.0]))
+    counts, runs = sample_chain(drafter, "sync", temperature)
+    # the last round may be cut by the budget
+    lengths = [n for stats in runs for n in stats["accept_lengths"][:-1]]
+    rejections = sum(n <= 2 for n in lengths)
+    full_acceptances = sum(n == 3 for n in lengths)
+    assert rejections > 0.5 * len(lengths) and full_acceptances > 0.05 * len(lengths)
+    assert chi_square_p_value(counts, chain_law(temperature)) > 1e-3
+    assert chi_square_p_value(counts, chain_law(wrong_temperature(temperature))) < 1e-3
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_async_sampling_follows_the_target_after_hits_and_misses(temperature):
+    """Async decoding of the Markov chain above with a drafter close to it (B = 2, C = 2, F = 2):
+    rejections, branch hits, full-acceptance hits (then the draft is d_2's MASK row and a pad),
+    padded drafts accepted whole and misses each happen in over 5 % of the rounds. The
+    transitions follow the target's law at T: all of them (and they reject its law at
+    wrong_temperature(T)), those committed by rounds whose draft a branch hit prepared, those
+    committed by rounds whose draft a full-acceptance hit prepared, and the bonus tokens after
+    padded drafts accepted whole (each set its own chi-square test at alpha = 1e-3)."""
+    drafter = chain_drafter(0.7 * CHAIN + 0.3 * CHAIN.roll(1, 1), CHAIN.mean(0))
+    paths = {
+        "branch": torch.zeros(len(CHAIN) + 1, len(CHAIN) + 1),
+        "full acceptance": torch.zeros(len(CHAIN) + 1, len(CHAIN) + 1),
+    }
+    bonus = torch.zeros(len(CHAIN) + 1, len(CHAIN) + 1)
+
+    def on_round(info: d3d.RoundInfo):
+        # the round's draft came from a hit: its path's transitions, from x_n on
+        if info.drafted_by in paths:
+            add_transitions(paths[info.drafted_by], [info.x_n, *info.committed])
+        padded = info.num_real < len(info.draft)
+        accepted_whole = padded and info.num_accepted == info.num_real
+        # d_R, then the bonus token (unless the budget cut the round)
+        if accepted_whole and len(info.committed) == info.num_real + 1:
+            add_transitions(bonus, info.committed[-2:])
+
+    counts, runs = sample_chain(drafter, "async", temperature, on_round)
+    num_rounds = sum(stats["num_rounds"] for stats in runs)
+    # per position, index i - 1: d_i rejected; index B = 2: full acceptance
+    hits = torch.tensor([stats["hits_per_position"] for stats in runs]).sum(0).tolist()
+    misses = torch.tensor([stats["misses_per_position"] for stats in runs]).sum(0).tolist()
+    happened = {
+        "rejections": sum(hits[:2]) + sum(misses[:2]),
+        "branch hits": sum(hits[:2]),
+        "full-acceptance hits": hits[2],
+        "padded drafts accepted whole": sum(stats["pad_full_acceptances"] for stats in runs),
+        "misses": sum(misses),
+    }
+    for what, count in happened.items():
+        assert count > 0.05 * num_rounds, f"{what}: {count} of {num_rounds} rounds"
+    law = chain_law(temperature)
+    assert chi_square_p_value(counts, law) > 1e-3, "all transitions"
+    for path, path_counts in paths.items():
+        assert chi_square_p_value(path_counts, law) > 1e-3, f"after a {path} hit"
+    assert chi_square_p_value(bonus, law) > 1e-3, "the bonus after a padded draft"
+    assert chi_square_p_value(counts, chain_law(wrong_temperature(temperature))) < 1e-3
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_sampling_after_full_acceptance_hits_draws_the_bonus_from_the_target(temperature):
     """Async sampling after a full-acceptance hit: the next draft is B - 1 prepared tokens and a
     pad whose q row is uniform. When that draft is accepted whole, the bonus token follows the
-    target's law p, not the residual max(p - q_pad, 0). Target and drafter have the same
+    target's law p (at T), not the residual max(p - q_pad, 0). Target and drafter have the same
     prefix-free law p, so every draft is accepted, the output is i.i.d. p, and with B = 2 a round
     that commits 2 tokens is a padded draft accepted whole, its second token the bonus. One token
-    of p outweighs 1/V, the others do not: the residual is that token alone."""
+    of p outweighs 1/V at each T, most others do not: the residual's law, which the same counts
+    reject, is nearly that token alone."""
     vocab, block_size = 8, 2
     logits = torch.tensor([2.0, 0.1, 0.1, 0.1, 0.0, -0.5, -1.0, -30.0])  # id 7: the drafter's MASK
-    p = torch.softmax(logits, -1)
+    p = torch.softmax(logits / temperature, -1)
     drafter = d3d.make_drafter(
         prefix_free_target(logits), tokenizer=make_tokenizer(vocab - 1), block_size=block_size
     )
@@ -974,9 +1169,9 @@ def test_sampling_after_full_acceptance_hits_draws_the_bonus_from_the_target():
         prefix_free_target(logits),
         drafter,
         torch.tensor([[3, 1]]),
-        max_new_tokens=400,
+        max_new_tokens=480,
         mode="async",
-        temperature=1.0,
+        temperature=temperature,
         lanes=1,
         generator=torch.Generator().manual_seed(0),
     )
@@ -985,14 +1180,14 @@ def test_sampling_after_full_acceptance_hits_draws_the_bonus_from_the_target():
     ends = [1 + sum(lengths[: i + 1]) for i in range(len(lengths) - 1)]  # after prefill's token
     bonuses = [new[end - 1] for end, n in zip(ends, lengths) if n == block_size]
     assert len(bonuses) <= stats["pad_full_acceptances"] <= len(bonuses) + 1  # + the last round
-    assert len(bonuses) > 30
+    assert len(bonuses) > 20 and len(bonuses) > 0.1 * stats["num_rounds"]
     counts = torch.bincount(torch.tensor(bonuses), minlength=vocab).float()
     assert chi_square_p_value(counts, p) > 1e-3
     everything = torch.bincount(torch.tensor(new), minlength=vocab).float()
     assert chi_square_p_value(everything, p) > 1e-3
-    # power: a bonus drawn from the residual at the pad's row would be token 0 every time
+    # power: a bonus drawn from the residual at the pad's row
     residual = (p - 1 / vocab).clamp(min=0)
-    assert counts[residual == 0].sum() > 0.2 * len(bonuses)
+    assert chi_square_p_value(counts, residual / residual.sum()) < 1e-3
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
