@@ -249,9 +249,9 @@ class KVCache:
         except RuntimeError as error:
             if out_of_memory(error):
                 raise self.too_large(q, error) from None
-            # a forward that drops its cache meets a mask wider than its own keys
-            if not self.hf.layers[0].is_initialized:
-                self.check([-1, -1])
+            # a forward that drops its cache (in any layer) meets a mask wider than its own keys
+            if not all(layer.is_initialized for layer in self.hf.layers):
+                self.check(self.written(self.device).tolist())
             raise error
 
     def too_large(self, q: int, error: RuntimeError) -> UserError:
@@ -269,10 +269,10 @@ class KVCache:
         return torch.arange(q, device=device)[None] + self.length + self.skipped
 
     def written(self, device) -> torch.Tensor:
-        """The cache's own length in its first and last layer (2,), left on the device
-        for the round's one read (-1: a layer never written)."""
+        """The cache's own length in each of its layers (num_layers,), left on the device for
+        the round's one read (-1: a layer never written)."""
         lengths = []
-        for layer in (self.hf.layers[0], self.hf.layers[-1]):
+        for layer in self.hf.layers:
             if layer.is_initialized:
                 lengths.append(layer.cumulative_length.to(device))
             else:
@@ -280,14 +280,16 @@ class KVCache:
         return torch.stack(lengths)
 
     def check(self, written: list[int]) -> None:
-        """A pass that ignored its cache (a model whose forward drops cache=) would decode
-        wrong tokens without an error; its cache's own length then differs from the host's."""
-        if any(n != self.length for n in written):
-            raise ignored_cache(
-                f"{type(self.model).__name__}'s KV cache",
-                f"{written} tokens (first, last layer)",
-                self.length,
-            )
+        """A pass that ignored its cache (a model whose forward drops cache=, in one layer or
+        all) would decode wrong tokens without an error; that layer's own length then differs
+        from the host's. `written`: each layer's, as `written` gives them."""
+        for index, held in enumerate(written):
+            if held == self.length:
+                continue
+            holds = f"{held} tokens in layer {index}"
+            if held < 0:
+                holds = f"nothing in layer {index}"
+            raise ignored_cache(f"{type(self.model).__name__}'s KV cache", holds, self.length)
 
     def rewind(self, length: int) -> None:
         """Keep the sequence's first `length` tokens (slots: length - skipped); the next pass
@@ -406,14 +408,18 @@ def ignored_cache(cache: str, holds: str, written: int) -> RuntimeError:
 
 def read_round(values: list[torch.Tensor], *caches: KVCache) -> list[int]:
     """The round's one host read: `values` (0-d or 1-d integer tensors), flattened into
-    one list, and each cache's own length, checked against the host's (KVCache.check)."""
+    one list, and each cache's own length in every layer, checked against the host's
+    (KVCache.check)."""
     device = values[0].device
     flat = [v.view(-1) for v in values]
     lengths = [c.written(device) for c in caches]
     read = torch.cat(flat + lengths).tolist()
-    n = len(read) - 2 * len(caches)
-    for i, cache in enumerate(caches):
-        cache.check(read[n + 2 * i : n + 2 * i + 2])
+    # the values, then each cache's layers
+    n = sum(len(v) for v in flat)
+    start = n
+    for cache, layers in zip(caches, lengths):
+        cache.check(read[start : start + len(layers)])
+        start += len(layers)
     return read[:n]
 
 
