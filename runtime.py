@@ -1229,16 +1229,32 @@ def hub_reachable() -> bool:
     return True
 
 
+def cached_snapshot(name: str) -> str | None:
+    """The folder of the local Hugging Face cache that holds hub model `name` (its main
+    revision), found by reading the cache alone; None if the cache holds no config.json of it.
+    (from_pretrained(name, local_files_only=True) would still open a connection: the hub
+    client fetches, once a day, a list it names in its user-agent.)"""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(name, "config.json")
+    if isinstance(found, str):
+        return os.path.dirname(found)
+    return None
+
+
 def from_local_or_hub(load, path: str, flag: str, **kwargs):
     """load(path, **kwargs) (a from_pretrained) without waiting on a network that is not
-    there: a local folder as it is; a hub name from the local Hugging Face cache first (no
-    network), then from the hub if it answers; else one line naming local folders."""
+    there: a local folder as it is; a hub name from its folder in the local Hugging Face cache
+    first (no connection opened), then from the hub if it answers; else one line naming local
+    folders."""
     if os.path.isdir(path):
         return load(path, **kwargs)
-    try:
-        return load(path, local_files_only=True, **kwargs)
-    except OSError:
-        pass
+    snapshot = cached_snapshot(path)
+    if snapshot is not None:
+        try:
+            return load(snapshot, **kwargs)
+        except OSError:
+            pass
     why = "no local folder, not in the Hugging Face cache, and the hub cannot be reached"
     if hub_reachable():
         try:
