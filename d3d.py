@@ -109,9 +109,9 @@ What the loops take from runtime.py, in brief, so that this file reads alone:
                               layer's attention weights (heads, W, cache length)
     read_round(values, *caches)  the round's one host read: each tensor back as tolist() gives
                               it (0-d: an int; 1-d: a list), all in one transfer, which also
-                              brings each cache's own count of tokens written (the HF cache's,
-                              on the device) and checks it against .length (a model that
-                              ignored its cache fails here)
+                              brings each cache's own count of tokens written in every layer
+                              (the HF cache's, on the device) and checks it against .length (a
+                              model that ignored its cache, in any layer, fails here)
     Output(prompt, budget, eos)  .tokens: prompt + committed, ints; .commit(tokens) appends them
                               cut after the first EOS (kept) or at the budget, and raises if
                               nothing is committed; .commit_round(accepted, next) commits both

@@ -254,9 +254,9 @@ class KVCache:
         except RuntimeError as error:
             if out_of_memory(error):
                 raise self.too_large(q, error) from None
-            # a forward that drops its cache meets a mask wider than its own keys
-            if not self.hf.layers[0].is_initialized:
-                self.check([-1, -1])
+            # a forward that drops its cache (in any layer) meets a mask wider than its own keys
+            if not all(layer.is_initialized for layer in self.hf.layers):
+                self.check(self.written(self.device).tolist())
             raise error
 
     def too_large(self, q: int, error: RuntimeError) -> UserError:
@@ -274,10 +274,10 @@ class KVCache:
         return torch.arange(q, device=device)[None] + self.length + self.skipped
 
     def written(self, device) -> torch.Tensor:
-        """The cache's own length in its first and last layer (2,), left on the device
-        for the round's one read (-1: a layer never written)."""
+        """The cache's own length in each of its layers (num_layers,), left on the device for
+        the round's one read (-1: a layer never written)."""
         lengths = []
-        for layer in (self.hf.layers[0], self.hf.layers[-1]):
+        for layer in self.hf.layers:
             if layer.is_initialized:
                 lengths.append(layer.cumulative_length.to(device))
             else:
@@ -285,14 +285,16 @@ class KVCache:
         return torch.stack(lengths)
 
     def check(self, written: list[int]) -> None:
-        """A pass that ignored its cache (a model whose forward drops cache=) would decode
-        wrong tokens without an error; its cache's own length then differs from the host's."""
-        if any(n != self.length for n in written):
-            raise ignored_cache(
-                f"{type(self.model).__name__}'s KV cache",
-                f"{written} tokens (first, last layer)",
-                self.length,
-            )
+        """A pass that ignored its cache (a model whose forward drops cache=, in one layer or
+        all) would decode wrong tokens without an error; that layer's own length then differs
+        from the host's. `written`: each layer's, as `written` gives them."""
+        for index, held in enumerate(written):
+            if held == self.length:
+                continue
+            holds = f"{held} tokens in layer {index}"
+            if held < 0:
+                holds = f"nothing in layer {index}"
+            raise ignored_cache(f"{type(self.model).__name__}'s KV cache", holds, self.length)
 
     def rewind(self, length: int) -> None:
         """Keep the sequence's first `length` tokens (slots: length - skipped); the next pass
@@ -449,8 +451,8 @@ def ignored_cache(cache: str, holds: str, written: int) -> RuntimeError:
 def read_round(values: list[torch.Tensor], *caches: KVCache) -> list:
     """The round's one host read: every tensor of `values` (integers, on one device) comes
     back as tolist() gives it (a 0-d tensor as an int, a 1-d one as a list, ...), in one
-    transfer that also reads each cache's own length and checks it against the host's
-    (KVCache.check)."""
+    transfer that also reads each cache's own length in every layer and checks it against
+    the host's (KVCache.check)."""
     device = values[0].device
     flat = [v.reshape(-1) for v in values]
     lengths = [c.written(device) for c in caches]
@@ -1290,16 +1292,32 @@ def hub_reachable() -> bool:
     return True
 
 
+def cached_snapshot(name: str) -> str | None:
+    """The folder of the local Hugging Face cache that holds hub model `name` (its main
+    revision), found by reading the cache alone; None if the cache holds no config.json of it.
+    (from_pretrained(name, local_files_only=True) would still open a connection: the hub
+    client fetches, once a day, a list it names in its user-agent.)"""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(name, "config.json")
+    if isinstance(found, str):
+        return os.path.dirname(found)
+    return None
+
+
 def from_local_or_hub(load, path: str, flag: str, **kwargs):
     """load(path, **kwargs) (a from_pretrained) without waiting on a network that is not
-    there: a local folder as it is; a hub name from the local Hugging Face cache first (no
-    network), then from the hub if it answers; else one line naming local folders."""
+    there: a local folder as it is; a hub name from its folder in the local Hugging Face cache
+    first (no connection opened), then from the hub if it answers; else one line naming local
+    folders."""
     if os.path.isdir(path):
         return load(path, **kwargs)
-    try:
-        return load(path, local_files_only=True, **kwargs)
-    except OSError:
-        pass
+    snapshot = cached_snapshot(path)
+    if snapshot is not None:
+        try:
+            return load(snapshot, **kwargs)
+        except OSError:
+            pass
     why = "no local folder, not in the Hugging Face cache, and the hub cannot be reached"
     if hub_reachable():
         try:

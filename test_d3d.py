@@ -338,6 +338,30 @@ def test_block_loss_weights_position_i_by_exp_minus_i_minus_1_over_gamma(tok, ga
     assert metrics["loss_block"].item() == pytest.approx(total / weight_sum, rel=1e-5)
 
 
+def test_block_loss_at_a_tiny_gamma_is_the_first_positions_cross_entropy(tok):
+    """gamma = 0.02: w_1 = 1 and w_2 = exp(-50) ~ 2e-22, so L_block is the mean cross-entropy of
+    the rows at block position 1 alone, worked out here from the same anchors. Weights that fell
+    under the 1e-8 clamp of their sum (w_i = exp(-i/gamma), all ~ 0) would give a loss of ~0."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=2), tokenizer=tok, block_size=4)
+    x, loss_mask = batch()
+    drafter = with_config(drafter, ar_weight=0.0, decay_gamma=0.02)
+    _, metrics = d3d.d3d_loss(drafter, x, loss_mask, generator=torch.Generator().manual_seed(0))
+    anchors, valid = d3d.sample_anchors(
+        loss_mask, drafter.d3d_config.num_anchors, torch.Generator().manual_seed(0)
+    )
+    labels, counts = d3d._block_labels(x, loss_mask, anchors, valid, 4)
+    with torch.no_grad():
+        _, block = d3d._packed_hidden(drafter, x, anchors, 4)
+        first = drafter.logits(block[:, :, 0]).float()
+    rows = counts[:, :, 0].nonzero().tolist()
+    assert len(rows) > 1
+    total = 0.0
+    for b, k in rows:
+        total += torch.nn.functional.cross_entropy(first[b, k], labels[b, k, 0]).item()
+    assert metrics["loss_block"].item() == pytest.approx(total / len(rows), rel=1e-4)
+    assert metrics["loss_block"].item() > 1
+
+
 def test_loss_ignores_prompt_tokens(tok):
     """Only response tokens carry loss: anchors sit where the next token is a response token, and
     with a single response token the two terms are exactly its cross-entropy from a block and from

@@ -107,10 +107,13 @@ class RaggedCache:
         """Record the columns the last pass appended (new_valid (b, q): what each row keeps);
         crop all-hole ones, and the columns the cache holds past `valid` (a draft's MASKs)."""
         self.valid = torch.cat([self.valid, new_valid], 1)
-        # a host int here: KVCache.check
+        # host ints here, one a layer: KVCache.check
         cached = self.cache.get_seq_length()
-        if len(self.valid) and cached < self.valid.shape[1]:
-            raise ignored_cache("a batch KV cache", f"{cached} columns", self.valid.shape[1])
+        for index in range(len(self.cache.layers)):
+            held = self.cache.get_seq_length(index)
+            if len(self.valid) and held < self.valid.shape[1]:
+                holds = f"{held} columns in layer {index}"
+                raise ignored_cache("a batch KV cache", holds, self.valid.shape[1])
         used = self.valid.any(0).nonzero()
         length = 0
         if len(used):

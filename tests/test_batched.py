@@ -173,3 +173,51 @@ def test_batch_bad_inputs_raise_clear_errors(tok, target):
         d3d.generate(target, drafter, [prompt], max_new_tokens=5)
     outs, stats = batched.generate(target, drafter, [prompt, prompt[:1]], max_new_tokens=0)
     assert [out.tolist() for out in outs] == [[1, 2, 3], [1]] and stats["num_new_tokens"] == 0
+
+
+def eos_forms(token: int, other: int) -> dict:
+    """Every form an EOS takes (DecodeConfig.eos_token_id: a token or a list of them): a token,
+    a list and a tuple of it alone, and of it after a token the output never holds."""
+    return {
+        "int": token,
+        "list": [token],
+        "tuple": (token,),
+        "list of two": [other, token],
+        "tuple of two": (other, token),
+    }
+
+
+def test_every_eos_form_stops_every_decode_at_the_same_token(tok, target):
+    """The same EOS given as an int, a list or a tuple: d3d.generate in each mode and a batch
+    in each of its modes stop at its first occurrence, EOS kept, as target-only decoding with
+    the int does."""
+    max_new = 20
+    prompts = batch_prompts()
+    drafter = d3d.make_drafter(tiny_qwen3(seed=9), tokenizer=tok, block_size=4)
+    references = [alone(target, p, max_new) for p in prompts]
+    new = [r[len(p) :] for r, p in zip(references, prompts)]
+    # a token row 0 first makes as its k-th new token: each row stops at its first occurrence
+    # of it, or runs to its budget
+    k = next(k for k in range(2, max_new) if new[0][k] not in new[0][:k])
+    token = new[0][k]
+    vocab = range(target.config.vocab_size)
+    other = next(t for t in vocab if all(t not in r for r in references))
+    expected = [alone(target, p, max_new, token) for p in prompts]
+    assert expected[0] == references[0][: len(prompts[0]) + k + 1]
+    for name, eos in eos_forms(token, other).items():
+        for mode in d3d.MODES:
+            for prompt, wanted in zip(prompts, expected):
+                out, _ = d3d.generate(
+                    target,
+                    drafter,
+                    prompt[None],
+                    max_new_tokens=max_new,
+                    mode=mode,
+                    eos_token_id=eos,
+                )
+                assert out[0].tolist() == wanted, f"{name} {mode}"
+        for mode in ("target", "sync"):
+            outs, _ = batched.generate(
+                target, drafter, prompts, max_new_tokens=max_new, mode=mode, eos_token_id=eos
+            )
+            assert [out.tolist() for out in outs] == expected, f"{name} batch {mode}"

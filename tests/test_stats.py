@@ -82,3 +82,26 @@ def test_every_stats_key_of_a_batch_is_listed_in_batched_generate(target, drafte
     rows_line = doc[doc.index("rows  ") :]
     for key in stats["rows"][0]:
         assert re.search(rf"\b{key}\b", rows_line), f"a row's {key} is not in the rows line"
+
+
+@pytest.mark.parametrize(
+    "block_size,settings,budget",
+    [
+        # the paper's budget at B = 16: C = 12, F = 2
+        (16, {}, (12, 2)),
+        # C = 0.75 B: 3 at B = 4, F = 2
+        (4, {}, (3, 2)),
+        (4, {"coverage": 1}, (1, 2)),
+        (4, {"fanout": 3}, (3, 3)),
+        (4, {"coverage": 0, "fanout": 1}, (0, 1)),
+    ],
+)
+def test_async_stats_carry_the_branch_budget_the_decode_used(
+    tok, target, block_size, settings, budget
+):
+    """stats["coverage"] and stats["fanout"] are the C and F the rounds branched with: the
+    defaults resolved at the drafter's B where none is given, else the ones given."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=2), tokenizer=tok, block_size=block_size)
+    prompt = torch.arange(3, 9)[None]
+    _, stats = d3d.generate(target, drafter, prompt, max_new_tokens=6, mode="async", **settings)
+    assert (stats["coverage"], stats["fanout"]) == budget, stats

@@ -797,6 +797,34 @@ def test_resume_with_another_recipe_says_which_setting_differs(setup, tmp_path, 
     assert "[train] --no-resume: starting from step 0" in capsys.readouterr().out
 
 
+def test_resume_refuses_a_checkpoint_whose_recipe_lacks_a_setting(setup, tmp_path):
+    """A checkpoint from a train.py whose recipe recorded fewer settings: whatever it lacks
+    cannot be compared, so the resume is refused in one line naming that flag (never resumed
+    under another gamma in silence), and the checkpoint is left as it was."""
+    out = tmp_path / "d"
+    _run(setup, out, steps=2, save_every=1, drafter_layers="2")
+    path = out / "checkpoint.pt"
+    saved = torch.load(path, weights_only=True)
+    del saved["piece"]["recipe"]["decay_gamma"]
+    torch.save(saved, path)
+    before = path.read_bytes()
+    for gamma in (7.0, None):
+        with pytest.raises(runtime.UserError) as refused:
+            _run(setup, out, steps=3, save_every=1, drafter_layers="2", decay_gamma=gamma)
+        said = str(refused.value)
+        assert "records no --decay-gamma" in said and "--no-resume" in said, said
+        assert "\n" not in said, said
+    assert path.read_bytes() == before
+    # every setting of the recipe alike
+    recipe = saved["piece"]["recipe"]
+    recipe["decay_gamma"] = None
+    for key, flag in checkpoints.RECIPE_FLAGS.items():
+        lacking = {name: value for name, value in recipe.items() if name != key}
+        with pytest.raises(runtime.UserError, match=re.escape(f"records no {flag} — ")):
+            checkpoints.check_resume({"recipe": lacking}, recipe, str(out))
+    checkpoints.check_resume({"recipe": recipe}, recipe, str(out))
+
+
 def test_a_rerun_of_a_finished_run_says_what_it_found_not_a_nan_loss(setup, tmp_path, capsys):
     out = tmp_path / "d"
     _run(setup, out, steps=2, drafter_layers="2")
@@ -910,6 +938,45 @@ def test_sigterm_stops_at_the_end_of_its_step_and_the_rerun_goes_on(setup, tmp_p
         assert torch.equal(a, b), name
 
 
+def test_a_second_sigint_stops_at_once_and_the_last_checkpoint_resumes(
+    setup, tmp_path, monkeypatch, capsys
+):
+    """`python train.py`, Ctrl-C twice within step 3: the second does not wait for the step to
+    end. The run stops there with one line and exit status 130, step 3 is never saved (the
+    checkpoint of step 2 stays whole), and the same command goes on from step 2."""
+    real_loss = d3d.d3d_loss
+    calls = []
+
+    def signalled_twice_in_step_3(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+        return real_loss(*a, **k)
+
+    monkeypatch.setattr(d3d, "d3d_loss", signalled_twice_in_step_3)
+    out = tmp_path / "d"
+    argv = _train_py(setup, out, steps=6, save_every=1)[2:]
+    # Python's own Ctrl-C handler, also where the tests run with SIGINT ignored
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            train.run_command(argv)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert stopped.value.code == 130
+    printed, err = capsys.readouterr()
+    waited = [line for line in (printed + err).splitlines() if "stopped after" in line]
+    assert not waited, f"the run waited for the end of its step: {waited}"
+    assert err.strip().splitlines()[-1].startswith("[train] interrupted, not at a step"), err
+    assert "Traceback" not in err, err
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 2
+    monkeypatch.setattr(d3d, "d3d_loss", real_loss)
+    train.run_command(argv)
+    assert f"[train] resumed from {out / 'checkpoint.pt'} at step 2" in capsys.readouterr().out
+
+
 def test_a_signal_the_process_ignores_stays_ignored(setup, tmp_path, monkeypatch):
     """A shell's background job ignores SIGINT (Ctrl-C is meant for the foreground job):
     training keeps ignoring it and runs to its end."""
@@ -940,6 +1007,10 @@ def _signalled_ddp_worker(rank, setup_paths, out, port):
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
+    # a process started with SIGINT ignored (the tests run in the background) passes that on
+    # to the processes it spawns: each takes Python's own Ctrl-C handler back, as one started
+    # in the foreground has
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if rank == 0:
         real_loss = d3d.d3d_loss
         calls = []
