@@ -455,6 +455,7 @@ TRAIN_FLAGS = {
     "--plot": Row(str),
     "--threads": Row(int, "x >= 1", None, toy=1),
     "--device": Row(str),
+    "--force": Row(SWITCH, default=False),
     # a flag added to train.py gets its row here (test_the_table_names_every_flag fails until
     # it has one)
 }
@@ -479,6 +480,7 @@ PRUNE_FLAGS = {
     "--gradient-checkpointing": Row(SWITCH),
     "--no-gradient-checkpointing": Row(SWITCH),
     "--plot": Row(str),
+    "--force": Row(SWITCH, default=False),
 }
 EVAL_FLAGS = {
     "--drafter": Row(str, default="runs/toy/drafter"),
@@ -487,6 +489,7 @@ EVAL_FLAGS = {
     "--val-anchors": Row(int, "x >= 1"),
     "--dtype": Row(str, DTYPES),
     "--plot": Row(str),
+    "--force": Row(SWITCH, default=False),
 }
 DECODE_FLAGS = {
     # models
@@ -542,6 +545,7 @@ DECODE_FLAGS = {
     "--explain": Row(SWITCH, default=False),
     "--plot": Row(str),
     "--no-color": Row(SWITCH, default=False),
+    "--force": Row(SWITCH, default=False),
     # a flag added to decode.py gets its row here
 }
 # the configs a user builds from Python: field -> Row (SWITCH: a bool)
