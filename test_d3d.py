@@ -282,7 +282,8 @@ class HostReads(TorchDispatchMode):
     waits for the device): .item(), int(), bool(), float() or an index of a tensor, .tolist()
     and .numpy(), and the ops whose output shape depends on values (nonzero, boolean indexing,
     masked_select, unique, repeat_interleave by a tensor). `reads` names them; `ops` counts the
-    device ops run."""
+    device ops run. torch.nn.functional.one_hot given num_classes reads its values to check them
+    on a CPU only, never on CUDA: those reads are not counted."""
 
     SHAPE_FROM_VALUES = {
         torch.ops.aten.nonzero.default: "nonzero",
@@ -295,11 +296,11 @@ class HostReads(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.reads, self.ops = [], 0
+        self.reads, self.ops, self.checking = [], 0, False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func is torch.ops.aten._local_scalar_dense.default and not self.checking:
             self.reads.append(".item(), int(), bool() or an index of a tensor")
         elif func in self.SHAPE_FROM_VALUES:
             self.reads.append(self.SHAPE_FROM_VALUES[func])
@@ -313,12 +314,22 @@ class HostReads(TorchDispatchMode):
         self.methods = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
         for name, method in self.methods.items():
             setattr(torch.Tensor, name, self.recorded(name, method))
+        self.one_hot = torch.nn.functional.one_hot
+        torch.nn.functional.one_hot = self.checked_one_hot
         return super().__enter__()
 
     def __exit__(self, *exc):
         for name, method in self.methods.items():
             setattr(torch.Tensor, name, method)
+        torch.nn.functional.one_hot = self.one_hot
         return super().__exit__(*exc)
+
+    def checked_one_hot(self, tensor, num_classes=-1):
+        self.checking = num_classes >= 0
+        try:
+            return self.one_hot(tensor, num_classes)
+        finally:
+            self.checking = False
 
     def recorded(self, name, method):
         def read(tensor, *args, **kwargs):
@@ -2863,6 +2874,25 @@ def test_long_prompts_are_prefilled_in_chunks(tok, target, monkeypatch):
             assert max(widths) == 3 and sum(widths) == (11 if ratio is None else 7) + (
                 11 if mode != "target" and ratio is None else 0
             )
+    # select_chunks with a window shorter than the prompt: the drafter prefills the first 7
+    # tokens 3 at a time, and only the last 4 are read with attention
+    passes = []
+
+    def seen(module, args, kwargs):
+        passes.append((kwargs["input_ids"].shape[1], bool(kwargs.get("output_attentions"))))
+
+    hook = drafter.model.get_decoder().register_forward_pre_hook(seen, with_kwargs=True)
+    try:
+        d3d.select_chunks(drafter, prompt, keep_ratio=0.5, chunk_size=4, query_window=4)
+    finally:
+        hook.remove()
+    prefilled = [width for width, attention in passes if not attention]
+    attended = [width for width, attention in passes if attention]
+    assert attended == [4] and max(prefilled, default=0) <= 3 and sum(prefilled) == 7, (
+        f"select_chunks' passes over 11 tokens, query_window 4: {prefilled} tokens without "
+        f"attention, {attended} with it; the prompt is read in prefill chunks (at most "
+        "PREFILL_CHUNK = 3 tokens here), only the last query_window tokens with attention"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
