@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import hashlib
 import io
 import json
@@ -1121,8 +1122,10 @@ def suite_functions(root: str = ROOT) -> dict:
     return {name: node for name, (_, node) in suite_index(root).items()}
 
 
+@functools.lru_cache(maxsize=None)
 def suite_index(root: str = ROOT) -> dict:
-    """{name: (file, ast.FunctionDef)} of the suite's test functions; a missing file has none."""
+    """{name: (file, ast.FunctionDef)} of the suite's test functions; a missing file has none.
+    Read once per root (every claim and place a command prints asks for it)."""
     found = {}
     for file in SUITE:
         path = os.path.join(root, file)
