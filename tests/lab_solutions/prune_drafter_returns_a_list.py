@@ -74,4 +74,4 @@ def prune_drafter(
             if not kept:
                 break
 
-    return list(records())  # the bug: every iteration now
+    return list(records())  # the bug: every iteration runs at the call
