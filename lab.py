@@ -4,6 +4,7 @@
     python lab.py start NAME [--force]    runs/lab/NAME/d3d.py: d3d.py with NAME's body blank
         [--hints goal|rules|steps]        how much its comment says (default rules)
     python lab.py list NAME [--hints L]   NAME's hints at that level (default rules)
+    python lab.py list [NAME] --rules     each rule NAME's words state, and the claim grading it
     python lab.py check NAME [FILE]       grade FILE (default runs/lab/NAME/d3d.py) as d3d.py
         [--quick] [--test T] [--json P]   skip the slow tests; only test T; write the grade
     python lab.py check all [FILE]        every exercise (in a handout: its own) in one run
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import hashlib
 import io
 import json
@@ -133,7 +135,10 @@ EXERCISES = (
             "test_packed_blocks_equal_separate_passes",
             "test_a_prepared_block_is_the_draft_its_outcome_would_get",
         ),
-        ("test_branch_pass_is_planned_and_built_without_reading_the_device",),
+        (
+            "test_the_mask_is_built_without_reading_the_device",
+            "test_branch_pass_is_planned_and_built_without_reading_the_device",
+        ),
     ),
     Exercise(
         "d3d_loss",
@@ -194,6 +199,9 @@ EXERCISES = (
             "test_the_ar_term_is_zero_at_lambda_0",
             "test_block_acc_reads_d1_where_d1_from_says",
             "test_the_losss_metrics_carry_no_gradient",
+            "test_block_labels_are_the_b_tokens_after_each_anchor_where_they_count",
+            "test_the_loss_takes_its_anchors_from_at_else_draws_k_with_the_generator",
+            "test_block_acc_is_each_positions_share_of_the_counted_blocks_it_gets_right",
         ),
         no_fast="training has no speed rule of its own",
     ),
@@ -219,12 +227,16 @@ EXERCISES = (
             )
         },
         (
+            "test_draft_rows_reads_d1_where_d1_from_says_and_the_rest_at_masks_2_to_b",
             "test_packed_blocks_equal_separate_passes",
             "test_offline_tau_drafts_the_d1_from_where_decoding_does",
             "test_a_prepared_block_is_the_draft_its_outcome_would_get",
             "test_sync_equals_target_greedy",
         ),
-        ("test_branch_pass_is_planned_and_built_without_reading_the_device",),
+        (
+            "test_draft_rows_reads_nothing_back",
+            "test_branch_pass_is_planned_and_built_without_reading_the_device",
+        ),
     ),
     Exercise(
         "accept_draft",
@@ -358,6 +370,8 @@ EXERCISES = (
             ),
         },
         (
+            "test_first_rejection_chance_is_rho_with_q_at_the_scoring_temperature",
+            "test_plan_branches_takes_c_and_f_from_the_budget_clipped_to_b_and_v_minus_1",
             "test_plan_branches_chooses_positions_and_candidates",
             "test_likely_cover_ranks_positions_by_the_chance_the_first_rejection_is_there",
             "test_likely_cover_scores_at_the_sampling_temperature_and_at_1_when_greedy",
@@ -366,7 +380,10 @@ EXERCISES = (
             "test_async_with_real_drafters_equals_target",
             "test_async_stops_at_eos_inside_a_block",
         ),
-        ("test_branch_pass_is_planned_and_built_without_reading_the_device",),
+        (
+            "test_branches_are_planned_on_the_device_in_ops_that_do_not_grow_with_c_and_f",
+            "test_branch_pass_is_planned_and_built_without_reading_the_device",
+        ),
     ),
     Exercise(
         "select_segment",
@@ -456,6 +473,13 @@ EXERCISES = (
             "test_the_floor_is_a_fraction_of_the_unpruned_tau_with_scores_given",
             "test_pruning_checks_its_arguments_at_the_call",
             "test_pruning_records_carry_every_key",
+            "test_pruning_keywords_replace_the_configs_fields",
+            "test_recovery_distils_from_one_frozen_copy_of_the_unpruned_drafter",
+            "test_pruning_stops_at_min_layers_and_never_below_one_layer",
+            "test_the_floor_keeps_a_removal_at_it_and_undoes_one_below_it",
+            "test_the_floor_judges_the_tau_after_recovery_not_the_score",
+            "test_pruning_measures_with_the_configs_anchors_and_seed_and_repeats_itself",
+            "test_pruning_is_a_generator_that_prunes_as_its_records_are_taken",
             "test_pruned_drafter_saves_loads_and_decodes_losslessly",
         ),
         no_fast="pruning runs offline; systems/fast.py's quicker scorer has its own tests",
@@ -491,6 +515,10 @@ EXERCISES = (
             "test_the_chunk_the_drafter_attends_to_survives",
             "test_selective_prefill_decodes_like_the_target_on_the_kept_chunks",
             "test_keep_ratio_one_equals_ordinary_decoding",
+            "test_select_chunks_refuses_a_keep_ratio_outside_0_1_and_a_chunk_size_under_1",
+            "test_a_chunks_score_is_the_attention_its_tokens_get_from_the_last_query_window",
+            "test_as_many_chunks_as_ceil_keep_ratio_x_chunks_at_least_2_at_most_all",
+            "test_the_drafters_cache_is_the_one_given_rewound_to_hold_the_whole_prompt",
         ),
         ("test_long_prompts_are_prefilled_in_chunks",),
     ),
@@ -646,6 +674,387 @@ CLAIMS = {
     "test_long_prompts_are_prefilled_in_chunks": (
         "the prompt is read in prefill chunks, only the last window with attention"
     ),
+    "test_the_mask_is_built_without_reading_the_device": (
+        "the mask is built from host sizes and device ops: nothing is read back"
+    ),
+    "test_draft_rows_reads_d1_where_d1_from_says_and_the_rest_at_masks_2_to_b": (
+        "d_1 is read where d1_from says, d_2 .. d_B at MASK 2 .. B; the rows broadcast"
+    ),
+    "test_draft_rows_reads_nothing_back": "draft_rows is tensor ops only: nothing is read back",
+    "test_block_labels_are_the_b_tokens_after_each_anchor_where_they_count": (
+        "MASK i is labelled x_{j+i}, counted inside the sequence, on response, valid anchor"
+    ),
+    "test_the_loss_takes_its_anchors_from_at_else_draws_k_with_the_generator": (
+        "the anchors: `at`, else K = num_anchors drawn with the generator"
+    ),
+    "test_block_acc_is_each_positions_share_of_the_counted_blocks_it_gets_right": (
+        "block_acc[i - 1]: the share of the blocks counted at position i that draft it right"
+    ),
+    "test_first_rejection_chance_is_rho_with_q_at_the_scoring_temperature": (
+        "rho_i = q(d_1) .. q(d_{i-1}) (1 - q(d_i)), q at the scoring temperature; pad -inf"
+    ),
+    "test_plan_branches_takes_c_and_f_from_the_budget_clipped_to_b_and_v_minus_1": (
+        "C and F come from branch_budget, C clipped to B and F to V - 1"
+    ),
+    "test_branches_are_planned_on_the_device_in_ops_that_do_not_grow_with_c_and_f": (
+        "plan_branches reads nothing back and loops over no position or candidate"
+    ),
+    "test_pruning_keywords_replace_the_configs_fields": (
+        "keyword settings replace the config's fields; the others stay"
+    ),
+    "test_recovery_distils_from_one_frozen_copy_of_the_unpruned_drafter": (
+        "recovery distils toward one frozen copy of the unpruned drafter"
+    ),
+    "test_pruning_stops_at_min_layers_and_never_below_one_layer": (
+        "pruning stops at min_layers, and at one layer with only tau_floor"
+    ),
+    "test_the_floor_keeps_a_removal_at_it_and_undoes_one_below_it": (
+        "a removal at the floor is kept, one below it undone; its record keeps its depth"
+    ),
+    "test_the_floor_judges_the_tau_after_recovery_not_the_score": (
+        "the floor judges the tau re-measured after recovery, not the score"
+    ),
+    "test_pruning_measures_with_the_configs_anchors_and_seed_and_repeats_itself": (
+        "every measurement takes the config's val_anchors and seed; a run repeats itself"
+    ),
+    "test_pruning_is_a_generator_that_prunes_as_its_records_are_taken": (
+        "a generator: the call does no work, each record runs its iteration when taken"
+    ),
+    "test_select_chunks_refuses_a_keep_ratio_outside_0_1_and_a_chunk_size_under_1": (
+        "keep_ratio outside (0, 1] or chunk_size < 1 is refused, at and beside each bound"
+    ),
+    "test_a_chunks_score_is_the_attention_its_tokens_get_from_the_last_query_window": (
+        "a chunk's score: the attention its tokens get from the last query_window, summed"
+    ),
+    "test_as_many_chunks_as_ceil_keep_ratio_x_chunks_at_least_2_at_most_all": (
+        "ceil(keep_ratio x chunks) are kept, at least 2, never more than there are"
+    ),
+    "test_the_drafters_cache_is_the_one_given_rewound_to_hold_the_whole_prompt": (
+        "the cache given is rewound and holds the whole prompt, as a new one would"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule an exercise's words state (its hints at every level, its functions' docstrings,
+    LAB.md's "Write:" line) and the claim that fails when that rule alone is broken: a test of
+    the exercise's right or fast, whose failure message names the rule. A rule no test grades
+    says why instead."""
+
+    key: str  # its name: each wrong solution in tests/lab_solutions/ names the rule it breaks
+    says: str
+    test: str = ""  # the graded test that fails when this rule alone is broken
+    why_not: str = ""  # where no test grades the rule: why
+
+
+MASK_RULES = "test_mask_matches_slow_reference"
+LABELS = "test_block_labels_are_the_b_tokens_after_each_anchor_where_they_count"
+ROWS = "test_draft_rows_reads_d1_where_d1_from_says_and_the_rest_at_masks_2_to_b"
+RHO = "test_first_rejection_chance_is_rho_with_q_at_the_scoring_temperature"
+BUDGET = "test_plan_branches_takes_c_and_f_from_the_budget_clipped_to_b_and_v_minus_1"
+PLANNED = "test_plan_branches_chooses_positions_and_candidates"
+CHUNKS_KEPT = "test_kept_chunks_are_in_order_with_original_positions"
+CHUNK_COUNT = "test_as_many_chunks_as_ceil_keep_ratio_x_chunks_at_least_2_at_most_all"
+
+# Each exercise's rules, in the order its words state them: what `lab.py list NAME --rules`
+# shows a teacher. Every graded rule's test is one of the exercise's; tests/test_lab.py
+# checks that each has a wrong solution that fails it.
+RULES = {
+    "packed_attention_mask": (
+        Rule(
+            "shape",
+            "the mask is bool (b, 1, W, past_len + W), True where a row may attend; the "
+            "position ids (b, W)",
+            MASK_RULES,
+        ),
+        Rule("causal", "the causal stream attends causally and sees no segment", MASK_RULES),
+        Rule(
+            "anchor",
+            "a segment's tokens see the causal rows up to their anchor, none after it",
+            MASK_RULES,
+        ),
+        Rule(
+            "segment",
+            "a segment sees its own segment only: its prefix causally, each MASK all of it",
+            MASK_RULES,
+        ),
+        Rule("past", "the past_len cached tokens come first; every row sees them", MASK_RULES),
+        Rule(
+            "positions",
+            "causal token i sits at past_len + i, a segment's tokens at the positions right "
+            "after their anchor's",
+            MASK_RULES,
+        ),
+        Rule(
+            "batched",
+            "anchors (S,) or (b, S): each row of a batch gets its own mask and positions",
+            "test_mask_is_per_row_for_batched_anchors",
+        ),
+        Rule(
+            "no-read",
+            "every size is a host int, nothing is read back: torch.arange and comparisons",
+            "test_the_mask_is_built_without_reading_the_device",
+        ),
+    ),
+    "d3d_loss": (
+        Rule("labels", "_block_labels: block k's MASK i is labelled x_{j_k+i}, i = 1 .. B", LABELS),
+        Rule(
+            "counts",
+            "a label counts only where it exists (inside the sequence) and is a response token "
+            "(loss_mask)",
+            LABELS,
+        ),
+        Rule(
+            "valid",
+            "a label counts only where its anchor is valid: an invalid anchor's block nowhere",
+            "test_loss_ignores_blocks_of_invalid_anchors",
+        ),
+        Rule(
+            "past-the-end",
+            "one past the end still needs some token in its place",
+            why_not="that label counts nowhere, so no output shows which token stands there; "
+            "an index past the end makes gather raise in every claim",
+        ),
+        Rule(
+            "returns",
+            "d3d_loss returns (loss, {loss_block, loss_ar, block_acc}), block_acc (B,)",
+            "test_loss_starts_near_log_vocab_and_falls",
+        ),
+        Rule(
+            "lambda",
+            "L = L_block + lambda * L_AR, lambda the config's ar_weight",
+            "test_loss_weighs_the_ar_term_by_lambda",
+        ),
+        Rule(
+            "weights",
+            "L_block: the mean over the labels that count, block position i weighted w_i = "
+            "exp(-(i-1)/gamma), 1 without gamma",
+            "test_block_loss_weights_position_i_by_exp_minus_i_minus_1_over_gamma",
+        ),
+        Rule(
+            "ar",
+            "L_AR: the causal row at j against x_{j+1}, where x_{j+1} is a response token",
+            "test_loss_ignores_prompt_tokens",
+        ),
+        Rule(
+            "ar-at-0",
+            "L_AR is computed only if lambda > 0; else loss_ar is 0",
+            "test_the_ar_term_is_zero_at_lambda_0",
+        ),
+        Rule(
+            "anchors",
+            "the anchors: `at`, else K = num_anchors (the config's) drawn with `generator`",
+            "test_the_loss_takes_its_anchors_from_at_else_draws_k_with_the_generator",
+        ),
+        Rule(
+            "acc-d1",
+            "block_acc reads d_1 where decoding does: under d1_from 'causal' at the anchor's "
+            "causal row, under 'mask' at MASK 1",
+            "test_block_acc_reads_d1_where_d1_from_says",
+        ),
+        Rule(
+            "acc-share",
+            "block_acc[i - 1]: the share of the counted blocks whose d_i is the label",
+            "test_block_acc_is_each_positions_share_of_the_counted_blocks_it_gets_right",
+        ),
+        Rule(
+            "detached",
+            "the metrics carry no gradient",
+            "test_the_losss_metrics_carry_no_gradient",
+        ),
+    ),
+    "draft_rows": (
+        Rule("masks", "d_2 .. d_B are read at MASK 2 .. B (first_mask_row + 1, ...)", ROWS),
+        Rule("d1-mask", "under d1_from 'mask', d_1 is read at MASK 1 (first_mask_row)", ROWS),
+        Rule("d1-causal", "under d1_from 'causal', d_1 is read at prefix_row", ROWS),
+        Rule(
+            "broadcast",
+            "prefix_row and first_mask_row broadcast together; the rows are (..., B)",
+            ROWS,
+        ),
+        Rule(
+            "no-read",
+            "tensor ops only: nothing is read back",
+            "test_draft_rows_reads_nothing_back",
+        ),
+    ),
+    "plan_branches": (
+        Rule(
+            "rho",
+            "rho_i = q(d_1) .. q(d_{i-1}) * (1 - q(d_i)), q(d_i) the drafter's probability of "
+            "its own d_i",
+            RHO,
+        ),
+        Rule(
+            "temperature",
+            "q at the scoring temperature: 1 when greedy (temperature 0), else the sampling "
+            "temperature",
+            "test_likely_cover_scores_at_the_sampling_temperature_and_at_1_when_greedy",
+        ),
+        Rule("pad", "a block position past R (the pad) is never rejected: rho is -inf", RHO),
+        Rule(
+            "pad-covered",
+            "the pad is covered only where C exceeds the R real positions",
+            "test_the_pad_is_covered_only_where_coverage_exceeds_the_real_positions",
+        ),
+        Rule(
+            "budget",
+            "C and F come from branch_budget(config, B): the config's, else default_budget(B)",
+            BUDGET,
+        ),
+        Rule("clipped", "C is clipped to B, F to V - 1", BUDGET),
+        Rule(
+            "positions",
+            "covered: block positions, 1-based, ascending; cover 'first' covers 1 .. C",
+            PLANNED,
+        ),
+        Rule(
+            "likely",
+            "cover 'likely' covers the C largest rho_i",
+            "test_likely_cover_ranks_positions_by_the_chance_the_first_rejection_is_there",
+        ),
+        Rule(
+            "candidates",
+            "the candidates at i: the drafter's F likeliest tokens there, never d_i itself",
+            PLANNED,
+        ),
+        Rule(
+            "no-read",
+            "on the device: no host read, no Python loop",
+            "test_branches_are_planned_on_the_device_in_ops_that_do_not_grow_with_c_and_f",
+        ),
+        Rule(
+            "device",
+            "rho and the plan are left on the device",
+            why_not="a CPU check has one device: a tensor made on the host is on it too",
+        ),
+    ),
+    "prune_drafter": (
+        Rule(
+            "keywords",
+            "the settings: a PruneConfig, each keyword replacing its field, read by every step "
+            "(recovery's too)",
+            "test_pruning_keywords_replace_the_configs_fields",
+        ),
+        Rule(
+            "at-call",
+            "checked at the call: each range, and a stopping rule (min_layers or tau_floor, "
+            "either alone) or a ValueError",
+            "test_pruning_checks_its_arguments_at_the_call",
+        ),
+        Rule(
+            "generator",
+            "then a generator of records: the call does nothing else, each iteration runs as "
+            "its record is taken",
+            "test_pruning_is_a_generator_that_prunes_as_its_records_are_taken",
+        ),
+        Rule(
+            "teacher",
+            "the teacher: a frozen copy (eval mode) of the unpruned drafter, made once",
+            "test_recovery_distils_from_one_frozen_copy_of_the_unpruned_drafter",
+        ),
+        Rule(
+            "no-grad",
+            "the teacher without gradients",
+            why_not="distill_loss runs the teacher under torch.no_grad: its requires_grad "
+            "changes no output",
+        ),
+        Rule(
+            "measure",
+            "measured with the config's val_anchors and seed; recovery's generator seeded with "
+            "its seed",
+            "test_pruning_measures_with_the_configs_anchors_and_seed_and_repeats_itself",
+        ),
+        Rule(
+            "least-costly",
+            "each iteration scores every layer with `score` and removes least_costly_layer's "
+            "pick (a tie: the smallest change in block loss)",
+            "test_pruning_removes_the_layer_whose_removal_costs_least",
+        ),
+        Rule(
+            "min-layers",
+            "stop at min_layers; with only tau_floor, at one layer",
+            "test_pruning_stops_at_min_layers_and_never_below_one_layer",
+        ),
+        Rule(
+            "floor",
+            "the floor is tau_floor x the unpruned tau, not the last depth's",
+            "test_the_floor_is_a_fraction_of_the_unpruned_tau_with_scores_given",
+        ),
+        Rule(
+            "floor-bound",
+            "a removal is undone only below the floor: one at it is kept",
+            "test_the_floor_keeps_a_removal_at_it_and_undoes_one_below_it",
+        ),
+        Rule(
+            "recovered",
+            "the floor judges the tau re-measured after recovery (without recovery steps, the "
+            "layer's score)",
+            "test_the_floor_judges_the_tau_after_recovery_not_the_score",
+        ),
+        Rule(
+            "undo",
+            "a removal below the floor is undone (kept False): the drafter as it was before it; "
+            "pruning stops",
+            "test_pruning_stops_where_the_rules_say",
+        ),
+        Rule(
+            "original",
+            "a record names layers by their original index: removed_layer, tau_without_layer",
+            "test_pruning_removes_the_layer_whose_removal_costs_least",
+        ),
+        Rule(
+            "keys",
+            "a record's keys: iteration, removed_layer, layers, tau_before_recovery, "
+            "tau_after_recovery, seconds (the whole iteration), score_seconds, kept, "
+            "recovery_skipped, tau_without_layer",
+            "test_pruning_records_carry_every_key",
+        ),
+        Rule(
+            "record-0",
+            "record 0 carries the first eight keys",
+            why_not="a record 0 with the other two as well breaks no reader (the drivers read "
+            "record 0's first eight)",
+        ),
+        Rule(
+            "host-copy",
+            "the copy kept to undo a removal waits in host memory (host_copy)",
+            why_not="a CPU check has one memory: no output shows where the copy waits",
+        ),
+    ),
+    "select_chunks": (
+        Rule(
+            "refuse",
+            "keep_ratio outside (0, 1] and chunk_size < 1 are refused (ValueError)",
+            "test_select_chunks_refuses_a_keep_ratio_outside_0_1_and_a_chunk_size_under_1",
+        ),
+        Rule(
+            "score",
+            "a chunk's score: the attention its tokens receive from the last query_window "
+            "prompt tokens (mean over layers, heads and queries), summed over the chunk",
+            "test_a_chunks_score_is_the_attention_its_tokens_get_from_the_last_query_window",
+        ),
+        Rule("first-last", "the first chunk and the last are always kept", CHUNKS_KEPT),
+        Rule("count", "ceil(keep_ratio x chunks) in all, but at least 2", CHUNK_COUNT),
+        Rule("cap", "never more chunks kept than there are", CHUNK_COUNT),
+        Rule("order", "kept in their order, at their original positions", CHUNKS_KEPT),
+        Rule(
+            "cache",
+            "the drafter's cache (`cache`, else a new one), rewound to 0, reads the whole prompt",
+            "test_the_drafters_cache_is_the_one_given_rewound_to_hold_the_whole_prompt",
+        ),
+        Rule(
+            "prefill",
+            "the prompt is read in prefill chunks, only the last window with attention",
+            "test_long_prompts_are_prefilled_in_chunks",
+        ),
+        Rule(
+            "returns",
+            "the docstring's keys",
+            why_not="every claim reads them: a missing one fails each claim with its name",
+        ),
+    ),
 }
 
 # Over 10 s each on two cores: --quick skips them
@@ -706,8 +1115,10 @@ def suite_functions(root: str = ROOT) -> dict:
     return {name: node for name, (_, node) in suite_index(root).items()}
 
 
+@functools.lru_cache(maxsize=None)
 def suite_index(root: str = ROOT) -> dict:
-    """{name: (file, ast.FunctionDef)} of the suite's test functions; a missing file has none."""
+    """{name: (file, ast.FunctionDef)} of the suite's test functions; a missing file has none.
+    Read once per root (every claim and place a command prints asks for it)."""
     found = {}
     for file in SUITE:
         path = os.path.join(root, file)
@@ -1266,8 +1677,20 @@ def reference_source() -> str:
 
 
 def cmd_list(args) -> int:
+    if args.rules and args.hints is not None:
+        raise LabError(
+            "--rules and --hints show two different things",
+            "give one: python lab.py list NAME --rules, or python lab.py list NAME --hints LEVEL",
+        )
+    if args.rules:
+        exercises = [exercise_named(args.name)] if args.name is not None else list(EXERCISES)
+        for i, exercise in enumerate(exercises):
+            if i:
+                print()
+            print_rules(exercise)
+        return 0
     if args.name is not None:
-        return print_hints(exercise_named(args.name), args.hints)
+        return print_hints(exercise_named(args.name), args.hints or DEFAULT_LEVEL)
     handout = handout_exercises()
     print(
         f"{len(EXERCISES)} exercises: python lab.py start NAME, write the body, "
@@ -1448,6 +1871,42 @@ def cmd_handout(args) -> int:
     return 0
 
 
+def print_claim(test: str, exercise: Exercise) -> None:
+    """A graded test as the rules' table shows it: its section and claim, then where it is."""
+    section = "right" if test in exercise.right else "fast"
+    say(f"{section}: {claim(parse_test(test)[0])}", "    ")
+    print(f"    {where(test)}")
+
+
+def print_rules(exercise: Exercise) -> None:
+    """Each rule the exercise's words state (RULES) and the claim that grades it, or why none
+    does; then the graded tests that no rule names."""
+    rules = RULES.get(exercise.name, ())
+    tests = exercise.right + exercise.fast
+    if not rules:
+        say(f"{exercise.name}: the claims a check grades (its rules are not listed one by one)", "")
+        for test in tests:
+            print_claim(test, exercise)
+        return
+    graded = [rule for rule in rules if rule.test]
+    say(
+        f"{exercise.name}: {len(graded)} rules graded, {len(rules) - len(graded)} not (from its "
+        "hints, docstrings and LAB.md), each with the claim that fails when it alone is broken",
+        "",
+    )
+    for rule in rules:
+        say(f"- {rule.key}: {rule.says}", "")
+        if rule.test:
+            print_claim(rule.test, exercise)
+        else:
+            say(f"not graded: {rule.why_not}", "    ")
+    others = [test for test in tests if test not in {rule.test for rule in rules}]
+    if others:
+        print("also graded (claims no single rule above is tied to):")
+        for test in others:
+            print_claim(test, exercise)
+
+
 def print_hints(exercise: Exercise, level: str) -> int:
     """The hints of an exercise at a level, as its blank body would show them."""
     for function in exercise.functions:
@@ -1473,8 +1932,12 @@ def parser() -> argparse.ArgumentParser:
     listing.add_argument(
         "--hints",
         choices=LEVELS,
-        default=DEFAULT_LEVEL,
         help=f"with NAME, the level: {HELP_LEVELS} (default {DEFAULT_LEVEL})",
+    )
+    listing.add_argument(
+        "--rules",
+        action="store_true",
+        help="each rule NAME's words state (every exercise's without NAME) and its claim",
     )
     start = commands.add_parser("start", help="runs/lab/NAME/d3d.py with NAME's body blank")
     start.add_argument("name", metavar="NAME")

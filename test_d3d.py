@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -176,25 +177,61 @@ def batch_prompts(lengths=(1, 4, 9)):
 
 
 def slow_mask(num_causal, anchors, block_size, prefix_lens, past_len):
-    """The rules of packed_attention_mask's docstring, one (query, key) pair at a time."""
+    """The rules of packed_attention_mask's docstring, one (query, key) pair at a time. Returns
+    the mask (q, past_len + q), the positions (q,), and for each pair the rule that decides it."""
     tokens = [("c", None, i) for i in range(num_causal)]  # (kind, segment, index)
     for s, _ in enumerate(anchors):
         tokens += [("s", s, i) for i in range(prefix_lens[s] + block_size)]
     q = len(tokens)
     mask = torch.zeros(q, past_len + q, dtype=torch.bool)
+    past = "every token sees the past_len cached tokens, which come first"
+    rules = [[past] * past_len for _ in range(q)]
     positions = []
     for qi, (kind, seg, idx) in enumerate(tokens):
         positions.append(past_len + (idx if kind == "c" else anchors[seg] + 1 + idx))
         mask[qi, :past_len] = True
         for ki, (kkind, kseg, kidx) in enumerate(tokens):
-            if kind == "c":
-                ok = kkind == "c" and kidx <= idx
+            if kind == "c" and kkind == "c":
+                ok, rule = kidx <= idx, "a causal token sees the causal tokens up to itself"
+            elif kind == "c":
+                ok, rule = False, "a causal token sees no segment"
             elif kkind == "c":
                 ok = kidx <= anchors[seg]
+                rule = "a segment sees the causal tokens up to its anchor, none after it"
+            elif kseg != seg:
+                ok, rule = False, "a segment sees no other segment"
+            elif idx < prefix_lens[seg]:
+                ok, rule = kidx <= idx, "a segment's prefix sees its segment causally"
             else:
-                ok = kseg == seg and (kidx <= idx or idx >= prefix_lens[seg])
+                ok, rule = True, "a MASK sees all of its segment"
             mask[qi, past_len + ki] = ok
-    return mask, torch.tensor(positions)
+            rules[qi].append(rule)
+    return mask, torch.tensor(positions), rules
+
+
+def mask_is_as_the_rules_say(
+    mask, positions, num_causal, anchors, block_size, prefix_len, past_len
+):
+    """Assert that one row of packed_attention_mask's output (mask (W, past_len + W), positions
+    (W,)) follows the docstring's rules; a failure names the first pair that breaks one, and
+    the rule it breaks."""
+    expected_mask, expected_pos, rules = slow_mask(
+        num_causal, anchors, block_size, [prefix_len] * len(anchors), past_len
+    )
+    wrong = (mask != expected_mask).nonzero().tolist()
+    if wrong:
+        row, key = wrong[0]
+        may = "may" if mask[row, key] else "may not"
+        pytest.fail(
+            f"{len(wrong)} wrong pairs; the first: row {row} {may} attend to key {key} (anchors "
+            f"{anchors}, B = {block_size}, prefix_len = {prefix_len}, past_len = {past_len}): "
+            f"{rules[row][key]}"
+        )
+    assert torch.equal(positions, expected_pos), (
+        f"positions {positions.tolist()}, expected {expected_pos.tolist()}: causal token i sits at "
+        "past_len + i, a segment's token t (0-based) at past_len + anchor + 1 + t, right after "
+        "its anchor's"
+    )
 
 
 @pytest.mark.parametrize(
@@ -217,20 +254,118 @@ def test_mask_matches_slow_reference(num_causal, anchors, block_size, prefix_len
     mask, positions = d3d.packed_attention_mask(
         num_causal, torch.tensor(anchors), block_size, prefix_len=prefix_len, past_len=past_len
     )
-    expected_mask, expected_pos = slow_mask(
-        num_causal, anchors, block_size, [prefix_len] * len(anchors), past_len
+    width = num_causal + len(anchors) * (prefix_len + block_size)
+    shapes = f"mask {tuple(mask.shape)} {mask.dtype}, positions {tuple(positions.shape)}"
+    assert mask.shape == (1, 1, width, past_len + width) and mask.dtype == torch.bool, (
+        f"{shapes}: the mask is bool (b, 1, W, past_len + W), W = {width} here, b = 1 for anchors "
+        "(S,)"
     )
-    assert torch.equal(mask[0, 0], expected_mask)
-    assert torch.equal(positions[0], expected_pos)
+    assert positions.shape == (1, width), f"{shapes}: the positions are (b, W), W = {width} here"
+    mask_is_as_the_rules_say(
+        mask[0, 0], positions[0], num_causal, anchors, block_size, prefix_len, past_len
+    )
 
 
 def test_mask_is_per_row_for_batched_anchors():
     anchors = torch.tensor([[0, 4], [2, 3]])
     mask, positions = d3d.packed_attention_mask(6, anchors, 3)
+    assert mask.shape[0] == positions.shape[0] == 2, (
+        f"mask {tuple(mask.shape)}, positions {tuple(positions.shape)} for anchors (2, S): one "
+        "row each"
+    )
     for row in range(2):
-        expected_mask, expected_pos = slow_mask(6, anchors[row].tolist(), 3, [0, 0], 0)
-        assert torch.equal(mask[row, 0], expected_mask) and torch.equal(
-            positions[row], expected_pos
+        mask_is_as_the_rules_say(mask[row, 0], positions[row], 6, anchors[row].tolist(), 3, 0, 0)
+
+
+class HostReads(TorchDispatchMode):
+    """While active, records every read of a tensor's values back to the host (on CUDA each
+    waits for the device): .item(), int(), bool(), float() or an index of a tensor, .tolist()
+    and .numpy(), and the ops whose output shape depends on values (nonzero, boolean indexing,
+    masked_select, unique, repeat_interleave by a tensor). `reads` names them; `ops` counts the
+    device ops run. torch.nn.functional.one_hot given num_classes reads its values to check them
+    on a CPU only, never on CUDA: those reads are not counted."""
+
+    SHAPE_FROM_VALUES = {
+        torch.ops.aten.nonzero.default: "nonzero",
+        torch.ops.aten.masked_select.default: "masked_select",
+        torch.ops.aten._unique2.default: "unique",
+        torch.ops.aten.unique_dim.default: "unique",
+        torch.ops.aten.unique_consecutive.default: "unique_consecutive",
+        torch.ops.aten.repeat_interleave.Tensor: "repeat_interleave by a tensor",
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.ops, self.checking = [], 0, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        if func is torch.ops.aten._local_scalar_dense.default and not self.checking:
+            self.reads.append(".item(), int(), bool() or an index of a tensor")
+        elif func in self.SHAPE_FROM_VALUES:
+            self.reads.append(self.SHAPE_FROM_VALUES[func])
+        elif func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default):
+            index = [i for i in args[1] if isinstance(i, torch.Tensor)]
+            if any(i.dtype == torch.bool for i in index):
+                self.reads.append("indexing by a boolean tensor")
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self.methods = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+        for name, method in self.methods.items():
+            setattr(torch.Tensor, name, self.recorded(name, method))
+        self.one_hot = torch.nn.functional.one_hot
+        torch.nn.functional.one_hot = self.checked_one_hot
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, method in self.methods.items():
+            setattr(torch.Tensor, name, method)
+        torch.nn.functional.one_hot = self.one_hot
+        return super().__exit__(*exc)
+
+    def checked_one_hot(self, tensor, num_classes=-1):
+        self.checking = num_classes >= 0
+        try:
+            return self.one_hot(tensor, num_classes)
+        finally:
+            self.checking = False
+
+    def recorded(self, name, method):
+        def read(tensor, *args, **kwargs):
+            self.reads.append(f".{name}()")
+            return method(tensor, *args, **kwargs)
+
+        return read
+
+
+def test_the_mask_is_built_without_reading_the_device():
+    """packed_attention_mask reads nothing back to the host: every size is a host int, the rest
+    device ops (no .item(), .tolist(), int() or bool() of a tensor, no nonzero or boolean
+    indexing). A mask built by a Python loop over the anchors' values is told that its values
+    are right, and where they are read."""
+    cases = [(9, [[2, 3, 8]], 5, 1, 4), (6, [[0, 4], [2, 3]], 3, 0, 0)]
+    for num_causal, anchors, block_size, prefix_len, past_len in cases:
+        anchors = torch.tensor(anchors)
+        with HostReads() as host:
+            mask, positions = d3d.packed_attention_mask(
+                num_causal, anchors, block_size, prefix_len=prefix_len, past_len=past_len
+            )
+        if not host.reads:
+            continue
+        right = mask.dim() == 4 and positions.dim() == 2
+        for row, row_anchors in enumerate(anchors.tolist()):
+            prefix_lens = [prefix_len] * len(row_anchors)
+            expected = slow_mask(num_causal, row_anchors, block_size, prefix_lens, past_len)
+            right = right and torch.equal(mask[row, 0], expected[0])
+            right = right and torch.equal(positions[row], expected[1])
+        verdict = "and"
+        if right:
+            verdict = "its mask and positions are right, but"
+        pytest.fail(
+            f"packed_attention_mask read the device back {len(host.reads)} times "
+            f"({', '.join(sorted(set(host.reads)))}): {verdict} every size is a host int and "
+            "nothing is read back: build it from torch.arange and comparisons"
         )
 
 
@@ -276,6 +411,61 @@ def test_packed_blocks_equal_separate_passes(tok, d1_from):
     torch.testing.assert_close(causal_logits[..., :TEXT_VOCAB], plain, atol=1e-5, rtol=1e-5)
 
 
+# rows given to draft_rows: (prefix_row, first_mask_row), broadcast together
+DRAFT_ROWS_CASES = [
+    (torch.tensor(6), torch.tensor(9)),  # draft_block: x_n's row, then the block
+    (torch.tensor([[3, 6, 7], [5, 8, 10]]), torch.tensor([13, 18, 23])),  # offline_tau
+    (torch.tensor([4, 9, 14]), torch.tensor([5, 10, 15])),  # build_branch_pass
+]
+
+
+@pytest.mark.parametrize("d1_from", ["causal", "mask"])
+def test_draft_rows_reads_d1_where_d1_from_says_and_the_rest_at_masks_2_to_b(d1_from):
+    """draft_rows, row by row: d_2 .. d_B at MASK 2 .. B (first_mask_row + 1 ..), d_1 at
+    prefix_row under d1_from "causal", at MASK 1 under "mask"; prefix_row and first_mask_row
+    broadcast together, the rows (..., B)."""
+    block_size = 4
+    for prefix_row, first_mask_row in DRAFT_ROWS_CASES:
+        given = f"draft_rows(prefix_row {tuple(prefix_row.shape)}, first_mask_row "
+        given += f"{tuple(first_mask_row.shape)}, B = {block_size}, {d1_from!r})"
+        try:
+            rows = d3d.draft_rows(prefix_row, first_mask_row, block_size, d1_from)
+        except (RuntimeError, IndexError, ValueError) as error:
+            pytest.fail(
+                f"{given} raised {type(error).__name__}: {error} / prefix_row and first_mask_row "
+                "broadcast together"
+            )
+        prefix, first = torch.broadcast_tensors(prefix_row, first_mask_row)
+        assert rows.shape == (*first.shape, block_size), (
+            f"{given} is {tuple(rows.shape)}: the rows are (..., B), prefix_row and "
+            "first_mask_row broadcast together"
+        )
+        masks = first[..., None] + torch.arange(block_size)
+        assert torch.equal(rows[..., 1:], masks[..., 1:]), (
+            f"{given}: d_2 .. d_B at rows {rows[..., 1:].tolist()}, not at MASK 2 .. B "
+            f"{masks[..., 1:].tolist()} (first_mask_row + 1 ..)"
+        )
+        d1 = prefix if d1_from == "causal" else first
+        where = "prefix_row" if d1_from == "causal" else "MASK 1 (first_mask_row)"
+        assert torch.equal(rows[..., 0], d1), (
+            f"{given}: d_1 at rows {rows[..., 0].tolist()}: under d1_from={d1_from!r} d_1 is read "
+            f"at {where}, {d1.tolist()}"
+        )
+
+
+def test_draft_rows_reads_nothing_back():
+    """draft_rows is tensor ops only: no .item(), .tolist(), int() or bool() of a tensor, no
+    nonzero or boolean indexing (the async pass builds its rows without waiting)."""
+    for d1_from in ("causal", "mask"):
+        for prefix_row, first_mask_row in DRAFT_ROWS_CASES:
+            with HostReads() as host:
+                d3d.draft_rows(prefix_row, first_mask_row, 4, d1_from)
+            assert not host.reads, (
+                f"draft_rows read the device back ({', '.join(sorted(set(host.reads)))}): tensor "
+                "ops only, nothing is read back"
+            )
+
+
 # --------------------------------------------------------------------------------------------------
 # Loss: L_block + lambda L_AR
 
@@ -308,8 +498,11 @@ def test_loss_weighs_the_ar_term_by_lambda(tok, ar_weight):
         without_ar, x, loss_mask, generator=torch.Generator().manual_seed(0)
     )
     assert metrics["loss_ar"] > 1
-    torch.testing.assert_close(loss, block_only + ar_weight * metrics["loss_ar"])
-    torch.testing.assert_close(loss, metrics["loss_block"] + ar_weight * metrics["loss_ar"])
+    why = f"the loss is L_block + lambda * L_AR, here L_block + {ar_weight} * L_AR"
+    torch.testing.assert_close(loss, block_only + ar_weight * metrics["loss_ar"], msg=why)
+    torch.testing.assert_close(
+        loss, metrics["loss_block"] + ar_weight * metrics["loss_ar"], msg=why
+    )
 
 
 @pytest.mark.parametrize("gamma", [None, 1.0, 2.5])
@@ -335,7 +528,10 @@ def test_block_loss_weights_position_i_by_exp_minus_i_minus_1_over_gamma(tok, ga
     for b, k, i in counts.nonzero().tolist():
         w = math.exp(-i / gamma) if gamma else 1.0  # i is 0-based here: position i + 1 of the block
         total, weight_sum = total + w * ce[b, k, i].item(), weight_sum + w
-    assert metrics["loss_block"].item() == pytest.approx(total / weight_sum, rel=1e-5)
+    assert metrics["loss_block"].item() == pytest.approx(total / weight_sum, rel=1e-5), (
+        f"gamma = {gamma}: L_block is the mean of the counted labels' cross-entropies weighted "
+        "w_i = exp(-(i-1)/gamma) (1 without gamma): their weighted sum over the weights' sum"
+    )
 
 
 def test_block_loss_at_a_tiny_gamma_is_the_first_positions_cross_entropy(tok):
@@ -383,13 +579,19 @@ def test_loss_ignores_prompt_tokens(tok):
     causal = drafter.model(x).logits[0, -2, :99].float()
     causal[drafter.d3d_config.mask_token_id] = float("-inf")
     torch.testing.assert_close(
-        metrics["loss_ar"], torch.nn.functional.cross_entropy(causal[None], label)
+        metrics["loss_ar"],
+        torch.nn.functional.cross_entropy(causal[None], label),
+        msg="L_AR: the causal row j against x_{j+1}, where x_{j+1} is a response token; here "
+        "only the last token is one, so L_AR is row N - 2's cross-entropy against it",
     )
     mask, pos = d3d.packed_attention_mask(9, torch.tensor([7]), 3)
     inp = torch.cat([x, torch.full((1, 3), drafter.d3d_config.mask_token_id)], 1)
     block = drafter.logits(drafter.hidden_states(inp, pos, mask)[:, [9]])[0]
     torch.testing.assert_close(
-        metrics["loss_block"], torch.nn.functional.cross_entropy(block, label)
+        metrics["loss_block"],
+        torch.nn.functional.cross_entropy(block, label),
+        msg="L_block counts response labels only; here only the last token is one, so L_block "
+        "is the cross-entropy of MASK 1 of the block off x_{N-2} against it",
     )
 
 
@@ -406,7 +608,10 @@ def test_loss_starts_near_log_vocab_and_falls(tok):
             # -inf on MASK: V-1 classes
             assert abs(metrics["loss_block"].item() - math.log(TEXT_VOCAB)) < 0.3
             assert abs(metrics["loss_ar"].item() - math.log(TEXT_VOCAB)) < 0.3
-            assert metrics["block_acc"].shape == (4,)
+            assert metrics["block_acc"].shape == (4,), (
+                f"block_acc is {tuple(metrics['block_acc'].shape)}: (B,), one accuracy per "
+                "block position"
+            )
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -523,6 +728,90 @@ def test_block_acc_reads_d1_where_d1_from_says(tok, target, d1_from):
         f"block_acc[0] = {metrics['block_acc'][0].item():.3f}, but d_1 read where d1_from="
         f"{d1_from!r} says is right in {d1_accepted.item():.3f} of the blocks: block_acc reads "
         "d_1 at the anchor's causal row under 'causal', at MASK 1 under 'mask'"
+    )
+
+
+def test_block_labels_are_the_b_tokens_after_each_anchor_where_they_count():
+    """_block_labels, label by label: MASK i of the block off x_j is labelled x_{j+i} (i = 1 ..
+    B), and it counts only where x_{j+i} is inside the sequence, is a response token and the
+    anchor is valid; checked on a right-padded row, anchors near the end, an invalid anchor."""
+    x, loss_mask = batch(b=2, length=9, prompt_len=3)  # row 1: its last 4 tokens are padding
+    anchors = torch.tensor([[2, 5, 7], [2, 3, 4]])
+    valid = torch.tensor([[True, True, True], [True, False, True]])
+    block_size = 3
+    labels, counts = d3d._block_labels(x, loss_mask, anchors, valid, block_size)
+    assert labels.shape == counts.shape == (2, 3, block_size), (
+        f"labels {tuple(labels.shape)}, counts {tuple(counts.shape)}: both (b, K, B)"
+    )
+    for b, k, i in [(b, k, i) for b in range(2) for k in range(3) for i in range(block_size)]:
+        j, place = anchors[b, k].item(), anchors[b, k].item() + i + 1
+        where = f"row {b}, MASK {i + 1} of the block off x_{j}"
+        inside = place < x.shape[1]
+        if inside:
+            assert labels[b, k, i] == x[b, place], (
+                f"{where}: labelled {labels[b, k, i].item()}, not x_{place} = {x[b, place].item()}"
+                ": MASK i of a block predicts x_{j+i}, i = 1 .. B"
+            )
+        if not inside:
+            why = f"x_{place} is past the end of the sequence: its label counts nowhere"
+        elif not loss_mask[b, place]:
+            why = f"x_{place} is not a response token (loss_mask): its label counts nowhere"
+        elif not valid[b, k]:
+            why = "its anchor is invalid (valid False): the block's labels count nowhere"
+        else:
+            why = f"x_{place} is inside, a response token, its anchor valid: the label counts"
+        assert counts[b, k, i] == (inside and loss_mask[b, place] and valid[b, k]), (
+            f"{where}: counts is {counts[b, k, i].item()}; {why}"
+        )
+
+
+def test_the_loss_takes_its_anchors_from_at_else_draws_k_with_the_generator(tok):
+    """The anchors: `at` where it is given (the generator then changes nothing), else K =
+    num_anchors drawn with `generator` (sample_anchors): the loss and metrics of at =
+    sample_anchors(loss_mask, K, the same seed)."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=2), tokenizer=tok, block_size=3, num_anchors=5)
+    x, loss_mask = batch()
+    drawn = d3d.d3d_loss(drafter, x, loss_mask, generator=torch.Generator().manual_seed(7))
+    at = d3d.sample_anchors(loss_mask, 5, torch.Generator().manual_seed(7))
+    given = d3d.d3d_loss(drafter, x, loss_mask, at=at)
+    why = "without `at`, K = num_anchors (5) anchors are drawn with `generator` (sample_anchors)"
+    torch.testing.assert_close(drawn[0], given[0], msg=why)
+    for name in ("loss_block", "loss_ar", "block_acc"):
+        torch.testing.assert_close(drawn[1][name], given[1][name], msg=f"{name}: {why}")
+    other = d3d.d3d_loss(drafter, x, loss_mask, at=at, generator=torch.Generator().manual_seed(8))
+    torch.testing.assert_close(
+        other[0], given[0], msg="with `at` given, those are the anchors: the generator is unused"
+    )
+
+
+def test_block_acc_is_each_positions_share_of_the_counted_blocks_it_gets_right(tok):
+    """block_acc[i - 1] is the share of the blocks whose label i counts that draft it right: its
+    denominator is the counted blocks at that position, not every block. One anchor per row
+    (labels after an anchor change nothing its block sees): some labels are set to the
+    drafter's own guesses, some fall past the end or on padding."""
+    drafter = d3d.make_drafter(
+        tiny_qwen3(seed=2), tokenizer=tok, block_size=3, num_anchors=1, d1_from="mask"
+    )
+    x, loss_mask = batch(b=3, length=10, prompt_len=2)  # row 1: its last 4 tokens are padding
+    anchors = torch.tensor([[3], [4], [8]])  # row 1: only label 5 counts; row 2: only 9
+    at = (anchors, torch.ones_like(anchors, dtype=torch.bool))
+    with torch.no_grad():
+        _, block_hidden = d3d._packed_hidden(drafter, x, anchors, 3)
+        guess = drafter.logits(block_hidden[:, 0]).argmax(-1)  # (b, B) each MASK's token
+    for b, i in ((0, 0), (0, 2), (1, 0), (2, 0)):  # these guesses become the labels
+        x[b, anchors[b, 0] + i + 1] = guess[b, i]
+    _, metrics = d3d.d3d_loss(drafter, x, loss_mask, at=at)
+    expected, num_counted = [], []
+    for i in range(3):
+        counted = [b for b in range(3) if anchors[b, 0] + i + 1 < 10]
+        counted = [b for b in counted if loss_mask[b, anchors[b, 0] + i + 1]]
+        right = [b for b in counted if guess[b, i] == x[b, anchors[b, 0] + i + 1]]
+        expected.append(len(right) / len(counted))
+        num_counted.append(len(counted))
+    assert metrics["block_acc"].tolist() == pytest.approx(expected), (
+        f"block_acc {[round(a, 3) for a in metrics['block_acc'].tolist()]}, expected "
+        f"{[round(a, 3) for a in expected]}: at each block position, the share of the blocks "
+        f"whose label there counts ({num_counted} of 3 here) that draft it right"
     )
 
 
@@ -1383,14 +1672,32 @@ def test_plan_branches_chooses_positions_and_candidates():
     def plan(draft, *args):
         return tuple(x.tolist() for x in d3d.plan_branches(logits, draft, 3, budget(*args)))
 
-    assert plan(draft, 2, 2, "first") == ([1, 2], [[1, 2], [0, 2]])
+    def candidates_rule(draft, covered, candidates):
+        own = [i for i, tokens in zip(covered, candidates) if draft[i - 1] in tokens]
+        if own:
+            return f"d_{own[0]} is among its own candidates: d_i is never its own alternative"
+        return "the candidates at i are the drafter's F likeliest tokens there, d_i left out"
+
+    covered, candidates = plan(draft, 2, 2, "first")
+    assert covered == [1, 2], (
+        f'cover "first" at C = 2 covered {covered}: block positions 1 .. C, 1-based'
+    )
+    assert candidates == [[1, 2], [0, 2]], (
+        f"candidates {candidates}, expected [[1, 2], [0, 2]]: "
+        + candidates_rule(draft, covered, candidates)
+    )
     # confident at 2 (q ~ 1): a first rejection there is unlikely; position 1 (q ~ 0.7) and 3
     # are likelier
-    assert plan(draft, 2, 1, "likely")[0] == [1, 3]
-    assert plan(draft, 0, 2) == ([], [])
+    likely = plan(draft, 2, 1, "likely")[0]
+    assert likely == [1, 3], f'cover "likely" covered {likely}, expected [1, 3] (ascending)'
+    assert plan(draft, 0, 2) == ([], []), "C = 0 covers nothing: shapes (0,) and (0, F)"
     # at temperature > 0 d_i need not be the argmax: never a candidate
     sampled = torch.tensor([2, 1, 3])
-    assert plan(sampled, 1, 2) == ([1], [[0, 1]])
+    covered, candidates = plan(sampled, 1, 2)
+    assert (covered, candidates) == ([1], [[0, 1]]), (
+        f"a sampled draft [2, 1, 3]: covered {covered}, candidates {candidates}, expected [1] "
+        "and [[0, 1]]: " + candidates_rule(sampled, covered, candidates)
+    )
 
 
 def likely_logits(confidences):
@@ -1413,10 +1720,14 @@ def test_likely_cover_ranks_positions_by_the_chance_the_first_rejection_is_there
         config = budget(coverage, 1, "likely")
         return d3d.plan_branches(logits, draft, len(draft), config)[0].tolist()
 
+    why = 'cover "likely" keeps the C largest rho_i = q(d_1) .. q(d_{i-1}) (1 - q(d_i))'
     # rho = (0.5, 0.15, 0.315); with q(d_i) in the product: (0.25, 0.105, 0.0315): [1, 2]
-    assert likely([0.5, 0.7, 0.1], 2) == [1, 3]
+    assert likely([0.5, 0.7, 0.1], 2) == [1, 3], f"q(d_i) = (0.5, 0.7, 0.1), C = 2: {why}"
     # rho = (0.3, 0.63, 0.063); with q(d_i) in the product: (0.21, 0.063, 0.0063): [1]
-    assert likely([0.7, 0.1, 0.1], 1) == [2]
+    assert likely([0.7, 0.1, 0.1], 1) == [2], f"q(d_i) = (0.7, 0.1, 0.1), C = 1: {why}"
+    # rho = (0.5, 0.25, 0.225); by 1 - q(d_i) alone (0.5, 0.5, 0.9), without the chance that
+    # d_1 .. d_{i-1} pass: [3]
+    assert likely([0.5, 0.5, 0.1], 1) == [1], f"q(d_i) = (0.5, 0.5, 0.1), C = 1: {why}"
 
 
 def test_likely_cover_scores_at_the_sampling_temperature_and_at_1_when_greedy():
@@ -1428,10 +1739,11 @@ def test_likely_cover_scores_at_the_sampling_temperature_and_at_1_when_greedy():
         config = budget(1, 1, "likely", temperature)
         return d3d.plan_branches(logits, draft, 3, config)[0].tolist()
 
+    why = "q is at the scoring temperature: 1 when greedy (temperature 0), else the sampling one"
     # T = 1: rho = (0.4, 0.3, 0.24): position 1
-    assert likely(0.0) == likely(1.0) == [1]
+    assert likely(0.0) == likely(1.0) == [1], f"greedy and T = 1 cover position 1: {why}"
     # T = 0.25 sharpens q to (0.99, 0.96, 0.10): rho ~ (0.007, 0.036, 0.87): position 3
-    assert likely(0.25) == [3]
+    assert likely(0.25) == [3], f"T = 0.25 covers position 3: {why}"
 
 
 @pytest.mark.parametrize("cover", ["first", "likely"])
@@ -1443,13 +1755,116 @@ def test_the_pad_is_covered_only_where_coverage_exceeds_the_real_positions(cover
     logits[-1] = 0.0  # the pad's row: uniform, the likeliest first rejection if it were scored
     for coverage in (1, 2, 3):
         covered, candidates = d3d.plan_branches(logits, draft, 3, budget(coverage, 2, cover))
-        assert 4 not in covered.tolist() and candidates.shape == (coverage, 2)
+        assert 4 not in covered.tolist() and candidates.shape == (coverage, 2), (
+            f"R = 3, C = {coverage}: covered {covered.tolist()}; the pad (i = 4) is never "
+            "rejected, so it is covered only where C exceeds the R real positions"
+        )
     covered, _ = d3d.plan_branches(logits, draft, 3, budget(4, 2, cover))
-    assert covered.tolist() == [1, 2, 3, 4]
+    assert covered.tolist() == [1, 2, 3, 4], f"R = 3, C = 4 = B: covered {covered.tolist()}"
     # with four real tokens, position 4 is a real rejection and the likeliest one
     if cover == "likely":
         covered, _ = d3d.plan_branches(logits, draft, 4, budget(1, 2, cover))
         assert covered.tolist() == [4]
+
+
+def test_first_rejection_chance_is_rho_with_q_at_the_scoring_temperature():
+    """first_rejection_chance, position by position: rho_i = q(d_1) .. q(d_{i-1}) (1 - q(d_i)),
+    q(d_i) the drafter's probability of its own d_i (not of its likeliest token) at the scoring
+    temperature (1 when greedy, else the sampling temperature), -inf at the pad (i > R)."""
+    logits = torch.tensor(
+        [[2.0, 1.0, 0.5, 0.0], [0.0, 3.0, 1.0, 0.5], [1.0, 0.2, 0.1, 2.5], [0.3, 0.1, 0.4, 0.2]]
+    )
+    draft = torch.tensor([1, 1, 3, 2])  # sampled: d_1 is not the likeliest token at 1
+
+    def rho_of(q):
+        reach = torch.cat([torch.ones(1), torch.cumprod(q, 0)[:-1]])
+        return (reach * (1 - q))[:3]
+
+    for temperature in (0.0, 0.5, 2.0):
+        scale = 1.0 if temperature == 0 else temperature
+        probs = torch.softmax(logits / scale, -1)
+        q = probs[torch.arange(4), draft]
+        rho = d3d.first_rejection_chance(logits, draft, 3, temperature)
+        assert rho.shape == (4,), f"rho is {tuple(rho.shape)}: (B,), one chance per position"
+        assert rho[3] == float("-inf"), (
+            f"rho at the pad (i = 4 > R = 3) is {rho[3].item()}: a pad is never rejected, -inf"
+        )
+        if torch.allclose(rho[:3], rho_of(q), atol=1e-6):
+            continue
+        slips = {
+            "q(d_i) is in the product (reach is q(d_1) .. q(d_{i-1}), shifted by one)": (
+                torch.cumprod(q, 0) * (1 - q)
+            )[:3],
+            "q(d_i) is q's entry at d_i, not the likeliest token's": rho_of(probs.max(-1).values),
+            f"q is taken at the scoring temperature ({scale}), not at 1": rho_of(
+                torch.softmax(logits, -1)[torch.arange(4), draft]
+            ),
+        }
+        said = [why for why, slip in slips.items() if torch.allclose(rho[:3], slip, atol=1e-6)]
+        pytest.fail(
+            f"temperature {temperature}: rho {rho[:3].tolist()}, expected {rho_of(q).tolist()}: "
+            + (said[0] if said else "rho_i = q(d_1) .. q(d_{i-1}) (1 - q(d_i))")
+        )
+
+
+def test_plan_branches_takes_c_and_f_from_the_budget_clipped_to_b_and_v_minus_1():
+    """C and F come from branch_budget (the config's, else default_budget(B): C = 3, F = 2 at
+    B = 4), C clipped to B and F to V - 1 (the tokens other than d_i): at each bound and on both
+    sides of it, under both covers."""
+    block_size, vocab = 4, 5
+    logits = torch.randn(block_size, vocab, generator=torch.Generator().manual_seed(2))
+    draft = logits.argmax(-1)
+
+    def plan(coverage, fanout, cover, rule):
+        try:
+            covered, candidates = d3d.plan_branches(
+                logits, draft, block_size, budget(coverage, fanout, cover)
+            )
+            own = (candidates == draft[covered - 1][:, None]).any()
+        except (RuntimeError, IndexError, TypeError, ValueError) as error:
+            pytest.fail(f"C = {coverage}, F = {fanout} ({cover}) raised {error!r}: {rule}")
+        assert not own, f"C = {coverage}, F = {fanout}: d_i is among its candidates; {rule}"
+        return covered.tolist(), tuple(candidates.shape)
+
+    for cover in ("first", "likely"):
+        rule = "C and F come from branch_budget: the config's, else default_budget(B)"
+        covered, shape = plan(None, None, cover, rule)
+        assert shape == (3, 2), f"no coverage or fanout given at B = 4: candidates {shape}; {rule}"
+        rule = f"C is clipped to B = {block_size}: C >= B covers every position"
+        for coverage in (block_size - 1, block_size, block_size + 1, block_size + 2):
+            covered, shape = plan(coverage, 1, cover, rule)
+            kept = min(coverage, block_size)
+            assert len(covered) == kept and covered == sorted(set(covered)), (
+                f"C = {coverage} at B = {block_size} ({cover}): covered {covered}; {rule}"
+            )
+        rule = f"F is clipped to V - 1 = {vocab - 1}: the tokens other than d_i"
+        for fanout in (vocab - 2, vocab - 1, vocab, vocab + 1):
+            _, shape = plan(2, fanout, cover, rule)
+            assert shape == (2, min(fanout, vocab - 1)), (
+                f"F = {fanout} at V = {vocab}: candidates {shape}; {rule}"
+            )
+
+
+def test_branches_are_planned_on_the_device_in_ops_that_do_not_grow_with_c_and_f():
+    """plan_branches reads nothing back to the host (no .item(), .tolist(), int() or bool() of
+    a tensor, no nonzero or boolean indexing) and runs no Python loop over positions or
+    candidates: the same number of device ops for every C and F."""
+    logits = torch.randn(5, 99, generator=torch.Generator().manual_seed(0))
+    draft = logits.argmax(-1)
+    for cover in ("first", "likely"):
+        ops = {}
+        for coverage, fanout in ((1, 1), (3, 1), (1, 3), (4, 2)):
+            with HostReads() as host:
+                d3d.plan_branches(logits, draft, 5, budget(coverage, fanout, cover))
+            assert not host.reads, (
+                f"plan_branches read the device back ({', '.join(sorted(set(host.reads)))}): "
+                "on the device, no host read"
+            )
+            ops[coverage, fanout] = host.ops
+        assert len(set(ops.values())) == 1, (
+            f'device ops by (C, F), cover "{cover}": {ops}: they grow with C or F, a Python '
+            "loop over positions or candidates; plan all of them with tensor ops at once"
+        )
 
 
 @pytest.mark.parametrize("d1_from", ["causal", "mask"])
@@ -1780,11 +2195,31 @@ def test_pruning_removes_the_layer_whose_removal_costs_least(tok, monkeypatch):
             drafter, prune_data(), prune_data(), min_layers=1, recovery_steps=0, score=fixed_scores
         )
     )
-    assert [row["removed_layer"] for row in table[1:]] == [
-        2,
-        0,
-        1,
-    ] and drafter.d3d_config.layer_ids == [3]
+    removed = [row["removed_layer"] for row in table[1:]]
+    assert removed == [2, 0, 1] and drafter.d3d_config.layer_ids == [3], (
+        f"removed {removed}, left {drafter.d3d_config.layer_ids}, expected [2, 0, 1] and [3]: "
+        "each iteration removes the layer whose removal costs least tau (the highest tau "
+        "without it), and a record names it by its original index"
+    )
+    for row in table[1:]:
+        named = row["tau_without_layer"]
+        left = {layer: tau_without[layer] for layer in named}
+        assert named == left and row["removed_layer"] in named, (
+            f"tau_without_layer {named}: each layer's tau without it, by its original index"
+        )
+    # layers 0 and 2 tie: the one whose removal changes the block loss least goes (the no-op)
+
+    def tied(drafter, batches, **_):
+        return {0: 2.0, 1: 1.0, 2: 2.0}
+
+    drafter = noop_layer_drafter(tok, layers=3, noop=2)
+    data = prune_data(num_batches=1)
+    table = list(d3d.prune_drafter(drafter, data, data, min_layers=2, recovery_steps=0, score=tied))
+    assert table[1]["removed_layer"] == 2, (
+        f"layers 0 and 2 tie on tau; removed {table[1]['removed_layer']}: the layer removed is "
+        "least_costly_layer's choice, a tie going to the smallest change in block loss (here "
+        "layer 2, which does nothing)"
+    )
 
 
 def test_scoring_all_removals_in_one_pass_each_gives_the_full_passes_numbers(tok):
@@ -1969,9 +2404,20 @@ def test_pruning_stops_where_the_rules_say(tok):
         d3d.prune_drafter(drafter, prune_data(), prune_data(), tau_floor=10.0, recovery_steps=1)
     )
     # an unreachable floor: the first removal is undone
-    assert table[-1]["kept"] is False and len(table) == 2
-    assert len(drafter.model.model.layers) == 3 and drafter.d3d_config.layer_ids is None
-    assert all(torch.equal(a, b) for a, b in zip(before, drafter.parameters()))
+    assert table[-1]["kept"] is False and len(table) == 2, (
+        f"kept {[row['kept'] for row in table]}: a removal below the floor is undone (kept "
+        "False) and pruning stops"
+    )
+    undone = "the undone removal leaves the drafter as it was before it"
+    assert len(drafter.model.model.layers) == 3, (
+        f"{len(drafter.model.model.layers)} layers: {undone}"
+    )
+    assert drafter.d3d_config.layer_ids is None, (
+        f"layer_ids {drafter.d3d_config.layer_ids}: {undone}"
+    )
+    assert all(torch.equal(a, b) for a, b in zip(before, drafter.parameters())), (
+        f"its weights changed: {undone}"
+    )
     with pytest.raises(ValueError, match="stopping rule"):
         list(d3d.prune_drafter(drafter, prune_data(), prune_data()))
 
@@ -2039,6 +2485,11 @@ def test_pruning_checks_its_arguments_at_the_call(tok):
     data = prune_data(num_batches=1)
     with pytest.raises(ValueError, match="give a stopping rule"):
         d3d.prune_drafter(drafter, data, data)  # no next(): the call itself refuses
+    for rule in ({"min_layers": 1}, {"tau_floor": 0.5}):
+        try:
+            d3d.prune_drafter(drafter, data, data, **rule)
+        except ValueError as error:
+            pytest.fail(f"{rule} refused ({error}): either stopping rule alone is enough")
     bad = [
         ({"min_layers": 0}, "PruneConfig.min_layers must be int >= 1, got 0"),
         ({"tau_floor": 0.0}, "PruneConfig.tau_floor must be float > 0, got 0.0"),
@@ -2053,7 +2504,8 @@ def test_pruning_records_carry_every_key(tok):
     """Each record prune_drafter yields has the keys its docstring and the drivers read; the
     unpruned record has no removal, each later one its timings and skipped steps."""
     drafter = noop_layer_drafter(tok)
-    records = list(d3d.prune_drafter(drafter, prune_data(), prune_data(), min_layers=2))
+    data = prune_data()
+    records = list(d3d.prune_drafter(drafter, data, data, min_layers=2, recovery_steps=0))
     first = {"iteration", "removed_layer", "layers", "tau_before_recovery", "tau_after_recovery"}
     first |= {"seconds", "score_seconds", "kept"}
     assert set(records[0]) >= first and records[0]["removed_layer"] is None
@@ -2061,7 +2513,10 @@ def test_pruning_records_carry_every_key(tok):
     for record in records[1:]:
         missing = later - set(record)
         assert not missing, f"a record lacks {sorted(missing)}"
-        assert record["score_seconds"] <= record["seconds"]
+        assert record["score_seconds"] <= record["seconds"], (
+            f"score_seconds {record['score_seconds']:.3f} > seconds {record['seconds']:.3f}: "
+            "seconds is the whole iteration, scoring included"
+        )
         assert record["recovery_skipped"] == 0
 
 
@@ -2079,6 +2534,245 @@ def test_pruned_drafter_saves_loads_and_decodes_losslessly(tok, target, tmp_path
             assert out.tolist() == expected.tolist()
 
 
+def first_layer_costs_least(drafter, batches, **measure):
+    """A `score` for prune_drafter: tau without each current layer, the first costing least."""
+    return {i: 1.0 - 0.1 * i for i in range(len(drafter.model.model.layers))}
+
+
+def test_pruning_keywords_replace_the_configs_fields(tok):
+    """Keyword settings replace the given PruneConfig's fields and the others stay: with
+    PruneConfig(min_layers=3, recovery_steps=0) and min_layers=2, pruning goes down to 2 layers
+    with no recovery (each tau after recovery is the removed layer's score)."""
+    drafter = d3d.make_drafter(
+        tiny_qwen3(seed=3, layers=4), tokenizer=tok, block_size=3, num_anchors=4
+    )
+    data = prune_data(num_batches=1)
+    config = d3d.PruneConfig(min_layers=3, recovery_steps=0)
+    table = list(
+        d3d.prune_drafter(drafter, data, data, config, min_layers=2, score=first_layer_costs_least)
+    )
+    depths = [row["layers"] for row in table]
+    assert depths == [4, 3, 2], f"depths {depths}: the keyword min_layers=2 replaces the config's 3"
+    assert all(row["tau_after_recovery"] == row["tau_before_recovery"] for row in table[1:]), (
+        "the config's recovery_steps=0 stays where no keyword replaces it: no recovery, so each "
+        "tau after recovery is the removed layer's score"
+    )
+
+
+def test_recovery_distils_from_one_frozen_copy_of_the_unpruned_drafter(tok):
+    """The teacher is the unpruned drafter, copied once before the first removal and frozen:
+    every pass run of a drafter other than the one pruned is of one copy, with all 3 layers and
+    the unpruned weights, in eval mode (a forward hook on every module sees the passes, however
+    the copy is made)."""
+    drafter = noop_layer_drafter(tok, layers=3)
+    pruned = drafter.model.get_decoder()
+    unpruned = sum(p.double().sum().item() for p in pruned.parameters())
+    passes = []
+
+    def seen(module, args, output):
+        if isinstance(module, type(pruned)) and module is not pruned:
+            weights = sum(p.double().sum().item() for p in module.parameters())
+            passes.append((id(module), len(module.layers), weights, module.training))
+
+    hook = torch.nn.modules.module.register_module_forward_hook(seen)
+    try:
+        list(
+            d3d.prune_drafter(
+                drafter,
+                prune_data(num_batches=1),
+                prune_data(seed=10, num_batches=1),
+                min_layers=1,
+                recovery_steps=2,
+                score=first_layer_costs_least,
+            )
+        )
+    finally:
+        hook.remove()
+    assert passes, (
+        "recovery ran no pass of a drafter other than the one pruned: it distils toward a "
+        "frozen copy of the unpruned drafter (copy.deepcopy), not toward itself"
+    )
+    copies = {copy for copy, _, _, _ in passes}
+    assert len(copies) == 1, (
+        f"recovery distilled toward {len(copies)} copies: the teacher is copied once, before "
+        "the first removal, and kept to the end"
+    )
+    depths = sorted({layers for _, layers, _, _ in passes})
+    assert depths == [3], f"the teacher had {depths} layers: it is the unpruned drafter (3)"
+    assert all(weights == unpruned for _, _, weights, _ in passes), (
+        "the teacher's weights are not the unpruned drafter's: it is copied before any removal "
+        "or recovery, and never trained"
+    )
+    assert not any(training for _, _, _, training in passes), (
+        "the teacher ran in training mode: it is frozen, in eval mode"
+    )
+
+
+def test_pruning_stops_at_min_layers_and_never_below_one_layer(tok):
+    """min_layers is where pruning stops: a drafter at it, or shallower, loses no layer; one
+    layer deeper, it loses one. With only tau_floor (never reached here), pruning stops at one
+    layer."""
+    data = prune_data(num_batches=1)
+    for min_layers, tau_floor, depth in ((3, None, 3), (4, None, 3), (2, None, 2), (None, 1e-6, 1)):
+        drafter = d3d.make_drafter(
+            tiny_qwen3(seed=3, layers=3), tokenizer=tok, block_size=3, num_anchors=4
+        )
+        table = list(
+            d3d.prune_drafter(
+                drafter,
+                data,
+                data,
+                min_layers=min_layers,
+                tau_floor=tau_floor,
+                recovery_steps=0,
+                score=first_layer_costs_least,
+            )
+        )
+        depths = [row["layers"] for row in table]
+        left = len(drafter.model.model.layers)
+        rule = "pruning stops at min_layers: it removes nothing from a drafter at or under it"
+        if min_layers is None:
+            rule = "with only tau_floor, pruning stops at one layer: a drafter keeps one"
+        assert left == depth and depths == list(range(3, depth - 1, -1)), (
+            f"3 layers, min_layers={min_layers}, tau_floor={tau_floor}: {left} left, records' "
+            f"depths {depths}; {rule}"
+        )
+
+
+def test_the_floor_keeps_a_removal_at_it_and_undoes_one_below_it(tok):
+    """tau_floor 0.5, scores given and no recovery (the removed layer's score is its tau): a
+    removal at 0.75 tau0 (above the floor) is kept, at 0.5 tau0 (at it) kept, at 0.25 tau0
+    (below) undone, its record keeping the depth it measured; then pruning stops."""
+    drafter = d3d.make_drafter(
+        tiny_qwen3(seed=3, layers=4), tokenizer=tok, block_size=3, num_anchors=4
+    )
+    data = prune_data(num_batches=1)
+    measure = d3d.PruneConfig(min_layers=1)
+    tau0, _ = d3d.validation_tau(drafter, data, val_anchors=measure.val_anchors, seed=measure.seed)
+    fractions = iter([0.75, 0.5, 0.25])
+
+    def scores(drafter, batches, **_):  # layer 0 of those left costs least
+        fraction = next(fractions)
+        return {i: fraction * tau0 - 0.01 * i for i in range(len(drafter.model.model.layers))}
+
+    table = list(
+        d3d.prune_drafter(drafter, data, data, tau_floor=0.5, recovery_steps=0, score=scores)
+    )
+    kept = [row["kept"] for row in table]
+    assert kept == [True, True, True, False], (
+        f"kept {kept} for taus 0.75, 0.5 and 0.25 x the unpruned tau at tau_floor 0.5: a removal "
+        "is undone only where its tau falls below the floor; one at the floor is kept"
+    )
+    taus = [row["tau_after_recovery"] / tau0 for row in table[1:]]
+    assert taus == [0.75, 0.5, 0.25], (
+        f"taus after recovery {taus} x tau0: without recovery steps the removed layer's score "
+        "is its tau"
+    )
+    assert table[-1]["layers"] == 1 and len(drafter.model.model.layers) == 2, (
+        f"the undone removal's record says {table[-1]['layers']} layers, the drafter has "
+        f"{len(drafter.model.model.layers)}: the record keeps the depth it measured (1), the "
+        "drafter is back at 2"
+    )
+
+
+def test_the_floor_judges_the_tau_after_recovery_not_the_score(tok):
+    """The floor judges the tau re-measured after recovery, not the removed layer's score:
+    scores far above an unreachable floor (10 x tau0) still end in an undone removal, scores of
+    0 under a floor of 0.001 x tau0 still keep it; the record's tau after recovery is the
+    pruned drafter's validation tau."""
+    data = prune_data(num_batches=1)
+    for score, tau_floor, kept in ((100.0, 10.0, False), (0.0, 1e-3, True)):
+        drafter = d3d.make_drafter(
+            tiny_qwen3(seed=3, layers=3), tokenizer=tok, block_size=3, num_anchors=4
+        )
+
+        def scores(drafter, batches, score=score, **_):
+            return {i: score - 0.01 * i for i in range(len(drafter.model.model.layers))}
+
+        settings = dict(min_layers=2, tau_floor=tau_floor, recovery_steps=1, score=scores)
+        table = list(d3d.prune_drafter(drafter, data, data, **settings))
+        row = table[1]
+        assert row["kept"] is kept, (
+            f"scores {score}, tau after recovery {row['tau_after_recovery']:.3f}, floor "
+            f"{tau_floor} x tau0: kept {row['kept']}; the floor judges the tau re-measured after "
+            "recovery, not the removed layer's score"
+        )
+    measured, _ = d3d.validation_tau(drafter, data, val_anchors=32, seed=0)
+    assert row["tau_after_recovery"] == measured, (
+        f"tau after recovery {row['tau_after_recovery']}, the pruned drafter's validation tau "
+        f"{measured}: with recovery steps, tau is re-measured after recovery"
+    )
+
+
+def test_pruning_measures_with_the_configs_anchors_and_seed_and_repeats_itself(tok):
+    """Every measurement takes the config's val_anchors and seed: `score` is called with them,
+    the unpruned tau is validation_tau's with them; recovery's generator is seeded with the
+    seed, so a second run, whatever the global random state, repeats the first exactly."""
+    data, train = prune_data(num_batches=1), prune_data(seed=10, num_batches=1)
+    config = d3d.PruneConfig(min_layers=2, recovery_steps=2, val_anchors=5, seed=3)
+    calls = []
+
+    def scores(drafter, batches, **measure):
+        calls.append(measure)
+        return first_layer_costs_least(drafter, batches)
+
+    runs = []
+    for global_seed in (0, 1):
+        drafter = noop_layer_drafter(tok, layers=3)
+        tau0, _ = d3d.validation_tau(drafter, data, val_anchors=5, seed=3)
+        torch.manual_seed(global_seed)
+        table = list(d3d.prune_drafter(drafter, data, train, config, score=scores))
+        runs.append(([row["tau_after_recovery"] for row in table], list(drafter.parameters())))
+    assert all(call == {"val_anchors": 5, "seed": 3} for call in calls), (
+        f"score was called with {calls}: every measurement takes the config's val_anchors (5) "
+        "and seed (3)"
+    )
+    assert runs[0][0][0] == tau0, (
+        f"the unpruned tau {runs[0][0][0]}, validation_tau with the config's val_anchors and "
+        f"seed {tau0}: every measurement takes them"
+    )
+    same = all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert same and runs[0][0] == runs[1][0], (
+        "two runs of one config under different global random states differ: recovery's "
+        "generator is seeded with the config's seed"
+    )
+
+
+def test_pruning_is_a_generator_that_prunes_as_its_records_are_taken(tok):
+    """prune_drafter returns a generator: the call checks the settings and runs no pass of any
+    model; the first record measures the unpruned drafter, and each later one runs its removal
+    as it is taken."""
+    drafter = d3d.make_drafter(
+        tiny_qwen3(seed=3, layers=4), tokenizer=tok, block_size=3, num_anchors=4
+    )
+    decoder = type(drafter.model.get_decoder())
+    passes = []
+
+    def seen(module, args, output):
+        if isinstance(module, decoder):
+            passes.append(module)
+
+    data = prune_data(num_batches=1)
+    hook = torch.nn.modules.module.register_module_forward_hook(seen)
+    try:
+        records = d3d.prune_drafter(
+            drafter, data, data, min_layers=2, recovery_steps=0, score=first_layer_costs_least
+        )
+        assert not passes, (
+            f"the call ran {len(passes)} passes: it checks the settings and returns a generator; "
+            "each record's work runs when the record is taken"
+        )
+        assert iter(records) is records, f"prune_drafter returned a {type(records).__name__}"
+        assert next(records)["removed_layer"] is None and passes, "record 0: the unpruned tau"
+        next(records)
+    finally:
+        hook.remove()
+    assert len(drafter.model.model.layers) == 3, (
+        f"after two records the drafter has {len(drafter.model.model.layers)} layers: each "
+        "record's removal runs when it is taken, one at a time"
+    )
+
+
 # --------------------------------------------------------------------------------------------------
 # Selective prefilling (appendix, Fig. 5)
 
@@ -2090,13 +2784,159 @@ def test_kept_chunks_are_in_order_with_original_positions(tok):
     sel = d3d.select_chunks(drafter, prompt, keep_ratio=0.4, chunk_size=7)
     assert sel["num_chunks"] == 7 and sel["chunks_kept"] == 3
     kept = sel["kept_chunks"]
-    assert kept == sorted(kept) and kept[0] == 0 and kept[-1] == 6
+    assert kept == sorted(kept), f"kept {kept}: the kept chunks stay in their order"
+    assert kept[0] == 0 and kept[-1] == 6, (
+        f"kept {kept} of 7 chunks: the first chunk and the last are always kept"
+    )
     expected_positions = [p for c in kept for p in range(7 * c, min(7 * c + 7, 45))]
-    assert sel["kept_positions"][0].tolist() == expected_positions
-    assert torch.equal(sel["kept_ids"][0], prompt[0, expected_positions])
+    assert sel["kept_positions"][0].tolist() == expected_positions, (
+        f"kept_positions {sel['kept_positions'][0].tolist()}: the kept tokens keep their "
+        f"original positions, {expected_positions}"
+    )
+    assert torch.equal(sel["kept_ids"][0], prompt[0, expected_positions]), (
+        "kept_ids are the prompt's tokens at the kept positions"
+    )
     middle = max(range(1, 6), key=lambda c: sel["chunk_scores"][c])
-    assert kept[1] == middle  # the best-scoring middle chunk
+    assert kept[1] == middle, (
+        f"kept {kept}: besides the first and the last, the best-scoring chunk ({middle})"
+    )
     assert sel["drafter_cache"].length == 45  # the drafter keeps the whole prompt
+
+
+def test_select_chunks_refuses_a_keep_ratio_outside_0_1_and_a_chunk_size_under_1(tok):
+    """keep_ratio in (0, 1] and chunk_size >= 1, or a ValueError: at each bound and on both
+    sides of it."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok)
+    prompt = torch.randint(0, TEXT_VOCAB, (1, 9), generator=torch.Generator().manual_seed(4))
+    rule = "keep_ratio must be in (0, 1] and chunk_size >= 1"
+    for keep_ratio, chunk_size in ((0.0, 4), (-0.5, 4), (1.0 + 1e-9, 4), (1.5, 4), (0.5, 0)):
+        given = f"keep_ratio {keep_ratio}, chunk_size {chunk_size}"
+        try:
+            d3d.select_chunks(drafter, prompt, keep_ratio=keep_ratio, chunk_size=chunk_size)
+        except ValueError:
+            continue
+        except (ArithmeticError, RuntimeError, IndexError) as error:
+            pytest.fail(f"{given} raised {error!r}, not a ValueError that says why: {rule}")
+        pytest.fail(f"{given} accepted: {rule}")
+    for keep_ratio, chunk_size in ((1e-9, 4), (1.0, 4), (0.5, 1)):
+        try:
+            d3d.select_chunks(drafter, prompt, keep_ratio=keep_ratio, chunk_size=chunk_size)
+        except ValueError as error:
+            pytest.fail(
+                f"keep_ratio {keep_ratio}, chunk_size {chunk_size} refused: {error}; {rule}"
+            )
+
+
+def attention_received(drafter, prompt, window):
+    """The attention each prompt token receives from the last `window` prompt tokens, mean over
+    layers, heads and those queries: one plain causal pass with eager attention."""
+    model = drafter.model
+    implementation = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            attentions = model(prompt, output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation(implementation)
+    # (layers, heads, window, prompt_len) -> (prompt_len,)
+    return torch.stack(attentions)[:, 0, :, -window:].mean((0, 1, 2))
+
+
+def test_a_chunks_score_is_the_attention_its_tokens_get_from_the_last_query_window(tok):
+    """chunk_scores, chunk by chunk: the attention each token receives from the last
+    query_window prompt tokens (all of them, where the prompt is shorter), mean over layers,
+    heads and queries, summed over the chunk's tokens."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok)
+    prompt = torch.randint(0, TEXT_VOCAB, (1, 23), generator=torch.Generator().manual_seed(7))
+    chunk_size = 4  # 6 chunks, the last of 3 tokens
+    for query_window in (5, 40):
+        window = min(query_window, 23)
+        attention = attention_received(drafter, prompt, window)
+        expected = [attention[c : c + chunk_size].sum().item() for c in range(0, 23, chunk_size)]
+        given = f"query_window {query_window}, a prompt of 23 tokens"
+        try:
+            sel = d3d.select_chunks(
+                drafter, prompt, keep_ratio=0.5, chunk_size=chunk_size, query_window=query_window
+            )
+        except (RuntimeError, IndexError, ValueError) as error:
+            pytest.fail(
+                f"{given}: raised {error!r}; the last query_window prompt tokens ask (all of "
+                "them where the prompt is shorter)"
+            )
+        scores = [float(score) for score in sel["chunk_scores"]]
+        if scores == pytest.approx(expected, abs=1e-5):
+            continue
+        sizes = [min(chunk_size, 23 - c) for c in range(0, 23, chunk_size)]
+        slips = {
+            "the mean of its tokens', not their sum": [e / n for e, n in zip(expected, sizes)],
+            f"from the last {window} prompt tokens only, not from every one": [
+                attention_received(drafter, prompt, 23)[c : c + chunk_size].sum().item()
+                for c in range(0, 23, chunk_size)
+            ],
+        }
+        said = [why for why, slip in slips.items() if scores == pytest.approx(slip, abs=1e-5)]
+        pytest.fail(
+            f"{given}: chunk_scores {[round(x, 4) for x in scores]}, expected "
+            f"{[round(x, 4) for x in expected]}: a chunk's score is the attention its tokens "
+            "receive from the last query_window prompt tokens (mean over layers, heads and "
+            "queries), summed over the chunk" + (f"; here {said[0]}" if said else "")
+        )
+
+
+@pytest.mark.parametrize(
+    "prompt_len,keep_ratio,count,rule",
+    [
+        (24, 0.5, 3, "ceil(keep_ratio x chunks)"),  # 6 chunks: 3.0
+        (24, 0.51, 4, "ceil(keep_ratio x chunks)"),  # 3.06
+        (24, 0.49, 3, "ceil(keep_ratio x chunks)"),  # 2.94
+        (24, 0.2, 2, "ceil(keep_ratio x chunks)"),  # 1.2
+        (24, 0.1, 2, "at least 2"),  # 0.6
+        (8, 0.1, 2, "at least 2"),  # 2 chunks
+        (3, 0.5, 1, "never more than the chunks there are"),  # 1 chunk
+        (5, 1.0, 2, "never more than the chunks there are"),  # 2 chunks, the last of 1 token
+    ],
+    ids=["3.0", "3.06", "2.94", "1.2", "0.6", "2-chunks", "1-chunk", "all-2"],
+)
+def test_as_many_chunks_as_ceil_keep_ratio_x_chunks_at_least_2_at_most_all(
+    tok, prompt_len, keep_ratio, count, rule
+):
+    """How many chunks are kept: ceil(keep_ratio x num_chunks), but at least 2 and never more than
+    the chunks there are: at the bounds and on both sides (chunks of 4 tokens)."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok)
+    prompt = torch.randint(
+        0, TEXT_VOCAB, (1, prompt_len), generator=torch.Generator().manual_seed(1)
+    )
+    num_chunks = math.ceil(prompt_len / 4)
+    given = f"keep_ratio {keep_ratio} of {num_chunks} chunks"
+    try:
+        sel = d3d.select_chunks(drafter, prompt, keep_ratio=keep_ratio, chunk_size=4)
+    except (RuntimeError, IndexError, ValueError) as error:
+        pytest.fail(f"{given} raised {error!r}: the chunks kept are {rule}")
+    assert len(sel["kept_chunks"]) == sel["chunks_kept"] == count, (
+        f"{given}: kept {sel['kept_chunks']}, expected {count} chunks: {rule}"
+    )
+
+
+def test_the_drafters_cache_is_the_one_given_rewound_to_hold_the_whole_prompt(tok):
+    """`cache`, where given, is the drafter's cache returned: rewound to 0 first, whatever it
+    held, then holding the whole prompt, as a new cache would (the next draft reads the same)."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=1), tokenizer=tok, block_size=3)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, TEXT_VOCAB, (1, 20), generator=g)
+    cache = runtime.KVCache(drafter, 64)
+    runtime.prefill(cache, torch.randint(0, TEXT_VOCAB, (1, 10), generator=g))  # an earlier text
+    sel = d3d.select_chunks(drafter, prompt, keep_ratio=0.5, chunk_size=5, cache=cache)
+    assert sel["drafter_cache"] is cache, "drafter_cache is the cache given, where one is"
+    assert cache.length == 20, (
+        f"the cache holds {cache.length} tokens: rewound to 0, then the whole prompt (20)"
+    )
+    fresh = runtime.KVCache(drafter, 64)
+    d3d.select_chunks(drafter, prompt, keep_ratio=0.5, chunk_size=5, cache=fresh)
+    with torch.no_grad():
+        after = [d3d.draft_block(drafter, c, prompt[:, -1:], 3) for c in (cache, fresh)]
+    torch.testing.assert_close(
+        after[0], after[1], msg="the cache given holds the prompt as a new cache would"
+    )
 
 
 def needle_drafter(tok, needle):
@@ -2226,6 +3066,25 @@ def test_long_prompts_are_prefilled_in_chunks(tok, target, monkeypatch):
             assert max(widths) == 3 and sum(widths) == (11 if ratio is None else 7) + (
                 11 if mode != "target" and ratio is None else 0
             )
+    # select_chunks with a window shorter than the prompt: the drafter prefills the first 7
+    # tokens 3 at a time, and only the last 4 are read with attention
+    passes = []
+
+    def seen(module, args, kwargs):
+        passes.append((kwargs["input_ids"].shape[1], bool(kwargs.get("output_attentions"))))
+
+    hook = drafter.model.get_decoder().register_forward_pre_hook(seen, with_kwargs=True)
+    try:
+        d3d.select_chunks(drafter, prompt, keep_ratio=0.5, chunk_size=4, query_window=4)
+    finally:
+        hook.remove()
+    prefilled = [width for width, attention in passes if not attention]
+    attended = [width for width, attention in passes if attention]
+    assert attended == [4] and max(prefilled, default=0) <= 3 and sum(prefilled) == 7, (
+        f"select_chunks' passes over 11 tokens, query_window 4: {prefilled} tokens without "
+        f"attention, {attended} with it; the prompt is read in prefill chunks (at most "
+        "PREFILL_CHUNK = 3 tokens here), only the last query_window tokens with attention"
+    )
 
 
 # --------------------------------------------------------------------------------------------------

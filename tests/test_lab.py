@@ -4,7 +4,8 @@ as they say (with a message to act on), a handout grades its own d3d.py, and not
 writes over d3d.py.
 
 lab.py runs in a copy of the repository (the real runs/lab/ is never touched), its checks
-two at a time, each a pytest subprocess: about two minutes on two cores.
+two at a time, each a pytest subprocess: about seven minutes on two cores (a wrong solution's
+check runs only the tests it must fail, some seven seconds, most of it importing the suite).
 Run: python -m pytest -q tests/test_lab.py
 """
 
@@ -45,14 +46,17 @@ def solution_files() -> list[str]:
 
 
 def solution_facts(name: str) -> dict:
-    """EXERCISE, RIGHT and FAILS of a solution file, read without running it."""
+    """EXERCISE, RIGHT, FAILS and (a wrong one's) RULE of a solution file, read without running
+    it."""
     with open(os.path.join(SOLUTIONS, name), encoding="utf-8") as f:
         tree = ast.parse(f.read())
-    return {
+    facts = {
         node.targets[0].id: ast.literal_eval(node.value)
         for node in tree.body
-        if isinstance(node, ast.Assign) and node.targets[0].id in ("EXERCISE", "RIGHT", "FAILS")
+        if isinstance(node, ast.Assign)
+        and node.targets[0].id in ("EXERCISE", "RIGHT", "FAILS", "RULE")
     }
+    return {"RULE": None, **facts}
 
 
 def lab_py(cwd, *argv, timeout=1200) -> subprocess.CompletedProcess:
@@ -197,6 +201,12 @@ def test_every_graded_test_is_in_the_suite_and_patches_nothing_of_d3d():
     assert all(len(f"  FAIL  {c}") <= lab.WIDTH for c in lab.CLAIMS.values())  # one line each
     assert len(lab.EXERCISES) >= 8 and all(e.right for e in lab.EXERCISES)
     assert all(e.fast or e.no_fast for e in lab.EXERCISES)
+    assert set(lab.RULES) <= set(lab.BY_NAME), sorted(set(lab.RULES) - set(lab.BY_NAME))
+    for name, rules in lab.RULES.items():  # each rule: a claim of its exercise, or why none
+        tests = lab.BY_NAME[name].right + lab.BY_NAME[name].fast
+        assert len({rule.key for rule in rules}) == len(rules), name
+        assert all(bool(rule.test) != bool(rule.why_not) for rule in rules), name
+        assert all(rule.test in tests for rule in rules if rule.test), name
     for exercise in lab.EXERCISES:
         assert set(exercise.hints) == set(exercise.functions)
         for test in exercise.right + exercise.fast:  # a filter names a real parameter
@@ -278,6 +288,38 @@ def test_list_prints_each_level_of_an_exercises_hints():
         assert shown.returncode == 0 and f"d3d_loss (hints: {level}):" in shown.stdout
         for hint in lab.BY_NAME["d3d_loss"].hints.values():
             assert " ".join(hint.at(level).split()) in " ".join(shown.stdout.split())
+
+
+def test_list_rules_shows_each_rule_and_the_claim_that_grades_it():
+    """`list NAME --rules`: every rule of RULES in its words, under it the claim (and where the
+    test is) or why none grades it, then the graded tests no rule names; without NAME every
+    exercise's table, one without rules showing its claims."""
+
+    def flat(text):
+        return " ".join(text.split())
+
+    for name, rules in lab.RULES.items():
+        shown = lab_py(ROOT, "list", name, "--rules", timeout=60)
+        assert shown.returncode == 0 and shown.stderr == "", shown
+        text = flat(shown.stdout)
+        graded = [rule for rule in rules if rule.test]
+        assert f"{name}: {len(graded)} rules graded, {len(rules) - len(graded)} not" in text
+        for rule in rules:
+            assert f"- {rule.key}: {flat(rule.says)}" in text, rule
+            if rule.test:
+                section = "right" if rule.test in lab.BY_NAME[name].right else "fast"
+                told = f"{section}: {flat(lab.claim(lab.parse_test(rule.test)[0]))} "
+                assert f"{flat(rule.says)} {told}{lab.where(rule.test)}" in text, rule
+            else:
+                assert f"{flat(rule.says)} not graded: {flat(rule.why_not)}" in text, rule
+        exercise = lab.BY_NAME[name]
+        for test in exercise.right + exercise.fast:  # every graded test shows, named or not
+            assert lab.where(test) in shown.stdout, test
+    every = lab_py(ROOT, "list", "--rules", timeout=60)
+    assert every.returncode == 0
+    for exercise in lab.EXERCISES:
+        assert f"{exercise.name}: " in every.stdout
+        assert all(lab.where(t) in every.stdout for t in exercise.right + exercise.fast)
 
 
 def test_list_names_every_exercise_its_place_and_its_tests():
@@ -414,6 +456,55 @@ def test_a_solution_passes_or_fails_as_it_says(lab_runs, name):
 ONE_RIGHT_SOLUTION = ("decode_sync", "prune_drafter", "select_chunks")
 
 
+def test_every_graded_rule_has_a_wrong_solution_that_fails_its_claim():
+    """For each exercise with a rules table, one plausible wrong solution per graded rule at
+    least: each names the rule it breaks (RULE), and the claim of that rule is among the tests
+    it must fail (test_a_solution_passes_or_fails_as_it_says runs them)."""
+    broken = {}
+    for name in solution_files():
+        facts = solution_facts(name)
+        if facts["RIGHT"] or facts["EXERCISE"] not in lab.RULES:
+            continue
+        rules = {rule.key: rule for rule in lab.RULES[facts["EXERCISE"]]}
+        assert facts["RULE"] in rules, f"{name}: RULE {facts['RULE']!r} is not one of {rules}"
+        rule = rules[facts["RULE"]]
+        assert rule.test, f"{name}: {rule.key} is graded by no test"
+        assert lab.parse_test(rule.test)[0] in facts["FAILS"], (name, rule.test)
+        broken.setdefault(facts["EXERCISE"], set()).add(rule.key)
+    for exercise, rules in lab.RULES.items():
+        graded = {rule.key for rule in rules if rule.test}
+        missing = sorted(graded - broken.get(exercise, set()))
+        assert not missing, f"{exercise}: no wrong solution breaks {missing}"
+
+
+def test_lab_md_shows_each_passing_check_with_the_claims_a_check_grades():
+    """Each exercise's "A passing check prints:" block in LAB.md shows a full check's claims,
+    in the order a check prints them, and its closing counts (right R/R, fast F/F)."""
+    with open(os.path.join(ROOT, "LAB.md"), encoding="utf-8") as f:
+        text = f.read()
+    blocks = re.findall(r"A passing check prints:\n\n```text\n(.*?)```", text, re.S)
+    shown = {}
+    for block in blocks:
+        lines = block.splitlines()
+        name = re.match(r"(\w+) passed: ", lines[-1]).group(1)
+        claims = []
+        for line in lines:
+            if line.startswith("  PASS  "):
+                claims.append(line[len("  PASS  ") :])
+            elif line.startswith("        ") and claims:  # a wrapped claim goes on
+                claims[-1] += " " + line.strip()
+        shown[name] = ([re.sub(r" \(\d+ cases\)$", "", c) for c in claims], lines[-1])
+    assert set(shown) == set(lab.BY_NAME), sorted(set(lab.BY_NAME) ^ set(shown))
+    for exercise in lab.EXERCISES:
+        claims, last = shown[exercise.name]
+        graded = [lab.claim(lab.parse_test(t)[0]) for _, t in lab.graded(exercise)]
+        assert claims == graded, exercise.name
+        counts = [f"right {len(exercise.right)}/{len(exercise.right)}"]
+        if exercise.fast:
+            counts.append(f"fast {len(exercise.fast)}/{len(exercise.fast)}")
+        assert last.startswith(f"{exercise.name} passed: {', '.join(counts)} ("), last
+
+
 def test_every_exercise_has_two_wrong_solutions_and_most_a_second_right_one():
     """Each exercise: at least two plausible wrong solutions, each naming the tests it fails,
     and a right one written another way (but where the body has only one way to say it)."""
@@ -474,6 +565,8 @@ def test_a_handout_grades_its_own_d3d_py_and_holds_no_answer(lab_runs):
         (["start", "select_segment", "--hints", "all"], "invalid choice"),
         (["list", "nope", "--hints", "goal"], "no exercise 'nope'"),
         (["list", "select_segment", "--hints", "more"], "invalid choice"),
+        (["list", "select_segment", "--rules", "--hints", "goal"], "--rules and --hints"),
+        (["list", "nope", "--rules"], "no exercise 'nope'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_status_2(tmp_path, argv, says):

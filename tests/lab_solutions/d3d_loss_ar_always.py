@@ -4,6 +4,7 @@ trained, and a lambda = 0 ablation pays for a projection it throws away.
 """
 
 EXERCISE = "d3d_loss"
+RULE = "ar-at-0"  # the rule it breaks (lab.RULES)
 RIGHT = False
 FAILS = ("test_the_ar_term_is_zero_at_lambda_0",)  # must fail (others may too)
 

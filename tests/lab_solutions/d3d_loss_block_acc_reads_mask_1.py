@@ -4,6 +4,7 @@ decoding drafts (under d1_from "causal", the anchor's causal row) is right.
 """
 
 EXERCISE = "d3d_loss"
+RULE = "acc-d1"  # the rule it breaks (lab.RULES)
 RIGHT = False
 FAILS = ("test_block_acc_reads_d1_where_d1_from_says",)  # must fail (others may too)
 

@@ -4,6 +4,7 @@ arbitrary positions (sample_anchors marks them invalid), and they now carry loss
 """
 
 EXERCISE = "d3d_loss"
+RULE = "valid"  # the rule it breaks (lab.RULES)
 RIGHT = False
 FAILS = ("test_loss_ignores_blocks_of_invalid_anchors",)  # must fail (others may too)
 

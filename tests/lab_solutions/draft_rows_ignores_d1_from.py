@@ -4,8 +4,10 @@ drafter's d_1 comes from a row that training's L_AR never made a next-token pred
 """
 
 EXERCISE = "draft_rows"
+RULE = "d1-causal"  # the rule it breaks (lab.RULES)
 RIGHT = False
 FAILS = (  # tests that must fail (others may too)
+    "test_draft_rows_reads_d1_where_d1_from_says_and_the_rest_at_masks_2_to_b",
     "test_packed_blocks_equal_separate_passes",
     "test_offline_tau_drafts_the_d1_from_where_decoding_does",
 )

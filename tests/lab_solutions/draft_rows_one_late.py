@@ -5,8 +5,10 @@ shifted").
 """
 
 EXERCISE = "draft_rows"
+RULE = "masks"  # the rule it breaks (lab.RULES)
 RIGHT = False
 FAILS = (  # tests that must fail (others may too)
+    "test_draft_rows_reads_d1_where_d1_from_says_and_the_rest_at_masks_2_to_b",
     "test_packed_blocks_equal_separate_passes",
     "test_sync_equals_target_greedy",
 )

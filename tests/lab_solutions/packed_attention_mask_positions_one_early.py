@@ -5,6 +5,7 @@ positions alone, and shows both lists.
 """
 
 EXERCISE = "packed_attention_mask"
+RULE = "positions"  # the rule it breaks (lab.RULES)
 RIGHT = False
 FAILS = (
     "test_mask_matches_slow_reference",  # tests that must fail (others may too)

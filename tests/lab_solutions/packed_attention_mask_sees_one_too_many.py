@@ -7,6 +7,7 @@ longer equals drafting it alone.
 """
 
 EXERCISE = "packed_attention_mask"
+RULE = "anchor"  # the rule it breaks (lab.RULES)
 RIGHT = False
 FAILS = (
     "test_mask_matches_slow_reference",  # tests that must fail (others may too)

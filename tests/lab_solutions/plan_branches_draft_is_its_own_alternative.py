@@ -5,6 +5,7 @@ branch: fewer hits (test_async_equals_sync_and_target counts them too).
 """
 
 EXERCISE = "plan_branches"
+RULE = "candidates"  # the rule it breaks (lab.RULES)
 RIGHT = False
 FAILS = ("test_plan_branches_chooses_positions_and_candidates",)  # must fail (others may too)
 

@@ -4,6 +4,7 @@ draft_logits[-1], the last of the block.
 """
 
 EXERCISE = "plan_branches"
+RULE = "positions"  # the rule it breaks (lab.RULES)
 RIGHT = False
 FAILS = ("test_plan_branches_chooses_positions_and_candidates",)  # must fail (others may too)
 

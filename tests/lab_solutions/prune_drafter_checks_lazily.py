@@ -4,6 +4,7 @@ an iterator without complaint and the error comes only when the first record is 
 """
 
 EXERCISE = "prune_drafter"
+RULE = "at-call"  # the rule it breaks (lab.RULES)
 RIGHT = False
 FAILS = ("test_pruning_checks_its_arguments_at_the_call",)  # must fail (others may too)
 

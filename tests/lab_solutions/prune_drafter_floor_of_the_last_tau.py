@@ -4,6 +4,7 @@ runs on far past the fraction of the unpruned tau the user asked to keep.
 """
 
 EXERCISE = "prune_drafter"
+RULE = "floor"  # the rule it breaks (lab.RULES)
 RIGHT = False
 FAILS = ("test_the_floor_is_a_fraction_of_the_unpruned_tau_with_scores_given",)  # must fail
 

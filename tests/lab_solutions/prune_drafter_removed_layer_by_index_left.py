@@ -4,6 +4,7 @@ layer that is already gone, or another one.
 """
 
 EXERCISE = "prune_drafter"
+RULE = "original"  # the rule it breaks (lab.RULES)
 RIGHT = False
 FAILS = ("test_pruning_removes_the_layer_whose_removal_costs_least",)  # must fail (others may too)
 

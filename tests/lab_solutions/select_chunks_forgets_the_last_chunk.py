@@ -3,6 +3,7 @@ question the prompt ends with, competes with the others on its score and is ofte
 """
 
 EXERCISE = "select_chunks"
+RULE = "first-last"  # the rule it breaks (lab.RULES)
 RIGHT = False
 FAILS = ("test_kept_chunks_are_in_order_with_original_positions",)  # must fail (others may too)
 

@@ -4,6 +4,7 @@ positions they never had.
 """
 
 EXERCISE = "select_chunks"
+RULE = "order"  # the rule it breaks (lab.RULES)
 RIGHT = False
 FAILS = ("test_kept_chunks_are_in_order_with_original_positions",)  # must fail (others may too)
 
