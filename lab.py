@@ -111,27 +111,28 @@ EXERCISES = (
                 Return the mask (b, 1, W, past_len + W), True where a row may attend, and the
                 position ids (b, W) of the packed sequence the docstring draws. The paper: a
                 block sees the clean tokens up to its anchor, none after it, all of its own
-                MASKs, and no other block.""",
+                MASKs, and no other block (the docstring calls the row a block hangs off its
+                root: in training, its anchor).""",
                 rules="""
                 The causal stream attends causally and sees no segment. A segment's tokens see
-                the causal rows up to their anchor (so by position nothing after it) and their
+                the causal rows up to their root (so by position nothing after it) and their
                 own segment only: its prefix causally, each MASK all of it. The past_len cached
                 tokens come first; every row sees them. A segment's tokens sit at the positions
-                right after their anchor's. Every size is a host int: nothing is read back.""",
+                right after their root's. Every size is a host int: nothing is read back.""",
                 steps="""
                 Number the q packed tokens: the causal stream 0 .. N-1, then S segments of
                 prefix_len + B tokens each. A causal row sees the causal keys j <= i and no
-                segment. A segment's rows see the causal keys up to their anchor, none after it,
+                segment. A segment's rows see the causal keys up to their root, none after it,
                 and their own segment only: its prefix tokens causally, each MASK the whole
                 segment. The past_len cached tokens come first, seen by every row. Positions:
-                causal i -> past_len + i; segment token t (0-based) -> past_len + anchor + 1 + t.
+                causal i -> past_len + i; segment token t (0-based) -> past_len + root + 1 + t.
                 Every size is a host int: build it from torch.arange and comparisons, and read
                 no tensor back.""",
             )
         },
         (
             "test_mask_matches_slow_reference",
-            "test_mask_is_per_row_for_batched_anchors",
+            "test_mask_is_per_row_for_batched_roots",
             "test_packed_blocks_equal_separate_passes",
             "test_a_prepared_block_is_the_draft_its_outcome_would_get",
         ),
@@ -544,7 +545,7 @@ CLAIMS = {
     "test_mask_matches_slow_reference": (
         "mask and positions follow the docstring's rules, pair by pair"
     ),
-    "test_mask_is_per_row_for_batched_anchors": (
+    "test_mask_is_per_row_for_batched_roots": (
         "each row of a batch of anchors gets its own mask and positions"
     ),
     "test_packed_blocks_equal_separate_passes": (
@@ -770,8 +771,8 @@ RULES = {
         ),
         Rule("causal", "the causal stream attends causally and sees no segment", MASK_RULES),
         Rule(
-            "anchor",
-            "a segment's tokens see the causal rows up to their anchor, none after it",
+            "root",
+            "a segment's tokens see the causal rows up to their root, none after it",
             MASK_RULES,
         ),
         Rule(
@@ -783,13 +784,13 @@ RULES = {
         Rule(
             "positions",
             "causal token i sits at past_len + i, a segment's tokens at the positions right "
-            "after their anchor's",
+            "after their root's",
             MASK_RULES,
         ),
         Rule(
             "batched",
-            "anchors (S,) or (b, S): each row of a batch gets its own mask and positions",
-            "test_mask_is_per_row_for_batched_anchors",
+            "roots (S,) or (b, S): each row of a batch gets its own mask and positions",
+            "test_mask_is_per_row_for_batched_roots",
         ),
         Rule(
             "no-read",

@@ -176,11 +176,11 @@ def batch_prompts(lengths=(1, 4, 9)):
 # Mask: Fig. 1a's packed attention
 
 
-def slow_mask(num_causal, anchors, block_size, prefix_lens, past_len):
+def slow_mask(num_causal, roots, block_size, prefix_lens, past_len):
     """The rules of packed_attention_mask's docstring, one (query, key) pair at a time. Returns
     the mask (q, past_len + q), the positions (q,), and for each pair the rule that decides it."""
     tokens = [("c", None, i) for i in range(num_causal)]  # (kind, segment, index)
-    for s, _ in enumerate(anchors):
+    for s, _ in enumerate(roots):
         tokens += [("s", s, i) for i in range(prefix_lens[s] + block_size)]
     q = len(tokens)
     mask = torch.zeros(q, past_len + q, dtype=torch.bool)
@@ -188,7 +188,7 @@ def slow_mask(num_causal, anchors, block_size, prefix_lens, past_len):
     rules = [[past] * past_len for _ in range(q)]
     positions = []
     for qi, (kind, seg, idx) in enumerate(tokens):
-        positions.append(past_len + (idx if kind == "c" else anchors[seg] + 1 + idx))
+        positions.append(past_len + (idx if kind == "c" else roots[seg] + 1 + idx))
         mask[qi, :past_len] = True
         for ki, (kkind, kseg, kidx) in enumerate(tokens):
             if kind == "c" and kkind == "c":
@@ -196,8 +196,8 @@ def slow_mask(num_causal, anchors, block_size, prefix_lens, past_len):
             elif kind == "c":
                 ok, rule = False, "a causal token sees no segment"
             elif kkind == "c":
-                ok = kidx <= anchors[seg]
-                rule = "a segment sees the causal tokens up to its anchor, none after it"
+                ok = kidx <= roots[seg]
+                rule = "a segment sees the causal tokens up to its root, none after it"
             elif kseg != seg:
                 ok, rule = False, "a segment sees no other segment"
             elif idx < prefix_lens[seg]:
@@ -209,33 +209,31 @@ def slow_mask(num_causal, anchors, block_size, prefix_lens, past_len):
     return mask, torch.tensor(positions), rules
 
 
-def mask_is_as_the_rules_say(
-    mask, positions, num_causal, anchors, block_size, prefix_len, past_len
-):
+def mask_is_as_the_rules_say(mask, positions, num_causal, roots, block_size, prefix_len, past_len):
     """Assert that one row of packed_attention_mask's output (mask (W, past_len + W), positions
     (W,)) follows the docstring's rules; a failure names the first pair that breaks one, and
     the rule it breaks."""
     expected_mask, expected_pos, rules = slow_mask(
-        num_causal, anchors, block_size, [prefix_len] * len(anchors), past_len
+        num_causal, roots, block_size, [prefix_len] * len(roots), past_len
     )
     wrong = (mask != expected_mask).nonzero().tolist()
     if wrong:
         row, key = wrong[0]
         may = "may" if mask[row, key] else "may not"
         pytest.fail(
-            f"{len(wrong)} wrong pairs; the first: row {row} {may} attend to key {key} (anchors "
-            f"{anchors}, B = {block_size}, prefix_len = {prefix_len}, past_len = {past_len}): "
+            f"{len(wrong)} wrong pairs; the first: row {row} {may} attend to key {key} (roots "
+            f"{roots}, B = {block_size}, prefix_len = {prefix_len}, past_len = {past_len}): "
             f"{rules[row][key]}"
         )
     assert torch.equal(positions, expected_pos), (
         f"positions {positions.tolist()}, expected {expected_pos.tolist()}: causal token i sits at "
-        "past_len + i, a segment's token t (0-based) at past_len + anchor + 1 + t, right after "
-        "its anchor's"
+        "past_len + i, a segment's token t (0-based) at past_len + root + 1 + t, right after "
+        "its root's"
     )
 
 
 @pytest.mark.parametrize(
-    "num_causal,anchors,block_size,prefix_len,past_len",
+    "num_causal,roots,block_size,prefix_len,past_len",
     [
         (7, [0, 2, 3], 3, 0, 0),  # overlapping spans
         (5, [1, 1, 4], 1, 0, 0),  # two blocks off the same point, block size 1
@@ -250,31 +248,31 @@ def mask_is_as_the_rules_say(
         (1, [0], 16, 0, 11),  # synchronous drafting: one token, one block
     ],
 )
-def test_mask_matches_slow_reference(num_causal, anchors, block_size, prefix_len, past_len):
+def test_mask_matches_slow_reference(num_causal, roots, block_size, prefix_len, past_len):
     mask, positions = d3d.packed_attention_mask(
-        num_causal, torch.tensor(anchors), block_size, prefix_len=prefix_len, past_len=past_len
+        num_causal, torch.tensor(roots), block_size, prefix_len=prefix_len, past_len=past_len
     )
-    width = num_causal + len(anchors) * (prefix_len + block_size)
+    width = num_causal + len(roots) * (prefix_len + block_size)
     shapes = f"mask {tuple(mask.shape)} {mask.dtype}, positions {tuple(positions.shape)}"
     assert mask.shape == (1, 1, width, past_len + width) and mask.dtype == torch.bool, (
-        f"{shapes}: the mask is bool (b, 1, W, past_len + W), W = {width} here, b = 1 for anchors "
+        f"{shapes}: the mask is bool (b, 1, W, past_len + W), W = {width} here, b = 1 for roots "
         "(S,)"
     )
     assert positions.shape == (1, width), f"{shapes}: the positions are (b, W), W = {width} here"
     mask_is_as_the_rules_say(
-        mask[0, 0], positions[0], num_causal, anchors, block_size, prefix_len, past_len
+        mask[0, 0], positions[0], num_causal, roots, block_size, prefix_len, past_len
     )
 
 
-def test_mask_is_per_row_for_batched_anchors():
-    anchors = torch.tensor([[0, 4], [2, 3]])
-    mask, positions = d3d.packed_attention_mask(6, anchors, 3)
+def test_mask_is_per_row_for_batched_roots():
+    roots = torch.tensor([[0, 4], [2, 3]])
+    mask, positions = d3d.packed_attention_mask(6, roots, 3)
     assert mask.shape[0] == positions.shape[0] == 2, (
-        f"mask {tuple(mask.shape)}, positions {tuple(positions.shape)} for anchors (2, S): one "
+        f"mask {tuple(mask.shape)}, positions {tuple(positions.shape)} for roots (2, S): one "
         "row each"
     )
     for row in range(2):
-        mask_is_as_the_rules_say(mask[row, 0], positions[row], 6, anchors[row].tolist(), 3, 0, 0)
+        mask_is_as_the_rules_say(mask[row, 0], positions[row], 6, roots[row].tolist(), 3, 0, 0)
 
 
 class HostReads(TorchDispatchMode):
@@ -342,21 +340,21 @@ class HostReads(TorchDispatchMode):
 def test_the_mask_is_built_without_reading_the_device():
     """packed_attention_mask reads nothing back to the host: every size is a host int, the rest
     device ops (no .item(), .tolist(), int() or bool() of a tensor, no nonzero or boolean
-    indexing). A mask built by a Python loop over the anchors' values is told that its values
+    indexing). A mask built by a Python loop over the roots' values is told that its values
     are right, and where they are read."""
     cases = [(9, [[2, 3, 8]], 5, 1, 4), (6, [[0, 4], [2, 3]], 3, 0, 0)]
-    for num_causal, anchors, block_size, prefix_len, past_len in cases:
-        anchors = torch.tensor(anchors)
+    for num_causal, roots, block_size, prefix_len, past_len in cases:
+        roots = torch.tensor(roots)
         with HostReads() as host:
             mask, positions = d3d.packed_attention_mask(
-                num_causal, anchors, block_size, prefix_len=prefix_len, past_len=past_len
+                num_causal, roots, block_size, prefix_len=prefix_len, past_len=past_len
             )
         if not host.reads:
             continue
         right = mask.dim() == 4 and positions.dim() == 2
-        for row, row_anchors in enumerate(anchors.tolist()):
-            prefix_lens = [prefix_len] * len(row_anchors)
-            expected = slow_mask(num_causal, row_anchors, block_size, prefix_lens, past_len)
+        for row, row_roots in enumerate(roots.tolist()):
+            prefix_lens = [prefix_len] * len(row_roots)
+            expected = slow_mask(num_causal, row_roots, block_size, prefix_lens, past_len)
             right = right and torch.equal(mask[row, 0], expected[0])
             right = right and torch.equal(positions[row], expected[1])
         verdict = "and"

@@ -1,5 +1,5 @@
 """packed_attention_mask, wrong for speed only: the mask is right, filled in by Python
-loops over the anchors' values (anchors.tolist()). Every value read waits for the device on
+loops over the roots' values (roots.tolist()). Every value read waits for the device on
 CUDA: the async pass, built while the target verifies, would stall the host. The right claims
 pass; the no-read claims fail, and say that the values are right.
 """
@@ -14,11 +14,11 @@ FAILS = (
 )
 
 
-def packed_attention_mask(num_causal, anchors, block_size, *, prefix_len=0, past_len=0):
-    rows = anchors.tolist() if anchors.dim() == 2 else [anchors.tolist()]  # the bug: a read
+def packed_attention_mask(num_causal, roots, block_size, *, prefix_len=0, past_len=0):
+    rows = roots.tolist() if roots.dim() == 2 else [roots.tolist()]  # the bug: a read
     seg_len = prefix_len + block_size
     width = num_causal + len(rows[0]) * seg_len
-    device = anchors.device
+    device = roots.device
     mask = torch.zeros(len(rows), 1, width, past_len + width, dtype=torch.bool, device=device)
     positions = torch.zeros(len(rows), width, dtype=torch.long, device=device)
     mask[..., :past_len] = True
@@ -26,11 +26,11 @@ def packed_attention_mask(num_causal, anchors, block_size, *, prefix_len=0, past
         for i in range(num_causal):
             mask[b, 0, i, past_len : past_len + i + 1] = True
             positions[b, i] = past_len + i
-        for s, anchor in enumerate(row):
+        for s, root in enumerate(row):
             start = num_causal + s * seg_len
             for t in range(seg_len):
-                mask[b, 0, start + t, past_len : past_len + anchor + 1] = True
+                mask[b, 0, start + t, past_len : past_len + root + 1] = True
                 seen = t + 1 if t < prefix_len else seg_len
                 mask[b, 0, start + t, past_len + start : past_len + start + seen] = True
-                positions[b, start + t] = past_len + anchor + 1 + t
+                positions[b, start + t] = past_len + root + 1 + t
     return mask, positions
