@@ -108,19 +108,25 @@ What the loops take from runtime.py, in brief, so that this file reads alone:
                               length, eagerly; attention_pass: the same, and it returns each
                               layer's attention weights (heads, W, cache length)
     read_round(values, *caches)  the round's one host read: each tensor back as tolist() gives
-                              it (0-d: an int; 1-d: a list), all in one transfer, which also
+                              it (0-d: an int; 1-d: a list; 2-d: a list of lists), in one
+                              transfer (after the passes of the round are done), which also
                               brings each cache's own count of tokens written in every layer
                               (the HF cache's, on the device) and checks it against .length (a
                               model that ignored its cache, in any layer, fails here)
     Output(prompt, budget, eos)  .tokens: prompt + committed, ints; .commit(tokens) appends them
                               cut after the first EOS (kept) or at the budget, and raises if
                               nothing is committed; .commit_round(accepted, next) commits both
-                              and records tau; .done: the budget is reached or an EOS committed
+                              and records tau (the tokens committed after any cut); .done: the
+                              budget is reached or an EOS committed
     Clock(device, phases)     times a decode: `with clock.span(key):` adds the time inside to
                               stats' time_<key>; pass_phases names each fixed-shape pass by its
                               width; CUDA events, read after the decode: no mid-round wait
     check_request, cache_len, async_lanes  generate's input checks (-> B); KV slots a request
-                              needs; default lanes
+                              needs (prompt + max_new_tokens + its widest pass: the sync draft,
+                              2B + 1, or the packed pass, (1 + B)(S + 1)); the lanes when none
+                              are given (2 on a CPU for a target of 20M parameters or more,
+                              else 1; two lanes of compiled passes on CUDA are refused: their
+                              CUDA graphs share one memory pool)
     setting, check_settings, with_settings  a config field with its help and Range; every
                               field checked against its range; a config with keyword settings
                               replacing fields (TypeError for an unknown name)
@@ -1034,7 +1040,8 @@ def branch_budget(config, block_size: int) -> tuple[int, int]:
 
 def first_rejection_chance(draft_logits, draft, num_real: int, temperature: float):
     """rho_i = q(d_1) ... q(d_{i-1}) * (1 - q(d_i)) for i = 1 .. B (B,): the chance that d_i is
-    the first rejection (as in D2SD), with q the drafter's probabilities at the scoring
+    the first rejection (as D2SD, a speculative decoder that drafts for likely rejections,
+    ranks them), with q the drafter's probabilities at the scoring
     temperature (our reading: 1 when decoding greedily, where no temperature is given, else the
     sampling temperature). A pad (i > R = num_real: prepared_draft) is never rejected: rho_i =
     -inf."""
@@ -1338,7 +1345,8 @@ class _Overlap:
 #   drafter cache 10 -> 15: x_0 .. x_9 -> x_0 .. x_10, d_1 .. d_4
 #
 # The padded draft of the full-acceptance hit: three real tokens and a pad that is never accepted;
-# the target's token at the pad's row is the bonus. The budget is reached: decoding stops.
+# the target's token for the pad's position (predicted at d_3's row) is the bonus. The budget is
+# reached: decoding stops.
 # round 3: n = 15, x_0 .. x_15 committed
 #   draft       d_1 .. d_4 = 24 53 71 pad (d_4 is a pad: never accepted)
 #               drafted by the previous round's full-acceptance block: d_1 .. d_3 from its
@@ -1372,8 +1380,7 @@ def _decode_async(drafter, out: Output, caches: Caches, config, *, sampler, watc
     while not out.done:
         n = len(out.tokens) - 1
         if draft_logits is None:
-            # round 0, or a miss: the fallback draft; its KV of x_n goes again, since the
-            # packed pass reads x_n first
+            # round 0, or a miss: the fallback draft; x_n's KV goes again (the packed pass reads it)
             draft_logits = draft_block(drafter, dc, x_n[None], block_size)
             num_real = block_size
             dc.rewind(n)
@@ -1391,6 +1398,7 @@ def _decode_async(drafter, out: Output, caches: Caches, config, *, sampler, watc
         # the next round's x_n, kept on the device: no copy from the host
         x_n = next_token.view(1)
         plan = [covered, candidates, guess]
+        # device tensors in, the same names as host ints and lists out
         num_accepted, next_token, draft, *plan = read_round(
             [num_accepted, next_token, draft, *plan], tc, dc
         )

@@ -51,7 +51,8 @@ CASES = [
     "Third, a full-acceptance hit: all four tokens are accepted and the full-acceptance block "
     "guessed the bonus token t; its other B - 1 rows and a pad are the next draft.",
     "The padded draft of the full-acceptance hit: three real tokens and a pad that is never "
-    "accepted; the target's token at the pad's row is the bonus. The budget is reached: "
+    "accepted; the target's token for the pad's position (predicted at d_3's row) is the bonus. "
+    "The budget is reached: "
     "decoding stops.",
 ]
 
