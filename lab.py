@@ -270,19 +270,19 @@ EXERCISES = (
             )
         },
         (
+            "test_greedy_acceptance_takes_the_longest_agreeing_prefix_then_the_targets_token",
+            "test_acceptance_never_accepts_the_pad_even_where_it_is_the_targets_token",
+            "test_accept_rule_is_lossless",
+            "test_sampling_is_reproducible_with_a_generator",
             "test_sync_equals_target_greedy",
-            "test_greedy_acceptance_never_accepts_the_pad_even_where_it_is_the_targets_token",
             "test_sync_stops_at_eos_inside_an_accepted_block",
             "test_sync_with_real_drafters_equals_target",
-            "test_async_equals_sync_and_target",
             "test_eos_inside_an_accepted_block_is_committed_there",
-            "test_accept_rule_is_lossless",
-            "test_sampling_matches_target_distribution",
-            "test_sampling_is_reproducible_with_a_generator",
             "test_sampling_after_full_acceptance_hits_draws_the_bonus_from_the_target",
         ),
         (
             "test_accept_draft_without_a_generator_draws_on_the_logits_device",
+            "test_accept_draft_reads_nothing_back",
             "test_each_round_reads_the_device_once_between_two_reports",
         ),
     ),
@@ -317,16 +317,17 @@ EXERCISES = (
         (
             "test_sync_equals_target_greedy",
             "test_sync_stops_at_eos_inside_an_accepted_block",
-            "test_sync_with_real_drafters_equals_target",
             "test_zero_new_tokens",
             "test_drafter_cache_holds_the_committed_tokens_each_pass_assumes[mode=sync]",
+            "test_a_sync_round_is_watched_once_after_its_commit_and_rewind",
+            "test_sync_sampling_follows_the_target_at_each_temperature",
+            "test_sampling_is_reproducible_with_a_generator[mode=sync]",
+            "test_sync_with_real_drafters_equals_target",
             "test_eos_inside_an_accepted_block_is_committed_there",
             "test_keep_ratio_one_equals_ordinary_decoding",
-            "test_sampling_matches_target_distribution[mode=sync]",
-            "test_sampling_is_reproducible_with_a_generator[mode=sync]",
         ),
         (
-            "test_every_pass_traces_as_one_graph_and_compiles_once",
+            "test_every_sync_draft_pass_has_one_shape_whatever_the_round_read",
             "test_each_round_reads_the_device_once_between_two_reports[mode=sync]",
         ),
     ),
@@ -415,14 +416,14 @@ EXERCISES = (
         },
         (
             "test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for",
+            "test_full_acceptance_is_never_selected_at_b_1",
             "test_a_branch_at_the_pad_is_selected_before_full_acceptance",
             "test_async_equals_sync_and_target",
             "test_drafter_cache_holds_the_committed_tokens_each_pass_assumes[mode=async]",
             "test_async_stops_at_eos_inside_a_block",
             "test_two_lanes_on_a_cpu_decode_the_same_tokens",
+            "test_async_sampling_follows_the_target_after_hits_and_misses",
             "test_sampling_after_full_acceptance_hits_draws_the_bonus_from_the_target",
-            "test_sampling_matches_target_distribution[mode=async]",
-            "test_full_acceptance_is_never_selected_at_b_1",
         ),
         no_fast=(
             "a host function: it decides on the values the round's one read brought back, "
@@ -539,8 +540,26 @@ CLAIMS = {
     "test_a_branch_at_the_pad_is_selected_before_full_acceptance": (
         "a branch at the pad and full acceptance both match: the branch is selected"
     ),
-    "test_greedy_acceptance_never_accepts_the_pad_even_where_it_is_the_targets_token": (
+    "test_acceptance_never_accepts_the_pad_even_where_it_is_the_targets_token": (
         "a pad is never accepted, even where it equals the target's token"
+    ),
+    "test_greedy_acceptance_takes_the_longest_agreeing_prefix_then_the_targets_token": (
+        "greedy: (a, t), the longest prefix the target agrees with, then its own token"
+    ),
+    "test_accept_draft_reads_nothing_back": (
+        "accept_draft leaves (a, t) on the device: nothing is read back"
+    ),
+    "test_a_sync_round_is_watched_once_after_its_commit_and_rewind": (
+        "each round goes to watch once, after its commit and rewind, with its B tokens"
+    ),
+    "test_every_sync_draft_pass_has_one_shape_whatever_the_round_read": (
+        "every sync draft pass has one shape: B + 1 causal tokens (padded) and B MASKs"
+    ),
+    "test_sync_sampling_follows_the_target_at_each_temperature": (
+        "sampled sync decoding follows the target's law at T = 0.6, 1 and 1.6"
+    ),
+    "test_async_sampling_follows_the_target_after_hits_and_misses": (
+        "sampled async decoding follows the target's law after hits and misses, at each T"
     ),
     "test_mask_matches_slow_reference": (
         "mask and positions follow the docstring's rules, pair by pair"
@@ -589,10 +608,7 @@ CLAIMS = {
         "an EOS inside an accepted block is committed there, in sync and async"
     ),
     "test_accept_rule_is_lossless": (
-        "the sampling rule is lossless: tokens follow the target's law, whatever q is"
-    ),
-    "test_sampling_matches_target_distribution": (
-        "sampled decoding through generate follows the target's exact law"
+        "the sampling rule is lossless at T = 0.6, 1 and 1.6: the target's law, whatever q is"
     ),
     "test_sampling_is_reproducible_with_a_generator": (
         "sampling with a seeded generator repeats itself exactly"
@@ -603,9 +619,6 @@ CLAIMS = {
     ),
     "test_keep_ratio_one_equals_ordinary_decoding": (
         "keep_ratio=1 keeps every chunk and decodes like the target in every mode"
-    ),
-    "test_every_pass_traces_as_one_graph_and_compiles_once": (
-        "every pass keeps one shape: one graph each, no recompile on new prompts"
     ),
     "test_plan_branches_chooses_positions_and_candidates": (
         "covered: the first C or the C likeliest rejections; candidates never d_i"
@@ -757,6 +770,12 @@ BUDGET = "test_plan_branches_takes_c_and_f_from_the_budget_clipped_to_b_and_v_mi
 PLANNED = "test_plan_branches_chooses_positions_and_candidates"
 CHUNKS_KEPT = "test_kept_chunks_are_in_order_with_original_positions"
 CHUNK_COUNT = "test_as_many_chunks_as_ceil_keep_ratio_x_chunks_at_least_2_at_most_all"
+GREEDY = "test_greedy_acceptance_takes_the_longest_agreeing_prefix_then_the_targets_token"
+LOSSLESS = "test_accept_rule_is_lossless"
+SYNC_GREEDY = "test_sync_equals_target_greedy"
+SYNC_CACHE = "test_drafter_cache_holds_the_committed_tokens_each_pass_assumes[mode=sync]"
+WATCHED = "test_a_sync_round_is_watched_once_after_its_commit_and_rewind"
+HIT = "test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for"
 
 # Each exercise's rules, in the order its words state them: what `lab.py list NAME --rules`
 # shows a teacher. Every graded rule's test is one of the exercise's; tests/test_lab.py
@@ -880,6 +899,134 @@ RULES = {
             "test_draft_rows_reads_nothing_back",
         ),
     ),
+    "accept_draft": (
+        Rule(
+            "returns",
+            "(a, t): the accepted count and the next token, two 0-d tensors",
+            GREEDY,
+        ),
+        Rule(
+            "greedy",
+            "greedy (sampler.temperature 0): the longest prefix d_1 .. d_a equal to the "
+            "target's argmax is accepted",
+            GREEDY,
+        ),
+        Rule(
+            "greedy-t",
+            "then t is the target's own token, its argmax after d_1 .. d_a (p_logits[a])",
+            GREEDY,
+        ),
+        Rule(
+            "real",
+            "only d_1 .. d_R (R = num_real, default all) can be accepted: a pad never is, even "
+            "where it is the target's token",
+            "test_acceptance_never_accepts_the_pad_even_where_it_is_the_targets_token",
+        ),
+        Rule(
+            "p-at-t",
+            "sampling: p = sampler.probs(p_logits), the target's law at the sampling "
+            "temperature (as q is)",
+            LOSSLESS,
+        ),
+        Rule(
+            "accept",
+            "d_i is accepted while u_i q(d_i) <= p(d_i): with probability min(1, p(d_i) / q(d_i))",
+            LOSSLESS,
+        ),
+        Rule("own-u", "each d_i has its own u_i from sampler.uniform", LOSSLESS),
+        Rule(
+            "residual",
+            "at the first rejection t is drawn (sampler.draw) from max(p - q, 0)",
+            LOSSLESS,
+        ),
+        Rule(
+            "renormalised",
+            "the residual renormalised",
+            why_not="sampler.draw (torch.multinomial) draws from weights: the residual "
+            "renormalised or not gives one law",
+        ),
+        Rule(
+            "bonus",
+            "after all R real tokens are accepted, the bonus t is drawn from p, not from the "
+            "residual at the pad's row",
+            LOSSLESS,
+        ),
+        Rule(
+            "sampler",
+            "every random number comes from the sampler: a seeded generator repeats the decode",
+            "test_sampling_is_reproducible_with_a_generator",
+        ),
+        Rule(
+            "device",
+            "drawn on the generator's device (the logits' without one), none made on the host",
+            "test_accept_draft_without_a_generator_draws_on_the_logits_device",
+        ),
+        Rule(
+            "no-read",
+            "nothing is read back (no .item(), no if on a tensor, no index by a 0-d tensor: "
+            "_at): the round reads (a, t) once, later",
+            "test_accept_draft_reads_nothing_back",
+        ),
+    ),
+    "decode_sync": (
+        Rule(
+            "until-done",
+            "rounds until out.done (the budget, or an EOS committed); none once it is done",
+            "test_sync_stops_at_eos_inside_an_accepted_block",
+        ),
+        Rule("b", "B is config.block_size (generate resolves it), not the drafter's", WATCHED),
+        Rule(
+            "unread",
+            "the drafter reads the committed tokens it has not read (out.tokens from dc.length "
+            "on), x_n last, and drafts B tokens after x_n",
+            SYNC_CACHE,
+        ),
+        Rule(
+            "drafter-cache",
+            "then the drafter's cache holds the committed tokens, each once, and nothing else "
+            "(draft_block drops the block's KV)",
+            SYNC_CACHE,
+        ),
+        Rule(
+            "pick",
+            "the draft and q from sampler.pick: drawn at the sampling temperature, q the law "
+            "drawn from",
+            "test_sync_sampling_follows_the_target_at_each_temperature",
+        ),
+        Rule("verify", "the target verifies [x_n, d_1 .. d_B] (verify_block)", SYNC_GREEDY),
+        Rule(
+            "sampler",
+            "accept_draft with the sampler given (its temperature and its generator)",
+            "test_sampling_is_reproducible_with_a_generator[mode=sync]",
+        ),
+        Rule(
+            "one-read",
+            "one host read a round: read_round brings back a, t and the draft",
+            "test_each_round_reads_the_device_once_between_two_reports[mode=sync]",
+        ),
+        Rule(
+            "commit",
+            "d_1 .. d_a and t committed with out.commit_round (it records the round's a + 1)",
+            SYNC_GREEDY,
+        ),
+        Rule(
+            "target-rewind",
+            "the target's cache rewound to the committed tokens but x_n (len(out.tokens) - 1)",
+            SYNC_GREEDY,
+        ),
+        Rule(
+            "watch",
+            "each round goes to watch once, after its commit and rewind: watch(out, the draft "
+            "read, B, (a, t))",
+            WATCHED,
+        ),
+        Rule(
+            "shape",
+            "every drafter pass has one shape, B + 1 causal tokens (the unread ones, padded: "
+            "width B + 1) and B MASKs",
+            "test_every_sync_draft_pass_has_one_shape_whatever_the_round_read",
+        ),
+    ),
     "plan_branches": (
         Rule(
             "rho",
@@ -930,6 +1077,36 @@ RULES = {
             "rho and the plan are left on the device",
             why_not="a CPU check has one device: a tensor made on the host is on it too",
         ),
+    ),
+    "select_segment": (
+        Rule(
+            "host",
+            "the arguments are host values read with the outcome: ints, covered and candidates "
+            "lists",
+            why_not="what the loop hands over (read_round's ints and lists), not what the body "
+            "does: every claim calls it so",
+        ),
+        Rule(
+            "order",
+            "the segments: each covered position i's candidates t in order (segment c * F + "
+            "the place of t), position by position, then full acceptance (segment C * F)",
+            HIT,
+        ),
+        Rule("position", "a branch (i, t) matches only where i = a + 1", HIT),
+        Rule("token", "a branch (i, t) matches only its own token t", HIT),
+        Rule("full", "full acceptance matches only where a = R", HIT),
+        Rule("guess", "full acceptance matches only where t = g, its guess", HIT),
+        Rule(
+            "b-1",
+            "at B = 1 full acceptance has no row left (g = -1) and never matches",
+            "test_full_acceptance_is_never_selected_at_b_1",
+        ),
+        Rule(
+            "branch-first",
+            "where a branch and full acceptance both match, the branch",
+            "test_a_branch_at_the_pad_is_selected_before_full_acceptance",
+        ),
+        Rule("miss", "an int, -1 on a miss", HIT),
     ),
     "prune_drafter": (
         Rule(
@@ -1060,11 +1237,28 @@ RULES = {
 
 # Over 10 s each on two cores: --quick skips them
 SLOW = (
-    "test_sampling_matches_target_distribution",
-    "test_every_pass_traces_as_one_graph_and_compiles_once",
+    "test_sync_sampling_follows_the_target_at_each_temperature",
+    "test_async_sampling_follows_the_target_after_hits_and_misses",
 )
 
 ROUND_READS = "test_each_round_reads_the_device_once_between_two_reports"
+
+# Slow tests of these exercises' functions that no grade runs: for each exercise, a faster claim
+# of its own grades the same rule; the suite runs them. test name -> (what, {exercise: claim})
+LEFT_TO_THE_SUITE = {
+    "test_sampling_matches_target_distribution": (
+        "the sampling law through generate, at T = 1 only: 15-40 s a case",
+        {
+            "accept_draft": LOSSLESS,
+            "decode_sync": "test_sync_sampling_follows_the_target_at_each_temperature",
+            "select_segment": "test_async_sampling_follows_the_target_after_hits_and_misses",
+        },
+    ),
+    "test_every_pass_traces_as_one_graph_and_compiles_once": (
+        "every pass of every mode compiled: about 25 s",
+        {"decode_sync": "test_every_sync_draft_pass_has_one_shape_whatever_the_round_read"},
+    ),
+}
 
 # Tests of these exercises' functions that grade nothing: each monkeypatches a function of
 # d3d.py, so its verdict would rest on how the reference is built (tests/test_lab.py checks
@@ -1712,6 +1906,9 @@ def cmd_list(args) -> int:
         for name, (why, exercises) in LEFT_OUT.items():
             if exercise.name in exercises:
                 say(f"left out: {where(name)} ({why})", "  ")
+        for name, (what, instead) in LEFT_TO_THE_SUITE.items():
+            if exercise.name in instead:
+                say(f"not run: {where(name)} ({slower(name, what, instead[exercise.name])})", "  ")
     patched = sorted(name for name, node in suite_functions().items() if patches_d3d(node))
     print()
     say(f"left out of every grade, as they monkeypatch d3d: {', '.join(patched)}", "")
@@ -1906,6 +2103,19 @@ def print_rules(exercise: Exercise) -> None:
         print("also graded (claims no single rule above is tied to):")
         for test in others:
             print_claim(test, exercise)
+    left = [n for n, (_, instead) in LEFT_TO_THE_SUITE.items() if exercise.name in instead]
+    if left:
+        print("not run (slow; the claim named grades the same, and the suite runs them):")
+        for name in left:
+            what, instead = LEFT_TO_THE_SUITE[name]
+            print(f"    {where(name)}")
+            say(slower(name, what, instead[exercise.name]), "    ")
+
+
+def slower(name: str, what: str, instead: str) -> str:
+    """Why a slow test of LEFT_TO_THE_SUITE is not run for an exercise: what it takes, and the
+    claim that grades the same rule."""
+    return f"{what}; graded instead by {parse_test(instead)[0]}"
 
 
 def print_hints(exercise: Exercise, level: str) -> int:

@@ -970,11 +970,21 @@ def test_sync_equals_target_greedy(tok, target, block_size, prompt_len, kind):
     )
     expected, _ = d3d.generate(target, None, prompt, max_new_tokens=max_new, mode="target")
     out, stats = d3d.generate(target, drafter, prompt, max_new_tokens=max_new, mode="sync")
-    assert out.tolist() == expected.tolist()
-    full_rounds = stats["accept_lengths"][:-1]  # the last round may be cut short by max_new_tokens
-    assert all(n == right_upto + 1 for n in full_rounds)
+    tokens, wanted = out[0].tolist(), expected[0].tolist()
+    if tokens != wanted:
+        at = next((i for i, (x, y) in enumerate(zip(tokens, wanted)) if x != y), len(wanted))
+        pytest.fail(
+            f"B = {block_size}, a drafter {kind}: the output leaves the target's greedy tokens "
+            f"at position {at}: verify [x_n, d_1 .. d_B], commit d_1 .. d_a and t, rewind the "
+            "target to all but x_n"
+        )
+    lengths = stats["accept_lengths"]
+    full_rounds = lengths[:-1]  # the last round may be cut short by max_new_tokens
     # the first token comes from the target's prefill
-    assert sum(stats["accept_lengths"]) == max_new - 1
+    assert all(n == right_upto + 1 for n in full_rounds) and sum(lengths) == max_new - 1, (
+        f"B = {block_size}, a drafter {kind}: the rounds committed {lengths} tokens: each commits "
+        f"a + 1 = {right_upto + 1}, recorded by out.commit_round ({max_new - 1} in all)"
+    )
     if kind == "oracle" and len(full_rounds) > 0:
         assert stats["tau"] <= block_size + 1
 
@@ -988,6 +998,9 @@ def test_target_mode_equals_transformers_greedy(target):
 
 
 def test_sync_stops_at_eos_inside_an_accepted_block(tok, target):
+    """An EOS the target says inside the first block, which the drafter has right: the round
+    that commits it cuts its commit there and the decode stops (out.done), with the target's
+    output to that EOS; no round commits after it."""
     prompt = torch.tensor([[4, 8, 15, 16, 23]])
     reference = reference_continuation(target, prompt, 60)
     new = reference[5:]
@@ -1001,10 +1014,20 @@ def test_sync_stops_at_eos_inside_an_accepted_block(tok, target):
     expected, _ = d3d.generate(
         target, None, prompt, max_new_tokens=40, mode="target", eos_token_id=eos
     )
-    out, stats = d3d.generate(
-        target, drafter, prompt, max_new_tokens=40, mode="sync", eos_token_id=eos
+    try:
+        out, stats = d3d.generate(
+            target, drafter, prompt, max_new_tokens=40, mode="sync", eos_token_id=eos
+        )
+    except RuntimeError as error:
+        if "finished sequence" not in str(error):
+            raise
+        pytest.fail(
+            f"a round committed after the EOS ({error}): rounds run until out.done, the budget "
+            "or an EOS committed"
+        )
+    assert out.tolist() == expected.tolist() == [reference[: first + 1]], (
+        "the output is not the target's up to the EOS: rounds run until out.done"
     )
-    assert out.tolist() == expected.tolist() == [reference[: first + 1]]
     assert out[0, -1].item() == eos
 
 
@@ -1076,18 +1099,25 @@ class AuditedDrafter(d3d.Drafter):
     def check(self, cache, length):
         from transformers import DynamicCache
 
-        assert int(cache.get_seq_length()) == length, (
-            "the cache holds another number of tokens than the pass assumes"
+        rule = (
+            f"before a pass at position {length} the drafter's cache holds x_0 .. x_{length - 1}, "
+            "the committed tokens, each once and nothing else (it reads those it has not read)"
         )
+        held_length = int(cache.get_seq_length())
+        assert held_length == length, f"it holds {held_length} tokens: {rule}"
         fresh = DynamicCache(config=self.model.config)
         self.model.get_decoder()(
             input_ids=torch.tensor([self.committed[:length]]), cache=fresh, use_cache=True
         )
         for held, clean in zip(cache.layers, fresh.layers):
-            torch.testing.assert_close(held.keys[:, :, :length], clean.keys, atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(
-                held.values[:, :, :length], clean.values, atol=1e-5, rtol=1e-4
-            )
+            for kind in ("keys", "values"):
+                torch.testing.assert_close(
+                    getattr(held, kind)[:, :, :length],
+                    getattr(clean, kind),
+                    atol=1e-5,
+                    rtol=1e-4,
+                    msg=f"its {kind} are not those of x_0 .. x_{length - 1}: {rule}",
+                )
         self.checked += 1
 
 
@@ -1120,6 +1150,89 @@ def test_drafter_cache_holds_the_committed_tokens_each_pass_assumes(tok, target,
         "partial",
     ):  # hits, so the cache after a hit is checked too
         assert sum(stats["hits_per_position"]) > 0
+
+
+def test_a_sync_round_is_watched_once_after_its_commit_and_rewind(tok, target):
+    """Each sync round reaches the watchers (generate's on_round) once, after its commit and the
+    target's rewind: its record holds the draft it read (B = config.block_size tokens, all real,
+    here not the drafter's trained B), (a, t), what it committed (d_1 .. d_a, t) and the caches
+    as it left them (the target's: the committed tokens but the new x_n; the drafter's: those it
+    read, up to the round's x_n). The rounds add up to the output."""
+    prompt = torch.tensor([[4, 8, 15, 16, 23]])
+    max_new, block_size = 23, 4
+    # trained at B = 5, right at MASK 1 and 2 of every block: a = 2 each round
+    drafter, _ = scripted(tok, target, prompt, 5, "partial", max_new)
+    infos = []
+    with pytest.warns(UserWarning, match="decodes at B = 4"):
+        out, stats = d3d.generate(
+            target,
+            drafter,
+            prompt,
+            max_new_tokens=max_new,
+            block_size=block_size,
+            on_round=infos.append,
+        )
+    tokens = out[0].tolist()
+    assert len(infos) == stats["num_rounds"] > 3, (
+        f"{len(infos)} rounds watched, {stats['num_rounds']} decoded: each round goes to watch once"
+    )
+    n = prompt.shape[1]  # x_n: the prefill's token
+    for info in infos:
+        where = f"round {info.index} (n = {info.n})"
+        assert (len(info.draft), info.num_real) == (block_size, block_size), (
+            f"{where}: a draft of {len(info.draft)} tokens, R = {info.num_real}: B is "
+            f"config.block_size ({block_size}, the drafter was trained at 5), every token real"
+        )
+        expected = info.draft[: info.num_accepted] + [info.next_token]
+        assert info.committed and info.committed == expected[: len(info.committed)], (
+            f"{where}: watched with {info.committed} committed, (a, t) = ({info.num_accepted}, "
+            f"{info.next_token}): a round goes to watch after its commit, with the draft read"
+        )
+        assert (info.n, info.committed) == (n, tokens[n + 1 : n + 1 + len(info.committed)]), (
+            f"{where}: the rounds do not add up to the output: each round goes to watch once"
+        )
+        n += len(info.committed)
+        assert info.target_cache[1] == n and info.drafter_cache[1] == info.n + 1, (
+            f"{where}: watched with the target's cache at {info.target_cache[1]} and the "
+            f"drafter's at {info.drafter_cache[1]}, expected {n} and {info.n + 1}: a round goes "
+            "to watch after its rewind (the target keeps the committed tokens but x_n)"
+        )
+    assert n == len(tokens) - 1
+
+
+class PassWidths(d3d.Drafter):
+    """Wraps a drafter and records the width (tokens) of each of its passes."""
+
+    def __init__(self, drafter):
+        super().__init__(drafter.model, drafter.d3d_config)
+        self.inner, self.widths = drafter, []
+
+    def hidden_states(self, ids, positions, mask, cache=None):
+        self.widths.append(ids.shape[1])
+        return self.inner.hidden_states(ids, positions, mask, cache)
+
+    def logits(self, hidden):
+        return self.inner.logits(hidden)
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_every_sync_draft_pass_has_one_shape_whatever_the_round_read(tok, target, block_size):
+    """After the prompt's prefill, every drafter pass of a sync decode has B + 1 causal tokens
+    (the committed tokens it has not read, 1 .. B + 1 of them, padded) and B MASKs, whether the
+    rounds accept every token, none or some: one shape, so a compiled pass never recompiles
+    (tests/test_compiled.py compiles them)."""
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2]])
+    for kind in ("oracle", "never", "partial"):
+        inner, _ = scripted(tok, target, prompt, block_size, kind, 20)
+        drafter = PassWidths(inner)
+        d3d.generate(target, drafter, prompt, max_new_tokens=20)
+        prefill, *rounds = drafter.widths
+        assert prefill == prompt.shape[1] and len(rounds) > 2, drafter.widths
+        assert set(rounds) == {2 * block_size + 1}, (
+            f"B = {block_size}, a drafter {kind}: draft passes of {sorted(set(rounds))} tokens: "
+            f"every drafter pass has one shape, B + 1 causal tokens (padded) and B MASKs, "
+            f"{2 * block_size + 1}"
+        )
 
 
 def test_a_cache_rewinds_only_to_what_it_holds(target):
@@ -1219,11 +1332,28 @@ def test_accept_rule_is_lossless(temperature):
         if num_accepted >= 1:
             after_d1[emitted[1]] += 1
     # both acceptance and residual draws happen, and padded drafts accepted whole
-    assert 0.1 * n < rejected_first < 0.9 * n and bonus.sum() > 0.05 * n
+    assert 0.1 * n < rejected_first < 0.9 * n and bonus.sum() > 0.05 * n, (
+        f"d_1 rejected {rejected_first} times in {n}, {int(bonus.sum())} padded drafts accepted "
+        "whole: d_i is accepted with probability min(1, p(d_i) / q(d_i)) (u q(d_i) <= p(d_i))"
+    )
     p_target = torch.softmax(p_logits / temperature, -1)
-    assert chi_square_p_value(first, p_target[0]) > 1e-3
-    assert chi_square_p_value(second, p_target[1]) > 1e-3
-    assert chi_square_p_value(bonus, p_target[1]) > 1e-3, "the bonus token after a padded draft"
+    at_1 = torch.softmax(p_logits, -1)
+    accepted = "accepted with probability min(1, p / q), else t ~ max(p - q, 0)"
+    from_p = "after all R real tokens t ~ p, not the residual max(p - q_pad, 0)"
+    for counts, row, what, rule in (
+        (first, 0, "the first token", f"d_i is {accepted}"),
+        (second, 1, "the token after d_1", f"each d_i has its own u_i: {accepted}"),
+        (bonus, 1, "the bonus after a padded draft", from_p),
+    ):
+        fit = chi_square_p_value(counts, p_target[row])
+        if temperature != 1 and fit <= 1e-3 and chi_square_p_value(counts, at_1[row]) > 1e-3:
+            pytest.fail(
+                f"T = {temperature}: {what} follows the target's p at T = 1, not at T: p is "
+                "sampler.probs(p_logits), the target's law at the sampling temperature"
+            )
+        assert fit > 1e-3, (
+            f"T = {temperature}: {what} leaves the target's p (chi-square p = {fit:.1e}): {rule}"
+        )
     # the test has power: the same counts reject the drafter's law and the target's at another
     # temperature
     assert chi_square_p_value(first, q_draft[0]) < 1e-3
@@ -1409,7 +1539,11 @@ def test_sync_sampling_follows_the_target_at_each_temperature(temperature):
     rejections = sum(n <= 2 for n in lengths)
     full_acceptances = sum(n == 3 for n in lengths)
     assert rejections > 0.5 * len(lengths) and full_acceptances > 0.05 * len(lengths)
-    assert chi_square_p_value(counts, chain_law(temperature)) > 1e-3
+    fit = chi_square_p_value(counts, chain_law(temperature))
+    assert fit > 1e-3, (
+        f"T = {temperature}: the tokens leave the target's law (chi-square p = {fit:.1e}): each "
+        "round's draft is drawn from q (sampler.pick), which accept_draft is given with it"
+    )
     assert chi_square_p_value(counts, chain_law(wrong_temperature(temperature))) < 1e-3
 
 
@@ -1516,21 +1650,69 @@ def test_sampling_is_reproducible_with_a_generator(tok, target, mode):
         )[0]
         for _ in range(2)
     ]
-    assert torch.equal(*runs)
+    assert torch.equal(*runs), (
+        f"{mode}: two decodes with generators seeded alike differ ({runs[0][0].tolist()}, "
+        f"{runs[1][0].tolist()}): every random number comes from the sampler (its generator)"
+    )
 
 
-def test_greedy_acceptance_never_accepts_the_pad_even_where_it_is_the_targets_token():
+def test_greedy_acceptance_takes_the_longest_agreeing_prefix_then_the_targets_token():
+    """accept_draft at temperature 0 on one-hot target logits: a is the length of the longest
+    prefix d_1 .. d_a equal to the target's argmax (a d_i that agrees after a disagreement is
+    not accepted), t the target's argmax after it, p_logits[a] (the bonus p_logits[B] when all
+    B agree); both 0-d tensors, left on the device for the round's one read."""
+    vocab = 9
+    # the target's argmax after x_n, d_1 .. d_i (row i)
+    target_tokens = torch.tensor([4, 2, 6, 3, 1, 7])
+    p_logits = torch.nn.functional.one_hot(target_tokens, vocab).float()
+    cases = [
+        ([4, 2, 6, 3, 1], 5, "every d_i agrees: all B, then the bonus p_logits[B]"),
+        ([5, 2, 6, 3, 1], 0, "d_1 disagrees: none, then the target's own token for it"),
+        ([4, 2, 0, 3, 1], 2, "d_3 disagrees: d_4 and d_5 agree, but after a disagreement"),
+    ]
+    for draft, expected, why in cases:
+        verdict = d3d.accept_draft(p_logits, torch.tensor(draft), None, d3d.Sampler())
+        shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x) for x in verdict]
+        assert len(verdict) == 2 and shapes == [(), ()], (
+            f"accept_draft returned {shapes}: (a, t) are two 0-d tensors, left on the device"
+        )
+        a, t = (int(x) for x in verdict)
+        assert a == expected, (
+            f"greedy accepts the longest prefix equal to the target's argmax: a = {a}, expected "
+            f"{expected} ({why}; draft {draft}, argmax {target_tokens.tolist()})"
+        )
+        assert t == int(target_tokens[a]), (
+            f"then t is the target's own token, its argmax after d_1 .. d_a (p_logits[a]): t = "
+            f"{t}, expected {int(target_tokens[a])} (a = {a}, draft {draft})"
+        )
+
+
+def test_acceptance_never_accepts_the_pad_even_where_it_is_the_targets_token():
     """A padded draft: R = 3 real tokens and a pad. The target's argmax agrees with every token,
-    the pad's included: a = R, and t is the target's token at the pad's row, the bonus."""
+    the pad's included: a = R, and t is the target's token at the pad's row, the bonus. Sampling
+    the same: the target is sure of every token, so u q(d_i) <= p(d_i) holds at the pad too, yet
+    a = R and t is drawn from p_logits[R]. Without num_real every token is real (R = B)."""
     vocab = 7
     draft = torch.tensor([4, 2, 6, 3])  # d_4 = 3 is the pad
     target_tokens = torch.tensor([4, 2, 6, 3, 1])  # the target's argmax after x_n, d_1 .. d_i
     p_logits = torch.nn.functional.one_hot(target_tokens, vocab).float()
+    rule = "only d_1 .. d_R can be accepted: a pad never is, even where it is the target's token"
     a, t = d3d.accept_draft(p_logits, draft, None, d3d.Sampler(), num_real=3)
-    assert (int(a), int(t)) == (3, 3)
+    assert (int(a), int(t)) == (3, 3), f"greedy, R = 3: (a, t) = ({int(a)}, {int(t)}); {rule}"
     # the same draft with four real tokens: all accepted, the bonus after d_4
     a, t = d3d.accept_draft(p_logits, draft, None, d3d.Sampler())
-    assert (int(a), int(t)) == (4, 1)
+    assert (int(a), int(t)) == (4, 1), (
+        f"greedy, num_real not given: (a, t) = ({int(a)}, {int(t)}), expected (4, 1): without "
+        "num_real every draft token is real (R = B)"
+    )
+    sure = 50 * p_logits  # p(d_i) ~ 1 at every row, the pad's too; q is uniform
+    q_draft = torch.full((4, vocab), 1 / vocab)
+    for seed in range(4):
+        sampler = d3d.Sampler(1.0, torch.Generator().manual_seed(seed))
+        a, t = d3d.accept_draft(sure, draft, q_draft, sampler, num_real=3)
+        assert (int(a), int(t)) == (3, 3), (
+            f"sampling, R = 3, p(d_i) ~ 1: (a, t) = ({int(a)}, {int(t)}), expected (3, 3); {rule}"
+        )
 
 
 def test_accept_draft_without_a_generator_draws_on_the_logits_device():
@@ -1559,7 +1741,31 @@ def test_accept_draft_without_a_generator_draws_on_the_logits_device():
     for num_real in (None, 2):
         with Devices() as devices:
             d3d.accept_draft(p_logits, draft, q_draft, d3d.Sampler(1.0), num_real=num_real)
-        assert devices.made == {"meta"}, f"tensors made on {devices.made}, the logits on meta"
+        assert devices.made == {"meta"}, (
+            f"num_real {num_real}: tensors made on {sorted(devices.made)}, the logits on meta: "
+            "every random number comes from the sampler, drawn on the logits' device without a "
+            "generator, none made on the host"
+        )
+
+
+def test_accept_draft_reads_nothing_back():
+    """accept_draft leaves (a, t) on the device for the round's one read: greedy and sampled,
+    a padded draft or not, it reads nothing back to the host (no .item(), int() or Python if on
+    a tensor, no plain indexing by a 0-d tensor, no nonzero or boolean indexing)."""
+    g = torch.Generator().manual_seed(0)
+    p_logits = torch.randn(5, 11, generator=g)
+    q_draft = torch.softmax(torch.randn(4, 11, generator=g), -1)
+    draft = torch.multinomial(q_draft, 1, generator=g)[:, 0]
+    for temperature, q in ((0.0, None), (0.8, q_draft)):
+        for num_real in (None, 3):
+            sampler = d3d.Sampler(temperature, torch.Generator().manual_seed(1))
+            with HostReads() as host:
+                d3d.accept_draft(p_logits, draft, q, sampler, num_real)
+            assert not host.reads, (
+                f"temperature {temperature}, num_real {num_real}: accept_draft read the device "
+                f"back ({', '.join(sorted(set(host.reads)))}): nothing is read back, the round "
+                "reads (a, t) once, later (_at indexes by a 0-d tensor without reading it)"
+            )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1916,14 +2122,38 @@ def test_a_branch_is_a_hit_only_for_the_position_and_token_it_was_planned_for(to
     g = int(guess)
     # the plan as the round reads it: host ints
     covered, candidates = [1, 2], [[5, 6], [5, 7]]
-
-    def hit(num_accepted, next_token, num_real=4):
-        return d3d.select_segment(num_accepted, next_token, num_real, covered, candidates, g)
-
-    assert hit(0, 5) == 0 and hit(0, 6) == 1 and hit(1, 5) == 2 and hit(1, 7) == 3
-    # the token, at another position: a miss
-    assert hit(0, 7) == -1 and hit(1, 6) == -1 and hit(2, 5) == -1
-    assert hit(4, g) == 4 and hit(4, (g + 1) % TEXT_VOCAB) == -1 and hit(3, g) == -1
+    order = (
+        "the segments: each covered position's candidates in order, position by position "
+        "(segment c * F + the token's place), then full acceptance (segment C * F)"
+    )
+    position = "a branch (i, t) is prepared for i = a + 1 only (d_1 .. d_a accepted, d_i not)"
+    token = "a branch (i, t) is prepared for its own token t only"
+    full = "full acceptance is prepared for a = R and t = g, its guess, only"
+    cases = [
+        # (a, t, the segment selected, the rule), the misses first
+        (2, 5, -1, position),
+        (2, 7, -1, position),
+        (0, 7, -1, token),
+        (1, 6, -1, token),
+        (4, (g + 1) % TEXT_VOCAB, -1, full),
+        (3, g, -1, full),
+        (0, 5, 0, order),
+        (0, 6, 1, order),
+        (1, 5, 2, order),
+        (1, 7, 3, order),
+        (4, g, 4, order),
+    ]
+    for a, t, expected, rule in cases:
+        chosen = d3d.select_segment(a, t, 4, covered, candidates, g)
+        if type(chosen) is not int:
+            rule = "the segment is an int, -1 on a miss"
+        assert chosen == expected and type(chosen) is int, (
+            f"{rule}: (a, t) = ({a}, {t}) selected {chosen!r}, expected {expected} (covered "
+            f"{covered}, candidates {candidates}, R = 4, g = {g})"
+        )
+    # no branch (C = 0): full acceptance is segment 0
+    chosen = d3d.select_segment(4, g, 4, [], [], g)
+    assert chosen == 0, f"C = 0: full acceptance selected as {chosen!r}, expected 0: {order}"
     # B = 1: a block of one row; its guess is -1, so full acceptance misses whatever t is
     # (select_segment at B = 1: test_full_acceptance_is_never_selected_at_b_1)
     one_row = d3d.bonus_guess(drafter, draft_hidden[:, :1], d3d.Sampler())
@@ -1937,9 +2167,17 @@ def test_a_branch_at_the_pad_is_selected_before_full_acceptance():
     covered = [1, 2, 3, 4]
     candidates = [[5, 6], [5, 7], [8, 9], [6, 5]]
     # the segments: 4 x 2 branches (index 7 is (4, 5)), then full acceptance (index 8)
-    assert d3d.select_segment(3, 5, 3, covered, candidates, 5) == 7
+    chosen = d3d.select_segment(3, 5, 3, covered, candidates, 5)
+    assert chosen == 7, (
+        f"a = R = 3, t = g = 5, a branch (4, 5) at the pad: selected {chosen}, expected 7: where "
+        "a branch and full acceptance both match, the branch"
+    )
     # without the branch, full acceptance
-    assert d3d.select_segment(3, 2, 3, covered, candidates, 2) == 8
+    chosen = d3d.select_segment(3, 2, 3, covered, candidates, 2)
+    assert chosen == 8, (
+        f"a = R = 3, t = g = 2, no branch for (4, 2): selected {chosen}, expected 8, full "
+        "acceptance"
+    )
 
 
 def test_full_acceptance_is_never_selected_at_b_1():

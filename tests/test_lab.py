@@ -130,13 +130,15 @@ def lab_runs(tmp_path_factory):
         facts = solution_facts(name)
         path = base / name
         path.write_text(lab.splice(reference, open(os.path.join(SOLUTIONS, name)).read()))
-        only = [] if facts["RIGHT"] else [a for t in facts["FAILS"] for a in ("--test", t)]
+        # a right one: every test but the slow ones; a wrong one: the tests it must fail
+        only = ["--quick"]
+        if not facts["RIGHT"]:
+            only = [a for t in facts["FAILS"] for a in ("--test", t)]
         checks[name] = (
             repo,
             "check",
             facts["EXERCISE"],
             path,
-            "--quick",
             *only,
             "--json",
             base / f"{name}.json",
@@ -197,6 +199,12 @@ def test_every_graded_test_is_in_the_suite_and_patches_nothing_of_d3d():
     assert not [n for n in names if lab.patches_d3d(suite[n])]
     assert set(lab.LEFT_OUT) <= set(suite), sorted(set(lab.LEFT_OUT) - set(suite))
     assert all(lab.patches_d3d(suite[n]) for n in lab.LEFT_OUT), lab.LEFT_OUT
+    for name, (_, instead) in lab.LEFT_TO_THE_SUITE.items():  # slow, graded by another claim
+        assert name in suite and not lab.patches_d3d(suite[name]), name
+        for exercise, test in instead.items():
+            graded = {lab.parse_test(t)[0] for t in lab.BY_NAME[exercise].right}
+            graded |= {lab.parse_test(t)[0] for t in lab.BY_NAME[exercise].fast}
+            assert name not in graded and lab.parse_test(test)[0] in graded, (exercise, name)
     assert set(lab.CLAIMS) == names and set(lab.SLOW) <= names
     assert all(len(f"  FAIL  {c}") <= lab.WIDTH for c in lab.CLAIMS.values())  # one line each
     assert len(lab.EXERCISES) >= 8 and all(e.right for e in lab.EXERCISES)
@@ -315,6 +323,10 @@ def test_list_rules_shows_each_rule_and_the_claim_that_grades_it():
         exercise = lab.BY_NAME[name]
         for test in exercise.right + exercise.fast:  # every graded test shows, named or not
             assert lab.where(test) in shown.stdout, test
+        for test, (what, instead) in lab.LEFT_TO_THE_SUITE.items():  # and the slow ones not run
+            if name in instead:
+                told = lab.slower(test, what, instead[name])
+                assert f"{lab.where(test)} {flat(told)}" in text, test
     every = lab_py(ROOT, "list", "--rules", timeout=60)
     assert every.returncode == 0
     for exercise in lab.EXERCISES:
@@ -329,6 +341,7 @@ def test_list_names_every_exercise_its_place_and_its_tests():
         assert f"{exercise.name}: {exercise.paper}" in listed.stdout
         assert all(lab.where(t) in listed.stdout for t in exercise.right + exercise.fast)
     assert all(name in listed.stdout for name in lab.LEFT_OUT)
+    assert all(lab.where(name) in listed.stdout for name in lab.LEFT_TO_THE_SUITE)
 
 
 def test_start_blanks_one_body_and_keeps_every_other_byte(lab_runs):

@@ -4,8 +4,12 @@ after the first mismatch are committed and the output leaves the target's.
 """
 
 EXERCISE = "accept_draft"
+RULE = "greedy"  # the rule it breaks (lab.RULES)
 RIGHT = False
-FAILS = ("test_sync_equals_target_greedy",)  # tests that must fail (others may too)
+FAILS = (  # the tests that must fail (others may too)
+    "test_greedy_acceptance_takes_the_longest_agreeing_prefix_then_the_targets_token",
+    "test_sync_equals_target_greedy",
+)
 
 
 def accept_draft(p_logits, draft, q_draft, sampler, num_real=None):

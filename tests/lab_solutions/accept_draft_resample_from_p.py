@@ -4,8 +4,10 @@ the tokens the drafter likes get two chances: once accepted, once more from p.
 """
 
 EXERCISE = "accept_draft"
+RULE = "residual"  # the rule it breaks (lab.RULES)
 RIGHT = False
-FAILS = ("test_accept_rule_is_lossless",)  # tests that must fail (others may too)
+# the tests that must fail (others may too)
+FAILS = ("test_accept_rule_is_lossless",)
 
 
 def accept_draft(p_logits, draft, q_draft, sampler, num_real=None):

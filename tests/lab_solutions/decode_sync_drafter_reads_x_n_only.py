@@ -5,8 +5,9 @@ text with holes.
 """
 
 EXERCISE = "decode_sync"
+RULE = "unread"  # the rule it breaks (lab.RULES)
 RIGHT = False
-# must fail (others may too)
+# the tests that must fail (others may too)
 FAILS = ("test_drafter_cache_holds_the_committed_tokens_each_pass_assumes",)
 
 

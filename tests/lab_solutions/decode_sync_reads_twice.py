@@ -4,8 +4,10 @@ stalls twice a round, waiting for the device to drain its queue each time.
 """
 
 EXERCISE = "decode_sync"
+RULE = "one-read"  # the rule it breaks (lab.RULES)
 RIGHT = False
-FAILS = ("test_each_round_reads_the_device_once_between_two_reports",)  # must fail
+# the tests that must fail (others may too)
+FAILS = ("test_each_round_reads_the_device_once_between_two_reports",)
 
 
 def _decode_sync(drafter, out, caches, config, *, sampler, watch):

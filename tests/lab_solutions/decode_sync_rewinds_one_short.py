@@ -5,8 +5,10 @@ position early.
 """
 
 EXERCISE = "decode_sync"
+RULE = "target-rewind"  # the rule it breaks (lab.RULES)
 RIGHT = False
-FAILS = ("test_sync_equals_target_greedy",)  # tests that must fail (others may too)
+# the tests that must fail (others may too)
+FAILS = ("test_sync_equals_target_greedy",)
 
 
 def _decode_sync(drafter, out, caches, config, *, sampler, watch):

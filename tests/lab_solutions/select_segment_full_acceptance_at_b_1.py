@@ -5,8 +5,9 @@ F = 2 its packed pass cannot be built (build_branch_pass raises: the grade point
 """
 
 EXERCISE = "select_segment"
+RULE = "b-1"  # the rule it breaks (lab.RULES)
 RIGHT = False
-FAILS = (  # tests that must fail (others may too)
+FAILS = (  # the tests that must fail (others may too)
     "test_full_acceptance_is_never_selected_at_b_1",
     "test_async_equals_sync_and_target",
 )

@@ -1,0 +1,25 @@
+"""_decode_sync, wrong: d_1 .. d_a and t are committed with out.commit, not out.commit_round:
+the tokens are right, but no round's a + 1 is recorded, so tau and accept_lengths say
+nothing.
+"""
+
+EXERCISE = "decode_sync"
+RULE = "commit"  # the rule it breaks (lab.RULES)
+RIGHT = False
+# the tests that must fail (others may too)
+FAILS = ("test_sync_equals_target_greedy",)
+
+
+def _decode_sync(drafter, out, caches, config, *, sampler, watch):
+    tc, dc = caches.target, caches.drafter
+    block_size = config.block_size
+    while not out.done:
+        new_tokens = torch.tensor([out.tokens[dc.length :]], device=dc.device)
+        draft_logits = draft_block(drafter, dc, new_tokens, block_size, width=block_size + 1)
+        draft, q_draft = sampler.pick(draft_logits)
+        p_logits = verify_block(tc, new_tokens[0, -1], draft)
+        num_accepted, next_token = accept_draft(p_logits, draft, q_draft, sampler)
+        num_accepted, next_token, draft = read_round([num_accepted, next_token, draft], tc, dc)
+        out.commit(draft[:num_accepted] + [next_token])  # the bug: no round recorded
+        tc.rewind(len(out.tokens) - 1)
+        watch(out, draft, block_size, (num_accepted, next_token))
