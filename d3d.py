@@ -9,20 +9,14 @@ Paper -> this file, top to bottom:
     decoding's settings, in the manner of HF's        DecodeConfig (generate's; keywords
       GenerationConfig                                  replace its fields)
     packed attention (Fig. 1a)                        packed_attention_mask
-    L_block + lambda L_AR (Fig. 1a)                   d3d_loss, sample_anchors
-    where a drafted block's d_1 is read (our          draft_rows, D3DConfig.d1_from: one rule
-      reading: the LM head at the token before          for every block a pass drafts
-      the block's MASKs)
-    drafting, verification, acceptance                draft_block, verify_block, accept_draft;
-                                                        Sampler (greedy, or a temperature and
-                                                        a generator)
+    L_block + lambda L_AR (Fig. 1a)                   d3d_loss, sample_anchors; draft_rows
+    drafting, verification, acceptance                draft_block, verify_block, accept_draft,
+                                                        Sampler
     target-only and synchronous decoding              _decode_target, _decode_sync
-    asynchronous decoding (Fig. 1c, Fig. 3): one      _decode_async, after the box of one round
-      packed pass drafts, during verification, for      at its section's start: plan_branches,
-      each likely outcome; a hit is the next draft      build_branch_pass, draft_branches,
-                                                        bonus_guess, select_segment,
-                                                        prepared_draft; _Overlap (a CUDA
-                                                        stream, or a CPU thread)
+    asynchronous decoding (Fig. 1c, Fig. 3): one      the box of one round, then plan_branches,
+      packed pass drafts, during verification, for      build_branch_pass, draft_branches,
+      each likely outcome; a hit is the next draft      bonus_guess, select_segment,
+                                                        prepared_draft, _Overlap, _decode_async
     layer pruning (Fig. 1b): score, remove,           prune_drafter (its settings: PruneConfig):
       recover, re-measure                               tau_without_each_layer,
                                                         least_costly_layer, remove_layer,
@@ -36,17 +30,14 @@ Our readings, where the paper is silent (README.md, "Departures and readings"):
     d_1 from the causal row just before the block's MASKs (the one LM head, as L_AR trains
       it); d1_from="mask" reads MASK 1                             draft_rows
     MASK: the first id the tokenizer does not use                 make_drafter
-    async branches: C positions i x F runner-up tokens t, each a segment [t, B MASKs] off
-      d_{i-1}, and one full-acceptance segment [d_B, B MASKs] off d_{B-1}; C = 0.75 B,
+    async branches: C positions i x F runner-up tokens t, and full acceptance; C = 0.75 B,
       F = 2 (the paper's 12 and 2 at B = 16)                      plan_branches, default_budget
     cover="likely" ranks position i by the chance that d_i is the first rejection, at
       temperature 1 when greedy                                   first_rejection_chance
-    after a full-acceptance hit the draft has B - 1 real tokens and a pad, never accepted
-                                                                  prepared_draft
+    a full-acceptance hit's draft: B - 1 real tokens and a pad    prepared_draft
     fixed shapes: the sync draft pass reads the unread committed tokens padded to B + 1; the
       async drafter reads x_n again in every packed pass           draft_block, _decode_async
-    the loss projects only labelled rows to the vocabulary, a few at a time
-                                                                  cross_entropy
+    the loss projects only labelled rows to V, a few at a time    cross_entropy
     pruning recovers toward (1 - beta) softmax(unpruned) + beta onehot(label), beta = 0.5
                                                                   adjusted_teacher
     ties in pruning go to the smallest change in block loss      least_costly_layer
@@ -70,11 +61,10 @@ and tau are the paper's; the others are this file's notation.
     tau         tau: tokens committed per round (a + 1), mean over rounds
     x_0 .. x_n  out.tokens: the prompt, then the tokens committed so far; x_n is the last
     d_1 .. d_B  draft: one block's drafted tokens (where each is read: draft_rows)
-    R           num_real: a draft's real tokens (B; B - 1 and a pad: prepared_draft)
+    R           num_real: a draft's real tokens, B (or B - 1 and a pad: prepared_draft)
     a           num_accepted: the accepted prefix d_1 .. d_a
-    t           a token the target says after an accepted prefix: verification's next_token
-                (after d_a: its correction of d_{a+1}, or the bonus token if a = R), or one
-                that a branch is prepared for (candidates)
+    t           a token the target says after an accepted prefix: next_token (its correction
+                of d_{a+1}, or the bonus token if a = R), or one a branch is prepared for
     (i, t)      an outcome of verification: d_1 .. d_{i-1} accepted, then the target says t
                 (i <= R: d_i rejected; i = R + 1: full acceptance, t the bonus token). The
                 round's own outcome is (a + 1, next_token)
@@ -87,72 +77,22 @@ and tau are the paper's; the others are this file's notation.
     u           a U(0, 1) draw of lossless sampling (accept_draft)
     m           a MASK token, in the mask diagrams (where # marks "may attend")
 
-What the loops take from runtime.py, in brief, so that this file reads alone:
-    KVCache(model, max_len)   fixed-size KV cache, its length a host int (.length): .run(ids
-                              (1, W), positions, mask (1, 1, W, length + W)) writes W tokens
-                              after what it holds -> drafter hidden states (W, H) or target
-                              float logits (W, V); it pads the mask with False to all max_len
-                              slots, so a pass of W tokens has one shape every round and no
-                              query sees a slot past its own pass (stale KV there is never
-                              read). .rewind(length) keeps the sequence's first `length`
-                              tokens (the next pass writes over the rest); .reset(skipped)
-                              empties it for a request of which `skipped` prompt tokens stay
-                              out of the cache (selective prefill): lengths given to rewind
-                              and positions still count them
-    Caches                    .target, .drafter: the two KVCaches, made by Caches.make(target,
-                              drafter, max_len); generate can reuse them across requests;
-                              .compiled: whether their passes are torch.compile'd; .timed(clock):
-                              each fixed-shape pass inside is timed under its phase
-    causal_pass(cache, ids)   a causal pass over ids (1, W) after what the cache holds;
-                              prefill(cache, ids, positions): the same for a prompt of any
-                              length, eagerly; attention_pass: the same, and it returns each
-                              layer's attention weights (heads, W, cache length)
-    read_round(values, *caches)  the round's one host read: each tensor back as tolist() gives
-                              it (0-d: an int; 1-d: a list; 2-d: a list of lists), in one
-                              transfer (after the passes of the round are done), which also
-                              brings each cache's own count of tokens written in every layer
-                              (the HF cache's, on the device) and checks it against .length (a
-                              model that ignored its cache, in any layer, fails here)
-    Output(prompt, budget, eos)  .tokens: prompt + committed, ints; .commit(tokens) appends them
-                              cut after the first EOS (kept) or at the budget, and raises if
-                              nothing is committed; .commit_round(accepted, next) commits both
-                              and records tau (the tokens committed after any cut); .done: the
-                              budget is reached or an EOS committed
-    Clock(device, phases)     times a decode: `with clock.span(key):` adds the time inside to
-                              stats' time_<key>; pass_phases names each fixed-shape pass by its
-                              width; CUDA events, read after the decode: no mid-round wait
-    check_request, cache_len, async_lanes  generate's input checks (-> B); KV slots a request
-                              needs (prompt + max_new_tokens + its widest pass: the sync draft,
-                              2B + 1, or the packed pass, (1 + B)(S + 1)); the lanes when none
-                              are given (2 on a CPU for a target of 20M parameters or more,
-                              else 1; two lanes of compiled passes on CUDA are refused: their
-                              CUDA graphs share one memory pool)
-    setting, check_settings, with_settings  a config field with its help and Range; every
-                              field checked against its range; a config with keyword settings
-                              replacing fields (TypeError for an unknown name)
-    additive_mask(mask, model)  bool mask (True = may attend) -> HF's additive float mask
-    keep_layers(model, ids)   keeps those decoder layers only, in place, renumbered from 0
-                              (cache slots, config)
-    in_logit_chunks(V, fn, *rows)  fn over a few rows at a time, so V-wide logits never exist
-                              for all rows at once
-    finite_step(optimizer, params, max_norm)  clip and step (skipped if the norm is not
-                              finite), zero the gradients
-    host_copy, load_causal_lm, tokenizer_fingerprint  a deep copy in host memory; an HF causal
-                              LM; a tokenizer's hash
-And from systems/rounds.py: Watch, generate's watchers of the rounds (on_round, a streamer,
-async's hit/miss tally). A loop calls it once a round, after the commit and the rewinds:
-watch(out, draft, R, (a, t)), and in async also the plan (covered, candidates, g) and the
-selected segment. It remembers the output's and the caches' lengths from the round before, so
-it knows n, x_n, what the round committed and which pass drafted its draft.
+From runtime.py: setting, check_settings, with_settings (a config field with its help and
+Range; every field checked; keyword settings replacing fields, TypeError for an unknown name);
+additive_mask (bool, True = may attend -> HF's float mask); keep_layers(model, ids) (keeps
+those decoder layers, in place, renumbered from 0); in_logit_chunks (V-wide logits a few rows
+at a time); finite_step (clip, step unless the norm is not finite, zero the gradients);
+host_copy (a deep copy in host memory); load_causal_lm; tokenizer_fingerprint. The contracts
+the decoding loops rely on are listed where the loops begin.
 
 Shapes: b batch, N causal (clean) tokens, K anchors (blocks), B block size, H hidden size,
 V vocabulary, M the segments' tokens and W = N + M the tokens of a pass, S segments of the async
 packed pass, past: tokens already in a KV cache.
-Three coordinates: a token's *row* is its place in one pass's input, and so the place of its
-hidden state and its logits in that pass's output; its *position* is its place in the text
-(x_j is at position j; the position id RoPE sees); its *block position* i = 1 .. B says which
-token of its block it is (d_i sits at position n + i). A row is always a pass's row: the
-drafted d_i's logits are draft_logits[i - 1], and verification's row i is p_logits[i].
+Three coordinates: a token's *row* is its place in one pass's input (and so of its hidden state
+and logits in that pass's output); its *position* is its place in the text (x_j is at position
+j; the position id RoPE sees); its *block position* i = 1 .. B says which token of its block it
+is (d_i sits at position n + i). The drafted d_i's logits are draft_logits[i - 1];
+verification's row i is p_logits[i]; all three, row by row, in one table: build_branch_pass.
 Words, each in one sense: "mask", an attention mask (bool, True = may attend); "MASK", the
 drafter's mask token (mask_token_id); loss_mask, True on the tokens that carry loss (response
 tokens); "segment", a stretch of a packed pass that hangs off one row of its causal stream, its
@@ -341,8 +281,8 @@ class DecodeConfig:
 
 class Drafter(nn.Module):
     """An HF causal LM plus its D3DConfig: `hidden_states` of a packed pass, `logits` over the
-    target's vocabulary. There is one LM head: applied at a causal token's row it predicts the
-    next token (as L_AR trains it), applied at a MASK's row it drafts that MASK's token."""
+    target's vocabulary. One LM head: at a causal token's row it predicts the next token (as
+    L_AR trains it), at a MASK's row that MASK's token (which rows a draft reads: draft_rows)."""
 
     def __init__(self, model: nn.Module, config: D3DConfig):
         super().__init__()
@@ -468,10 +408,9 @@ def make_drafter(
 def packed_attention_mask(num_causal: int, roots, block_size: int, *, prefix_len=0, past_len=0):
     """Mask and position ids of a packed sequence [causal stream | segment 1 | segment 2 | ...].
 
-    Two of the three coordinates (module docstring) matter here: a token's *row*, its place in
-    the packed sequence, and its *position*, its place in the text (the position id RoPE sees).
-    The `num_causal` causal tokens are rows 0, 1, ... at positions past_len, past_len + 1, ...,
-    after `past_len` cached tokens that every token sees.
+    Rows and positions ("Three coordinates", module docstring): the `num_causal` causal tokens
+    are rows 0, 1, ... at positions past_len, past_len + 1, ..., after `past_len` cached tokens
+    that every token sees.
     A segment is `prefix_len` prefix tokens (0 in training and draft_block; 1 in the async
     pass) and then a block of `block_size` MASKs. Each segment *hangs off* one causal token,
     its root: roots[..., s] is the row of segment s's root (in training, block k's anchor
@@ -500,7 +439,7 @@ def packed_attention_mask(num_causal: int, roots, block_size: int, *, prefix_len
     In training each MASK row predicts its own token (L_block); where decoding reads a block's
     tokens: draft_rows. Positions may repeat (a block's tokens sit at the positions of causal
     tokens after its root): the mask, not the positions, keeps them apart. With a prefix
-    (prefix_len = 1), build_branch_pass draws the picture.
+    (prefix_len = 1): build_branch_pass's table.
 
     roots: (S,) or (b, S) long, rows of the causal stream. Returns mask (b, 1, W, past_len +
     W) bool and position_ids (b, W) long, W = num_causal + S * (prefix_len + block_size)."""
@@ -508,7 +447,7 @@ def packed_attention_mask(num_causal: int, roots, block_size: int, *, prefix_len
         roots = roots[None]
     device = roots.device
     b, num_segments = roots.shape
-    # every segment has the same shape: sizes are host ints, nothing is read back
+    # every segment has the same shape: sizes are host ints
     seg_len = prefix_len + block_size
     token = torch.arange(num_segments * seg_len, device=device)
     seg_of = token // seg_len  # (M,) the segment of each segment token
@@ -579,18 +518,18 @@ def _packed_hidden(drafter, input_ids, anchors, block_size):
 def draft_rows(
     prefix_row: torch.Tensor, first_mask_row: torch.Tensor, block_size: int, d1_from: str
 ) -> torch.Tensor:
-    """Where the tokens d_1 .. d_B a block drafts are read: rows (..., B) of a packed pass, one
-    rule for every block of every pass (offline_tau, draft_block, build_branch_pass).
-    d_2 .. d_B are read at MASK 2 .. B (rows first_mask_row + 1, ...). d_1: under
-    d1_from="mask", at MASK 1 (row first_mask_row); under d1_from="causal" (our reading: the
-    paper is silent), at `prefix_row`, the row of the token just before the block's MASKs: the
-    one LM head applied there predicts the next token, as L_AR trains it on the causal stream.
-    That token is the anchor x_{j_k} in validation (and in training's block_acc), x_n in
-    draft_block, and a segment's first token (t or d_R) in build_branch_pass. Under "causal"
-    MASK 1 still trains (L_block reads every MASK) but no pass reads it. One exception: after
-    a full-acceptance hit the next draft is a block without its first row, so its d_1 comes
-    from MASK 2 (prepared_draft). prefix_row, first_mask_row: rows (...), broadcast
-    together."""
+    """Where the tokens d_1 .. d_B a block drafts are read: rows (..., B) of a packed pass. This
+    is the d1_from rule's one home, for every block of every pass (offline_tau, d3d_loss's
+    block_acc, draft_block, build_branch_pass):
+        d_2 .. d_B  at MASK 2 .. B, rows first_mask_row + 1 .. first_mask_row + B - 1
+        d_1         d1_from="causal" (our reading: the paper is silent): at `prefix_row`, the
+                    token just before the block's MASKs (the anchor x_{j_k} in validation and
+                    block_acc, x_n in draft_block, a segment's first token t or d_R in
+                    build_branch_pass); the one LM head there predicts the next token, as L_AR
+                    trains it. MASK 1 still trains (L_block reads every MASK); no pass reads it.
+                    d1_from="mask": at MASK 1, row first_mask_row
+    After a full-acceptance hit the next draft's d_1 comes from MASK 2 (prepared_draft).
+    prefix_row, first_mask_row: rows (...), broadcast together."""
     prefix_row, first_mask_row = torch.broadcast_tensors(prefix_row, first_mask_row)
     rows = first_mask_row[..., None] + torch.arange(block_size, device=first_mask_row.device)
     if d1_from == "causal":
@@ -653,8 +592,7 @@ def d3d_loss(drafter: Drafter, input_ids, loss_mask, *, generator=None, at=None)
     K drawn here with `generator`).
 
     Returns (loss, {loss_block, loss_ar, block_acc}). block_acc (B,): per block position i, the
-    share of counted blocks whose d_i, read where decoding reads it (draft_rows), is x_{j_k+i}:
-    block_acc[0] is d_1's, from the row the config's d1_from names."""
+    share of counted blocks whose d_i, read where decoding reads it (draft_rows), is x_{j_k+i}."""
     cfg = drafter.d3d_config
     block_size = cfg.block_size
     if at is None:
@@ -679,7 +617,7 @@ def d3d_loss(drafter: Drafter, input_ids, loss_mask, *, generator=None, at=None)
         correct = torch.zeros_like(counts)
         correct[counts] = predicted == labels[counts]
         if cfg.d1_from == "causal":
-            # d_1 as decoding reads it: the anchor's row of the causal stream (draft_rows)
+            # d_1 as decoding reads it (draft_rows): the anchor's causal row
             first = counts[:, :, 0]  # (b, K)
             hidden_size = causal_hidden.shape[-1]
             index = anchors[:, :, None].expand(-1, -1, hidden_size)
@@ -698,7 +636,7 @@ def d3d_loss(drafter: Drafter, input_ids, loss_mask, *, generator=None, at=None)
 @torch.no_grad()
 def offline_tau(drafter: Drafter, input_ids, loss_mask, *, val_anchors=32, generator=None, at=None):
     """Validation tau without the target (the responses are its greedy output): a block of the
-    config's B drafted at anchor j_k, d_1 read as its d1_from says, is accepted as far as it
+    config's B drafted at anchor j_k, read as draft_rows says, is accepted as far as it
     matches x_{j_k+1}, x_{j_k+2}, .... `at`: (anchors, valid) as sample_anchors returns them
     (default: `val_anchors` per sequence, drawn here). Returns tau (a + 1) per valid anchor."""
     block_size = drafter.d3d_config.block_size
@@ -737,7 +675,7 @@ def offline_tau(drafter: Drafter, input_ids, loss_mask, *, val_anchors=32, gener
 #     drafter   B + 1 + B          sync draft: the unread committed tokens padded to B + 1, B MASKs
 #     drafter   1 + B              async fallback draft: x_n and B MASKs
 #     drafter   1 + B + S (1 + B)  async packed pass: x_n, d_1 .. d_B, S = C x F + 1 segments
-#   A draft made after a full-acceptance hit keeps the B + 1 shape with a pad (prepared_draft).
+#   After a full-acceptance hit the draft keeps its shape with a pad (prepared_draft).
 
 
 @dataclass
@@ -782,10 +720,9 @@ class Sampler:
 @torch.no_grad()
 def draft_block(drafter: Drafter, cache: KVCache, new_tokens, block_size: int, width=None):
     """One drafter pass over the committed tokens it has not read, new_tokens (1, num_new)
-    ending with x_n, then a MASK block off x_n (its KV dropped again: the cache keeps the new
-    tokens). `width`: the causal part padded to this many tokens (one shape for every
-    num_new; the pads come after x_n and no block sees them). Returns the draft logits (B, V):
-    draft_logits[i - 1] drafts d_i, at position n + i."""
+    ending with x_n, then a MASK block off x_n. `width`: the causal part padded to this many
+    tokens (one shape for every num_new; the pads come after x_n and no block sees them).
+    Returns the draft logits (B, V): draft_logits[i - 1] drafts d_i (rows: draft_rows)."""
     num_new = new_tokens.shape[1]
     device = new_tokens.device
     start = cache.length
@@ -800,6 +737,7 @@ def draft_block(drafter: Drafter, cache: KVCache, new_tokens, block_size: int, w
     padded = nn.functional.pad(new_tokens, (0, width - num_new))
     ids = torch.cat([padded, mask_tokens], 1)
     hidden = cache.run(ids, positions, mask)  # (width + B, H)
+    # the cache keeps the committed tokens read; the pads' and the MASKs' KV go
     cache.rewind(start + num_new)
     first_mask_row = x_n_row.new_full((1,), width)
     rows = draft_rows(x_n_row, first_mask_row, block_size, drafter.d3d_config.d1_from)[0]
@@ -821,38 +759,55 @@ def _at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def accept_draft(p_logits, draft, q_draft, sampler: Sampler, num_real: int | None = None):
-    """(a, t) = (num_accepted, next_token) as 0-d tensors, left on the device (the round reads
-    them with its one host read). Greedy: accept d_i while it is the target's argmax, then take
-    the argmax. Sampling (lossless): accept d_i if u * q(d_i) <= p(d_i) (probability min(1,
-    p(d_i) / q(d_i))); at the first rejection draw t from max(p - q, 0) normalised; after full
-    acceptance draw the bonus token from p. Only the first `num_real` tokens (R, default all)
-    can be accepted: a pad never is, even if it equals the target's token. p_logits (B+1, V),
-    draft (B,), q_draft (B, V) or None (greedy)."""
+    """(a, t) = (num_accepted, next_token): the textbook acceptance rule, written without a
+    branch on a device value. p_logits (B+1, V): row i - 1 is the target's prediction for d_i's
+    position; draft (B,); q_draft (B, V) or None (greedy); R = num_real (default B: the draft's
+    real tokens; a pad, "Full acceptance and the pad", is never accepted, even if it equals the
+    target's token). With p_i, q_i the target's and the drafter's distributions at d_i's
+    position, the rule as a host loop:
+
+        for i in 1 .. R:
+            greedy:   ok = d_i == argmax p_i
+            sampling: ok = u_i * q_i(d_i) <= p_i(d_i)    (probability min(1, p_i / q_i))
+            if not ok:
+                t = argmax p_i, or drawn from max(p_i - q_i, 0) normalised (p_i where that
+                    is all zero: p_i == q_i up to rounding)
+                return (i - 1, t)
+        return (R, argmax p_{R+1}, or drawn from p_{R+1})    # the bonus token
+
+    The code does every i at once (u is B draws made together) and returns 0-d tensors left on
+    the device, for the round's one host read ("Two habits", above Sampler)."""
     block_size = draft.shape[0]
     if num_real is None:
         num_real = block_size
+    # "for i in 1 .. R": positions past R (the pad) never pass
     real = torch.arange(block_size, device=draft.device) < num_real  # (B,)
     if sampler.temperature == 0:
-        target_tokens = p_logits.argmax(-1)  # (B+1,)
+        target_tokens = p_logits.argmax(-1)  # (B+1,) argmax p_1 .. p_{B+1}
+        # ok_i = d_i == argmax p_i
         agrees = (draft == target_tokens[:block_size]) & real
+        # a: the ok's before the first not-ok ("break")
         num_accepted = agrees.long().cumprod(0).sum()
+        # t = argmax p_{a+1}: the correction, or the bonus if a = R (_at: no host read)
         return num_accepted, _at(target_tokens, num_accepted)
-    p_target = sampler.probs(p_logits)  # (B+1, V)
+    p_target = sampler.probs(p_logits)  # (B+1, V) p_1 .. p_{B+1}
     block_index = torch.arange(block_size, device=draft.device)
-    p_d = p_target[block_index, draft]
-    q_d = q_draft[block_index, draft]
+    p_d = p_target[block_index, draft]  # (B,) p_i(d_i)
+    q_d = q_draft[block_index, draft]  # (B,) q_i(d_i)
     u = sampler.uniform((block_size,), p_d.device)
-    # u <= p/q, without dividing by a tiny q
+    # ok_i = u_i * q_i(d_i) <= p_i(d_i): u <= p/q without dividing by a tiny q
     accepts = (u * q_d <= p_d) & real
+    # a: the ok's before the first not-ok ("break")
     num_accepted = accepts.long().cumprod(0).sum()
-    # (V,) the target's distribution after the accepted prefix
+    # p_{a+1} (V,), read without a host read (_at)
     p_next = _at(p_target, num_accepted)
-    # past the draft's end: q = 0
+    # q_{a+1}; the zero row keeps the index a = B in range (there the bonus is drawn from p)
     q_next = _at(nn.functional.pad(q_draft, (0, 0, 0, 1)), num_accepted)
+    # the rejection's t: from max(p - q, 0) normalised ...
     residual = (p_next - q_next).clamp(min=0)
-    # p == q up to rounding: rejection had probability ~0
+    # ... or from p where that is all zero (p == q up to rounding: rejection had chance ~0)
     residual = torch.where(residual.sum() > 0, residual, p_next)
-    # all real tokens accepted: the bonus token from p
+    # a = R: the loop ran out, the bonus token from p_{R+1}; else the rejection's residual
     next_dist = torch.where(real.sum() == num_accepted, p_next, residual)
     return num_accepted, sampler.draw(next_dist / next_dist.sum())
 
@@ -863,6 +818,40 @@ def accept_draft(p_logits, draft, q_draft, sampler: Sampler, num_real: int | Non
 # Each loop is the method alone. Around it, generate times every pass (each KVCache times its
 # own fixed-shape passes: runtime.Clock) and hands each round's values to one `watch` call
 # (systems/rounds.py), which feeds on_round (a RoundInfo), a streamer and async's hit/miss tally.
+#
+# What the loops (and draft_block, verify_block, draft_branches) take from runtime.py:
+#   KVCache(model, max_len)  fixed-size KV cache, its length a host int (.length). .run(ids
+#       (1, W), positions, mask (1, 1, W, length + W)) writes W tokens after what it holds and
+#       returns drafter hidden states (W, H) or target float logits (W, V); it pads the mask
+#       with False to all max_len slots, so a pass of W tokens has one shape every round and
+#       no query sees a slot past its own pass (stale KV there is never read).
+#       .rewind(length) keeps the first `length` tokens (the next pass writes over the rest);
+#       .reset(skipped): empty, for a request whose first `skipped` prompt tokens stay out of
+#       the cache (selective prefill; lengths given to rewind and positions still count them)
+#   Caches  .target, .drafter: the two KVCaches (Caches.make(target, drafter, max_len)),
+#       reusable across requests; .compiled: whether their passes are torch.compile'd;
+#       .timed(clock): each fixed-shape pass inside is timed under its phase
+#   causal_pass(cache, ids)  a causal pass over ids (1, W) after what the cache holds;
+#       prefill(cache, ids, positions): the same, eagerly, for a prompt of any length;
+#       attention_pass: the same, returning each layer's attention (heads, W, cache length)
+#   read_round(values, *caches)  the round's one host read ("Two habits" above), after the
+#       round's passes: each tensor back as tolist() gives it (an int, a list, a list of
+#       lists), in one transfer that also checks each layer's count of tokens written against
+#       .length (a model that ignored its cache fails here)
+#   Output(prompt, budget, eos)  .tokens: prompt + committed, ints; .commit(tokens) appends
+#       them cut after the first EOS (kept) or at the budget, and raises if nothing is
+#       committed; .commit_round(accepted, next) commits both and records tau (the tokens
+#       committed after any cut); .done: the budget is reached or an EOS committed
+#   Clock(device, phases)  `with clock.span(key):` adds the time inside to stats' time_<key>
+#       (CUDA events, read after the decode: no mid-round wait); pass_phases names each
+#       fixed-shape pass by its width
+#   check_request, cache_len, async_lanes  generate's input checks (-> B); the KV slots a
+#       request needs (prompt + max_new_tokens + its widest pass: 2B + 1 sync, (1 + B)(S + 1)
+#       async); the lanes when none are given (2 on a CPU for a target of 20M parameters or
+#       more, else 1; refused: 2 lanes of compiled CUDA passes, whose graphs share one pool)
+# From systems/rounds.py, Watch: after each round's commit and rewinds, watch(out, draft, R,
+# (a, t)) (async adds the plan (covered, candidates, g) and the selected segment); from the
+# lengths of the round before it knows n, x_n, what was committed and which pass drafted.
 
 
 @dataclass
@@ -879,14 +868,12 @@ class RoundInfo:
     n: int
     # the token x_n itself: the last committed, just before d_1 (round 0: the prefill's token)
     x_n: int
-    # d_1 .. d_B as verified ([] in target mode); after a full-acceptance hit the last is a pad
-    # (prepared_draft)
+    # d_1 .. d_B as verified ([] in target mode; a full-acceptance hit's last is a pad)
     draft: list[int]
     # R: the draft's real tokens (B, or B - 1 after a full-acceptance hit; 0 in target mode)
     num_real: int
-    # "draft pass" (sync; async's fallback draft, also its first round), "branch" (a rejection
-    # segment of the previous round's packed pass), "full acceptance" (the previous round's
-    # full-acceptance segment), "" in target mode
+    # "draft pass" (sync; async's fallback draft, also its first round), "branch" or "full
+    # acceptance" (that segment of the previous round's packed pass), "" in target mode
     drafted_by: str
     # where a block's d_1 is read (draft_rows): "causal" or "mask"
     d1_from: str
@@ -900,9 +887,8 @@ class RoundInfo:
     target_cache: tuple[int, int]
     # the same for the drafter's KV cache ((0, 0) in target mode)
     drafter_cache: tuple[int, int]
-    # async only (None in the other modes): the outcomes the packed pass's segments were
-    # prepared for, in order: (i, t) = "d_i rejected, the target said t", then (R + 1, g) =
-    # full acceptance, g = the segment's guess of the bonus token
+    # async only (None in the other modes): the outcomes (i, t) that the packed pass's segments
+    # were prepared for, in order: the branches, then full acceptance (R + 1, g)
     outcomes: list[tuple[int, int]] | None = None
     # async only: the index in outcomes that this round's outcome selected (a hit: that
     # segment's block is the next round's draft); -1 on a miss (the next round drafts anew)
@@ -996,7 +982,7 @@ def _decode_sync(drafter, out: Output, caches: Caches, config, *, sampler, watch
 #
 # _decode_async is this loop, line for line (select_segment makes the last if/elif choice; a
 # decode that is over prepares nothing). The code differs from the box in one way: the block
-# full acceptance prepares has one row fewer, B - 1, and a pad (prepared_draft).
+# full acceptance prepares has B - 1 real tokens and a pad ("Full acceptance and the pad").
 #
 # What each KV cache holds across one round (committed x_0 .. x_n at the start; R = num_real,
 # a = num_accepted, t = next_token; "+" = written after what the cache held):
@@ -1008,14 +994,10 @@ def _decode_sync(drafter, out: Output, caches: Caches, config, *, sampler, watch
 #   verify, packed pass (side    + x_n, d_1 .. d_B            + x_n, d_1 .. d_B, S segments
 #     by side)
 #   commit d_1 .. d_a, t         out.tokens: x_0 .. x_n, d_1 .. d_a, t (n + a + 2 tokens)
-#   rewind                       to len(out.tokens) - 1       to n + 1 + a
+#   rewind (why: at the lines)   to len(out.tokens) - 1       to n + 1 + a
 #                                = n + 1 + a                  (x_0 .. x_n, d_1 .. d_a)
 #   next round's start           x_0 .. x_{n'-1}, n' = n + a + 1: t = x_{n'} is in neither cache,
 #                                it goes first into the next verify and packed pass
-#
-# The two rewinds give the same length, n + 1 + a, unless the commit was cut at EOS or the
-# budget: then the decode is over. The drafter's rewind drops the rejected drafts d_{a+1} .. d_B
-# and every segment; the accepted d_1 .. d_a keep the KV the packed pass gave them.
 
 
 def default_budget(block_size: int) -> tuple[int, int]:
@@ -1040,11 +1022,9 @@ def branch_budget(config, block_size: int) -> tuple[int, int]:
 
 def first_rejection_chance(draft_logits, draft, num_real: int, temperature: float):
     """rho_i = q(d_1) ... q(d_{i-1}) * (1 - q(d_i)) for i = 1 .. B (B,): the chance that d_i is
-    the first rejection (as D2SD, a speculative decoder that drafts for likely rejections,
-    ranks them), with q the drafter's probabilities at the scoring
-    temperature (our reading: 1 when decoding greedily, where no temperature is given, else the
-    sampling temperature). A pad (i > R = num_real: prepared_draft) is never rejected: rho_i =
-    -inf."""
+    the first rejection, with q the drafter's probabilities at the scoring temperature (our
+    reading: 1 when decoding greedily, where no temperature is given, else the sampling
+    temperature). A pad (i > R = num_real) is never rejected: rho_i = -inf."""
     scoring_temperature = temperature
     if temperature == 0:
         scoring_temperature = 1.0
@@ -1063,9 +1043,9 @@ def plan_branches(draft_logits, draft, num_real: int, config):
     (the drafter's F likeliest tokens at i, except d_i itself), for a draft (B,) of R =
     num_real real tokens. config: a DecodeConfig (its coverage C, fanout F, cover and
     temperature; branch_budget). cover="first": i = 1 .. C; "likely": the C largest rho_i
-    (first_rejection_chance). Either way a pad (prepared_draft) is covered only where C
-    exceeds the R real positions. Returns covered (C,), the i ascending (d_i's logits are
-    draft_logits[i - 1]), and candidates (C, F), left on the device (no wait)."""
+    (first_rejection_chance). Either way a pad is covered only where C exceeds the R real
+    positions ("Full acceptance and the pad"). Returns covered (C,), the i ascending (d_i's
+    logits are draft_logits[i - 1]), and candidates (C, F), left on the device."""
     block_size, vocab = draft_logits.shape
     coverage, fanout = branch_budget(config, block_size)
     coverage = min(coverage, block_size)
@@ -1089,46 +1069,44 @@ def build_branch_pass(
     """Input of the packed pass that drafts the next block (B MASKs) for each planned outcome of
     verifying `draft` (B,); covered (C,), candidates (C, F): plan_branches.
 
-    Causal stream: x_n (`last_token`, (1,); the cache holds x_0 .. x_{n-1}), then d_1 .. d_B
-    (the accepted drafts get their KV here): row i holds d_i (row 0: x_n). Then C x F
-    segments [t, MASK x B] off d_{i-1}, t at position n + i: "d_i rejected, the target said
-    t". Last, the full-acceptance segment [d_R, MASK x B] off d_{R-1} (R = `num_real`, the
-    draft's real tokens, default B: prepared_draft): it drafts the bonus token x_{n+R+1} and
-    the B - 1 tokens after it. It repeats d_R as its first token, rather than hanging B MASKs
-    off d_R, so that every segment has one shape, [token, B MASKs], and under
-    d1_from="causal" its first row guesses the bonus token as the LM head at x_n guesses d_1.
-    The causal row a segment hangs off is its root (the mask's `roots`). Each segment's block
-    is read at its rows (draft_rows).
-    Example with B = R = 3, C = 2, F = 1; the cache is visible to all (# = may attend, m = a
-    MASK token):
+    After the cache's x_0 .. x_{n-1} (past_len = n), the causal stream: x_n (`last_token`,
+    (1,)), then d_1 .. d_B (the accepted drafts get their KV here): row i holds d_i. Then
+    S = C x F + 1 segments, each [token, B MASKs] hanging off one causal row, its root (the
+    mask's `roots`): the branch (i, t) is [t, B MASKs] off d_{i-1} (row i - 1), t at position
+    n + i; full acceptance is [d_R, B MASKs] off d_{R-1} (R = `num_real`, default B; why d_R
+    is repeated: "Full acceptance and the pad", before prepared_draft).
+    Segment s's first MASK is row (B + 1) + 1 + (B + 1) s; its first token is the row before.
+    Every row at B = 4, C = 2, F = 1 (covered i = 1, 2), d1_from="causal". A segment's row sees
+    the cache, the causal rows 0 .. its root, and in its segment: its first token itself, a
+    MASK all of it (packed_attention_mask draws the mask). A first token's row drafts the
+    position after its own, a MASK's row its own; d' is the next draft a segment prepares:
 
-                     x_n d_1 d_2 d_3 | t1 m m m | t2 m m m | d_3 m m m
-        x_n (n)      #               |          |          |
-        d_1 (n+1)    #   #           |          |          |
-        d_2 (n+2)    #   #   #       |          |          |
-        d_3 (n+3)    #   #   #   #   |          |          |
-        t1  (n+1)    #               | #        |          |
-        m   (n+2)    #               | #  # # # |          |
-        m   (n+3)    #               | #  # # # |          |
-        m   (n+4)    #               | #  # # # |          |
-        t2  (n+2)    #   #           |          | #        |
-        m   (n+3)    #   #           |          | #  # # # |
-        m   (n+4)    #   #           |          | #  # # # |
-        m   (n+5)    #   #           |          | #  # # # |
-        d_3 (n+3)    #   #   #       |          |          | #
-        m   (n+4)    #   #   #       |          |          | #   # # #
-        m   (n+5)    #   #   #       |          |          | #   # # #
-        m   (n+6)    #   #   #       |          |          | #   # # #
+        row  token  position  root  read as (draft_rows)
+          0  x_n    n         -     -            causal stream
+          1  d_1    n + 1     -     -
+          2  d_2    n + 2     -     -
+          3  d_3    n + 3     -     -
+          4  d_4    n + 4     -     -
+          5  t1     n + 1     0     d'_1         branch (1, t1): d_1 rejected, the
+          6  m      n + 2     0     unread       target said t1
+          7  m      n + 3     0     d'_2
+          8  m      n + 4     0     d'_3
+          9  m      n + 5     0     d'_4
+         10  t2     n + 2     1     d'_1         branch (2, t2): d_1 accepted, d_2
+         11  m      n + 3     1     unread       rejected, the target said t2
+         12  m      n + 4     1     d'_2
+         13  m      n + 5     1     d'_3
+         14  m      n + 6     1     d'_4
+         15  d_4    n + 4     3     g (bonus)    full acceptance: g guesses x_{n+5},
+         16  m      n + 5     3     unread       d'_1 .. d'_3 the tokens after it,
+         17  m      n + 6     3     d'_1         then a pad
+         18  m      n + 7     3     d'_2
+         19  m      n + 8     3     d'_3
 
-        x_n .. d_3   the causal stream: x_n, then the draft
-        t1 m m m     branch (1, t1): d_1 rejected, the target said t1; drafts x_{n+2} .. x_{n+4}
-        t2 m m m     branch (2, t2): d_1 accepted, d_2 rejected; drafts x_{n+3} .. x_{n+5}
-        d_3 m m m    full acceptance, off d_2: drafts the bonus x_{n+4}, then x_{n+5}, x_{n+6}
-        (no branch at i = 3: C = 2 covers i = 1, 2)
-
-    Built without waiting for the device; its shape depends on B, C and F only. Returns input
-    ids (1, W), position ids (1, W), mask (1, 1, W, past+W) and the rows (S, B) drafting each
-    segment's block (draft_rows), in the order of candidates.flatten(), then full acceptance."""
+    rows (S, B) = [[5, 7, 8, 9], [10, 12, 13, 14], [15, 17, 18, 19]] (d1_from="mask": 6, 11, 16
+    first). Built from host sizes only: its shape depends on B, C and F. Returns input ids
+    (1, W), position ids (1, W), mask (1, 1, W, past+W) and those rows (S, B), in the order of
+    candidates.flatten(), then full acceptance."""
     block_size = draft.shape[0]
     fanout = candidates.shape[1]
     if num_real is None:
@@ -1149,7 +1127,7 @@ def build_branch_pass(
     )
     segment_starts = (1 + block_size) * torch.arange(len(roots), device=draft.device)
     first_mask_rows = num_causal + 1 + segment_starts
-    # each segment's first token (t or d_R) sits just before its MASKs
+    # each segment's first token (t or d_R) sits just before its MASKs (the table above)
     prefix_rows = first_mask_rows - 1
     rows = draft_rows(prefix_rows, first_mask_rows, block_size, drafter.d3d_config.d1_from)
     return ids, position_ids, mask, rows
@@ -1163,11 +1141,11 @@ def draft_branches(cache: KVCache, packed) -> torch.Tensor:
 
 
 def bonus_guess(drafter: Drafter, draft_hidden, sampler: Sampler):
-    """g: the full-acceptance segment's guess of the bonus token (a 0-d device tensor), from its
-    block's first draft row (draft_rows), picked as every draft token is: greedily, or drawn at
-    the sampling temperature (then a hit needs the target's bonus token to equal this draw).
-    draft_hidden: (S, B, H), draft_branches's. At B = 1 the guess is -1, never a token: the
-    segment has no row after it to be the next draft."""
+    """g: the full-acceptance segment's guess of the bonus token (a 0-d device tensor), at its
+    first draft row (draft_hidden[-1, 0]: the last segment, column 0 of its draft_rows), picked
+    as every draft token is: greedily, or drawn at the sampling temperature (then a hit needs
+    the target's bonus token to equal this draw). draft_hidden: (S, B, H), draft_branches's.
+    At B = 1 the guess is -1, never a token: no row after it could be the next draft."""
     guess = sampler.pick(drafter.logits(draft_hidden[-1, 0]))[0]
     if draft_hidden.shape[1] == 1:
         return torch.full_like(guess, -1)
@@ -1181,8 +1159,8 @@ def select_segment(num_accepted, next_token, num_real, covered, candidates, gues
     i, and candidates, C lists of F tokens t (plan_branches); guess, g (bonus_guess).
     The segments: branch (i, t) for each covered i and each of its candidates t, in that
     order, then full acceptance. The branch prepared for (a + 1, t) if there is one; else full
-    acceptance if a = R and g = t. Both match only where C covers a pad: the branch wins, its
-    block has B real tokens where full acceptance's has B - 1 (prepared_draft)."""
+    acceptance if a = R and g = t. Both can match only where C covers a pad; then the branch
+    wins ("Full acceptance and the pad")."""
     fanout = 0
     if candidates:
         fanout = len(candidates[0])
@@ -1194,24 +1172,39 @@ def select_segment(num_accepted, next_token, num_real, covered, candidates, gues
     return -1
 
 
+# Full acceptance and the pad
+#
+# The full-acceptance segment prepares the next draft for the outcome (R + 1, g): all R real
+# tokens accepted and the bonus token g. It is [d_R, B MASKs] off d_{R-1}, repeating d_R rather
+# than hanging B MASKs off d_R, so that every segment has one shape, [token, B MASKs], and its
+# first row guesses g as x_n's row guesses d_1 (draft_rows; under d1_from="mask", MASK 1 does).
+# At B = 4 (build_branch_pass's rows 15 .. 19), d_1 .. d_4 all accepted:
+#
+#   position         n+1  n+2  n+3  n+4  n+5  n+6  n+7  n+8
+#   draft            d_1  d_2  d_3  d_4
+#   segment                         d_4  m    m    m    m      off d_3
+#   read as                         g    -    d'_1 d'_2 d'_3   (MASK 1 unread)
+#   the target says                      t = g                 a hit: n' = n + 5, x_{n'} = t
+#   next draft                                d'_1 d'_2 d'_3 pad
+#
+# The first row was spent on g, which the target committed as t: R = B - 1 real tokens remain,
+# from MASK 2 .. B (the one draft whose d_1 is read at a MASK under "causal"). A block of B + 1
+# MASKs would give B, but every segment has one shape. A pad (a row of zero logits: token 0 when
+# greedy, a uniform draw when sampling) makes the draft B long again, so verification and the
+# next packed pass keep their shapes and a compiled pass replays. In the next round:
+# - accept_draft never accepts the pad (num_real = R); if the target accepts d'_1 .. d'_R, its
+#   bonus token is p_logits[R], predicted at d'_R's row for the pad's position;
+# - the full-acceptance segment is [d'_R, B MASKs] off d'_{R-1}: none hangs off the pad;
+# - a branch covers the pad's position only where C > R (C = B; its rho is -inf), with arbitrary
+#   candidates (the pad's logits say nothing); if that branch (R + 1, t) and full acceptance
+#   both match, the branch wins (select_segment): its block has B real tokens, full's B - 1.
+
+
 def prepared_draft(drafter: Drafter, draft_hidden, segment: int):
     """A hit's next draft, from the selected segment's block: (logits (B, V), R), R = num_real,
-    the draft's real tokens. draft_hidden (S, B, H): draft_branches's.
-
-    A branch (i, t): its whole block, R = B.
-    Full acceptance, and the pad. Its segment [d_R, B MASKs] hangs off d_{R-1}; the block's
-    first row guessed the bonus token g, and the hit says that the target committed it as t
-    (the new x_n). So only its other B - 1 rows draft tokens to verify, from MASK 2 .. B (the
-    one draft whose d_1 is read at a MASK under d1_from="causal"): R = B - 1. A block of B + 1
-    MASKs would give B, but every segment has one shape. A pad (a row of zero logits: token
-    0 when greedy, a uniform draw when sampling) makes the draft B long again, so that
-    verification and the next packed pass keep their shapes and a compiled pass replays. The
-    pad is never accepted (accept_draft's num_real). If the target accepts all R, its bonus
-    token is its prediction p_logits[R], made at d_R's row for the pad's position. No segment
-    of the next packed pass hangs off the pad. Its position gets a branch only where C
-    exceeds the R real positions (C = B), with arbitrary candidates: the pad's logits say
-    nothing; and if that branch and full acceptance both match, the branch wins
-    (select_segment)."""
+    the draft's real tokens. draft_hidden (S, B, H): draft_branches's. A branch (i, t): its
+    whole block, R = B. Full acceptance (the last segment): its rows after the first (the
+    bonus guess g) and a pad, R = B - 1 (the section above)."""
     num_segments, block_size = draft_hidden.shape[:2]
     if segment < num_segments - 1:
         return drafter.logits(draft_hidden[segment]), block_size
@@ -1366,9 +1359,9 @@ class _Overlap:
 def _decode_async(drafter, out: Output, caches: Caches, config, *, sampler, watch, overlap):
     """The async round of this section's box, in a loop until out.done: while the target
     verifies the draft, one packed drafter pass prepares the next draft for the likely outcomes
-    of that verification. The table under the box follows the caches through one round; the
-    worked trace above shows four rounds. config: the DecodeConfig, its B, C, F resolved;
-    watch: the round's watchers; overlap: an _Overlap, the lanes the two passes run in."""
+    of that verification (the caches through one round: the table under the box; four rounds:
+    the worked trace). config: the DecodeConfig, its B, C, F resolved; watch: the round's
+    watchers; overlap: an _Overlap, the lanes the two passes run in."""
     tc = caches.target
     dc = caches.drafter
     block_size = config.block_size
@@ -1380,9 +1373,10 @@ def _decode_async(drafter, out: Output, caches: Caches, config, *, sampler, watc
     while not out.done:
         n = len(out.tokens) - 1
         if draft_logits is None:
-            # round 0, or a miss: the fallback draft; x_n's KV goes again (the packed pass reads it)
+            # round 0, or a miss: the fallback draft (draft_block keeps x_n's KV)
             draft_logits = draft_block(drafter, dc, x_n[None], block_size)
             num_real = block_size
+            # x_n's KV goes too: every packed pass starts with x_n, so it has one shape
             dc.rewind(n)
         draft, q_draft = sampler.pick(draft_logits)
         covered, candidates = plan_branches(draft_logits, draft, num_real, config)
@@ -1402,9 +1396,13 @@ def _decode_async(drafter, out: Output, caches: Caches, config, *, sampler, watc
         num_accepted, next_token, draft, *plan = read_round(
             [num_accepted, next_token, draft, *plan], tc, dc
         )
-        # d_1 .. d_a, t join the output (cut at EOS or the budget, which end the decode); both
-        # caches keep x_0 .. x_n, d_1 .. d_a
+        # d_1 .. d_a, t join the output (cut at EOS or the budget, which end the decode)
         out.commit_round(draft[:num_accepted], next_token)
+        # both caches keep x_0 .. x_n, d_1 .. d_a; t, the new x_n, goes first into the next
+        # passes. The target keeps all committed tokens but t (as in _decode_sync); the drafter
+        # what its packed pass wrote for x_n, d_1 .. d_a (the rejected d_{a+1} .. d_B and every
+        # segment go). Both are n + 1 + a tokens unless the commit was cut at EOS or the
+        # budget; then the target keeps fewer, and the decode is over: neither is read again
         tc.rewind(len(out.tokens) - 1)
         dc.rewind(n + 1 + num_accepted)
         segment = select_segment(num_accepted, next_token, num_real, *plan)
