@@ -340,7 +340,7 @@ EXERCISES = (
                 goal="""
                 Return rho (B,) on the device: rho_i, the chance that d_i is the first rejected
                 draft token (-inf at the pad). The paper ranks the outcomes to prepare by where
-                the first rejection is likely (as D2SD).""",
+                the first rejection is likely.""",
                 rules="""
                 rho_i = q(d_1) .. q(d_{i-1}) * (1 - q(d_i)), q the drafter's softmax at the
                 scoring temperature: 1 when greedy (temperature 0), else the sampling
