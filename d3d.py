@@ -1180,10 +1180,10 @@ def select_segment(num_accepted, next_token, num_real, covered, candidates, gues
 # first row guesses g as x_n's row guesses d_1 (draft_rows; under d1_from="mask", MASK 1 does).
 # At B = 4 (build_branch_pass's rows 15 .. 19), d_1 .. d_4 all accepted:
 #
-#   position         n+1  n+2  n+3  n+4  n+5  n+6  n+7  n+8
+#   position         n+1  n+2  n+3  n+4  n+5  n+6  n+7  n+8  n+9
 #   draft            d_1  d_2  d_3  d_4
 #   segment                         d_4  m    m    m    m      off d_3
-#   read as                         g    -    d'_1 d'_2 d'_3   (MASK 1 unread)
+#   its row read as                 g    -    d'_1 d'_2 d'_3   (g: x_{n+5}; MASK 1 unread)
 #   the target says                      t = g                 a hit: n' = n + 5, x_{n'} = t
 #   next draft                                d'_1 d'_2 d'_3 pad
 #
