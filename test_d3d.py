@@ -1078,23 +1078,38 @@ def test_eos_inside_an_accepted_block_is_committed_there(tok, target):
         assert stats["accept_lengths"] == [k]
 
 
-class AuditedDrafter(d3d.Drafter):
-    """Wraps a drafter (scripted or real) and checks, before each of its passes, that its KV cache
-    holds exactly the committed tokens the pass takes for granted: as many as the position of the
-    pass's first token, with the keys and values a fresh pass over those tokens gives. `committed`:
-    the decode's output (greedy: the target's)."""
+class WatchedDrafter(d3d.Drafter):
+    """Wraps a drafter (scripted or real): each pass runs on it, after `seen` looks at the pass's
+    input. A subclass says what to look at."""
 
-    def __init__(self, drafter, committed):
+    def __init__(self, drafter):
         super().__init__(drafter.model, drafter.d3d_config)
-        self.inner, self.committed, self.checked = drafter, committed, 0
+        self.inner = drafter
 
     def hidden_states(self, ids, positions, mask, cache=None):
-        if cache is not None and int(positions[0, 0]) > 0:
-            self.check(cache, int(positions[0, 0]))
+        self.seen(ids, positions, cache)
         return self.inner.hidden_states(ids, positions, mask, cache)
 
     def logits(self, hidden):
         return self.inner.logits(hidden)
+
+    def seen(self, ids, positions, cache) -> None:
+        raise NotImplementedError
+
+
+class AuditedDrafter(WatchedDrafter):
+    """Checks, before each pass of the drafter it wraps, that its KV cache holds exactly the
+    committed tokens the pass takes for granted: as many as the position of the pass's first
+    token, with the keys and values a fresh pass over those tokens gives. `committed`: the
+    decode's output (greedy: the target's)."""
+
+    def __init__(self, drafter, committed):
+        super().__init__(drafter)
+        self.committed, self.checked = committed, 0
+
+    def seen(self, ids, positions, cache) -> None:
+        if cache is not None and int(positions[0, 0]) > 0:
+            self.check(cache, int(positions[0, 0]))
 
     def check(self, cache, length):
         from transformers import DynamicCache
@@ -1200,19 +1215,15 @@ def test_a_sync_round_is_watched_once_after_its_commit_and_rewind(tok, target):
     assert n == len(tokens) - 1
 
 
-class PassWidths(d3d.Drafter):
-    """Wraps a drafter and records the width (tokens) of each of its passes."""
+class PassWidths(WatchedDrafter):
+    """Records the width (tokens) of each pass of the drafter it wraps."""
 
     def __init__(self, drafter):
-        super().__init__(drafter.model, drafter.d3d_config)
-        self.inner, self.widths = drafter, []
+        super().__init__(drafter)
+        self.widths = []
 
-    def hidden_states(self, ids, positions, mask, cache=None):
+    def seen(self, ids, positions, cache) -> None:
         self.widths.append(ids.shape[1])
-        return self.inner.hidden_states(ids, positions, mask, cache)
-
-    def logits(self, hidden):
-        return self.inner.logits(hidden)
 
 
 @pytest.mark.parametrize("block_size", [1, 4])
