@@ -5,7 +5,7 @@ hidden states) fills in a block of B masked future tokens in one pass, so it can
 block while the target verifies this one.
 
 Paper -> this file, top to bottom:
-    config (B, MASK, K, lambda, gamma); the drafter   D3DConfig; make_drafter, Drafter
+    config (B, MASK, K, lambda); the drafter          D3DConfig; make_drafter, Drafter
     decoding's settings, in the manner of HF's        DecodeConfig (generate's; keywords
       GenerationConfig                                  replace its fields)
     packed attention (Fig. 1a)                        packed_attention_mask
@@ -16,13 +16,21 @@ Paper -> this file, top to bottom:
     asynchronous decoding (Fig. 1c, Fig. 3): one      the box of one round, then plan_branches,
       packed pass drafts, during verification, for      build_branch_pass, draft_branches,
       each likely outcome; a hit is the next draft      bonus_guess, select_segment,
-                                                        prepared_draft, _Overlap, _decode_async
+      (side by side at lanes = 2; on CUDA the           prepared_draft, _Overlap, _decode_async
+      default is 1, one after the other)
     layer pruning (Fig. 1b): score, remove,           prune_drafter (its settings: PruneConfig):
       recover, re-measure                               tau_without_each_layer,
                                                         least_costly_layer, remove_layer,
                                                         recover, validation_tau (offline_tau)
     selective prefilling (appendix, Fig. 5)           select_chunks
     the entry point                                   generate(mode="target" | "sync" | "async")
+
+A first reading, in this order: the symbols below; packed_attention_mask and d3d_loss (the
+training); draft_rows; draft_block, verify_block, accept_draft and _decode_sync (one round of
+speculative decoding); the async section's box, its cache table and "Full acceptance and the
+pad", then plan_branches .. prepared_draft and _decode_async; prune_drafter and what it calls;
+select_chunks. For a second reading: the configs' fields, make_drafter, offline_tau, Sampler,
+_Overlap, generate; the worked trace checks a walk-through of your own.
 
 Our readings, where the paper is silent (README.md, "Departures and readings"):
     blocks are keyed on positions: MASK i of a block off position j predicts x_{j+i}, and
@@ -56,7 +64,8 @@ and tau are the paper's; the others are this file's notation.
                 at position n + i)
     w_i         block position i's weight in L_block, exp(-(i-1)/gamma)
     lambda      ar_weight: the weight of L_AR in L = L_block + lambda * L_AR
-    gamma       decay_gamma: the decay of w_i (None: every w_i = 1)
+    gamma       decay_gamma: the decay of w_i (None, the default: every w_i = 1; an option
+                of this implementation)
     beta        beta: recovery's pull toward the label (our reading; adjusted_teacher)
     tau         tau: tokens committed per round (a + 1), mean over rounds
     x_0 .. x_n  out.tokens: the prompt, then the tokens committed so far; x_n is the last
@@ -77,13 +86,8 @@ and tau are the paper's; the others are this file's notation.
     u           a U(0, 1) draw of lossless sampling (accept_draft)
     m           a MASK token, in the mask diagrams (where # marks "may attend")
 
-From runtime.py: setting, check_settings, with_settings (a config field with its help and
-Range; every field checked; keyword settings replacing fields, TypeError for an unknown name);
-additive_mask (bool, True = may attend -> HF's float mask); keep_layers(model, ids) (keeps
-those decoder layers, in place, renumbered from 0); in_logit_chunks (V-wide logits a few rows
-at a time); finite_step (clip, step unless the norm is not finite, zero the gradients);
-host_copy (a deep copy in host memory); load_causal_lm; tokenizer_fingerprint. The contracts
-the decoding loops rely on are listed where the loops begin.
+Helpers from runtime.py are named where they are used; the contracts the decoding loops rely
+on are listed where the loops begin.
 
 Shapes: b batch, N causal (clean) tokens, K anchors (blocks), B block size, H hidden size,
 V vocabulary, M the segments' tokens and W = N + M the tokens of a pass, S segments of the async
@@ -151,6 +155,11 @@ CONFIG_NAME = "d3d_config.json"
 
 # --------------------------------------------------------------------------------------------------
 # Config
+#
+# From runtime.py: setting(default, help, Range) declares a field with its help and its range;
+# check_settings checks every field; with_settings(config, Class, keywords) replaces fields by
+# keyword settings (a TypeError names an unknown one). load_causal_lm loads an HF causal LM;
+# tokenizer_fingerprint hashes a tokenizer, so a drafter refuses a target with another one.
 
 
 @dataclass
@@ -297,6 +306,7 @@ class Drafter(nn.Module):
         """Last hidden states (b, W, H) of ids (b, W) at positions (b, W); mask: bool (b, 1, W,
         past + W), True = may attend; cache: an HF cache holding the past (KVCache.hf; `cache=`
         is transformers 5's name for past_key_values)."""
+        # runtime.additive_mask: the bool mask as the float mask HF's attention adds
         out = self.model.get_decoder()(
             input_ids=ids,
             position_ids=positions,
@@ -390,6 +400,7 @@ def make_drafter(
     layer_ids = None
     if layers is not None:
         layer_ids = list(layers)
+        # runtime.keep_layers: those decoder layers, in place, renumbered from 0
         keep_layers(model, list(layers))
     d3d_config = D3DConfig(
         mask_token_id=mask_token_id,
@@ -436,10 +447,20 @@ def packed_attention_mask(num_causal: int, roots, block_size: int, *, prefix_len
         m   (pos 4)  #   #   #   #       |     | # #      block off x_3: the tokens at 4, 5
         m   (pos 5)  #   #   #   #       |     | # #
 
+    With a prefix (prefix_len = 1, the async pass): one segment [t, m, m] off x_1 of x_0 .. x_2
+    (t is the token the segment assumes at position 2; all rows: build_branch_pass's table):
+
+                     x_0 x_1 x_2 | t m m
+        x_0 (pos 0)  #           |
+        x_1 (pos 1)  #   #       |
+        x_2 (pos 2)  #   #   #   |
+        t   (pos 2)  #   #       | #              a prefix token: the prefix up to itself
+        m   (pos 3)  #   #       | # # #          a MASK: its whole segment
+        m   (pos 4)  #   #       | # # #
+
     In training each MASK row predicts its own token (L_block); where decoding reads a block's
     tokens: draft_rows. Positions may repeat (a block's tokens sit at the positions of causal
-    tokens after its root): the mask, not the positions, keeps them apart. With a prefix
-    (prefix_len = 1): build_branch_pass's table.
+    tokens after its root): the mask, not the positions, keeps them apart.
 
     roots: (S,) or (b, S) long, rows of the causal stream. Returns mask (b, 1, W, past_len +
     W) bool and position_ids (b, W) long, W = num_causal + S * (prefix_len + block_size)."""
@@ -456,16 +477,19 @@ def packed_attention_mask(num_causal: int, roots, block_size: int, *, prefix_len
     causal_row = torch.arange(num_causal, device=device)
     # (b, M) the row of the root each segment token hangs off
     seg_root = roots[:, seg_of]
+    # the mask has four blocks: [[causal sees causal, causal sees segments],
+    #                            [segment sees causal, segment sees segments]]
     # causal tokens see the causal stream up to themselves (b, N, N), and no segment (b, N, M)
-    cc = (causal_row[None, :] <= causal_row[:, None]).expand(b, -1, -1)
-    cs = torch.zeros(b, num_causal, len(seg_of), dtype=torch.bool, device=device)
+    causal_sees_causal = (causal_row[None, :] <= causal_row[:, None]).expand(b, -1, -1)
+    causal_sees_segments = torch.zeros(b, num_causal, len(seg_of), dtype=torch.bool, device=device)
     # segment tokens see the causal stream up to the root (b, M, N)
-    sc = causal_row[None, None, :] <= seg_root[:, :, None]
+    segment_sees_causal = causal_row[None, None, :] <= seg_root[:, :, None]
     # and their own segment (M, M): prefix tokens causally, MASKs the whole segment
     same = seg_of[:, None] == seg_of[None, :]
-    ss = same & ((place_in_seg[None, :] <= place_in_seg[:, None]) | ~is_prefix[:, None])
-    causal_part = torch.cat([cc, cs], 2)
-    segment_part = torch.cat([sc, ss.expand(b, -1, -1)], 2)
+    in_order = place_in_seg[None, :] <= place_in_seg[:, None]
+    segment_sees_segments = same & (in_order | ~is_prefix[:, None])
+    causal_part = torch.cat([causal_sees_causal, causal_sees_segments], 2)
+    segment_part = torch.cat([segment_sees_causal, segment_sees_segments.expand(b, -1, -1)], 2)
     mask = torch.cat([causal_part, segment_part], 1)  # (b, W, W)
     past = torch.ones(b, mask.shape[1], past_len, dtype=torch.bool, device=device)
     mask = torch.cat([past, mask], 2)
@@ -528,6 +552,15 @@ def draft_rows(
                     build_branch_pass); the one LM head there predicts the next token, as L_AR
                     trains it. MASK 1 still trains (L_block reads every MASK); no pass reads it.
                     d1_from="mask": at MASK 1, row first_mask_row
+    draft_block at B = 4 (prefix_row 0, first_mask_row 1), d1_from="causal":
+
+        row  token  position  read as
+          0  x_n    n         d_1      the LM head at x_n predicts position n + 1
+          1  m      n + 1     unread   (d_1 under d1_from="mask")
+          2  m      n + 2     d_2
+          3  m      n + 3     d_3
+          4  m      n + 4     d_4      rows = [0, 2, 3, 4]
+
     After a full-acceptance hit the next draft's d_1 comes from MASK 2 (prepared_draft).
     prefix_row, first_mask_row: rows (...), broadcast together."""
     prefix_row, first_mask_row = torch.broadcast_tensors(prefix_row, first_mask_row)
@@ -547,6 +580,7 @@ def cross_entropy(
         log_p = torch.log_softmax(drafter.logits(h), -1)  # (rows, V), float32
         return -log_p.gather(-1, y[:, None])[:, 0], log_p.argmax(-1)
 
+    # runtime.in_logit_chunks: chunk() on a few rows at a time, its results joined
     return in_logit_chunks(drafter.d3d_config.target_vocab_size, chunk, hidden, labels)
 
 
@@ -675,7 +709,7 @@ def offline_tau(drafter: Drafter, input_ids, loss_mask, *, val_anchors=32, gener
 #     drafter   B + 1 + B          sync draft: the unread committed tokens padded to B + 1, B MASKs
 #     drafter   1 + B              async fallback draft: x_n and B MASKs
 #     drafter   1 + B + S (1 + B)  async packed pass: x_n, d_1 .. d_B, S = C x F + 1 segments
-#   After a full-acceptance hit the draft keeps its shape with a pad (prepared_draft).
+#   A draft is B tokens even after a full-acceptance hit ("Full acceptance and the pad").
 
 
 @dataclass
@@ -718,10 +752,14 @@ class Sampler:
 
 
 @torch.no_grad()
-def draft_block(drafter: Drafter, cache: KVCache, new_tokens, block_size: int, width=None):
+def draft_block(
+    drafter: Drafter, cache: KVCache, new_tokens, block_size: int, width=None, keep_read=True
+):
     """One drafter pass over the committed tokens it has not read, new_tokens (1, num_new)
     ending with x_n, then a MASK block off x_n. `width`: the causal part padded to this many
     tokens (one shape for every num_new; the pads come after x_n and no block sees them).
+    The cache then keeps the new tokens' KV (sync: the next draft reads after them), or with
+    keep_read=False holds what it held before (async: its packed pass reads x_n again).
     Returns the draft logits (B, V): draft_logits[i - 1] drafts d_i (rows: draft_rows)."""
     num_new = new_tokens.shape[1]
     device = new_tokens.device
@@ -737,8 +775,11 @@ def draft_block(drafter: Drafter, cache: KVCache, new_tokens, block_size: int, w
     padded = nn.functional.pad(new_tokens, (0, width - num_new))
     ids = torch.cat([padded, mask_tokens], 1)
     hidden = cache.run(ids, positions, mask)  # (width + B, H)
-    # the cache keeps the committed tokens read; the pads' and the MASKs' KV go
-    cache.rewind(start + num_new)
+    # the pads' and the MASKs' KV go; the committed tokens' stay if keep_read
+    kept = start
+    if keep_read:
+        kept = start + num_new
+    cache.rewind(kept)
     first_mask_row = x_n_row.new_full((1,), width)
     rows = draft_rows(x_n_row, first_mask_row, block_size, drafter.d3d_config.d1_from)[0]
     return drafter.logits(hidden[rows])
@@ -808,7 +849,8 @@ def accept_draft(p_logits, draft, q_draft, sampler: Sampler, num_real: int | Non
     # ... or from p where that is all zero (p == q up to rounding: rejection had chance ~0)
     residual = torch.where(residual.sum() > 0, residual, p_next)
     # a = R: the loop ran out, the bonus token from p_{R+1}; else the rejection's residual
-    next_dist = torch.where(real.sum() == num_accepted, p_next, residual)
+    all_accepted = num_accepted == num_real  # a 0-d bool tensor: nothing is read
+    next_dist = torch.where(all_accepted, p_next, residual)
     return num_accepted, sampler.draw(next_dist / next_dist.sum())
 
 
@@ -847,8 +889,7 @@ def accept_draft(p_logits, draft, q_draft, sampler: Sampler, num_real: int | Non
 #       fixed-shape pass by its width
 #   check_request, cache_len, async_lanes  generate's input checks (-> B); the KV slots a
 #       request needs (prompt + max_new_tokens + its widest pass: 2B + 1 sync, (1 + B)(S + 1)
-#       async); the lanes when none are given (2 on a CPU for a target of 20M parameters or
-#       more, else 1; refused: 2 lanes of compiled CUDA passes, whose graphs share one pool)
+#       async); the lanes when none are given (the rule: _decode_async's docstring)
 # From systems/rounds.py, Watch: after each round's commit and rewinds, watch(out, draft, R,
 # (a, t)) (async adds the plan (covered, candidates, g) and the selected segment); from the
 # lengths of the round before it knows n, x_n, what was committed and which pass drafted.
@@ -962,13 +1003,13 @@ def _decode_sync(drafter, out: Output, caches: Caches, config, *, sampler, watch
 #
 #   while not done:
 #     if no block was prepared for this round (round 0, or a miss):
-#       d_1 .. d_B = the drafter's block after x_n                    draft_block
-#       (its KV of x_n is dropped again: the packed pass reads x_n)  rewind
+#       d_1 .. d_B = the drafter's block after x_n (its cache keeps   draft_block
+#         no KV of it: the packed pass reads x_n again)
 #     plan the outcomes (i, t) to prepare: C positions i x F tokens t  plan_branches
 #     build one packed pass: [x_n, d_1 .. d_B], then per outcome a    build_branch_pass
 #       segment [t, B MASKs] off d_{i-1}, then [d_B, B MASKs] off
 #       d_{B-1} for full acceptance
-#     at once (_Overlap.both):
+#     at once (_Overlap.both; one after the other at lanes = 1, the CUDA default: _decode_async):
 #       the target verifies [x_n, d_1 .. d_B]                         verify_block
 #       the drafter runs the packed pass                              draft_branches
 #     a, t = the accepted count and the target's own next token       accept_draft
@@ -982,7 +1023,8 @@ def _decode_sync(drafter, out: Output, caches: Caches, config, *, sampler, watch
 #
 # _decode_async is this loop, line for line (select_segment makes the last if/elif choice; a
 # decode that is over prepares nothing). The code differs from the box in one way: the block
-# full acceptance prepares has B - 1 real tokens and a pad ("Full acceptance and the pad").
+# full acceptance prepares has B - 1 real tokens and a pad ("Full acceptance and the pad",
+# below the table).
 #
 # What each KV cache holds across one round (committed x_0 .. x_n at the start; R = num_real,
 # a = num_accepted, t = next_token; "+" = written after what the cache held):
@@ -998,6 +1040,41 @@ def _decode_sync(drafter, out: Output, caches: Caches, config, *, sampler, watch
 #                                = n + 1 + a                  (x_0 .. x_n, d_1 .. d_a)
 #   next round's start           x_0 .. x_{n'-1}, n' = n + a + 1: t = x_{n'} is in neither cache,
 #                                it goes first into the next verify and packed pass
+#
+# Full acceptance and the pad
+#
+# The full-acceptance segment prepares the next draft for the outcome (R + 1, g): all R real
+# tokens accepted and the bonus token g. It is [d_R, B MASKs] off d_{R-1}, repeating d_R rather
+# than hanging B MASKs off d_R, so that every segment has one shape, [token, B MASKs]. Its first
+# row, d_R again at d_R's position, sees what the causal row of d_R sees (the cache, x_n .. d_R):
+# g is the drafter's next-token guess at d_R, as x_n's row guesses d_1 (draft_rows; under
+# d1_from="mask", MASK 1 guesses g). The repeat only gives the segment the common shape.
+# Its MASKs see the cache, x_n .. d_{R-1}, d_R and one another, never g: the block is the
+# drafter's own guess of what follows d_R, made before anyone knows the bonus token. A hit asks
+# g = t: the block continues the drafter's belief about position n + R + 1, so it is used only
+# where the target said that token. Exactness does not need the test (verification keeps the
+# output the target's); acceptance does.
+# At B = 4 (build_branch_pass's rows 15 .. 19), d_1 .. d_4 all accepted:
+#
+#   position         n+1  n+2  n+3  n+4  n+5  n+6  n+7  n+8  n+9
+#   draft            d_1  d_2  d_3  d_4
+#   segment                         d_4  m    m    m    m      off d_3
+#   its row read as                 g    -    d'_1 d'_2 d'_3   (g: x_{n+5}; MASK 1 unread)
+#   the target says                      t = g                 a hit: n' = n + 5, x_{n'} = t
+#   next draft                                d'_1 d'_2 d'_3 pad
+#
+# The first row was spent on g, which the target committed as t: R = B - 1 real tokens remain,
+# from MASK 2 .. B (the one draft whose d_1 is read at a MASK under "causal"). A block of B + 1
+# MASKs would give B, but every segment has one shape. A pad (a row of zero logits: token 0 when
+# greedy, a uniform draw when sampling) makes the draft B long again, so verification and the
+# next packed pass keep their shapes and a compiled pass replays. The cost: the round after a
+# full-acceptance hit commits at most R + 1 = B tokens, not B + 1. In the next round:
+# - accept_draft never accepts the pad (num_real = R); if the target accepts d'_1 .. d'_R, its
+#   bonus token is p_logits[R], predicted at d'_R's row for the pad's position;
+# - the full-acceptance segment is [d'_R, B MASKs] off d'_{R-1}: none hangs off the pad;
+# - a branch covers the pad's position only where C > R (C = B; its rho is -inf), with arbitrary
+#   candidates (the pad's logits say nothing); if that branch (R + 1, t) and full acceptance
+#   both match, the branch wins (select_segment): its block has B real tokens, full's B - 1.
 
 
 def default_budget(block_size: int) -> tuple[int, int]:
@@ -1043,9 +1120,9 @@ def plan_branches(draft_logits, draft, num_real: int, config):
     (the drafter's F likeliest tokens at i, except d_i itself), for a draft (B,) of R =
     num_real real tokens. config: a DecodeConfig (its coverage C, fanout F, cover and
     temperature; branch_budget). cover="first": i = 1 .. C; "likely": the C largest rho_i
-    (first_rejection_chance). Either way a pad is covered only where C exceeds the R real
-    positions ("Full acceptance and the pad"). Returns covered (C,), the i ascending (d_i's
-    logits are draft_logits[i - 1]), and candidates (C, F), left on the device."""
+    (first_rejection_chance); a pad's position i > R only where C > R ("Full acceptance and
+    the pad"). Returns covered (C,), the i ascending (d_i's logits are draft_logits[i - 1]),
+    and candidates (C, F), left on the device."""
     block_size, vocab = draft_logits.shape
     coverage, fanout = branch_budget(config, block_size)
     coverage = min(coverage, block_size)
@@ -1074,8 +1151,10 @@ def build_branch_pass(
     S = C x F + 1 segments, each [token, B MASKs] hanging off one causal row, its root (the
     mask's `roots`): the branch (i, t) is [t, B MASKs] off d_{i-1} (row i - 1), t at position
     n + i; full acceptance is [d_R, B MASKs] off d_{R-1} (R = `num_real`, default B; why d_R
-    is repeated: "Full acceptance and the pad", before prepared_draft).
-    Segment s's first MASK is row (B + 1) + 1 + (B + 1) s; its first token is the row before.
+    is repeated: "Full acceptance and the pad", under the async section's box).
+    Segment s's first token is row (B + 1) + (B + 1) s; its B MASKs follow it. A segment's
+    token at place p (0 for its first token) sits at position n + root + 1 + p. W = (B + 1)(S + 1)
+    tokens: 20 at B = 4, C = 2, F = 1; 40 at the default C = 3, F = 2.
     Every row at B = 4, C = 2, F = 1 (covered i = 1, 2), d1_from="causal". A segment's row sees
     the cache, the causal rows 0 .. its root, and in its segment: its first token itself, a
     MASK all of it (packed_attention_mask draws the mask). A first token's row drafts the
@@ -1111,25 +1190,29 @@ def build_branch_pass(
     fanout = candidates.shape[1]
     if num_real is None:
         num_real = block_size
-    # the root of each segment: row i - 1 (d_{i-1}) for a branch at i, row R - 1 (d_{R-1}) last
-    branch_roots = covered[:, None].expand(-1, fanout).flatten()
-    full_root = covered.new_full((1,), num_real)
-    roots = torch.cat([branch_roots, full_root]) - 1
-    # S = C x F + 1 segments whatever the draft
+    # each segment's root, the causal row it hangs off (the table's "root" column):
+    # branch (i, t) off d_{i-1}, row i - 1, once per candidate t (C x F,) ...
+    branch_roots = covered[:, None].expand(-1, fanout).flatten() - 1
+    # ... and full acceptance off d_{R-1}, row R - 1 (1,)
+    full_root = covered.new_full((1,), num_real - 1)
+    roots = torch.cat([branch_roots, full_root])  # (S,): S = C x F + 1 whatever the draft
+    num_segments = len(roots)
+    # each segment's tokens: its first token (t, or d_R for full acceptance), then B MASKs
     mask_token_id = drafter.d3d_config.mask_token_id
-    segment_shape = (len(roots), 1 + block_size)
-    segments = torch.full(segment_shape, mask_token_id, device=draft.device)
+    segment_len = 1 + block_size
+    segments = torch.full((num_segments, segment_len), mask_token_id, device=draft.device)
     segments[:, 0] = torch.cat([candidates.flatten(), draft[num_real - 1 : num_real]])
-    num_causal = 1 + block_size
+    num_causal = 1 + block_size  # x_n, d_1 .. d_B
     ids = torch.cat([last_token, draft, segments.flatten()])[None]
     mask, position_ids = packed_attention_mask(
         num_causal, roots, block_size, prefix_len=1, past_len=past_len
     )
-    segment_starts = (1 + block_size) * torch.arange(len(roots), device=draft.device)
-    first_mask_rows = num_causal + 1 + segment_starts
-    # each segment's first token (t or d_R) sits just before its MASKs (the table above)
-    prefix_rows = first_mask_rows - 1
-    rows = draft_rows(prefix_rows, first_mask_rows, block_size, drafter.d3d_config.d1_from)
+    # segment s starts at row N + (1 + B) s with its first token; its MASKs follow
+    segment_index = torch.arange(num_segments, device=draft.device)
+    first_token_rows = num_causal + segment_len * segment_index
+    first_mask_rows = first_token_rows + 1
+    d1_from = drafter.d3d_config.d1_from
+    rows = draft_rows(first_token_rows, first_mask_rows, block_size, d1_from)
     return ids, position_ids, mask, rows
 
 
@@ -1172,39 +1255,11 @@ def select_segment(num_accepted, next_token, num_real, covered, candidates, gues
     return -1
 
 
-# Full acceptance and the pad
-#
-# The full-acceptance segment prepares the next draft for the outcome (R + 1, g): all R real
-# tokens accepted and the bonus token g. It is [d_R, B MASKs] off d_{R-1}, repeating d_R rather
-# than hanging B MASKs off d_R, so that every segment has one shape, [token, B MASKs], and its
-# first row guesses g as x_n's row guesses d_1 (draft_rows; under d1_from="mask", MASK 1 does).
-# At B = 4 (build_branch_pass's rows 15 .. 19), d_1 .. d_4 all accepted:
-#
-#   position         n+1  n+2  n+3  n+4  n+5  n+6  n+7  n+8  n+9
-#   draft            d_1  d_2  d_3  d_4
-#   segment                         d_4  m    m    m    m      off d_3
-#   its row read as                 g    -    d'_1 d'_2 d'_3   (g: x_{n+5}; MASK 1 unread)
-#   the target says                      t = g                 a hit: n' = n + 5, x_{n'} = t
-#   next draft                                d'_1 d'_2 d'_3 pad
-#
-# The first row was spent on g, which the target committed as t: R = B - 1 real tokens remain,
-# from MASK 2 .. B (the one draft whose d_1 is read at a MASK under "causal"). A block of B + 1
-# MASKs would give B, but every segment has one shape. A pad (a row of zero logits: token 0 when
-# greedy, a uniform draw when sampling) makes the draft B long again, so verification and the
-# next packed pass keep their shapes and a compiled pass replays. In the next round:
-# - accept_draft never accepts the pad (num_real = R); if the target accepts d'_1 .. d'_R, its
-#   bonus token is p_logits[R], predicted at d'_R's row for the pad's position;
-# - the full-acceptance segment is [d'_R, B MASKs] off d'_{R-1}: none hangs off the pad;
-# - a branch covers the pad's position only where C > R (C = B; its rho is -inf), with arbitrary
-#   candidates (the pad's logits say nothing); if that branch (R + 1, t) and full acceptance
-#   both match, the branch wins (select_segment): its block has B real tokens, full's B - 1.
-
-
 def prepared_draft(drafter: Drafter, draft_hidden, segment: int):
     """A hit's next draft, from the selected segment's block: (logits (B, V), R), R = num_real,
     the draft's real tokens. draft_hidden (S, B, H): draft_branches's. A branch (i, t): its
     whole block, R = B. Full acceptance (the last segment): its rows after the first (the
-    bonus guess g) and a pad, R = B - 1 (the section above)."""
+    bonus guess g) and a pad, R = B - 1 ("Full acceptance and the pad")."""
     num_segments, block_size = draft_hidden.shape[:2]
     if segment < num_segments - 1:
         return drafter.logits(draft_hidden[segment]), block_size
@@ -1280,16 +1335,8 @@ class _Overlap:
 # The target's greedy x_5 .. x_19 = 37 53 17 48 18 40 49 33 74 3 4 24 53 71 87.
 # The drafter is right at every position except x_7 (runner-up right) and x_10 (both choices wrong).
 #
-# x_j     the token at position j of the text (the prompt is x_0 onwards)
-# n       the round starts with x_0 .. x_n committed (the target's cache holds x_0 .. x_{n-1})
-# d_i     the draft d_1 .. d_B it verifies: R real tokens (B; or B - 1 and a pad)
-# a       how many the target accepted: d_1 .. d_a
-# t       the target's own token after them: its correction of d_{a+1}, or the bonus if a = R
-# (i, t)  an outcome the drafter prepared a block for while the target verified: d_i rejected
-#         and the target said t; (R + 1, g): all R accepted and the bonus token is g (its guess)
-# hit     the round's outcome (a + 1, t) was prepared: that block is the next draft
-# miss    it was not: the next round drafts anew
-# cache   a KV cache of length 7 holds x_0 .. x_6
+# hit: the round's outcome (a + 1, t) was prepared, and that block is the next draft;
+# miss: it was not, and the next round drafts anew. A cache of length 7 holds x_0 .. x_6.
 #
 # First, a rejection branch used: d_2 is rejected and the branch prepared for (i, t) = (2, t)
 # becomes the next draft, with no drafting on the critical path.
@@ -1349,8 +1396,7 @@ class _Overlap:
 #   passes      verify x_n, d_1 .. d_4: target cache -> 20; packed pass x_n, d_1 .. d_4,
 #               2 x [t, 4 MASKs], [d_3, 4 MASKs]: drafter cache -> 35; then both rewind
 #   prepared    (i, t) = (1, 25)  (2, 54)  (4, 87)*
-#   hit         (4, 87) was prepared; the full-acceptance block: its other B - 1 rows and a pad are
-#               the next draft
+#   hit         (4, 87) was prepared; the decode is over: never used
 #   target cache  15 -> 19: x_0 .. x_14 -> x_0 .. x_15, d_1 .. d_3
 #   drafter cache 15 -> 19: x_0 .. x_14 -> x_0 .. x_15, d_1 .. d_3
 # <<< worked async trace
@@ -1361,7 +1407,14 @@ def _decode_async(drafter, out: Output, caches: Caches, config, *, sampler, watc
     verifies the draft, one packed drafter pass prepares the next draft for the likely outcomes
     of that verification (the caches through one round: the table under the box; four rounds:
     the worked trace). config: the DecodeConfig, its B, C, F resolved; watch: the round's
-    watchers; overlap: an _Overlap, the lanes the two passes run in."""
+    watchers; overlap: an _Overlap, the lanes the two passes run in.
+
+    Lanes, when generate is given none (runtime.async_lanes): on a CPU, 2 (a worker thread) for
+    a target of 20M parameters or more, else 1; on CUDA, 1 (eager passes are launched from one
+    Python thread, so a second stream has little to overlap; compiled passes on two streams are
+    refused, their graphs share one memory pool). At lanes = 1 the packed pass runs after the
+    verification: a hit still takes no draft pass, but the packed pass is on the critical path.
+    lanes = 2 on CUDA (decode.py --lanes 2) is Fig. 1c's two streams."""
     tc = caches.target
     dc = caches.drafter
     block_size = config.block_size
@@ -1373,11 +1426,10 @@ def _decode_async(drafter, out: Output, caches: Caches, config, *, sampler, watc
     while not out.done:
         n = len(out.tokens) - 1
         if draft_logits is None:
-            # round 0, or a miss: the fallback draft (draft_block keeps x_n's KV)
-            draft_logits = draft_block(drafter, dc, x_n[None], block_size)
+            # round 0, or a miss: the fallback draft. Its KV of x_n goes too: every packed
+            # pass starts with x_n, so it has one shape
+            draft_logits = draft_block(drafter, dc, x_n[None], block_size, keep_read=False)
             num_real = block_size
-            # x_n's KV goes too: every packed pass starts with x_n, so it has one shape
-            dc.rewind(n)
         draft, q_draft = sampler.pick(draft_logits)
         covered, candidates = plan_branches(draft_logits, draft, num_real, config)
         packed = build_branch_pass(
@@ -1619,6 +1671,7 @@ def recover(drafter: Drafter, teacher: Drafter, train_batches, config, generator
         input_ids, loss_mask = train_batches[step % len(train_batches)]
         loss = distill_loss(drafter, teacher, input_ids, loss_mask, config, generator)
         loss.backward()
+        # runtime.finite_step: clip to norm 1, step unless the norm is not finite, zero grads
         skipped += not finite_step(optimizer, params, 1.0)
         # under a caller's autocast, later passes must not read stale bf16 copies
         torch.clear_autocast_cache()
@@ -1686,7 +1739,7 @@ def prune_drafter(
             score_seconds = time.perf_counter() - start
             snapshot = None
             if tau_floor is not None:
-                snapshot = host_copy(drafter)
+                snapshot = host_copy(drafter)  # runtime.host_copy: a copy in host memory
             remove_layer(drafter, best)  # 2. remove
             # 3. recover
             skipped = recover(drafter, teacher, train_batches, config, generator)
@@ -1824,13 +1877,12 @@ def generate(
         caches = Caches.make(target, use_drafter, need)
     else:
         caches = caches.check(target, use_drafter, need)
-    # async's lanes by the rule decode.py follows too (runtime.py); the target's size matters
-    # only to its default
+    # async's lanes (the rule: _decode_async's docstring); the target's size matters only to
+    # the default
     num_params = 0
     if config.mode == "async" and config.lanes is None:
         num_params = sum(p.numel() for p in target.parameters())
-    # caches.compiled: whether a model's passes are torch.compile'd (systems/fast.py). Compiled
-    # passes on two CUDA streams would share one CUDA graph pool: async_lanes refuses lanes=2
+    # caches.compiled: whether a model's passes are torch.compile'd (systems/fast.py)
     compiled = caches.compiled and config.mode == "async"
     lanes = async_lanes(input_ids.device.type, compiled, config.lanes, num_params)
     # every setting resolved: the loops read B, C, F and the lanes from here

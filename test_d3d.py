@@ -2239,6 +2239,44 @@ def test_branch_pass_is_planned_and_built_without_reading_the_device(tok, monkey
     assert mask.shape == (1, 1, 40, 45)
 
 
+@pytest.mark.parametrize("d1_from", ["causal", "mask"])
+def test_branch_pass_lays_out_the_rows_of_its_docstring_table(tok, d1_from):
+    """build_branch_pass at B = 4, C = 2, F = 1 (covered i = 1, 2), past_len = n = 10, row by row
+    as its docstring's table: the tokens, the positions, each segment's root (the last causal row
+    it sees) and the rows read. With R = 3 (after a full-acceptance hit) the full-acceptance
+    segment is [d_3, 4 MASKs] off d_2."""
+    drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok, block_size=4, d1_from=d1_from)
+    m = drafter.d3d_config.mask_token_id
+    n = 10
+    x_n = torch.tensor([40])
+    draft = torch.tensor([49, 33, 74, 3])
+    covered = torch.tensor([1, 2])
+    candidates = torch.tensor([[50], [34]])
+    for num_real, full_root in ((4, 3), (3, 2)):
+        d_r = draft[num_real - 1].item()
+        ids, position_ids, mask, rows = d3d.build_branch_pass(
+            drafter, x_n, draft, covered, candidates, num_real, past_len=n
+        )
+        given = f"build_branch_pass at R = {num_real}, d1_from={d1_from!r}"
+        expected_ids = [40, 49, 33, 74, 3, 50, m, m, m, m, 34, m, m, m, m, d_r, m, m, m, m]
+        assert ids[0].tolist() == expected_ids, f"{given}: the tokens of the table"
+        causal = list(range(n, n + 5))
+        # a segment's first token sits one position after its root's
+        segment_positions = [list(range(n + root + 1, n + root + 6)) for root in (0, 1, full_root)]
+        expected_positions = causal + sum(segment_positions, [])
+        assert position_ids[0].tolist() == expected_positions, f"{given}: the positions"
+        # the last causal row each segment row sees is its root
+        sees_causal = mask[0, 0, 5:, n : n + 5]
+        last_seen = [max(r for r in range(5) if row[r]) for row in sees_causal.tolist()]
+        assert last_seen == [0] * 5 + [1] * 5 + [full_root] * 5, f"{given}: the roots"
+        first_read = [5, 10, 15] if d1_from == "causal" else [6, 11, 16]
+        expected_rows = [
+            [first, start + 2, start + 3, start + 4]
+            for first, start in zip(first_read, (5, 10, 15))
+        ]
+        assert rows.tolist() == expected_rows, f"{given}: the rows read (draft_rows)"
+
+
 def record_host_reads(monkeypatch, events: list) -> None:
     """Append "read" to `events` at every .item(), .tolist(), int(), bool(), index or float() of a
     tensor: each is a read back to the host (on CUDA it waits for the device)."""

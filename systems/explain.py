@@ -129,14 +129,19 @@ def _pass_lines(info: d3d.RoundInfo, block_size: int) -> list[str]:
     return _wrap("passes", text)
 
 
-def _outcome_lines(info: d3d.RoundInfo, decode) -> list[str]:
-    """async: the prepared outcomes, the selected one starred; then the hit or the miss."""
+def _outcome_lines(info: d3d.RoundInfo, decode, over: bool) -> list[str]:
+    """async: the prepared outcomes, the selected one starred; then the hit or the miss (over:
+    the decode ended in this round, so nothing is drafted after it)."""
     shown = [_unit(f"({i}, {_show(t, decode)})") for i, t in info.outcomes]
     hit = info.segment is not None and info.segment >= 0
     if hit:
         shown[info.segment] += "*"
     outcome = f"({info.num_accepted + 1}, {_show(info.next_token, decode)})"
     lines = _wrap("prepared", "(i, t) = " + "  ".join(shown))
+    if over and not hit:
+        return lines + _wrap("miss", f"nothing prepared for {outcome}; the decode is over")
+    if over:
+        return lines + _wrap("hit", f"{outcome} was prepared; the decode is over: never used")
     if not hit:
         return lines + _wrap("miss", f"nothing prepared for {outcome}: the next round drafts anew")
     if info.segment == len(info.outcomes) - 1:
@@ -146,10 +151,11 @@ def _outcome_lines(info: d3d.RoundInfo, decode) -> list[str]:
     return lines + _wrap("hit", f"{outcome} was prepared; {used}")
 
 
-def describe_round(info: d3d.RoundInfo, *, block_size: int, decode=None) -> str:
+def describe_round(info: d3d.RoundInfo, *, block_size: int, decode=None, over=False) -> str:
     """A few lines on one round (a d3d.RoundInfo): the draft and where it came from, what the target
     accepted and said, what was committed, in async the prepared outcomes and the one used, and what
-    each KV cache held before and after. `decode`: token ids -> text (default: ids shown)."""
+    each KV cache held before and after. `decode`: token ids -> text (default: ids shown); `over`:
+    the decode ended in this round (async: what its hit selects is never used)."""
     n = info.n
     a = info.num_accepted
     first = n + 1
@@ -173,7 +179,7 @@ def describe_round(info: d3d.RoundInfo, *, block_size: int, decode=None) -> str:
     lines += _wrap("committed", committed)
     if info.outcomes is not None:
         lines += _pass_lines(info, block_size)
-        lines += _outcome_lines(info, decode)
+        lines += _outcome_lines(info, decode, over)
     lines.append(_cache("target cache", info.target_cache, n, a))
     if info.mode != "target":
         lines.append(_cache("drafter cache", info.drafter_cache, n, a))

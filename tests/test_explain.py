@@ -56,6 +56,18 @@ def test_a_miss_says_the_next_round_drafts_anew():
     assert "committed   ' cat' ' It' '.' (= x_6 .. x_8)" in text
 
 
+def test_the_last_round_says_what_it_prepared_is_never_used():
+    """In the round that ends the decode a hit's block is never a draft, nor does a miss draft
+    anew: describe_round(over=True) says so, and not that a next draft follows."""
+    hit = explain.describe_round(async_round(), block_size=4, over=True)
+    assert "hit         (2, 3) was prepared; the decode is over: never used" in hit
+    miss = async_round(num_accepted=2, next_token=6, committed=[1, 7, 6], segment=-1)
+    miss = explain.describe_round(miss, block_size=4, over=True)
+    assert "miss        nothing prepared for (3, 6); the decode is over" in miss
+    for text in (hit, miss):
+        assert "next draft" not in text and "drafts anew" not in text
+
+
 def test_a_padded_draft_shows_its_pad():
     info = async_round(
         index=3,

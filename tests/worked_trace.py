@@ -154,11 +154,17 @@ def trace_text() -> str:
         + ".",
         "",
     ]
-    lines += explain.LEGEND.splitlines()
+    # the symbols are the module docstring's; the words a round's lines add:
+    lines += [
+        "hit: the round's outcome (a + 1, t) was prepared, and that block is the next draft;",
+        "miss: it was not, and the next round drafts anew. A cache of length 7 holds x_0 .. x_6.",
+    ]
     for info, case in zip(rounds, CASES):
         lines.append("")
         lines += textwrap.wrap(case, explain.WIDTH)
-        lines += explain.describe_round(info, block_size=BLOCK_SIZE).splitlines()
+        over = info is rounds[-1]
+        text = explain.describe_round(info, block_size=BLOCK_SIZE, over=over)
+        lines += text.splitlines()
     if len(rounds) != len(CASES) or output != reference[: len(output)]:
         raise RuntimeError(
             f"the scenario ran {len(rounds)} rounds (want {len(CASES)}) or its output is not the "
