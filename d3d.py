@@ -552,7 +552,8 @@ def draft_rows(
                     build_branch_pass); the one LM head there predicts the next token, as L_AR
                     trains it. MASK 1 still trains (L_block reads every MASK); no pass reads it.
                     d1_from="mask": at MASK 1, row first_mask_row
-    draft_block at B = 4 (prefix_row 0, first_mask_row 1), d1_from="causal":
+    async's fallback draft_block at B = 4 (x_n alone: prefix_row 0, first_mask_row 1),
+    d1_from="causal":
 
         row  token  position  read as
           0  x_n    n         d_1      the LM head at x_n predicts position n + 1
@@ -561,6 +562,8 @@ def draft_rows(
           3  m      n + 3     d_3
           4  m      n + 4     d_4      rows = [0, 2, 3, 4]
 
+    (The sync draft reads num_new committed tokens, x_n last, padded to B + 1 rows: prefix_row
+    num_new - 1, first_mask_row B + 1.)
     After a full-acceptance hit the next draft's d_1 comes from MASK 2 (prepared_draft).
     prefix_row, first_mask_row: rows (...), broadcast together."""
     prefix_row, first_mask_row = torch.broadcast_tensors(prefix_row, first_mask_row)
@@ -788,8 +791,8 @@ def draft_block(
 @torch.no_grad()
 def verify_block(cache: KVCache, last_token: torch.Tensor, draft: torch.Tensor):
     """One target pass on [x_n, d_1 .. d_B] (the cache holds x_0 .. x_{n-1}). Returns p_logits
-    (B+1, V): its row i is the target's prediction of the token after x_n, d_1 .. d_i (row 0:
-    after x_n alone, i.e. of position n + 1)."""
+    (B+1, V): row i - 1 predicts position n + i, where d_i sits (row 0: after x_n alone); row B
+    predicts the bonus position n + B + 1."""
     return causal_pass(cache, torch.cat([last_token.view(1), draft])[None])
 
 
@@ -1450,11 +1453,9 @@ def _decode_async(drafter, out: Output, caches: Caches, config, *, sampler, watc
         )
         # d_1 .. d_a, t join the output (cut at EOS or the budget, which end the decode)
         out.commit_round(draft[:num_accepted], next_token)
-        # both caches keep x_0 .. x_n, d_1 .. d_a; t, the new x_n, goes first into the next
-        # passes. The target keeps all committed tokens but t (as in _decode_sync); the drafter
-        # what its packed pass wrote for x_n, d_1 .. d_a (the rejected d_{a+1} .. d_B and every
-        # segment go). Both are n + 1 + a tokens unless the commit was cut at EOS or the
-        # budget; then the target keeps fewer, and the decode is over: neither is read again
+        # both caches keep x_0 .. x_n, d_1 .. d_a, n + 1 + a tokens (the table under the box);
+        # t, the new x_n, goes first into the next passes. After a cut at EOS or the budget the
+        # target keeps only the committed tokens but t, fewer, and the decode is over
         tc.rewind(len(out.tokens) - 1)
         dc.rewind(n + 1 + num_accepted)
         segment = select_segment(num_accepted, next_token, num_real, *plan)
