@@ -625,8 +625,9 @@ def d3d_loss(drafter: Drafter, input_ids, loss_mask, *, generator=None, at=None)
     response tokens, with the drafter's config: K blocks of B MASKs, lambda = ar_weight, block
     position weights w_i = exp(-(i-1)/gamma) (gamma = decay_gamma; None: uniform). L_block:
     cross-entropy of block k's MASK i against x_{j_k+i}, weighted by w_i; L_AR: the causal
-    stream's next-token loss. `at`: (anchors, valid) as sample_anchors returns them (default:
-    K drawn here with `generator`).
+    stream's next-token loss. A block is all MASKs (no noise level, no token of it revealed):
+    the drafter learns to fill a whole block in one pass, as decoding asks of it. `at`:
+    (anchors, valid) as sample_anchors returns them (default: K drawn here with `generator`).
 
     Returns (loss, {loss_block, loss_ar, block_acc}). block_acc (B,): per block position i, the
     share of counted blocks whose d_i, read where decoding reads it (draft_rows), is x_{j_k+i}."""
