@@ -25,12 +25,13 @@ Paper -> this file, top to bottom:
     selective prefilling (appendix, Fig. 5)           select_chunks
     the entry point                                   generate(mode="target" | "sync" | "async")
 
-A first reading, in this order: the symbols below; packed_attention_mask and d3d_loss (the
-training); draft_rows; draft_block, verify_block, accept_draft and _decode_sync (one round of
-speculative decoding); the async section's box, its cache table and "Full acceptance and the
-pad", then plan_branches .. prepared_draft and _decode_async; prune_drafter and what it calls;
-select_chunks. For a second reading: the configs' fields, make_drafter, offline_tau, Sampler,
-_Overlap, generate; the worked trace checks a walk-through of your own.
+A reading order: the symbols below; packed_attention_mask and d3d_loss (the training);
+draft_rows; "Two habits", then draft_block, verify_block, accept_draft and _decode_sync (one
+round of speculative decoding); the async section's box, its cache table and "Full acceptance
+and the pad", then plan_branches .. prepared_draft, _Overlap and _decode_async; prune_drafter
+and what it calls (offline_tau among them); select_chunks. What can wait: the configs' fields,
+make_drafter, Sampler's devices, generate's checks; the worked trace checks a walk-through of
+your own.
 
 Our readings, where the paper is silent (README.md, "Departures and readings"):
     blocks are keyed on positions: MASK i of a block off position j predicts x_{j+i}, and
@@ -95,8 +96,9 @@ packed pass, past: tokens already in a KV cache.
 Three coordinates: a token's *row* is its place in one pass's input (and so of its hidden state
 and logits in that pass's output); its *position* is its place in the text (x_j is at position
 j; the position id RoPE sees); its *block position* i = 1 .. B says which token of its block it
-is (d_i sits at position n + i). The drafted d_i's logits are draft_logits[i - 1];
-verification's row i is p_logits[i]; all three, row by row, in one table: build_branch_pass.
+is (d_i sits at position n + i). For d_i: the drafter's logits are draft_logits[i - 1], and
+the target's, predicted at the row before d_i's, p_logits[i - 1]. All three coordinates, row
+by row, in one table: build_branch_pass.
 Words, each in one sense: "mask", an attention mask (bool, True = may attend); "MASK", the
 drafter's mask token (mask_token_id); loss_mask, True on the tokens that carry loss (response
 tokens); "segment", a stretch of a packed pass that hangs off one row of its causal stream, its
@@ -1156,6 +1158,8 @@ def build_branch_pass(
     mask's `roots`): the branch (i, t) is [t, B MASKs] off d_{i-1} (row i - 1), t at position
     n + i; full acceptance is [d_R, B MASKs] off d_{R-1} (R = `num_real`, default B; why d_R
     is repeated: "Full acceptance and the pad", under the async section's box).
+    A branch (i, t) is the fallback draft the next round would run if the outcome is (i, t):
+    its t is that round's x_n, and its MASKs see what that round's cache and x_n would hold.
     Segment s's first token is row (B + 1) + (B + 1) s; its B MASKs follow it. A segment's
     token at place p (0 for its first token) sits at position n + root + 1 + p. W = (B + 1)(S + 1)
     tokens: 20 at B = 4, C = 2, F = 1; 40 at the default C = 3, F = 2.
