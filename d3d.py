@@ -2,110 +2,73 @@
 
 A standalone drafter (a causal LM with the target's tokenizer that never reads the target's
 hidden states) fills in a block of B masked future tokens in one pass, so it can draft the next
-block while the target verifies this one.
+block while the target verifies this one. (Side by side at lanes = 2; on CUDA the default is one
+lane, the two passes one after the other: _decode_async says why.)
 
-Paper -> this file, top to bottom:
-    config (B, MASK, K, lambda); the drafter          D3DConfig; make_drafter, Drafter
-    decoding's settings, in the manner of HF's        DecodeConfig (generate's; keywords
-      GenerationConfig                                  replace its fields)
-    packed attention (Fig. 1a)                        packed_attention_mask
-    L_block + lambda L_AR (Fig. 1a)                   d3d_loss, sample_anchors; draft_rows
-    drafting, verification, acceptance                draft_block, verify_block, accept_draft,
-                                                        Sampler
-    target-only and synchronous decoding              _decode_target, _decode_sync
-    asynchronous decoding (Fig. 1c, Fig. 3): one      the box of one round, then plan_branches,
-      packed pass drafts, during verification, for      build_branch_pass, draft_branches,
-      each likely outcome; a hit is the next draft      bonus_guess, select_segment,
-      (side by side at lanes = 2; on CUDA the           prepared_draft, _Overlap, _decode_async
-      default is 1, one after the other)
-    layer pruning (Fig. 1b): score, remove,           prune_drafter (its settings: PruneConfig):
-      recover, re-measure                               tau_without_each_layer,
-                                                        least_costly_layer, remove_layer,
-                                                        recover, validation_tau (offline_tau)
-    selective prefilling (appendix, Fig. 5)           select_chunks
-    the entry point                                   generate(mode="target" | "sync" | "async")
+Paper -> this file, top to bottom (read it in this order; what can wait: the configs' fields,
+make_drafter, Sampler's devices, generate's checks):
+    the settings: D3DConfig (the method's: B, MASK, K, lambda), DecodeConfig (decoding's)
+    the drafter: make_drafter, Drafter
+    packed attention (Fig. 1a): packed_attention_mask
+    L_block + lambda L_AR (Fig. 1a): d3d_loss (sample_anchors; where a block is read: draft_rows)
+    drafting, verification, acceptance: "Two habits", draft_block, verify_block, accept_draft
+    target-only and synchronous decoding: _decode_target, _decode_sync
+    asynchronous decoding (Fig. 1c, Fig. 3): the section's box of one round; its functions,
+        plan_branches .. prepared_draft and _Overlap; then _decode_async, the box as code
+    layer pruning (Fig. 1b): prune_drafter and what it calls, above it
+    selective prefilling (appendix, Fig. 5): select_chunks
+    the entry point: generate(mode="target" | "sync" | "async")
 
-A reading order: the symbols below; packed_attention_mask and d3d_loss (the training);
-draft_rows; "Two habits", then draft_block, verify_block, accept_draft and _decode_sync (one
-round of speculative decoding); the async section's box, its cache table and "Full acceptance
-and the pad", then plan_branches .. prepared_draft, _Overlap and _decode_async; prune_drafter
-and what it calls (offline_tau among them); select_chunks. What can wait: the configs' fields,
-make_drafter, Sampler's devices, generate's checks; the worked trace checks a walk-through of
-your own.
+Our readings, where the paper is silent (README.md, "Departures and readings"), by function:
+    packed_attention_mask    blocks are keyed on positions; overlapping blocks never see
+                             each other
+    draft_rows               d_1 from the causal row just before a block's MASKs (d1_from)
+    make_drafter             MASK: the first id the tokenizer does not use
+    d3d_loss                 "blockwise denoising" is one step: a training block is all
+                             MASKs (no noise level), as a drafted block is
+    default_budget           async branches: C = 0.75 B positions x F = 2 tokens (the paper
+                             gives 12 x 2 at B = 16 only)
+    first_rejection_chance   cover="likely" ranks positions at temperature 1 when greedy
+    prepared_draft           a full-acceptance hit's draft: B - 1 real tokens and a pad
+    "Two habits"             fixed shapes: the sync draft pass pads its committed tokens
+                             to B + 1; async's drafter reads x_n again in every packed pass
+    cross_entropy            the loss projects only labelled rows to V, a few at a time
+    adjusted_teacher         pruning recovers toward (1 - beta) softmax(unpruned)
+                             + beta onehot(label)
+    least_costly_layer       ties in pruning go to the smallest change in block loss
+    select_chunks            selective prefill scores a chunk by the attention the last 32
+                             prompt tokens give it; the first and last chunks stay
 
-Our readings, where the paper is silent (README.md, "Departures and readings"):
-    blocks are keyed on positions: MASK i of a block off position j predicts x_{j+i}, and
-      overlapping blocks never see each other or the future       packed_attention_mask
-    d_1 from the causal row just before the block's MASKs (the one LM head, as L_AR trains
-      it); d1_from="mask" reads MASK 1                             draft_rows
-    MASK: the first id the tokenizer does not use                 make_drafter
-    async branches: C positions i x F runner-up tokens t, and full acceptance; C = 0.75 B,
-      F = 2 (the paper's 12 and 2 at B = 16)                      plan_branches, default_budget
-    cover="likely" ranks position i by the chance that d_i is the first rejection, at
-      temperature 1 when greedy                                   first_rejection_chance
-    a full-acceptance hit's draft: B - 1 real tokens and a pad    prepared_draft
-    fixed shapes: the sync draft pass reads the unread committed tokens padded to B + 1; the
-      async drafter reads x_n again in every packed pass           draft_block, _decode_async
-    the loss projects only labelled rows to V, a few at a time    cross_entropy
-    pruning recovers toward (1 - beta) softmax(unpruned) + beta onehot(label), beta = 0.5
-                                                                  adjusted_teacher
-    ties in pruning go to the smallest change in block loss      least_costly_layer
-    selective prefill scores a chunk by the attention the last 32 prompt tokens give it; the
-      first and last chunks stay                                  select_chunks
-
-The symbols -> the code's names. Each letter means one thing in this file. B, K, C, F, lambda
-and tau are the paper's; the others are this file's notation.
+The symbols every section uses -> the code's names (each section adds its own: training's K,
+j_k, w_i; async's (i, t), C, F, S, g, rho; pruning's beta). Each letter means one thing in this
+file; B, K, C, F, lambda and tau are the paper's, the others this file's notation.
     B           block_size: MASK tokens drafted in one pass
-    K           num_anchors: blocks per training sequence (a measurement's own count, in
-                validation and pruning, is val_anchors)
-    k           a training block, k = 1 .. K
     j           a position in the text: x_j is the token at position j
-    j_k         anchors: the position block k hangs off; its labels are x_{j_k+1} .. x_{j_k+B}
-    i           a block position, i = 1 .. B: a block's i-th token (label x_{j_k+i}; draft d_i,
-                at position n + i)
-    w_i         block position i's weight in L_block, exp(-(i-1)/gamma)
-    lambda      ar_weight: the weight of L_AR in L = L_block + lambda * L_AR
-    gamma       decay_gamma: the decay of w_i (None, the default: every w_i = 1; an option
-                of this implementation)
-    beta        beta: recovery's pull toward the label (our reading; adjusted_teacher)
-    tau         tau: tokens committed per round (a + 1), mean over rounds
     x_0 .. x_n  out.tokens: the prompt, then the tokens committed so far; x_n is the last
-    d_1 .. d_B  draft: one block's drafted tokens (where each is read: draft_rows)
-    R           num_real: a draft's real tokens, B (or B - 1 and a pad: prepared_draft)
+    i           a block position, i = 1 .. B: a block's i-th token
+    d_1 .. d_B  draft: one block's drafted tokens, d_i at position n + i (read: draft_rows)
+    R           num_real: a draft's real tokens, B (B - 1 and a pad after a full-acceptance hit)
     a           num_accepted: the accepted prefix d_1 .. d_a
-    t           a token the target says after an accepted prefix: next_token (its correction
-                of d_{a+1}, or the bonus token if a = R), or one a branch is prepared for
-    (i, t)      an outcome of verification: d_1 .. d_{i-1} accepted, then the target says t
-                (i <= R: d_i rejected; i = R + 1: full acceptance, t the bonus token). The
-                round's own outcome is (a + 1, next_token)
-    C, F        coverage, fanout: how many block positions i get rejection branches (the
-                covered positions); candidate tokens t per covered position
-    S           segments of the async packed pass: C x F branches and full acceptance
-    g           the full-acceptance segment's guess of the bonus token (bonus_guess)
-    rho_i       the chance that d_i is the first rejection (plan_branches, cover="likely")
+    t           next_token: the target's own token after d_1 .. d_a (its correction of d_{a+1},
+                or the bonus token if a = R)
+    tau         tau: tokens committed per round (a + 1), mean over rounds
     p, q        p_target, q_draft: the target's and the drafter's token probabilities
     u           a U(0, 1) draw of lossless sampling (accept_draft)
     m           a MASK token, in the mask diagrams (where # marks "may attend")
 
-Helpers from runtime.py are named where they are used; the contracts the decoding loops rely
-on are listed where the loops begin.
-
-Shapes: b batch, N causal (clean) tokens, K anchors (blocks), B block size, H hidden size,
-V vocabulary, M the segments' tokens and W = N + M the tokens of a pass, S segments of the async
-packed pass, past: tokens already in a KV cache.
-Three coordinates: a token's *row* is its place in one pass's input (and so of its hidden state
-and logits in that pass's output); its *position* is its place in the text (x_j is at position
-j; the position id RoPE sees); its *block position* i = 1 .. B says which token of its block it
-is (d_i sits at position n + i). For d_i: the drafter's logits are draft_logits[i - 1], and
-the target's, predicted at the row before d_i's, p_logits[i - 1]. All three coordinates, row
-by row, in one table: build_branch_pass.
+Shapes: b batch, N causal (clean) tokens, V vocabulary, H hidden size, W the tokens of a pass,
+past: tokens already in a KV cache.
+Three coordinates: a token's *row* is its place in one pass's input (and so of its hidden
+state and logits in that pass's output); its *position* is its place in the text (x_j is at
+position j; the position id RoPE sees); its *block position* i says which token of its block
+it is. For d_i: the drafter's logits are draft_logits[i - 1], the target's p_logits[i - 1].
+All three, row by row, in one table: build_branch_pass.
 Words, each in one sense: "mask", an attention mask (bool, True = may attend); "MASK", the
-drafter's mask token (mask_token_id); loss_mask, True on the tokens that carry loss (response
-tokens); "segment", a stretch of a packed pass that hangs off one row of its causal stream, its
-"root" (in training a block, whose root is its anchor j_k; in the async pass a first token and
-a block, off d_{i-1}); "outcome", a pair (i, t); "layer", a decoder layer, counted from 0.
-"Our reading" marks a choice this implementation makes where the paper is silent (README.md,
-"Departures and readings"); "the paper" is always arXiv 2611.06425.
+drafter's mask token; loss_mask, True on the response tokens (they carry loss); "segment", a
+stretch of a packed pass that hangs off one row of its causal stream, its "root" (a training
+block's root is its anchor j_k); "layer", a decoder layer, counted from 0. "Our reading"
+marks a choice of this implementation where the paper is silent; "the paper" is always arXiv
+2611.06425. Helpers from runtime.py are named where they are used.
 """
 
 from __future__ import annotations
@@ -270,7 +233,7 @@ class DecodeConfig:
     lanes: int | None = setting(
         None,
         "async: 2 runs the packed pass beside verification (CUDA: a stream; CPU: a thread), 1 "
-        "after it; None: runtime.async_lanes picks",
+        "after it; None: runtime.async_lanes picks (1 on CUDA: _decode_async)",
         Range(int, choices=(1, 2)),
     )
     keep_ratio: float | None = setting(
@@ -416,6 +379,17 @@ def make_drafter(
 
 # --------------------------------------------------------------------------------------------------
 # Packed attention: one causal stream, blocks hanging off points of it (Fig. 1a)
+#
+# Training's symbols (this section and the next):
+#     K        num_anchors: blocks per training sequence (a measurement's own count, in
+#              validation and pruning, is val_anchors)
+#     k        a training block, k = 1 .. K
+#     j_k      anchors: the position block k hangs off; its labels are x_{j_k+1} .. x_{j_k+B}
+#     w_i      block position i's weight in L_block, exp(-(i-1)/gamma)
+#     lambda   ar_weight: the weight of L_AR in L = L_block + lambda * L_AR
+#     gamma    decay_gamma: the decay of w_i (None, the default: every w_i = 1; an option of
+#              this implementation)
+#     M        the tokens of a pass's segments (W = N + M)
 
 
 def packed_attention_mask(num_causal: int, roots, block_size: int, *, prefix_len=0, past_len=0):
@@ -460,6 +434,7 @@ def packed_attention_mask(num_causal: int, roots, block_size: int, *, prefix_len
         m   (pos 3)  #   #       | # # #          a MASK: its whole segment
         m   (pos 4)  #   #       | # # #
 
+    test_d3d.py checks both pictures against this function's output, mark by mark.
     In training each MASK row predicts its own token (L_block); where decoding reads a block's
     tokens: draft_rows. Positions may repeat (a block's tokens sit at the positions of causal
     tokens after its root): the mask, not the positions, keeps them apart.
@@ -479,8 +454,9 @@ def packed_attention_mask(num_causal: int, roots, block_size: int, *, prefix_len
     causal_row = torch.arange(num_causal, device=device)
     # (b, M) the row of the root each segment token hangs off
     seg_root = roots[:, seg_of]
-    # the mask has four blocks: [[causal sees causal, causal sees segments],
-    #                            [segment sees causal, segment sees segments]]
+    # mask[query row, key row]: may the query's token see the key's (below, [:, None] indexes
+    # queries and [None, :] keys). Four blocks: [[causal sees causal, causal sees segments],
+    #                                            [segment sees causal, segment sees segments]]
     # causal tokens see the causal stream up to themselves (b, N, N), and no segment (b, N, M)
     causal_sees_causal = (causal_row[None, :] <= causal_row[:, None]).expand(b, -1, -1)
     causal_sees_segments = torch.zeros(b, num_causal, len(seg_of), dtype=torch.bool, device=device)
@@ -544,18 +520,27 @@ def _packed_hidden(drafter, input_ids, anchors, block_size):
 def draft_rows(
     prefix_row: torch.Tensor, first_mask_row: torch.Tensor, block_size: int, d1_from: str
 ) -> torch.Tensor:
-    """Where the tokens d_1 .. d_B a block drafts are read: rows (..., B) of a packed pass. This
-    is the d1_from rule's one home, for every block of every pass (offline_tau, d3d_loss's
-    block_acc, draft_block, build_branch_pass):
+    """Where the tokens d_1 .. d_B a block drafts are read: rows (..., B) of a packed pass. The
+    one home of the d1_from rule, for every block of every pass (d3d_loss's block_acc reads the
+    same rows from its own split of the training pass):
         d_2 .. d_B  at MASK 2 .. B, rows first_mask_row + 1 .. first_mask_row + B - 1
         d_1         d1_from="causal" (our reading: the paper is silent): at `prefix_row`, the
-                    token just before the block's MASKs (the anchor x_{j_k} in validation and
-                    block_acc, x_n in draft_block, a segment's first token t or d_R in
-                    build_branch_pass); the one LM head there predicts the next token, as L_AR
-                    trains it. MASK 1 still trains (L_block reads every MASK); no pass reads it.
-                    d1_from="mask": at MASK 1, row first_mask_row
-    async's fallback draft_block at B = 4 (x_n alone: prefix_row 0, first_mask_row 1),
-    d1_from="causal":
+                    token just before the block's MASKs, whose LM head predicts the next token
+                    as L_AR trains it. MASK 1 still trains (L_block reads every MASK); no pass
+                    reads it. d1_from="mask": at MASK 1, row first_mask_row (the choice when
+                    lambda = 0, where nothing trains the causal row's guess).
+    Every pass that reads blocks, at B = 4 under "causal" (N causal tokens; s = 0 .. S - 1):
+
+        pass                            prefix_row (its token)   first_mask_row  rows read
+        training block k                j_k (x_{j_k})            N + 4 (k - 1)   j_k, then
+          (offline_tau)                                                          MASK 2 .. 4
+        sync draft (draft_block)        num_new - 1 (x_n)        5               prefix_row, 6, 7, 8
+        async fallback draft            0 (x_n)                  1               0, 2, 3, 4
+          (draft_block)
+        async packed pass, segment s    5 + 5 s (t, or d_R)      6 + 5 s         (5, 7, 8, 9)
+          (build_branch_pass)                                                    + 5 s
+
+    The fallback draft's five rows:
 
         row  token  position  read as
           0  x_n    n         d_1      the LM head at x_n predicts position n + 1
@@ -564,10 +549,9 @@ def draft_rows(
           3  m      n + 3     d_3
           4  m      n + 4     d_4      rows = [0, 2, 3, 4]
 
-    (The sync draft reads num_new committed tokens, x_n last, padded to B + 1 rows: prefix_row
-    num_new - 1, first_mask_row B + 1.)
-    After a full-acceptance hit the next draft's d_1 comes from MASK 2 (prepared_draft).
-    prefix_row, first_mask_row: rows (...), broadcast together."""
+    (A full-acceptance segment's prefix row reads g, the bonus guess: that draft's d_1 comes
+    from MASK 2, "Full acceptance and the pad".) prefix_row, first_mask_row: rows (...),
+    broadcast together."""
     prefix_row, first_mask_row = torch.broadcast_tensors(prefix_row, first_mask_row)
     rows = first_mask_row[..., None] + torch.arange(block_size, device=first_mask_row.device)
     if d1_from == "causal":
@@ -627,8 +611,8 @@ def d3d_loss(drafter: Drafter, input_ids, loss_mask, *, generator=None, at=None)
     response tokens, with the drafter's config: K blocks of B MASKs, lambda = ar_weight, block
     position weights w_i = exp(-(i-1)/gamma) (gamma = decay_gamma; None: uniform). L_block:
     cross-entropy of block k's MASK i against x_{j_k+i}, weighted by w_i; L_AR: the causal
-    stream's next-token loss. A block is all MASKs (no noise level, no token of it revealed):
-    the drafter learns to fill a whole block in one pass, as decoding asks of it. `at`:
+    stream's next-token loss. A block is all MASKs (our reading: no noise level, no token of it
+    revealed): the drafter learns to fill a whole block in one pass, as decoding asks of it. `at`:
     (anchors, valid) as sample_anchors returns them (default: K drawn here with `generator`).
 
     Returns (loss, {loss_block, loss_ar, block_acc}). block_acc (B,): per block position i, the
@@ -865,7 +849,8 @@ def accept_draft(p_logits, draft, q_draft, sampler: Sampler, num_real: int | Non
 #
 # Each loop is the method alone. Around it, generate times every pass (each KVCache times its
 # own fixed-shape passes: runtime.Clock) and hands each round's values to one `watch` call
-# (systems/rounds.py), which feeds on_round (a RoundInfo), a streamer and async's hit/miss tally.
+# (systems/rounds.py), which feeds on_round (a RoundInfo, above generate), a streamer and
+# async's hit/miss tally.
 #
 # What the loops (and draft_block, verify_block, draft_branches) take from runtime.py:
 #   KVCache(model, max_len)  fixed-size KV cache, its length a host int (.length). .run(ids
@@ -899,47 +884,6 @@ def accept_draft(p_logits, draft, q_draft, sampler: Sampler, num_real: int | Non
 # From systems/rounds.py, Watch: after each round's commit and rewinds, watch(out, draft, R,
 # (a, t)) (async adds the plan (covered, candidates, g) and the selected segment); from the
 # lengths of the round before it knows n, x_n, what was committed and which pass drafted.
-
-
-@dataclass
-class RoundInfo:
-    """What one decoding round did, as plain Python values (ints and lists of ints), for
-    generate(on_round=...): made after the round's one host read, its commit and its caches'
-    rewinds, and only when on_round is given."""
-
-    # "target", "sync" or "async"
-    mode: str
-    # 0, 1, 2, ... (the prefill's first token is not a round)
-    index: int
-    # the round starts with x_0 .. x_n committed (x_n = out.tokens[n]; the prompt counts)
-    n: int
-    # the token x_n itself: the last committed, just before d_1 (round 0: the prefill's token)
-    x_n: int
-    # d_1 .. d_B as verified ([] in target mode; a full-acceptance hit's last is a pad)
-    draft: list[int]
-    # R: the draft's real tokens (B, or B - 1 after a full-acceptance hit; 0 in target mode)
-    num_real: int
-    # "draft pass" (sync; async's fallback draft, also its first round), "branch" or "full
-    # acceptance" (that segment of the previous round's packed pass), "" in target mode
-    drafted_by: str
-    # where a block's d_1 is read (draft_rows): "causal" or "mask"
-    d1_from: str
-    # a: the accepted prefix d_1 .. d_a
-    num_accepted: int
-    # t: the target's own token after d_1 .. d_a (correction, or the bonus token if a = R)
-    next_token: int
-    # what this round added to the output (d_1 .. d_a, t; cut at EOS or the budget)
-    committed: list[int]
-    # tokens the target's KV cache held at the round's start, and at its end
-    target_cache: tuple[int, int]
-    # the same for the drafter's KV cache ((0, 0) in target mode)
-    drafter_cache: tuple[int, int]
-    # async only (None in the other modes): the outcomes (i, t) that the packed pass's segments
-    # were prepared for, in order: the branches, then full acceptance (R + 1, g)
-    outcomes: list[tuple[int, int]] | None = None
-    # async only: the index in outcomes that this round's outcome selected (a hit: that
-    # segment's block is the next round's draft); -1 on a miss (the next round drafts anew)
-    segment: int | None = None
 
 
 def _prefill(caches: Caches, input_ids, selection, out: Output, clock: Clock, sampler) -> None:
@@ -1005,7 +949,20 @@ def _decode_sync(drafter, out: Output, caches: Caches, config, *, sampler, watch
 # --------------------------------------------------------------------------------------------------
 # Asynchronous speculative decoding (Fig. 1c, Fig. 3)
 #
-# One async round, plainly. x_0 .. x_n are committed and d_1 .. d_B is the draft to verify.
+# Async's symbols:
+#     (i, t)   an outcome of verification: d_1 .. d_{i-1} accepted, then the target says t
+#              (i <= R: d_i rejected, t its correction; i = R + 1: full acceptance, t the bonus
+#              token). The round's own outcome is (a + 1, t). A *branch* is the segment
+#              prepared for a covered i and a candidate t; full acceptance's is for (R + 1, g)
+#     C, F     coverage, fanout: how many block positions i get branches (the covered
+#              positions); candidate tokens t per covered position
+#     S        segments of the packed pass: C x F branches and full acceptance
+#     g        the full-acceptance segment's guess of the bonus token (bonus_guess)
+#     rho_i    the chance that d_i is the first rejection (first_rejection_chance)
+#
+# One async round, plainly. x_0 .. x_n are committed and d_1 .. d_B is the draft to verify, of
+# R real tokens: R = B, except in the round after a full-acceptance hit (B - 1 and a pad: "Full
+# acceptance and the pad", below the table; the paper's picture has R = B always).
 #
 #   while not done:
 #     if no block was prepared for this round (round 0, or a miss):
@@ -1013,8 +970,8 @@ def _decode_sync(drafter, out: Output, caches: Caches, config, *, sampler, watch
 #         no KV of it: the packed pass reads x_n again)
 #     plan the outcomes (i, t) to prepare: C positions i x F tokens t  plan_branches
 #     build one packed pass: [x_n, d_1 .. d_B], then per outcome a    build_branch_pass
-#       segment [t, B MASKs] off d_{i-1}, then [d_B, B MASKs] off
-#       d_{B-1} for full acceptance
+#       segment [t, B MASKs] off d_{i-1}, then [d_R, B MASKs] off
+#       d_{R-1} for full acceptance
 #     at once (_Overlap.both; one after the other at lanes = 1, the CUDA default: _decode_async):
 #       the target verifies [x_n, d_1 .. d_B]                         verify_block
 #       the drafter runs the packed pass                              draft_branches
@@ -1024,13 +981,11 @@ def _decode_sync(drafter, out: Output, caches: Caches, config, *, sampler, watch
 #     commit d_1 .. d_a, t; both caches keep x_0 .. x_n, d_1 .. d_a   commit_round, rewind
 #     if (a + 1, t) was planned, a branch:                            select_segment
 #       the next d_1 .. d_B = that branch's block                     prepared_draft
-#     elif a = B and g = t, full acceptance:                          select_segment
+#     elif a = R (all accepted) and g = t, full acceptance:           select_segment
 #       the next d_1 .. d_B = full acceptance's block after g         prepared_draft
 #
 # _decode_async is this loop, line for line (select_segment makes the last if/elif choice; a
-# decode that is over prepares nothing). The code differs from the box in one way: the block
-# full acceptance prepares has B - 1 real tokens and a pad ("Full acceptance and the pad",
-# below the table).
+# decode that is over prepares nothing).
 #
 # What each KV cache holds across one round (committed x_0 .. x_n at the start; R = num_real,
 # a = num_accepted, t = next_token; "+" = written after what the cache held):
@@ -1049,18 +1004,22 @@ def _decode_sync(drafter, out: Output, caches: Caches, config, *, sampler, watch
 #
 # Full acceptance and the pad
 #
-# The full-acceptance segment prepares the next draft for the outcome (R + 1, g): all R real
-# tokens accepted and the bonus token g. It is [d_R, B MASKs] off d_{R-1}, repeating d_R rather
-# than hanging B MASKs off d_R, so that every segment has one shape, [token, B MASKs]. Its first
-# row, d_R again at d_R's position, sees what the causal row of d_R sees (the cache, x_n .. d_R):
-# g is the drafter's next-token guess at d_R, as x_n's row guesses d_1 (draft_rows; under
-# d1_from="mask", MASK 1 guesses g). The repeat only gives the segment the common shape.
-# Its MASKs see the cache, x_n .. d_{R-1}, d_R and one another, never g: the block is the
-# drafter's own guess of what follows d_R, made before anyone knows the bonus token. A hit asks
-# g = t: the block continues the drafter's belief about position n + R + 1, so it is used only
-# where the target said that token. Exactness does not need the test (verification keeps the
-# output the target's); acceptance does.
-# At B = 4 (build_branch_pass's rows 15 .. 19), d_1 .. d_4 all accepted:
+# In short: the full-acceptance segment spends its first row on g, its guess of the bonus
+# token, so its block leaves B - 1 tokens for the next draft; a pad makes that draft B tokens
+# long again, so every pass keeps its shape and a compiled pass replays. The cost: each round
+# after such a hit commits at most B tokens, not B + 1 (a run of full-acceptance hits commits B
+# a round). Other mentions of the pad point here.
+#
+# The segment prepares the next draft for the outcome (R + 1, g): all R real tokens accepted,
+# then the bonus token g. It is [d_R, B MASKs] off d_{R-1}: repeating d_R, rather than hanging
+# B MASKs off d_R, gives it the shape of every segment, [token, B MASKs]. Its first row, d_R
+# again at d_R's position, sees what d_R's causal row sees: g is the drafter's next-token guess
+# at d_R, as x_n's row guesses d_1. Its MASKs see the cache, x_n .. d_R and one another, never
+# g: the block is the drafter's guess of what follows d_R, made before anyone knows the bonus
+# token. So a hit asks g = t: the block is used only where the target said the token it
+# continues. Exactness does not need the test (verification keeps the output the target's);
+# acceptance does. At B = 4 (rows 15 .. 19 of build_branch_pass's table, at C = 2, F = 1; the
+# last five rows of any packed pass), d_1 .. d_4 all accepted:
 #
 #   position         n+1  n+2  n+3  n+4  n+5  n+6  n+7  n+8  n+9
 #   draft            d_1  d_2  d_3  d_4
@@ -1069,12 +1028,8 @@ def _decode_sync(drafter, out: Output, caches: Caches, config, *, sampler, watch
 #   the target says                      t = g                 a hit: n' = n + 5, x_{n'} = t
 #   next draft                                d'_1 d'_2 d'_3 pad
 #
-# The first row was spent on g, which the target committed as t: R = B - 1 real tokens remain,
-# from MASK 2 .. B (the one draft whose d_1 is read at a MASK under "causal"). A block of B + 1
-# MASKs would give B, but every segment has one shape. A pad (a row of zero logits: token 0 when
-# greedy, a uniform draw when sampling) makes the draft B long again, so verification and the
-# next packed pass keep their shapes and a compiled pass replays. The cost: the round after a
-# full-acceptance hit commits at most R + 1 = B tokens, not B + 1. In the next round:
+# The pad is a row of zero logits: token 0 when greedy, a uniform draw when sampling. In the
+# round after the hit:
 # - accept_draft never accepts the pad (num_real = R); if the target accepts d'_1 .. d'_R, its
 #   bonus token is p_logits[R], predicted at d'_R's row for the pad's position;
 # - the full-acceptance segment is [d'_R, B MASKs] off d'_{R-1}: none hangs off the pad;
@@ -1152,16 +1107,18 @@ def build_branch_pass(
     """Input of the packed pass that drafts the next block (B MASKs) for each planned outcome of
     verifying `draft` (B,); covered (C,), candidates (C, F): plan_branches.
 
+    The key fact: the segment for outcome (i, t) is the fallback draft that the next round would
+    run if the outcome is (i, t), [t, B MASKs] with t as that round's x_n, hanging off d_{i-1}:
+    its rows see what that round's cache and x_n would hold. One pass drafts them all.
+
     After the cache's x_0 .. x_{n-1} (past_len = n), the causal stream: x_n (`last_token`,
     (1,)), then d_1 .. d_B (the accepted drafts get their KV here): row i holds d_i. Then
     S = C x F + 1 segments, each [token, B MASKs] hanging off one causal row, its root (the
     mask's `roots`): the branch (i, t) is [t, B MASKs] off d_{i-1} (row i - 1), t at position
     n + i; full acceptance is [d_R, B MASKs] off d_{R-1} (R = `num_real`, default B; why d_R
     is repeated: "Full acceptance and the pad", under the async section's box).
-    A branch (i, t) is the fallback draft the next round would run if the outcome is (i, t):
-    its t is that round's x_n, and its MASKs see what that round's cache and x_n would hold.
-    Segment s's first token is row (B + 1) + (B + 1) s; its B MASKs follow it. A segment's
-    token at place p (0 for its first token) sits at position n + root + 1 + p. W = (B + 1)(S + 1)
+    Segment s's first token is row (B + 1) + (B + 1) s; its B MASKs follow it. A segment's first
+    token sits at position n + root + 1, each of its MASKs one position further. W = (B + 1)(S + 1)
     tokens: 20 at B = 4, C = 2, F = 1; 40 at the default C = 3, F = 2.
     Every row at B = 4, C = 2, F = 1 (covered i = 1, 2), d1_from="causal". A segment's row sees
     the cache, the causal rows 0 .. its root, and in its segment: its first token itself, a
@@ -1191,8 +1148,9 @@ def build_branch_pass(
          19  m      n + 8     3     d'_3
 
     rows (S, B) = [[5, 7, 8, 9], [10, 12, 13, 14], [15, 17, 18, 19]] (d1_from="mask": 6, 11, 16
-    first). Built from host sizes only: its shape depends on B, C and F. Returns input ids
-    (1, W), position ids (1, W), mask (1, 1, W, past+W) and those rows (S, B), in the order of
+    first). test_d3d.py checks this table against the function, row by row.
+    Built from host sizes only: its shape depends on B, C and F. Returns input ids (1, W),
+    position ids (1, W), mask (1, 1, W, past+W) and those rows (S, B), in the order of
     candidates.flatten(), then full acceptance."""
     block_size = draft.shape[0]
     fanout = candidates.shape[1]
@@ -1247,20 +1205,17 @@ def select_segment(num_accepted, next_token, num_real, covered, candidates, gues
     """The prepared segment that the round's outcome (a + 1, t) selects: its index among the
     packed pass's segments, or -1 on a miss (nothing was prepared for it). Host values, read
     with the outcome: a = num_accepted, t = next_token, R = num_real; covered, the C positions
-    i, and candidates, C lists of F tokens t (plan_branches); guess, g (bonus_guess).
-    The segments: branch (i, t) for each covered i and each of its candidates t, in that
-    order, then full acceptance. The branch prepared for (a + 1, t) if there is one; else full
-    acceptance if a = R and g = t. Both can match only where C covers a pad; then the branch
-    wins ("Full acceptance and the pad")."""
-    fanout = 0
-    if candidates:
-        fanout = len(candidates[0])
-    for place, position in enumerate(covered):
-        if position == num_accepted + 1 and next_token in candidates[place]:
-            return place * fanout + candidates[place].index(next_token)
-    if num_accepted == num_real and guess == next_token:
-        return len(covered) * fanout
-    return -1
+    i, and candidates, C lists of F tokens t (plan_branches); guess, g (bonus_guess)."""
+    # the outcome each segment was prepared for, in the segments' order (build_branch_pass):
+    # branch (i, t) for each covered i and each of its candidates t, then full acceptance
+    prepared = [(i, t) for i, tokens in zip(covered, candidates) for t in tokens]
+    prepared.append((num_real + 1, guess))
+    outcome = (num_accepted + 1, next_token)
+    if outcome not in prepared:
+        return -1
+    # the first match: a branch and full acceptance both match only where C covers a pad, and
+    # the branch wins ("Full acceptance and the pad")
+    return prepared.index(outcome)
 
 
 def prepared_draft(drafter: Drafter, draft_hidden, segment: int):
@@ -1336,6 +1291,66 @@ class _Overlap:
         return p_logits, future.result()
 
 
+def _decode_async(drafter, out: Output, caches: Caches, config, *, sampler, watch, overlap):
+    """The async round of this section's box, in a loop until out.done: while the target
+    verifies the draft, one packed drafter pass prepares the next draft for the likely outcomes
+    of that verification (the caches through one round: the table under the box; four rounds:
+    the worked trace below it). config: the DecodeConfig, its B, C, F resolved; watch: the round's
+    watchers; overlap: an _Overlap, the lanes the two passes run in.
+
+    Lanes, when generate is given none (runtime.async_lanes): on a CPU, 2 (a worker thread) for
+    a target of 20M parameters or more, else 1; on CUDA, 1 (eager passes are launched from one
+    Python thread, so a second stream has little to overlap; compiled passes on two streams are
+    refused, their graphs share one memory pool). At lanes = 1 the packed pass runs after the
+    verification: a hit still takes no draft pass, but the packed pass is on the critical path.
+    lanes = 2 on CUDA (decode.py --lanes 2) is Fig. 1c's two streams."""
+    tc = caches.target
+    dc = caches.drafter
+    block_size = config.block_size
+    # x_n (1,) on the device: the prefill's token, then each round's t
+    x_n = torch.tensor(out.tokens[-1:], device=dc.device)
+    # the draft's logits, when the round before prepared them, and R, its real tokens
+    draft_logits = None
+    num_real = block_size
+    while not out.done:
+        n = len(out.tokens) - 1
+        if draft_logits is None:
+            # round 0, or a miss: the fallback draft. Its KV of x_n goes too: every packed
+            # pass starts with x_n, so it has one shape
+            draft_logits = draft_block(drafter, dc, x_n[None], block_size, keep_read=False)
+            num_real = block_size
+        draft, q_draft = sampler.pick(draft_logits)
+        covered, candidates = plan_branches(draft_logits, draft, num_real, config)
+        packed = build_branch_pass(
+            drafter, x_n, draft, covered, candidates, num_real, past_len=dc.length
+        )
+        p_logits, draft_hidden = overlap.both(
+            functools.partial(verify_block, tc, x_n, draft),
+            functools.partial(draft_branches, dc, packed),
+        )
+        num_accepted, next_token = accept_draft(p_logits, draft, q_draft, sampler, num_real)
+        guess = bonus_guess(drafter, draft_hidden, sampler)
+        # the next round's x_n, kept on the device: no copy from the host
+        x_n = next_token.view(1)
+        plan = [covered, candidates, guess]
+        # device tensors in, the same names as host ints and lists out
+        num_accepted, next_token, draft, *plan = read_round(
+            [num_accepted, next_token, draft, *plan], tc, dc
+        )
+        # d_1 .. d_a, t join the output (cut at EOS or the budget, which end the decode)
+        out.commit_round(draft[:num_accepted], next_token)
+        # both caches keep x_0 .. x_n, d_1 .. d_a, n + 1 + a tokens (the table under the box);
+        # t, the new x_n, goes first into the next passes. After a cut at EOS or the budget the
+        # target keeps only the committed tokens but t, fewer, and the decode is over
+        tc.rewind(len(out.tokens) - 1)
+        dc.rewind(n + 1 + num_accepted)
+        segment = select_segment(num_accepted, next_token, num_real, *plan)
+        watch(out, draft, num_real, (num_accepted, next_token), plan, segment)
+        draft_logits = None
+        if segment >= 0 and not out.done:
+            draft_logits, num_real = prepared_draft(drafter, draft_hidden, segment)
+
+
 # >>> worked async trace (python tests/worked_trace.py --write regenerates it)
 # Asynchronous decoding at B = 4, C = 2, F = 1 (cover="first": i = 1, 2), greedy,
 # made by tests/worked_trace.py (a tiny target, a drafter whose logits follow a script).
@@ -1409,67 +1424,6 @@ class _Overlap:
 #   drafter cache 15 -> 19: x_0 .. x_14 -> x_0 .. x_15, d_1 .. d_3
 # <<< worked async trace
 
-
-def _decode_async(drafter, out: Output, caches: Caches, config, *, sampler, watch, overlap):
-    """The async round of this section's box, in a loop until out.done: while the target
-    verifies the draft, one packed drafter pass prepares the next draft for the likely outcomes
-    of that verification (the caches through one round: the table under the box; four rounds:
-    the worked trace). config: the DecodeConfig, its B, C, F resolved; watch: the round's
-    watchers; overlap: an _Overlap, the lanes the two passes run in.
-
-    Lanes, when generate is given none (runtime.async_lanes): on a CPU, 2 (a worker thread) for
-    a target of 20M parameters or more, else 1; on CUDA, 1 (eager passes are launched from one
-    Python thread, so a second stream has little to overlap; compiled passes on two streams are
-    refused, their graphs share one memory pool). At lanes = 1 the packed pass runs after the
-    verification: a hit still takes no draft pass, but the packed pass is on the critical path.
-    lanes = 2 on CUDA (decode.py --lanes 2) is Fig. 1c's two streams."""
-    tc = caches.target
-    dc = caches.drafter
-    block_size = config.block_size
-    # x_n (1,) on the device: the prefill's token, then each round's t
-    x_n = torch.tensor(out.tokens[-1:], device=dc.device)
-    # the draft's logits, when the round before prepared them, and R, its real tokens
-    draft_logits = None
-    num_real = block_size
-    while not out.done:
-        n = len(out.tokens) - 1
-        if draft_logits is None:
-            # round 0, or a miss: the fallback draft. Its KV of x_n goes too: every packed
-            # pass starts with x_n, so it has one shape
-            draft_logits = draft_block(drafter, dc, x_n[None], block_size, keep_read=False)
-            num_real = block_size
-        draft, q_draft = sampler.pick(draft_logits)
-        covered, candidates = plan_branches(draft_logits, draft, num_real, config)
-        packed = build_branch_pass(
-            drafter, x_n, draft, covered, candidates, num_real, past_len=dc.length
-        )
-        p_logits, draft_hidden = overlap.both(
-            functools.partial(verify_block, tc, x_n, draft),
-            functools.partial(draft_branches, dc, packed),
-        )
-        num_accepted, next_token = accept_draft(p_logits, draft, q_draft, sampler, num_real)
-        guess = bonus_guess(drafter, draft_hidden, sampler)
-        # the next round's x_n, kept on the device: no copy from the host
-        x_n = next_token.view(1)
-        plan = [covered, candidates, guess]
-        # device tensors in, the same names as host ints and lists out
-        num_accepted, next_token, draft, *plan = read_round(
-            [num_accepted, next_token, draft, *plan], tc, dc
-        )
-        # d_1 .. d_a, t join the output (cut at EOS or the budget, which end the decode)
-        out.commit_round(draft[:num_accepted], next_token)
-        # both caches keep x_0 .. x_n, d_1 .. d_a, n + 1 + a tokens (the table under the box);
-        # t, the new x_n, goes first into the next passes. After a cut at EOS or the budget the
-        # target keeps only the committed tokens but t, fewer, and the decode is over
-        tc.rewind(len(out.tokens) - 1)
-        dc.rewind(n + 1 + num_accepted)
-        segment = select_segment(num_accepted, next_token, num_real, *plan)
-        watch(out, draft, num_real, (num_accepted, next_token), plan, segment)
-        draft_logits = None
-        if segment >= 0 and not out.done:
-            draft_logits, num_real = prepared_draft(drafter, draft_hidden, segment)
-
-
 # --------------------------------------------------------------------------------------------------
 # Progressive layer pruning with recovery distillation (Fig. 1b)
 #
@@ -1477,6 +1431,7 @@ def _decode_async(drafter, out: Output, caches: Caches, config, *, sampler, watc
 # is now, is what scoring, least_costly_layer and remove_layer use. Its original index, its
 # place in the checkpoint the drafter was made from, is what D3DConfig.layer_ids keeps and what
 # prune_drafter's records report (_original_ids maps one to the other).
+# Pruning's one symbol: beta, recovery's pull toward the label (our reading; adjusted_teacher).
 
 
 @dataclass
@@ -1837,6 +1792,47 @@ def select_chunks(
 
 # --------------------------------------------------------------------------------------------------
 # generate: the entry point (target-only, sync, async; selective prefill)
+
+
+@dataclass
+class RoundInfo:
+    """What one decoding round did, as plain Python values (ints and lists of ints), for
+    generate(on_round=...): made after the round's one host read, its commit and its caches'
+    rewinds, and only when on_round is given."""
+
+    # "target", "sync" or "async"
+    mode: str
+    # 0, 1, 2, ... (the prefill's first token is not a round)
+    index: int
+    # the round starts with x_0 .. x_n committed (x_n = out.tokens[n]; the prompt counts)
+    n: int
+    # the token x_n itself: the last committed, just before d_1 (round 0: the prefill's token)
+    x_n: int
+    # d_1 .. d_B as verified ([] in target mode; a full-acceptance hit's last is a pad)
+    draft: list[int]
+    # R: the draft's real tokens (B, or B - 1 after a full-acceptance hit; 0 in target mode)
+    num_real: int
+    # "draft pass" (sync; async's fallback draft, also its first round), "branch" or "full
+    # acceptance" (that segment of the previous round's packed pass), "" in target mode
+    drafted_by: str
+    # where a block's d_1 is read (draft_rows): "causal" or "mask"
+    d1_from: str
+    # a: the accepted prefix d_1 .. d_a
+    num_accepted: int
+    # t: the target's own token after d_1 .. d_a (correction, or the bonus token if a = R)
+    next_token: int
+    # what this round added to the output (d_1 .. d_a, t; cut at EOS or the budget)
+    committed: list[int]
+    # tokens the target's KV cache held at the round's start, and at its end
+    target_cache: tuple[int, int]
+    # the same for the drafter's KV cache ((0, 0) in target mode)
+    drafter_cache: tuple[int, int]
+    # async only (None in the other modes): the outcomes (i, t) that the packed pass's segments
+    # were prepared for, in order: the branches, then full acceptance (R + 1, g)
+    outcomes: list[tuple[int, int]] | None = None
+    # async only: the index in outcomes that this round's outcome selected (a hit: that
+    # segment's block is the next round's draft); -1 on a miss (the next round drafts anew)
+    segment: int | None = None
 
 
 @torch.no_grad()

@@ -14,6 +14,7 @@ Run: python -m pytest -q test_d3d.py
 
 import dataclasses
 import math
+import re
 import sys
 
 import pytest
@@ -273,6 +274,46 @@ def test_mask_is_per_row_for_batched_roots():
     )
     for row in range(2):
         mask_is_as_the_rules_say(mask[row, 0], positions[row], 6, roots[row].tolist(), 3, 0, 0)
+
+
+def mask_pictures(doc: str) -> list[list[tuple[int, list[bool]]]]:
+    """The '#' pictures of a docstring, each as its rows: (the row's position, a bool per column,
+    True where the row's line has a '#' under that column's name)."""
+    lines = doc.splitlines()
+    pictures = []
+    for place, header in enumerate(lines):
+        if not header.strip().startswith("x_0 x_1"):
+            continue
+        # a column's name starts where its '#' marks stand: x_0, x_1, ..., t, m
+        columns = [found.start() for found in re.finditer(r"x_\d|\b[tm]\b", header)]
+        rows = []
+        for line in lines[place + 1 :]:
+            found = re.search(r"\(pos (\d+)\)", line)
+            if found is None:
+                break
+            cells = [column < len(line) and line[column] == "#" for column in columns]
+            rows.append((int(found.group(1)), cells))
+        pictures.append(rows)
+    return pictures
+
+
+def test_the_pictures_of_packed_attention_mask_are_its_output():
+    """The two pictures in packed_attention_mask's docstring (blocks of 2 off x_1 and x_3 of
+    x_0 .. x_4; a segment [t, m, m] off x_1 of x_0 .. x_2) are what the function returns, mark
+    by mark and position by position: a reader may trust them without checking by hand."""
+    calls = [
+        ((5, torch.tensor([1, 3]), 2), {}),
+        ((3, torch.tensor([1]), 2), {"prefix_len": 1}),
+    ]
+    pictures = mask_pictures(d3d.packed_attention_mask.__doc__)
+    assert len(pictures) == len(calls), f"{len(pictures)} pictures found, want {len(calls)}"
+    for picture, (args, kwargs) in zip(pictures, calls):
+        mask, positions = d3d.packed_attention_mask(*args, **kwargs)
+        given = f"packed_attention_mask{args[:1] + (args[1].tolist(),) + args[2:]} {kwargs}"
+        drawn_positions = [position for position, _ in picture]
+        assert positions[0].tolist() == drawn_positions, f"{given}: the pictured positions"
+        for row, (_, drawn) in enumerate(picture):
+            assert mask[0, 0, row].tolist() == drawn, f"{given}: row {row} of the picture"
 
 
 class HostReads(TorchDispatchMode):

@@ -154,7 +154,8 @@ def trace_text() -> str:
         + ".",
         "",
     ]
-    # the symbols are the module docstring's; the words a round's lines add:
+    # the symbols are d3d.py's (the module docstring's and the async section's); the words a
+    # round's lines add:
     lines += [
         "hit: the round's outcome (a + 1, t) was prepared, and that block is the next draft;",
         "miss: it was not, and the next round drafts anew. A cache of length 7 holds x_0 .. x_6.",
