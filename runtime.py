@@ -836,7 +836,18 @@ def check_request(target, drafter, input_ids, config) -> int | None:
             "input_ids must have shape (1, prompt_len) (batch 1, not empty: at least one "
             f"token), got {tuple(input_ids.shape)}"
         )
+    target_device = next(target.parameters()).device
+    if input_ids.device != target_device:
+        raise ValueError(
+            f"input_ids are on {input_ids.device}, the target on {target_device}: put them on "
+            "one device (input_ids.to(target.device))"
+        )
     needs_drafter = config.mode != "target" or config.keep_ratio is not None
+    if drafter is not None and needs_drafter and drafter.device != target_device:
+        raise ValueError(
+            f"the target is on {target_device}, the drafter on {drafter.device}: put both on "
+            "one device (drafter.to(target.device))"
+        )
     if drafter is None and needs_drafter:
         why = ""
         if config.keep_ratio:

@@ -3519,6 +3519,25 @@ def test_bad_inputs_raise_clear_errors(tok, target, tmp_path):
         d3d.Drafter.from_pretrained(str(tmp_path / "plain"))
 
 
+def test_a_prompt_or_drafter_on_another_device_than_the_target_is_refused(tok, target):
+    """input_ids, or a drafter the decode uses, on another device than the target: one clear
+    error before anything runs (the meta device stands in for a second device on a CPU), in
+    d3d.generate and in the batched path; a drafter that target-only decoding never uses may be
+    anywhere."""
+    prompt = torch.tensor([[1, 2, 3]])
+    drafter = d3d.make_drafter(tiny_qwen3(seed=3), tokenizer=tok)
+    with pytest.raises(ValueError, match="input_ids are on meta, the target on cpu: put them on"):
+        d3d.generate(target, drafter, prompt.to("meta"), max_new_tokens=5)
+    drafter.to("meta")
+    for mode in ("sync", "async"):
+        with pytest.raises(ValueError, match="the target is on cpu, the drafter on meta: put both"):
+            d3d.generate(target, drafter, prompt, max_new_tokens=5, mode=mode)
+    with pytest.raises(ValueError, match="the target is on cpu, the drafter on meta: put both"):
+        batched.generate(target, drafter, [prompt[0], prompt[0, :2]], max_new_tokens=5)
+    tokens, _ = d3d.generate(target, drafter, prompt, max_new_tokens=5, mode="target")
+    assert tokens.shape == (1, 8), "target-only decoding never touches the drafter"
+
+
 def test_a_request_the_caches_cannot_hold_is_refused_up_front(tok, target):
     """A request longer than the caches: a clear error before anything is written, and the caches
     still decode."""
