@@ -1205,17 +1205,20 @@ def select_segment(num_accepted, next_token, num_real, covered, candidates, gues
     """The prepared segment that the round's outcome (a + 1, t) selects: its index among the
     packed pass's segments, or -1 on a miss (nothing was prepared for it). Host values, read
     with the outcome: a = num_accepted, t = next_token, R = num_real; covered, the C positions
-    i, and candidates, C lists of F tokens t (plan_branches); guess, g (bonus_guess)."""
-    # the outcome each segment was prepared for, in the segments' order (build_branch_pass):
-    # branch (i, t) for each covered i and each of its candidates t, then full acceptance
-    prepared = [(i, t) for i, tokens in zip(covered, candidates) for t in tokens]
-    prepared.append((num_real + 1, guess))
-    outcome = (num_accepted + 1, next_token)
-    if outcome not in prepared:
-        return -1
-    # the first match: a branch and full acceptance both match only where C covers a pad, and
-    # the branch wins ("Full acceptance and the pad")
-    return prepared.index(outcome)
+    i, and candidates, C lists of F tokens t (plan_branches); guess, g (bonus_guess).
+    The segments: branch (i, t) for each covered i and each of its candidates t, in that
+    order, then full acceptance. The branch prepared for (a + 1, t) if there is one; else full
+    acceptance if a = R and g = t. Both can match only where C covers a pad; then the branch
+    wins ("Full acceptance and the pad")."""
+    fanout = 0
+    if candidates:
+        fanout = len(candidates[0])
+    for place, position in enumerate(covered):
+        if position == num_accepted + 1 and next_token in candidates[place]:
+            return place * fanout + candidates[place].index(next_token)
+    if num_accepted == num_real and guess == next_token:
+        return len(covered) * fanout
+    return -1
 
 
 def prepared_draft(drafter: Drafter, draft_hidden, segment: int):
