@@ -130,8 +130,10 @@ CONFIG_NAME = "d3d_config.json"
 @dataclass
 class D3DConfig:
     """The method's settings, saved as d3d_config.json next to every drafter: the one source of
-    B, K, lambda, gamma and d1_from for training, validation and decoding. An ablation replaces
-    a field: Drafter(drafter.model, replace(drafter.d3d_config, ar_weight=0.0))."""
+    B, K, lambda, gamma and d1_from for training, validation and decoding. A variant replaces a
+    field: Drafter(drafter.model, replace(drafter.d3d_config, ar_weight=0.0)) measures L_block
+    alone (validation_tau). A drafter trained at lambda = 0 reads d_1 at MASK 1, d1_from="mask":
+    nothing trains the causal row's guess (draft_rows)."""
 
     block_size: int = setting(
         16,
@@ -550,8 +552,7 @@ def draft_rows(
           4  m      n + 4     d_4      rows = [0, 2, 3, 4]
 
     (A full-acceptance segment's prefix row reads g, the bonus guess: that draft's d_1 comes
-    from MASK 2, "Full acceptance and the pad".) prefix_row, first_mask_row: rows (...),
-    broadcast together."""
+    from MASK 2, prepared_draft.) prefix_row, first_mask_row: rows (...), broadcast together."""
     prefix_row, first_mask_row = torch.broadcast_tensors(prefix_row, first_mask_row)
     rows = first_mask_row[..., None] + torch.arange(block_size, device=first_mask_row.device)
     if d1_from == "causal":
@@ -699,7 +700,7 @@ def offline_tau(drafter: Drafter, input_ids, loss_mask, *, val_anchors=32, gener
 #     drafter   B + 1 + B          sync draft: the unread committed tokens padded to B + 1, B MASKs
 #     drafter   1 + B              async fallback draft: x_n and B MASKs
 #     drafter   1 + B + S (1 + B)  async packed pass: x_n, d_1 .. d_B, S = C x F + 1 segments
-#   A draft is B tokens even after a full-acceptance hit ("Full acceptance and the pad").
+#   A draft is B tokens even after a full-acceptance hit (prepared_draft).
 
 
 @dataclass
@@ -793,8 +794,8 @@ def accept_draft(p_logits, draft, q_draft, sampler: Sampler, num_real: int | Non
     """(a, t) = (num_accepted, next_token): the textbook acceptance rule, written without a
     branch on a device value. p_logits (B+1, V): row i - 1 is the target's prediction for d_i's
     position; draft (B,); q_draft (B, V) or None (greedy); R = num_real (default B: the draft's
-    real tokens; a pad, "Full acceptance and the pad", is never accepted, even if it equals the
-    target's token). With p_i, q_i the target's and the drafter's distributions at d_i's
+    real tokens; a pad (prepared_draft) is never accepted, even if it equals the target's
+    token). With p_i, q_i the target's and the drafter's distributions at d_i's
     position, the rule as a host loop:
 
         for i in 1 .. R:
@@ -961,8 +962,8 @@ def _decode_sync(drafter, out: Output, caches: Caches, config, *, sampler, watch
 #     rho_i    the chance that d_i is the first rejection (first_rejection_chance)
 #
 # One async round, plainly. x_0 .. x_n are committed and d_1 .. d_B is the draft to verify, of
-# R real tokens: R = B, except in the round after a full-acceptance hit (B - 1 and a pad: "Full
-# acceptance and the pad", below the table; the paper's picture has R = B always).
+# R real tokens: R = B, except in the round after a full-acceptance hit (B - 1 and a pad:
+# prepared_draft; the paper's picture has R = B always).
 #
 #   while not done:
 #     if no block was prepared for this round (round 0, or a miss):
@@ -1002,42 +1003,6 @@ def _decode_sync(drafter, out: Output, caches: Caches, config, *, sampler, watch
 #   next round's start           x_0 .. x_{n'-1}, n' = n + a + 1: t = x_{n'} is in neither cache,
 #                                it goes first into the next verify and packed pass
 #
-# Full acceptance and the pad
-#
-# In short: the full-acceptance segment spends its first row on g, its guess of the bonus
-# token, so its block leaves B - 1 tokens for the next draft; a pad makes that draft B tokens
-# long again, so every pass keeps its shape and a compiled pass replays. The cost: each round
-# after such a hit commits at most B tokens, not B + 1 (a run of full-acceptance hits commits B
-# a round). Other mentions of the pad point here.
-#
-# The segment prepares the next draft for the outcome (R + 1, g): all R real tokens accepted,
-# then the bonus token g. It is [d_R, B MASKs] off d_{R-1}: repeating d_R, rather than hanging
-# B MASKs off d_R, gives it the shape of every segment, [token, B MASKs]. Its first row, d_R
-# again at d_R's position, sees what d_R's causal row sees: g is the drafter's next-token guess
-# at d_R, as x_n's row guesses d_1. Its MASKs see the cache, x_n .. d_R and one another, never
-# g: the block is the drafter's guess of what follows d_R, made before anyone knows the bonus
-# token. So a hit asks g = t: the block is used only where the target said the token it
-# continues. Exactness does not need the test (verification keeps the output the target's);
-# acceptance does. At B = 4 (rows 15 .. 19 of build_branch_pass's table, at C = 2, F = 1; the
-# last five rows of any packed pass), d_1 .. d_4 all accepted:
-#
-#   position         n+1  n+2  n+3  n+4  n+5  n+6  n+7  n+8  n+9
-#   draft            d_1  d_2  d_3  d_4
-#   segment                         d_4  m    m    m    m      off d_3
-#   its row read as                 g    -    d'_1 d'_2 d'_3   (g: x_{n+5}; MASK 1 unread)
-#   the target says                      t = g                 a hit: n' = n + 5, x_{n'} = t
-#   next draft                                d'_1 d'_2 d'_3 pad
-#
-# The pad is a row of zero logits: token 0 when greedy, a uniform draw when sampling. In the
-# round after the hit:
-# - accept_draft never accepts the pad (num_real = R); if the target accepts d'_1 .. d'_R, its
-#   bonus token is p_logits[R], predicted at d'_R's row for the pad's position;
-# - the full-acceptance segment is [d'_R, B MASKs] off d'_{R-1}: none hangs off the pad;
-# - a branch covers the pad's position only where C > R (C = B; its rho is -inf), with arbitrary
-#   candidates (the pad's logits say nothing); if that branch (R + 1, t) and full acceptance
-#   both match, the branch wins (select_segment): its block has B real tokens, full's B - 1.
-
-
 def default_budget(block_size: int) -> tuple[int, int]:
     """Branch budget (coverage C, fanout F): the paper's C = 12, F = 2 at B = 16; C scales with
     B as C = 0.75 B within 1 .. B, rounded half to even (Python's round: B = 6 gives 4; our
@@ -1081,9 +1046,9 @@ def plan_branches(draft_logits, draft, num_real: int, config):
     (the drafter's F likeliest tokens at i, except d_i itself), for a draft (B,) of R =
     num_real real tokens. config: a DecodeConfig (its coverage C, fanout F, cover and
     temperature; branch_budget). cover="first": i = 1 .. C; "likely": the C largest rho_i
-    (first_rejection_chance); a pad's position i > R only where C > R ("Full acceptance and
-    the pad"). Returns covered (C,), the i ascending (d_i's logits are draft_logits[i - 1]),
-    and candidates (C, F), left on the device."""
+    (first_rejection_chance); a pad's position i > R only where C > R (prepared_draft).
+    Returns covered (C,), the i ascending (d_i's logits are draft_logits[i - 1]), and
+    candidates (C, F), left on the device."""
     block_size, vocab = draft_logits.shape
     coverage, fanout = branch_budget(config, block_size)
     coverage = min(coverage, block_size)
@@ -1116,7 +1081,7 @@ def build_branch_pass(
     S = C x F + 1 segments, each [token, B MASKs] hanging off one causal row, its root (the
     mask's `roots`): the branch (i, t) is [t, B MASKs] off d_{i-1} (row i - 1), t at position
     n + i; full acceptance is [d_R, B MASKs] off d_{R-1} (R = `num_real`, default B; why d_R
-    is repeated: "Full acceptance and the pad", under the async section's box).
+    is repeated: prepared_draft).
     Segment s's first token is row (B + 1) + (B + 1) s; its B MASKs follow it. A segment's first
     token sits at position n + root + 1, each of its MASKs one position further. W = (B + 1)(S + 1)
     tokens: 20 at B = 4, C = 2, F = 1; 40 at the default C = 3, F = 2.
@@ -1209,7 +1174,7 @@ def select_segment(num_accepted, next_token, num_real, covered, candidates, gues
     The segments: branch (i, t) for each covered i and each of its candidates t, in that
     order, then full acceptance. The branch prepared for (a + 1, t) if there is one; else full
     acceptance if a = R and g = t. Both can match only where C covers a pad; then the branch
-    wins ("Full acceptance and the pad")."""
+    wins (prepared_draft)."""
     fanout = 0
     if candidates:
         fanout = len(candidates[0])
@@ -1223,9 +1188,43 @@ def select_segment(num_accepted, next_token, num_real, covered, candidates, gues
 
 def prepared_draft(drafter: Drafter, draft_hidden, segment: int):
     """A hit's next draft, from the selected segment's block: (logits (B, V), R), R = num_real,
-    the draft's real tokens. draft_hidden (S, B, H): draft_branches's. A branch (i, t): its
-    whole block, R = B. Full acceptance (the last segment): its rows after the first (the
-    bonus guess g) and a pad, R = B - 1 ("Full acceptance and the pad")."""
+    the draft's real tokens; draft_hidden (S, B, H): draft_branches's. A branch (i, t) gives its
+    whole block, R = B. Full acceptance (the last segment) gives its rows after the first (the
+    bonus guess g) and a pad, R = B - 1. The pad is explained here; every other mention of it
+    points here.
+
+    In short: the full-acceptance segment spends its first row on g, its guess of the bonus
+    token, so its block leaves B - 1 tokens for the next draft; a pad makes that draft B tokens
+    long again, so every pass keeps its shape and a compiled pass replays. The cost: each round
+    after such a hit commits at most B tokens, not B + 1 (a run of full-acceptance hits commits B
+    a round).
+
+    The segment prepares the next draft for the outcome (R + 1, g): all R real tokens accepted,
+    then the bonus token g. It is [d_R, B MASKs] off d_{R-1}: repeating d_R, rather than hanging
+    B MASKs off d_R, gives it the shape of every segment, [token, B MASKs]. Its first row, d_R
+    again at d_R's position, sees what d_R's causal row sees: g is the drafter's next-token guess
+    at d_R, as x_n's row guesses d_1. Its MASKs see the cache, x_n .. d_R and one another, never
+    g: the block is the drafter's guess of what follows d_R, made before anyone knows the bonus
+    token. So a hit asks g = t: the block is used only where the target said the token it
+    continues. Exactness does not need the test (verification keeps the output the target's);
+    acceptance does. At B = 4 (rows 15 .. 19 of build_branch_pass's table, at C = 2, F = 1; the
+    last five rows of any packed pass), d_1 .. d_4 all accepted:
+
+      position         n+1  n+2  n+3  n+4  n+5  n+6  n+7  n+8  n+9
+      draft            d_1  d_2  d_3  d_4
+      segment                         d_4  m    m    m    m      off d_3
+      its row read as                 g    -    d'_1 d'_2 d'_3   (g: x_{n+5}; MASK 1 unread)
+      the target says                      t = g                 a hit: n' = n + 5, x_{n'} = t
+      next draft                                d'_1 d'_2 d'_3 pad
+
+    The pad is a row of zero logits: token 0 when greedy, a uniform draw when sampling. In the
+    round after the hit:
+    - accept_draft never accepts the pad (num_real = R); if the target accepts d'_1 .. d'_R, its
+      bonus token is p_logits[R], predicted at d'_R's row for the pad's position;
+    - the full-acceptance segment is [d'_R, B MASKs] off d'_{R-1}: none hangs off the pad;
+    - a branch covers the pad's position only where C > R (C = B; its rho is -inf), with arbitrary
+      candidates (the pad's logits say nothing); if that branch (R + 1, t) and full acceptance
+      both match, the branch wins (select_segment): its block has B real tokens, full's B - 1."""
     num_segments, block_size = draft_hidden.shape[:2]
     if segment < num_segments - 1:
         return drafter.logits(draft_hidden[segment]), block_size
