@@ -13,8 +13,9 @@ make_drafter, Sampler's devices, generate's checks):
     L_block + lambda L_AR (Fig. 1a): d3d_loss (sample_anchors; where a block is read: draft_rows)
     drafting, verification, acceptance: "Two habits", draft_block, verify_block, accept_draft
     target-only and synchronous decoding: _decode_target, _decode_sync
-    asynchronous decoding (Fig. 1c, Fig. 3): the section's box of one round; its functions,
-        plan_branches .. prepared_draft and _Overlap; then _decode_async, the box as code
+    asynchronous decoding (Fig. 1c, Fig. 3): the section's box of one round; _decode_async,
+        the box as code, and its worked trace; then its steps, plan_branches .. prepared_draft,
+        and _Overlap
     layer pruning (Fig. 1b): prune_drafter and what it calls, above it
     selective prefilling (appendix, Fig. 5): select_chunks
     the entry point: generate(mode="target" | "sync" | "async")
@@ -985,8 +986,9 @@ def _decode_sync(drafter, out: Output, caches: Caches, config, *, sampler, watch
 #     elif a = R (all accepted) and g = t, full acceptance:           select_segment
 #       the next d_1 .. d_B = full acceptance's block after g         prepared_draft
 #
-# _decode_async is this loop, line for line (select_segment makes the last if/elif choice; a
-# decode that is over prepares nothing).
+# _decode_async, just below the table, is this loop, line for line (select_segment makes the
+# last if/elif choice; a decode that is over prepares nothing). The functions it calls follow
+# it, in the order it calls them, after the worked trace.
 #
 # What each KV cache holds across one round (committed x_0 .. x_n at the start; R = num_real,
 # a = num_accepted, t = next_token; "+" = written after what the cache held):
@@ -1002,7 +1004,147 @@ def _decode_sync(drafter, out: Output, caches: Caches, config, *, sampler, watch
 #                                = n + 1 + a                  (x_0 .. x_n, d_1 .. d_a)
 #   next round's start           x_0 .. x_{n'-1}, n' = n + a + 1: t = x_{n'} is in neither cache,
 #                                it goes first into the next verify and packed pass
+
+
+def _decode_async(drafter, out: Output, caches: Caches, config, *, sampler, watch, overlap):
+    """The async round of this section's box, in a loop until out.done: while the target
+    verifies the draft, one packed drafter pass prepares the next draft for the likely outcomes
+    of that verification (the caches through one round: the table under the box; four rounds:
+    the worked trace below it). config: the DecodeConfig, its B, C, F resolved; watch: the round's
+    watchers; overlap: an _Overlap, the lanes the two passes run in.
+
+    Lanes, when generate is given none (runtime.async_lanes): on a CPU, 2 (a worker thread) for
+    a target of 20M parameters or more, else 1; on CUDA, 1 (eager passes are launched from one
+    Python thread, so a second stream has little to overlap; compiled passes on two streams are
+    refused, their graphs share one memory pool). At lanes = 1 the packed pass runs after the
+    verification: a hit still takes no draft pass, but the packed pass is on the critical path.
+    lanes = 2 on CUDA (decode.py --lanes 2) is Fig. 1c's two streams."""
+    tc = caches.target
+    dc = caches.drafter
+    block_size = config.block_size
+    # x_n (1,) on the device: the prefill's token, then each round's t
+    x_n = torch.tensor(out.tokens[-1:], device=dc.device)
+    # the draft's logits, when the round before prepared them, and R, its real tokens
+    draft_logits = None
+    num_real = block_size
+    while not out.done:
+        n = len(out.tokens) - 1
+        if draft_logits is None:
+            # round 0, or a miss: the fallback draft. Its KV of x_n goes too: every packed
+            # pass starts with x_n, so it has one shape
+            draft_logits = draft_block(drafter, dc, x_n[None], block_size, keep_read=False)
+            num_real = block_size
+        draft, q_draft = sampler.pick(draft_logits)
+        covered, candidates = plan_branches(draft_logits, draft, num_real, config)
+        packed = build_branch_pass(
+            drafter, x_n, draft, covered, candidates, num_real, past_len=dc.length
+        )
+        p_logits, draft_hidden = overlap.both(
+            functools.partial(verify_block, tc, x_n, draft),
+            functools.partial(draft_branches, dc, packed),
+        )
+        num_accepted, next_token = accept_draft(p_logits, draft, q_draft, sampler, num_real)
+        guess = bonus_guess(drafter, draft_hidden, sampler)
+        # the next round's x_n, kept on the device: no copy from the host
+        x_n = next_token.view(1)
+        plan = [covered, candidates, guess]
+        # device tensors in, the same names as host ints and lists out
+        num_accepted, next_token, draft, *plan = read_round(
+            [num_accepted, next_token, draft, *plan], tc, dc
+        )
+        # d_1 .. d_a, t join the output (cut at EOS or the budget, which end the decode)
+        out.commit_round(draft[:num_accepted], next_token)
+        # both caches keep x_0 .. x_n, d_1 .. d_a, n + 1 + a tokens (the table under the box);
+        # t, the new x_n, goes first into the next passes. After a cut at EOS or the budget the
+        # target keeps only the committed tokens but t, fewer, and the decode is over
+        tc.rewind(len(out.tokens) - 1)
+        dc.rewind(n + 1 + num_accepted)
+        segment = select_segment(num_accepted, next_token, num_real, *plan)
+        watch(out, draft, num_real, (num_accepted, next_token), plan, segment)
+        draft_logits = None
+        if segment >= 0 and not out.done:
+            draft_logits, num_real = prepared_draft(drafter, draft_hidden, segment)
+
+
+# >>> worked async trace (python tests/worked_trace.py --write regenerates it)
+# Asynchronous decoding at B = 4, C = 2, F = 1 (cover="first": i = 1, 2), greedy,
+# made by tests/worked_trace.py (a tiny target, a drafter whose logits follow a script).
+# Prompt x_0 .. x_4 = 18 87 71 54 8; the target's prefill says x_5 = 37.
+# The target's greedy x_5 .. x_19 = 37 53 17 48 18 40 49 33 74 3 4 24 53 71 87.
+# The drafter is right at every position except x_7 (runner-up right) and x_10 (both choices wrong).
 #
+# hit: the round's outcome (a + 1, t) was prepared, and that block is the next draft;
+# miss: it was not, and the next round drafts anew. A cache of length 7 holds x_0 .. x_6.
+#
+# First, a rejection branch used: d_2 is rejected and the branch prepared for (i, t) = (2, t)
+# becomes the next draft, with no drafting on the critical path.
+# round 0: n = 5, x_0 .. x_5 committed
+#   draft       d_1 .. d_4 = 53 18 48 18
+#               drafted by a draft pass (x_n and 4 MASKs, its KV dropped again); d_1 from the LM
+#               head at x_n, d_2 .. d_4 from MASK 2 .. 4
+#   target      a = 1 (d_1); t = 17, its correction of d_2
+#   committed   53 17 (= x_6 .. x_7)
+#   passes      verify x_n, d_1 .. d_4: target cache -> 10; packed pass x_n, d_1 .. d_4,
+#               2 x [t, 4 MASKs], [d_4, 4 MASKs]: drafter cache -> 25; then both rewind
+#   prepared    (i, t) = (1, 54)  (2, 17)*  (5, 41)
+#   hit         (2, 17) was prepared; that branch's block is the next draft
+#   target cache  5 -> 7: x_0 .. x_4 -> x_0 .. x_5, d_1
+#   drafter cache 5 -> 7: x_0 .. x_4 -> x_0 .. x_5, d_1
+#
+# Second, a miss: d_3 is rejected, but C = 2 covers only i = 1, 2, so nothing was prepared for (3,
+# t): the next round's draft is a fallback draft pass.
+# round 1: n = 7, x_0 .. x_7 committed
+#   draft       d_1 .. d_4 = 48 18 41 49
+#               drafted by a rejection branch of the previous round's packed pass (its t is x_n);
+#               d_1 from the LM head at x_n, d_2 .. d_4 from MASK 2 .. 4
+#   target      a = 2 (d_1 .. d_2); t = 40, its correction of d_3
+#   committed   48 18 40 (= x_8 .. x_10)
+#   passes      verify x_n, d_1 .. d_4: target cache -> 12; packed pass x_n, d_1 .. d_4,
+#               2 x [t, 4 MASKs], [d_4, 4 MASKs]: drafter cache -> 27; then both rewind
+#   prepared    (i, t) = (1, 49)  (2, 19)  (5, 33)
+#   miss        nothing prepared for (3, 40): the next round drafts anew
+#   target cache  7 -> 10: x_0 .. x_6 -> x_0 .. x_7, d_1 .. d_2
+#   drafter cache 7 -> 10: x_0 .. x_6 -> x_0 .. x_7, d_1 .. d_2
+#
+# Third, a full-acceptance hit: all four tokens are accepted and the full-acceptance block guessed
+# the bonus token t; its other B - 1 rows and a pad are the next draft.
+# round 2: n = 10, x_0 .. x_10 committed
+#   draft       d_1 .. d_4 = 49 33 74 3
+#               drafted by a draft pass (x_n and 4 MASKs, its KV dropped again); d_1 from the LM
+#               head at x_n, d_2 .. d_4 from MASK 2 .. 4
+#   target      a = 4 (d_1 .. d_4, all real tokens); t = 4, its bonus token
+#   committed   49 33 74 3 4 (= x_11 .. x_15)
+#   passes      verify x_n, d_1 .. d_4: target cache -> 15; packed pass x_n, d_1 .. d_4,
+#               2 x [t, 4 MASKs], [d_4, 4 MASKs]: drafter cache -> 30; then both rewind
+#   prepared    (i, t) = (1, 50)  (2, 34)  (5, 4)*
+#   hit         (5, 4) was prepared; the full-acceptance block: its other B - 1 rows and a pad are
+#               the next draft
+#   target cache  10 -> 15: x_0 .. x_9 -> x_0 .. x_10, d_1 .. d_4
+#   drafter cache 10 -> 15: x_0 .. x_9 -> x_0 .. x_10, d_1 .. d_4
+#
+# The padded draft of the full-acceptance hit: three real tokens and a pad that is never accepted;
+# the target's token for the pad's position (predicted at d_3's row) is the bonus. The budget is
+# reached: decoding stops.
+# round 3: n = 15, x_0 .. x_15 committed
+#   draft       d_1 .. d_4 = 24 53 71 pad (d_4 is a pad: never accepted)
+#               drafted by the previous round's full-acceptance block: d_1 .. d_3 from its
+#               MASK 2 .. 4 (its first row guessed x_n, the bonus token)
+#   target      a = 3 (d_1 .. d_3, all real tokens); t = 87, its bonus token
+#   committed   24 53 71 87 (= x_16 .. x_19)
+#   passes      verify x_n, d_1 .. d_4: target cache -> 20; packed pass x_n, d_1 .. d_4,
+#               2 x [t, 4 MASKs], [d_3, 4 MASKs]: drafter cache -> 35; then both rewind
+#   prepared    (i, t) = (1, 25)  (2, 54)  (4, 87)*
+#   hit         (4, 87) was prepared; the decode is over: never used
+#   target cache  15 -> 19: x_0 .. x_14 -> x_0 .. x_15, d_1 .. d_3
+#   drafter cache 15 -> 19: x_0 .. x_14 -> x_0 .. x_15, d_1 .. d_3
+# <<< worked async trace
+
+
+# The steps of the async round, in the order _decode_async calls them: the branch budget (C, F)
+# and plan_branches; build_branch_pass and draft_branches; bonus_guess; select_segment and
+# prepared_draft (the pad after a full-acceptance hit); then _Overlap, the two lanes.
+
+
 def default_budget(block_size: int) -> tuple[int, int]:
     """Branch budget (coverage C, fanout F): the paper's C = 12, F = 2 at B = 16; C scales with
     B as C = 0.75 B within 1 .. B, rounded half to even (Python's round: B = 6 gives 4; our
@@ -1292,139 +1434,6 @@ class _Overlap:
         p_logits = verify()
         return p_logits, future.result()
 
-
-def _decode_async(drafter, out: Output, caches: Caches, config, *, sampler, watch, overlap):
-    """The async round of this section's box, in a loop until out.done: while the target
-    verifies the draft, one packed drafter pass prepares the next draft for the likely outcomes
-    of that verification (the caches through one round: the table under the box; four rounds:
-    the worked trace below it). config: the DecodeConfig, its B, C, F resolved; watch: the round's
-    watchers; overlap: an _Overlap, the lanes the two passes run in.
-
-    Lanes, when generate is given none (runtime.async_lanes): on a CPU, 2 (a worker thread) for
-    a target of 20M parameters or more, else 1; on CUDA, 1 (eager passes are launched from one
-    Python thread, so a second stream has little to overlap; compiled passes on two streams are
-    refused, their graphs share one memory pool). At lanes = 1 the packed pass runs after the
-    verification: a hit still takes no draft pass, but the packed pass is on the critical path.
-    lanes = 2 on CUDA (decode.py --lanes 2) is Fig. 1c's two streams."""
-    tc = caches.target
-    dc = caches.drafter
-    block_size = config.block_size
-    # x_n (1,) on the device: the prefill's token, then each round's t
-    x_n = torch.tensor(out.tokens[-1:], device=dc.device)
-    # the draft's logits, when the round before prepared them, and R, its real tokens
-    draft_logits = None
-    num_real = block_size
-    while not out.done:
-        n = len(out.tokens) - 1
-        if draft_logits is None:
-            # round 0, or a miss: the fallback draft. Its KV of x_n goes too: every packed
-            # pass starts with x_n, so it has one shape
-            draft_logits = draft_block(drafter, dc, x_n[None], block_size, keep_read=False)
-            num_real = block_size
-        draft, q_draft = sampler.pick(draft_logits)
-        covered, candidates = plan_branches(draft_logits, draft, num_real, config)
-        packed = build_branch_pass(
-            drafter, x_n, draft, covered, candidates, num_real, past_len=dc.length
-        )
-        p_logits, draft_hidden = overlap.both(
-            functools.partial(verify_block, tc, x_n, draft),
-            functools.partial(draft_branches, dc, packed),
-        )
-        num_accepted, next_token = accept_draft(p_logits, draft, q_draft, sampler, num_real)
-        guess = bonus_guess(drafter, draft_hidden, sampler)
-        # the next round's x_n, kept on the device: no copy from the host
-        x_n = next_token.view(1)
-        plan = [covered, candidates, guess]
-        # device tensors in, the same names as host ints and lists out
-        num_accepted, next_token, draft, *plan = read_round(
-            [num_accepted, next_token, draft, *plan], tc, dc
-        )
-        # d_1 .. d_a, t join the output (cut at EOS or the budget, which end the decode)
-        out.commit_round(draft[:num_accepted], next_token)
-        # both caches keep x_0 .. x_n, d_1 .. d_a, n + 1 + a tokens (the table under the box);
-        # t, the new x_n, goes first into the next passes. After a cut at EOS or the budget the
-        # target keeps only the committed tokens but t, fewer, and the decode is over
-        tc.rewind(len(out.tokens) - 1)
-        dc.rewind(n + 1 + num_accepted)
-        segment = select_segment(num_accepted, next_token, num_real, *plan)
-        watch(out, draft, num_real, (num_accepted, next_token), plan, segment)
-        draft_logits = None
-        if segment >= 0 and not out.done:
-            draft_logits, num_real = prepared_draft(drafter, draft_hidden, segment)
-
-
-# >>> worked async trace (python tests/worked_trace.py --write regenerates it)
-# Asynchronous decoding at B = 4, C = 2, F = 1 (cover="first": i = 1, 2), greedy,
-# made by tests/worked_trace.py (a tiny target, a drafter whose logits follow a script).
-# Prompt x_0 .. x_4 = 18 87 71 54 8; the target's prefill says x_5 = 37.
-# The target's greedy x_5 .. x_19 = 37 53 17 48 18 40 49 33 74 3 4 24 53 71 87.
-# The drafter is right at every position except x_7 (runner-up right) and x_10 (both choices wrong).
-#
-# hit: the round's outcome (a + 1, t) was prepared, and that block is the next draft;
-# miss: it was not, and the next round drafts anew. A cache of length 7 holds x_0 .. x_6.
-#
-# First, a rejection branch used: d_2 is rejected and the branch prepared for (i, t) = (2, t)
-# becomes the next draft, with no drafting on the critical path.
-# round 0: n = 5, x_0 .. x_5 committed
-#   draft       d_1 .. d_4 = 53 18 48 18
-#               drafted by a draft pass (x_n and 4 MASKs, its KV dropped again); d_1 from the LM
-#               head at x_n, d_2 .. d_4 from MASK 2 .. 4
-#   target      a = 1 (d_1); t = 17, its correction of d_2
-#   committed   53 17 (= x_6 .. x_7)
-#   passes      verify x_n, d_1 .. d_4: target cache -> 10; packed pass x_n, d_1 .. d_4,
-#               2 x [t, 4 MASKs], [d_4, 4 MASKs]: drafter cache -> 25; then both rewind
-#   prepared    (i, t) = (1, 54)  (2, 17)*  (5, 41)
-#   hit         (2, 17) was prepared; that branch's block is the next draft
-#   target cache  5 -> 7: x_0 .. x_4 -> x_0 .. x_5, d_1
-#   drafter cache 5 -> 7: x_0 .. x_4 -> x_0 .. x_5, d_1
-#
-# Second, a miss: d_3 is rejected, but C = 2 covers only i = 1, 2, so nothing was prepared for (3,
-# t): the next round's draft is a fallback draft pass.
-# round 1: n = 7, x_0 .. x_7 committed
-#   draft       d_1 .. d_4 = 48 18 41 49
-#               drafted by a rejection branch of the previous round's packed pass (its t is x_n);
-#               d_1 from the LM head at x_n, d_2 .. d_4 from MASK 2 .. 4
-#   target      a = 2 (d_1 .. d_2); t = 40, its correction of d_3
-#   committed   48 18 40 (= x_8 .. x_10)
-#   passes      verify x_n, d_1 .. d_4: target cache -> 12; packed pass x_n, d_1 .. d_4,
-#               2 x [t, 4 MASKs], [d_4, 4 MASKs]: drafter cache -> 27; then both rewind
-#   prepared    (i, t) = (1, 49)  (2, 19)  (5, 33)
-#   miss        nothing prepared for (3, 40): the next round drafts anew
-#   target cache  7 -> 10: x_0 .. x_6 -> x_0 .. x_7, d_1 .. d_2
-#   drafter cache 7 -> 10: x_0 .. x_6 -> x_0 .. x_7, d_1 .. d_2
-#
-# Third, a full-acceptance hit: all four tokens are accepted and the full-acceptance block guessed
-# the bonus token t; its other B - 1 rows and a pad are the next draft.
-# round 2: n = 10, x_0 .. x_10 committed
-#   draft       d_1 .. d_4 = 49 33 74 3
-#               drafted by a draft pass (x_n and 4 MASKs, its KV dropped again); d_1 from the LM
-#               head at x_n, d_2 .. d_4 from MASK 2 .. 4
-#   target      a = 4 (d_1 .. d_4, all real tokens); t = 4, its bonus token
-#   committed   49 33 74 3 4 (= x_11 .. x_15)
-#   passes      verify x_n, d_1 .. d_4: target cache -> 15; packed pass x_n, d_1 .. d_4,
-#               2 x [t, 4 MASKs], [d_4, 4 MASKs]: drafter cache -> 30; then both rewind
-#   prepared    (i, t) = (1, 50)  (2, 34)  (5, 4)*
-#   hit         (5, 4) was prepared; the full-acceptance block: its other B - 1 rows and a pad are
-#               the next draft
-#   target cache  10 -> 15: x_0 .. x_9 -> x_0 .. x_10, d_1 .. d_4
-#   drafter cache 10 -> 15: x_0 .. x_9 -> x_0 .. x_10, d_1 .. d_4
-#
-# The padded draft of the full-acceptance hit: three real tokens and a pad that is never accepted;
-# the target's token for the pad's position (predicted at d_3's row) is the bonus. The budget is
-# reached: decoding stops.
-# round 3: n = 15, x_0 .. x_15 committed
-#   draft       d_1 .. d_4 = 24 53 71 pad (d_4 is a pad: never accepted)
-#               drafted by the previous round's full-acceptance block: d_1 .. d_3 from its
-#               MASK 2 .. 4 (its first row guessed x_n, the bonus token)
-#   target      a = 3 (d_1 .. d_3, all real tokens); t = 87, its bonus token
-#   committed   24 53 71 87 (= x_16 .. x_19)
-#   passes      verify x_n, d_1 .. d_4: target cache -> 20; packed pass x_n, d_1 .. d_4,
-#               2 x [t, 4 MASKs], [d_3, 4 MASKs]: drafter cache -> 35; then both rewind
-#   prepared    (i, t) = (1, 25)  (2, 54)  (4, 87)*
-#   hit         (4, 87) was prepared; the decode is over: never used
-#   target cache  15 -> 19: x_0 .. x_14 -> x_0 .. x_15, d_1 .. d_3
-#   drafter cache 15 -> 19: x_0 .. x_14 -> x_0 .. x_15, d_1 .. d_3
-# <<< worked async trace
 
 # --------------------------------------------------------------------------------------------------
 # Progressive layer pruning with recovery distillation (Fig. 1b)

@@ -79,7 +79,7 @@ def evaluate_tau(
 @torch.no_grad()
 def block_accuracy(drafter, examples, held_out: HeldOut) -> list[float]:
     """d3d_loss's block_acc over the held-out answers: per block position i = 1..B, the share
-    of blocks whose d_i, read where decoding reads it, is x_{a+i}. Each position on its own,
+    of blocks whose d_i, read where decoding reads it, is x_{j_k+i}. Each position on its own,
     unlike the acceptance curve. On the anchors evaluate_tau draws (the same seed and
     batches), so block_acc[0] is the share of blocks whose d_1 is accepted."""
     block_size = drafter.d3d_config.block_size
@@ -115,7 +115,7 @@ def measuring(drafter, held_out: HeldOut, **fields):
 
 def labelled_blocks(input_ids, loss_mask, at, block_size: int) -> torch.Tensor:
     """Per block position i = 1..B, how many of the blocks at `at` (anchors, valid) have a
-    label x_{a+i}: inside the sequence and a response token (block_acc's denominator)."""
+    label x_{j_k+i}: inside the sequence and a response token (block_acc's denominator)."""
     anchors, valid = at
     num_causal = input_ids.shape[1]
     steps = torch.arange(1, block_size + 1, device=anchors.device)

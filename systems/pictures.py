@@ -561,7 +561,7 @@ def block_accuracy_figure(block_acc, *, title: str | None = None):
         _bars(ax, x, values, width, s, _math_names(name), [f"{v:.0f}" for v in values])
     ax.set_xticks(positions)
     ax.set_ylim(0, 100)
-    ax.set_xlabel("position i in the block ($d_i$, the guess at $x_{a+i}$)")
+    ax.set_xlabel("position i in the block ($d_i$, the guess at $x_{j_k+i}$)")
     ax.set_ylabel("share of blocks (%)")  # right at i, or right at 1 .. i: the title says which
     if title is None:
         title = f"Block accuracy by position (B = {len(positions)})"
